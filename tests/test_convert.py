@@ -1,0 +1,182 @@
+"""What a conversion writes: tensors against an in-memory reference, shards, config, side files, provenance."""
+
+import json
+
+import pytest
+import torch
+from conftest import build_model, load, logits, sample_ids, save, tree_hashes
+from safetensors import safe_open
+
+import gqaify
+from gqaify.convert.methods import METHODS, MethodContext
+
+
+def read_all(directory):
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+@pytest.fixture
+def mha_llama(tmp_path):
+    """A 4-layer random MHA llama (8 heads, head_dim 8) saved in many small shards."""
+    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=8, num_hidden_layers=4)
+    return model, save(model, tmp_path / "src", max_shard_size="30KB")
+
+
+def test_streaming_equals_in_memory_reference(mha_llama, tmp_path):
+    model, src = mha_llama
+    gqaify.convert(src, tmp_path / "out", kv_heads=2, max_shard_size="50KB", progress=False)
+    out = read_all(tmp_path / "out")
+    reference = model.state_dict()
+    assert set(out) == set(reference) - {"lm_head.weight"}  # tied: saved once, as save_pretrained does
+    for name, expected in reference.items():
+        if name == "lm_head.weight":
+            continue
+        if name.endswith(("k_proj.weight", "v_proj.weight")):  # (8*8, 64) -> (2, 4, 8, 64) -> mean over 4
+            expected = expected.view(2, 4, 8, 64).mean(1).reshape(16, 64)
+        assert torch.equal(out[name], expected), name
+
+
+def test_output_is_sharded_with_an_index(mha_llama, tmp_path):
+    _, src = mha_llama
+    result = gqaify.convert(src, tmp_path / "out", kv_heads=4, max_shard_size="50KB", progress=False)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert result.num_shards == len(shards) > 1
+    assert sorted(set(index["weight_map"].values())) == shards
+    sizes = [sum(t.nbytes for t in read_all_one(tmp_path / "out" / s).values()) for s in shards]
+    assert max(sizes) <= 50_000 or len(read_all_one(tmp_path / "out" / shards[sizes.index(max(sizes))])) == 1
+    assert index["metadata"]["total_size"] == sum(sizes) == result.bytes_written
+
+
+def read_all_one(path):
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def test_config_changes_only_kv_heads_and_side_files_are_carried(mha_llama, tmp_path):
+    _, src = mha_llama
+    (src / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, progress=False)
+    before = json.loads((src / "config.json").read_text())
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert after.pop("num_key_value_heads") == 1
+    before.pop("num_key_value_heads")
+    assert after == before
+    for name in ("generation_config.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
+    assert not list(tmp_path.glob(".out.gqaify-*"))  # no staging folder left behind
+
+
+def test_provenance_and_model_card(mha_llama, tmp_path):
+    _, src = mha_llama
+    gqaify.convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    record = json.loads((tmp_path / "out" / "gqaify.json").read_text())
+    assert record["method"] == "mean" and record["kv_heads"] == 2 and record["version"] == gqaify.__version__
+    assert record["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert record["source"]["kind"] == "local"
+    hashes = tree_hashes(src)
+    assert record["source"]["sha256"] == {n: hashes[n] for n in record["source"]["sha256"]}
+    assert set(record["source"]["sha256"]) == {p.name for p in src.glob("*.safetensors")}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "8 → 2" in card and "`mean`" in card
+
+
+def test_dtype_casts_floating_tensors_and_config(mha_llama, tmp_path):
+    model, src = mha_llama
+    gqaify.convert(src, tmp_path / "out", kv_heads=2, dtype="bfloat16", progress=False)
+    assert {t.dtype for t in read_all(tmp_path / "out").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    # pooling runs in float32, then rounds once: the same as rounding the float32 result
+    pooled = model.state_dict()["model.layers.0.self_attn.k_proj.weight"].view(2, 4, 8, 64).mean(1).reshape(16, 64)
+    assert torch.equal(read_all(tmp_path / "out")["model.layers.0.self_attn.k_proj.weight"], pooled.bfloat16())
+
+
+def save_bin(model, directory):
+    """A two-shard pytorch_model.bin checkpoint, as transformers 4 wrote them (v5 no longer does)."""
+    model.config.save_pretrained(directory)
+    state = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied
+    names = list(state)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        filename = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+        torch.save({n: state[n].clone() for n in part}, directory / filename)
+        weight_map.update(dict.fromkeys(part, filename))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_bin_source_converts_like_safetensors(mha_llama, tmp_path):
+    model, src = mha_llama
+    save_bin(model, tmp_path / "bin")
+    gqaify.convert(tmp_path / "bin", tmp_path / "from-bin", kv_heads=2, progress=False)
+    gqaify.convert(src, tmp_path / "from-st", kv_heads=2, progress=False)
+    a, b = read_all(tmp_path / "from-bin"), read_all(tmp_path / "from-st")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_force_replaces_existing_output(mha_llama, tmp_path):
+    _, src = mha_llama
+    gqaify.convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, force=True, progress=False)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_key_value_heads"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_regrouping_a_gqa_model_to_fewer_heads(tmp_path):
+    model = build_model("qwen2", num_kv_heads=2, num_attention_heads=4)
+    save(model, tmp_path / "src")
+    result = gqaify.convert(tmp_path / "src", tmp_path / "out", kv_heads=1, progress=False)
+    assert (result.source_kv_heads, result.kv_heads, result.groups) == (2, 1, [[0, 1]])
+    assert result.kv_bytes_per_token_before == 2 * result.kv_bytes_per_token_after
+    k = read_all(tmp_path / "out")["model.layers.0.self_attn.k_proj.bias"]
+    torch.testing.assert_close(k, model.state_dict()["model.layers.0.self_attn.k_proj.bias"].view(2, 16).mean(0))
+
+
+def test_first_keeps_the_first_head_of_each_group():
+    heads = {"k.weight": torch.arange(6.0).view(6, 1, 1)}
+    ctx = MethodContext(torch.Generator().manual_seed(0), 0.02)
+    assert METHODS["first"](heads, 2, ctx)["k.weight"].flatten().tolist() == [0.0, 3.0]
+    assert METHODS["mean"](heads, 2, ctx)["k.weight"].flatten().tolist() == [1.0, 4.0]
+
+
+def test_random_reinitialises_projections_reproducibly(mha_llama, tmp_path):
+    model, src = mha_llama
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        gqaify.convert(src, tmp_path / name, kv_heads=2, method="random", seed=seed, progress=False)
+    a, b, c = (read_all(tmp_path / n) for n in "abc")
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(a[k], b[k]) and not torch.equal(a[k], c[k])
+    assert abs(a[k].std().item() - model.config.initializer_range) < 0.005
+    other = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(a[other], model.state_dict()[other])
+    assert json.loads((tmp_path / "a" / "gqaify.json").read_text())["seed"] == 0
+
+
+def test_hub_id_is_fetched_with_snapshot_download(mha_llama, tmp_path, monkeypatch):
+    """The hub is mocked: snapshot_download answers with a local folder named like a hub snapshot."""
+    model, src = mha_llama
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "snapshots" / commit
+    save(model, snapshot, max_shard_size="30KB")
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, tuple(allow_patterns)))
+        return str(snapshot)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    gqaify.convert("someone/tiny-llama", tmp_path / "out", kv_heads=2, revision="main", progress=False)
+    assert calls[0][:2] == ("someone/tiny-llama", "main") and "*.safetensors" in calls[0][2]
+    record = json.loads((tmp_path / "out" / "gqaify.json").read_text())
+    assert record["source"] | {"sha256": None} == {
+        "name": "someone/tiny-llama", "kind": "hub", "path": None, "revision": commit, "sha256": None,
+    }  # fmt: skip
+    assert "base_model: someone/tiny-llama" in (tmp_path / "out" / "README.md").read_text()
+    ids = sample_ids(model.config.vocab_size)
+    assert logits(load(tmp_path / "out"), ids).shape == logits(model, ids).shape

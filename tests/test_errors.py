@@ -1,0 +1,174 @@
+"""Bad input: exit status 2, one line naming the problem and the fix, nothing written, the source untouched."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import build_model, save, tree_hashes
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from gqaify.cli import main
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A GQA-4 llama (8 query heads) in several shards."""
+    directory = tmp_path_factory.mktemp("src") / "model"
+    return save(build_model("llama", num_kv_heads=4, num_attention_heads=8, head_dim=8), directory, "30KB")
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()  # drop what the test itself printed
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_refused(capsys, src, out, *args, expect):
+    before = tree_hashes(src) if src.is_dir() else None
+    code, err = run_cli(capsys, "convert", src, out, *args)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("gqaify"), err
+    assert expect in err, err
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.gqaify-*"))
+    if before is not None:
+        assert tree_hashes(src) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--kv-heads", "3"], "--kv-heads 3 does not divide the 4 K/V heads of this Llama model; choose one of 1, 2, 4"),
+        (["--kv-heads", "8"], "--kv-heads 8 exceeds the 4 K/V heads"),
+        (["--kv-heads", "0"], "--kv-heads 0 must be a whole number of at least 1"),
+        (["--kv-heads", "-2"], "--kv-heads -2 must be a whole number of at least 1"),
+        (["--kv-heads", "two"], "argument --kv-heads: invalid int value: 'two'"),
+        (["--kv-heads", "2", "--method", "median"], "argument --method: invalid choice: 'median'"),
+        (["--kv-heads", "2", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--kv-heads", "2", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
+        (["--kv-heads", "2", "--revision", "main"], "--revision applies to hub ids"),
+    ],
+)
+def test_bad_options(capsys, source, tmp_path, args, expect):
+    assert_refused(capsys, source, tmp_path / "out", *args, expect=expect)
+
+
+def test_several_problems_reported_together(capsys, source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "0", "--max-shard-size", "x")
+    assert code == 2 and err.count("\n") == 1
+    assert "--kv-heads 0" in err and "--max-shard-size" in err and "already exists; pass --force" in err
+    assert not any(out.iterdir())
+
+
+def test_unsupported_architecture_lists_supported_ones(capsys, tmp_path):
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    src = save(GPT2LMHeadModel(config), tmp_path / "gpt2")
+    assert_refused(
+        capsys, src, tmp_path / "out", "--kv-heads", "1",
+        expect="unsupported architecture 'gpt2' (GPT2LMHeadModel); gqaify converts gemma, gemma2, granite, llama,",
+    )  # fmt: skip
+
+
+def test_missing_shard(capsys, source, tmp_path):
+    src = tmp_path / "copy"
+    shutil.copytree(source, src)
+    victim = sorted(src.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "2", expect=f"shard {victim.name} named in")
+
+
+def test_corrupt_shard(capsys, source, tmp_path):
+    src = tmp_path / "copy"
+    shutil.copytree(source, src)
+    victim = sorted(src.glob("model-*.safetensors"))[2]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # truncated download
+    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "2", expect=f"corrupt shard {victim}")
+
+
+def test_weights_that_disagree_with_config(capsys, source, tmp_path):
+    src = tmp_path / "copy"
+    shutil.copytree(source, src)
+    config = (src / "config.json").read_text().replace('"num_key_value_heads": 4', '"num_key_value_heads": 2')
+    (src / "config.json").write_text(config)
+    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "1", expect="but config.json implies 16 rows")
+
+
+def test_source_not_found(capsys, tmp_path):
+    assert_refused(capsys, tmp_path / "nowhere", tmp_path / "out", "--kv-heads", "1", expect="SRC not found")
+    assert_refused(capsys, tmp_path / "m.gguf", tmp_path / "out", "--kv-heads", "1", expect="SRC not found")
+
+
+def test_folder_without_config(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_refused(capsys, tmp_path / "empty", tmp_path / "out", "--kv-heads", "1", expect="has no config.json")
+
+
+def test_unwritable_output(capsys, source, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    code, err = run_cli(capsys, "convert", source, tmp_path / "file" / "out", "--kv-heads", "2")
+    assert code == 2 and err.count("\n") == 1 and "cannot write" in err
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_existing_output_is_refused_without_force(capsys, source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "2")
+    assert code == 2 and "already exists; pass --force" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_output_inside_source_is_refused(capsys, source, tmp_path):
+    src = tmp_path / "copy"
+    shutil.copytree(source, src)
+    assert_refused(capsys, src, src / "converted", "--kv-heads", "2", expect="overlaps the source folder")
+
+
+def test_internal_error_exits_1(capsys, source, tmp_path, monkeypatch):
+    from gqaify.convert import methods
+
+    def broken(heads, num_groups, ctx):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setitem(methods.METHODS, "mean", broken)
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", "--kv-heads", "2")
+    assert code == 1 and "ZeroDivisionError" in err and "internal error" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.gqaify-*"))
+
+
+def test_console_script_success_and_bad_input(source, tmp_path):
+    exe = [sys.executable, "-m", "gqaify"]
+    done = subprocess.run([*exe, "convert", source, tmp_path / "out", "--kv-heads", "1", "-q"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert b"K/V heads       4 -> 1" in done.stdout
+    bad = subprocess.run([*exe, "convert", source, tmp_path / "o2", "--kv-heads", "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "o2").exists()
+
+
+def test_sigkill_mid_conversion_leaves_no_output(tmp_path):
+    """Kill the converter once its first shard is on disk: OUT must not exist, only the hidden staging folder."""
+    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256,
+                        intermediate_size=1024, num_hidden_layers=16, vocab_size=4096)  # fmt: skip
+    src = save(model, tmp_path / "src", max_shard_size="2MB")
+    before = tree_hashes(src)
+    out = tmp_path / "out"
+    code = "import gqaify; gqaify.convert(%r, %r, kv_heads=1, max_shard_size='200KB', progress=False)" % (
+        str(src), str(out),
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.gqaify-*/model-*.safetensors")):
+        assert proc.poll() is None, "conversion ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not out.exists()
+    assert tree_hashes(src) == before
