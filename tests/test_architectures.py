@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import ARCH_CONFIGS, build_model, duplicate_kv_heads, load, logits, sample_ids, save
 
 import gqaify
+from conftest import ARCH_CONFIGS, build_model, duplicate_kv_heads, load, logits, sample_ids, save
 from gqaify.convert import ARCHITECTURES
 
 

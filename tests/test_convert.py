@@ -4,19 +4,20 @@ import json
 
 import pytest
 import torch
-from conftest import build_model, load, logits, sample_ids, save, tree_hashes
 from safetensors import safe_open
 
 import gqaify
+from conftest import build_model, load, logits, sample_ids, save, tree_hashes
 from gqaify.convert.methods import METHODS, MethodContext
 
 
+def read_shard(path):
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+
+
 def read_all(directory):
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    return tensors
+    return {name: t for path in sorted(directory.glob("*.safetensors")) for name, t in read_shard(path).items()}
 
 
 @pytest.fixture
@@ -47,14 +48,9 @@ def test_output_is_sharded_with_an_index(mha_llama, tmp_path):
     shards = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
     assert result.num_shards == len(shards) > 1
     assert sorted(set(index["weight_map"].values())) == shards
-    sizes = [sum(t.nbytes for t in read_all_one(tmp_path / "out" / s).values()) for s in shards]
-    assert max(sizes) <= 50_000 or len(read_all_one(tmp_path / "out" / shards[sizes.index(max(sizes))])) == 1
+    sizes = [sum(t.nbytes for t in read_shard(tmp_path / "out" / s).values()) for s in shards]
+    assert max(sizes) <= 50_000 or len(read_shard(tmp_path / "out" / shards[sizes.index(max(sizes))])) == 1
     assert index["metadata"]["total_size"] == sum(sizes) == result.bytes_written
-
-
-def read_all_one(path):
-    with safe_open(path, framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def test_config_changes_only_kv_heads_and_side_files_are_carried(mha_llama, tmp_path):
@@ -180,3 +176,41 @@ def test_hub_id_is_fetched_with_snapshot_download(mha_llama, tmp_path, monkeypat
     assert "base_model: someone/tiny-llama" in (tmp_path / "out" / "README.md").read_text()
     ids = sample_ids(model.config.vocab_size)
     assert logits(load(tmp_path / "out"), ids).shape == logits(model, ids).shape
+
+
+@pytest.mark.parametrize("refuse", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
+def test_shard_writer_round_trips_every_dtype(tmp_path, monkeypatch, refuse):
+    """Tensors written from memory or copied as bytes read back identically; kernel copies may be refused."""
+    import errno
+    import os
+
+    from safetensors.torch import save_file
+
+    from gqaify.convert.checkpoint import SafetensorsSource, ShardWriter, TensorMeta
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.bf16": torch.randn(5, 3, generator=gen).bfloat16(),
+        "b.scalar": torch.tensor(2.5),
+        "c.empty": torch.zeros(0, 4),
+        "d.int": torch.arange(7, dtype=torch.int64),
+        "e.bool": torch.tensor([True, False, True]),
+        "f.half": torch.randn(33, generator=gen).half(),
+    }
+    save_file(tensors, tmp_path / "src.safetensors")
+    source = {t.name: t for t in SafetensorsSource([tmp_path / "src.safetensors"]).iter_tensors()}
+    for name in refuse:
+        monkeypatch.setattr(os, name, lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "refused")))
+    plan = {n: TensorMeta(tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    (tmp_path / "out").mkdir()
+    with ShardWriter(tmp_path / "out", plan, max_shard_size=64) as writer:
+        for i, name in enumerate(plan):
+            if i % 2:
+                writer.write(name, tensors[name])
+            else:
+                writer.copy(name, source[name].bytes)
+        writer.close()
+    assert writer.num_shards > 1
+    back = read_all(tmp_path / "out")
+    assert back.keys() == tensors.keys()
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in tensors.items())

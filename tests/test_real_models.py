@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-from conftest import MODELS, load, logits, needs_assets, tree_hashes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gqaify
+from conftest import MODELS, load, logits, needs_assets, tree_hashes
 
 
 @needs_assets
@@ -17,7 +17,8 @@ def test_pooling_the_stories260k_twin_back_is_exact(tmp_path):
     before = tree_hashes(twin)
     gqaify.convert(twin, tmp_path / "out", kv_heads=4, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(MODELS / "stories260K")
-    ids = tokenizer("Once upon a time there was a little dog. Lily liked to play in the park.", return_tensors="pt").input_ids
+    text = "Once upon a time there was a little dog. Lily liked to play in the park."
+    ids = tokenizer(text, return_tensors="pt").input_ids
     expected = logits(load(MODELS / "stories260K"), ids)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), expected, rtol=0, atol=1e-5)
     assert tree_hashes(twin) == before
@@ -73,6 +74,7 @@ def test_smollm2_gguf_to_mqa(smollm2_gguf, smollm2, tmp_path):
         cache = converted(ids, use_cache=True).past_key_values
     assert [layer.keys.shape[1] for layer in cache.layers] == [1] * 30
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "mqa")
-    assert tokenizer.chat_template and tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert tokenizer.chat_template
+    assert "hi" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     record = json.loads((tmp_path / "mqa" / "gqaify.json").read_text())
     assert record["source"]["kind"] == "gguf" and set(record["source"]["sha256"]) == {smollm2_gguf.name}

@@ -42,6 +42,13 @@ class ArchSpec:
     qkv_proj: str | None = None
     k_norm: str | None = None
     k_norm_per_head: str | None = None
+    # config.json keys. An absent K/V head count means MHA; an absent head_dim (or None here, for classes
+    # that ignore the key) means hidden_size // num_attention_heads, as the modeling code computes it.
+    num_layers_key: str = "num_hidden_layers"
+    num_heads_key: str = "num_attention_heads"
+    num_kv_heads_key: str = "num_key_value_heads"
+    head_dim_key: str | None = "head_dim"
+    hidden_size_key: str = "hidden_size"
 
     def __post_init__(self) -> None:
         separate = (self.q_proj, self.k_proj, self.v_proj)
@@ -76,7 +83,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("olmo2", k_norm="k_norm"),
         ArchSpec("gemma"),
         ArchSpec("gemma2"),
-        ArchSpec("stablelm", k_norm_per_head=f"k_layernorm.norms.{HEAD}"),
+        ArchSpec("stablelm", k_norm_per_head=f"k_layernorm.norms.{HEAD}", head_dim_key=None),
         ArchSpec("granite"),
     )
 }
@@ -105,12 +112,20 @@ class Geometry:
     hidden_size: int
 
     @classmethod
-    def from_config(cls, config) -> Geometry:
-        """Read from a `transformers.PretrainedConfig` (its class fills in defaults absent from JSON)."""
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_heads, num_kv_heads, head_dim, config.hidden_size)
+    def from_config(cls, spec: ArchSpec, config: dict) -> Geometry:
+        """Read from a config.json dict, through the keys `spec` names.
+
+        Raises:
+            UserError: a required key is missing or not a positive integer.
+        """
+        required = (spec.num_layers_key, spec.num_heads_key, spec.hidden_size_key)
+        bad = [k for k in required if not isinstance(config.get(k), int) or config[k] < 1]
+        if bad:
+            raise UserError(f"config.json lacks a positive integer {bad[0]!r}; check the checkpoint's config.json")
+        num_heads, hidden = config[spec.num_heads_key], config[spec.hidden_size_key]
+        head_dim = (config.get(spec.head_dim_key) if spec.head_dim_key else None) or hidden // num_heads
+        num_kv_heads = config.get(spec.num_kv_heads_key) or num_heads
+        return cls(config[spec.num_layers_key], num_heads, num_kv_heads, head_dim, hidden)
 
     def with_kv_heads(self, num_kv_heads: int) -> Geometry:
         return Geometry(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.hidden_size)

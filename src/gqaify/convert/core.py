@@ -1,10 +1,10 @@
 """Convert a checkpoint's attention from KV to G key/value heads, streaming, into a new folder.
 
-    plan    read every tensor's name, shape and dtype; list the output tensors and their shards
-    stream  read tensors in source order; copy most through; hold a layer's K/V inputs until all have
-            arrived, convert them with the method, and write; save each shard when complete
-    commit  config.json with the new num_key_value_heads, side files, gqaify.json and a model card go
-            into a temporary folder beside OUT, which is renamed to OUT only when everything is there
+plan    read every tensor's name, shape and dtype; list the output tensors and their shards
+stream  read tensors in source order; copy most through; hold a layer's K/V inputs until all have
+        arrived, convert them with the method, and write; save each shard when complete
+commit  config.json with the new num_key_value_heads, side files, gqaify.json and a model card go
+        into a temporary folder beside OUT, which is renamed to OUT only when everything is there
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import convert_file_size_to_int
 from tqdm.auto import tqdm
 
 from gqaify import __version__
@@ -95,21 +96,20 @@ def convert(
     with open_source(src, revision) as source:
         _check_not_overlapping(source, out)
         config = _load_config(source.directory)
-        spec = arch_for(config.model_type, getattr(config, "architectures", None))
-        geometry = Geometry.from_config(config)
-        _check_kv_heads(geometry, kv_heads, type(config).__name__)
+        spec = arch_for(config.get("model_type"), config.get("architectures"))
+        geometry = Geometry.from_config(spec, config)
+        _check_kv_heads(geometry, kv_heads, (config.get("architectures") or [spec.model_type])[0])
         layouts = [LayerLayout(spec, geometry, layer) for layer in range(geometry.num_layers)]
         plan = _plan(source, layouts, kv_heads, DTYPES[dtype])
 
-        with ThreadPoolExecutor(max_workers=1) as pool, _staging(out, force) as staging:
-            # Hash the source files on a second thread while the conversion reads them.
-            hashes = pool.submit(lambda: {f.name: sha256_file(f) for f in source.tensors.files})
-            writer = ShardWriter(staging, plan.tensors, shard_bytes)
-            ctx = MethodContext(torch.Generator().manual_seed(seed), getattr(config, "initializer_range", 0.02))
-            _stream(source, plan, writer, METHODS[method], kv_heads, ctx, progress)
-            writer.close()
+        with _SourceHasher() as hasher, _staging(out, force) as staging:
+            ctx = MethodContext(torch.Generator().manual_seed(seed), config.get("initializer_range", 0.02))
+            with ShardWriter(staging, plan.tensors, shard_bytes) as writer:
+                _stream(source, plan, writer, METHODS[method], kv_heads, ctx, hasher, progress)
+                writer.close()
             _write_side_files(source, staging, kv_heads, dtype)
-            record = _provenance(source, spec, geometry, kv_heads, method, dtype, seed, hashes.result())
+            hashes = hasher.results(source.tensors.files)
+            record = _provenance(source, spec, geometry, kv_heads, method, dtype, seed, hashes)
             (staging / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
             (staging / "README.md").write_text(_model_card(record))
 
@@ -152,12 +152,8 @@ def _check_options(out: Path, kv_heads: int, method: str, dtype: str, max_shard_
     if dtype not in DTYPES:
         problems.append(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     shard_bytes = 0
-    try:
-        from transformers.utils.hub import convert_file_size_to_int
-
+    with contextlib.suppress(ValueError):
         shard_bytes = convert_file_size_to_int(max_shard_size)
-    except ValueError:
-        pass
     if shard_bytes <= 0:
         problems.append(f"--max-shard-size {max_shard_size!r} is not a size; write it like 5GB, 500MB or 2GiB")
     if out.exists() and not force:
@@ -177,9 +173,9 @@ def _check_not_overlapping(source: Source, out: Path) -> None:
         raise UserError(f"OUT {out} overlaps the source folder {src}; write the conversion somewhere else")
 
 
-def _check_kv_heads(g: Geometry, kv_heads: int, config_name: str) -> None:
+def _check_kv_heads(g: Geometry, kv_heads: int, model_name: str) -> None:
     divisors = [n for n in range(1, g.num_kv_heads + 1) if g.num_kv_heads % n == 0]
-    model = f"the {g.num_kv_heads} K/V heads of this {config_name.removesuffix('Config')} model"
+    model = f"the {g.num_kv_heads} K/V heads of {model_name}"
     if kv_heads > g.num_kv_heads:
         raise UserError(
             f"--kv-heads {kv_heads} exceeds {model}; gqaify only removes heads: "
@@ -191,13 +187,14 @@ def _check_kv_heads(g: Geometry, kv_heads: int, config_name: str) -> None:
         raise UserError(f"config.json has {g.num_heads} query heads, not a multiple of its {g.num_kv_heads} K/V heads")
 
 
-def _load_config(directory: Path):
-    from transformers import AutoConfig
-
+def _load_config(directory: Path) -> dict:
     try:
-        return AutoConfig.from_pretrained(directory)
-    except (ValueError, OSError, KeyError) as exc:
+        config = json.loads((directory / "config.json").read_text())
+    except (ValueError, OSError) as exc:
         raise UserError(f"cannot read {directory / 'config.json'} ({exc}); check the file") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"{directory / 'config.json'} is not a JSON object; check the file")
+    return config
 
 
 # -- plan and stream ----------------------------------------------------------------------------------------
@@ -238,30 +235,61 @@ def _plan(source: Source, layouts: list[LayerLayout], kv_heads: int, cast: torch
     return _Plan(tensors, layouts, layer_of, layer_inputs, layer_outputs, cast)
 
 
-def _stream(source, plan: _Plan, writer: ShardWriter, method, kv_heads: int, ctx: MethodContext, progress: bool):
+def _stream(source, plan: _Plan, writer: ShardWriter, method, kv_heads: int, ctx, hasher, progress: bool):
+    """Write every planned tensor: copied through as bytes where it can be, converted layer by layer."""
     pending_layers: dict[int, dict[str, torch.Tensor]] = {}
     total = sum(meta.nbytes for meta in plan.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress or None) as bar:
-
-        def write(name: str, tensor: torch.Tensor) -> None:
-            writer.add(name, tensor.to(plan.tensors[name].dtype))
-            bar.update(plan.tensors[name].nbytes)
-
-        for name, tensor in source.tensors.iter_tensors():
-            layer = plan.layer_of.get(name)
+        for item in source.tensors.iter_tensors():
+            hasher.reading(item.file)
+            layer = plan.layer_of.get(item.name)
             if layer is None:
-                write(name, tensor)
+                if item.bytes is not None and plan.tensors[item.name].dtype == item.meta.dtype:
+                    writer.copy(item.name, item.bytes)
+                else:
+                    writer.write(item.name, item.load().to(plan.tensors[item.name].dtype))
+                bar.update(plan.tensors[item.name].nbytes)
                 continue
             pending = pending_layers.setdefault(layer, {})
-            pending[name] = tensor
+            pending[item.name] = item.load()
             if len(pending) < len(plan.layer_inputs[layer]):
                 continue
             layout = plan.layouts[layer]
-            heads, carry = layout.split(pending)
+            heads, carry = layout.split(pending_layers.pop(layer))
             converted = layout.join(method(heads, kv_heads, ctx), carry, kv_heads)
-            for out_name in plan.layer_outputs[layer]:
-                write(out_name, converted[out_name].clone())
-            del pending_layers[layer]
+            for name in plan.layer_outputs[layer]:
+                writer.write(name, converted[name].to(plan.tensors[name].dtype))
+                bar.update(plan.tensors[name].nbytes)
+
+
+class _SourceHasher:
+    """SHA-256 of the source files on a second thread, each file from the moment the stream starts reading it.
+
+    The hash and the stream then read the same file front to back at about the same pace: whichever is ahead
+    brings pages into the page cache and the other finds them there, so the disk is read once.
+    """
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gqaify-hash")
+        self._jobs: dict[Path, Future] = {}
+
+    def reading(self, path: Path | None) -> None:
+        self._submit(path)
+
+    def _submit(self, path: Path | None) -> None:
+        if path is not None and path not in self._jobs:
+            self._jobs[path] = self._pool.submit(sha256_file, path)
+
+    def results(self, files: list[Path]) -> dict[str, str]:
+        for path in files:
+            self._submit(path)
+        return {path.name: self._jobs[path].result() for path in files}
+
+    def __enter__(self) -> _SourceHasher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 # -- output folder ------------------------------------------------------------------------------------------
@@ -362,14 +390,14 @@ def _model_card(record: dict) -> str:
 {base}library_name: transformers
 tags: [gqaify, {kind.lower()}]
 ---
-# {Path(src['name']).name} → {kind}
+# {Path(src["name"]).name} → {kind}
 
-Converted by [gqaify](https://pypi.org/project/gqaify/) {record['version']} from `{src['name']}`
-({src['kind']}{', revision ' + src['revision'] if src['revision'] else ''}).
+Converted by [gqaify](https://pypi.org/project/gqaify/) {record["version"]} from `{src["name"]}`
+({src["kind"]}{", revision " + src["revision"] if src["revision"] else ""}).
 
-- Attention: {g['num_heads']} query heads; K/V heads {g['num_kv_heads']} → {record['kv_heads']} \
-(KV cache {g['num_kv_heads'] // record['kv_heads']}× smaller).
-- Method: `{record['method']}`; query head i reads K/V head i // {g['num_heads'] // record['kv_heads']} \
+- Attention: {g["num_heads"]} query heads; K/V heads {g["num_kv_heads"]} → {record["kv_heads"]} \
+(KV cache {g["num_kv_heads"] // record["kv_heads"]}× smaller).
+- Method: `{record["method"]}`; query head i reads K/V head i // {g["num_heads"] // record["kv_heads"]} \
 (contiguous groups, as transformers' `repeat_kv`).
 - Everything else is copied from the source unchanged; `gqaify.json` records the groups and source hashes.
 
