@@ -8,7 +8,8 @@ prints the time ratio (target <= 1.2) and the converter's peak RSS against the l
     python benchmarks/convert_speed.py --shape 7b       # Llama-2-7B dims, 13.5 GB (needs ~45 GB of disk)
 
 The page cache is dropped before each timed step when the machine allows it (root, /proc/sys/vm/drop_caches),
-so both read the source cold; otherwise both read it warm, and the output says which.
+so both read the source cold; otherwise both read it warm, and the output says which. With --repeat N the
+two alternate which goes first (the second inherits the disk's write backlog) and medians are reported.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--source-shard-size", type=float, default=1.0, help="GB per source shard (default 1)")
     parser.add_argument("--max-shard-size", default="2GB", help="output shard cap (default 2GB)")
     parser.add_argument("--workdir", type=Path, help="where to build (default: a temp folder, removed after)")
+    parser.add_argument("--repeat", type=int, default=1, help="copy/convert pairs to run; medians reported")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gqaify-bench-", dir="."))
@@ -111,26 +113,34 @@ def main() -> None:
         if not src.exists():
             print(f"building a {args.shape}-shaped fp16 checkpoint in {src} ...", flush=True)
             build_checkpoint(src, args.shape, int(args.source_shard_size * 1e9))
-        for path in (copy, out):
-            shutil.rmtree(path, ignore_errors=True)
         shards = sorted(src.glob("*.safetensors"))
         total = sum(p.stat().st_size for p in shards)
         largest = max(p.stat().st_size for p in shards)
-
-        cold = drop_caches()
-        t0 = time.perf_counter()
-        shutil.copytree(src, copy)
-        os.sync()
-        t_copy = time.perf_counter() - t0
-
-        drop_caches()
         cmd = [sys.executable, "-c", CONVERT, "convert", str(src), str(out), "--kv-heads", str(args.kv_heads),
                "--max-shard-size", args.max_shard_size, "-q"]  # fmt: skip
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        os.sync()
-        t_convert = time.perf_counter() - t0
-        peak_rss = int(done.stdout.split()[-1]) * 1024
+        copies, converts, peaks = [], [], []
+
+        def run_copy() -> None:
+            t0 = time.perf_counter()
+            shutil.copytree(src, copy)
+            os.sync()
+            copies.append(time.perf_counter() - t0)
+
+        def run_convert() -> None:
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            os.sync()
+            converts.append(time.perf_counter() - t0)
+            peaks.append(int(done.stdout.split()[-1]) * 1024)
+
+        # The step that runs second inherits the disk's backlog from the first one's writes: alternate.
+        for i in range(args.repeat):
+            for step in (run_copy, run_convert) if i % 2 == 0 else (run_convert, run_copy):
+                for path in (copy, out):
+                    shutil.rmtree(path, ignore_errors=True)
+                cold = drop_caches()
+                step()
+        t_copy, t_convert, peak_rss = statistics.median(copies), statistics.median(converts), max(peaks)
         baseline = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True)
         import_rss = int(baseline.stdout.split()[-1]) * 1024
 
@@ -140,8 +150,11 @@ def main() -> None:
             "source_shards": len(shards),
             "largest_shard_gb": round(largest / 1e9, 2),
             "cache": "cold (dropped before each step)" if cold else "warm (could not drop the page cache)",
+            "repeats": args.repeat,
             "copytree_s": round(t_copy, 2),
             "convert_s": round(t_convert, 2),
+            "copytree_runs_s": [round(t, 2) for t in copies],
+            "convert_runs_s": [round(t, 2) for t in converts],
             "time_ratio": round(t_convert / t_copy, 3),
             "peak_rss_gb": round(peak_rss / 1e9, 2),
             "rss_over_largest_shard": round(peak_rss / largest, 3),

@@ -6,6 +6,8 @@ import torch
 import gqaify
 from conftest import ARCH_CONFIGS, build_model, duplicate_kv_heads, load, logits, sample_ids, save
 from gqaify.convert import ARCHITECTURES
+from gqaify.convert.archs import Geometry, arch_for
+from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 
 
 def test_every_architecture_has_a_test_case():
@@ -49,3 +51,20 @@ def test_mqa_output_loads_and_caches_one_head(model_type, tmp_path):
     assert len(cache.layers) == model.config.num_hidden_layers
     for layer in cache.layers:
         assert layer.keys.shape[1] == 1 and layer.values.shape[1] == 1
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_measured_cache_bytes_equal_the_analytic_count(kv_heads, tmp_path):
+    """MHA (4), GQA-2 and MQA from the same MHA parent: the real cache shrinks exactly as counted."""
+    mha = build_model("llama", num_kv_heads=4)
+    save(mha, tmp_path / "mha")
+    gqaify.convert(tmp_path / "mha", tmp_path / "out", kv_heads=kv_heads, progress=False)
+    model = load(tmp_path / "out")
+    tokens = 20
+    with torch.inference_mode():
+        cache = model(sample_ids(model.config.vocab_size, length=tokens, batch=1), use_cache=True).past_key_values
+    geometry = Geometry.from_config(arch_for("llama"), model.config.to_dict())
+    assert geometry.num_kv_heads == kv_heads
+    per_token = kv_cache_bytes_per_token(geometry, torch.float32)
+    assert per_token == 2 * 2 * kv_heads * 16 * 4
+    assert measured_kv_cache_bytes(cache) == tokens * per_token

@@ -214,3 +214,23 @@ def test_shard_writer_round_trips_every_dtype(tmp_path, monkeypatch, refuse):
     back = read_all(tmp_path / "out")
     assert back.keys() == tensors.keys()
     assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in tensors.items())
+
+
+def test_force_restores_the_old_output_if_the_swap_fails(mha_llama, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    _, src = mha_llama
+    gqaify.convert(src, tmp_path / "out", kv_heads=2, progress=False)
+    before = tree_hashes(tmp_path / "out")
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if self.name.startswith(".out.gqaify-") and Path(target) == tmp_path / "out":
+            raise OSError("disk full")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="disk full"):
+        gqaify.convert(src, tmp_path / "out", kv_heads=1, force=True, progress=False)
+    assert tree_hashes(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]

@@ -109,7 +109,7 @@ def format_summary(result) -> str:
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
     return "\n".join(
         [
-            f"converted {result.model_type} to {kind} with --method {result.method} in {result.seconds:.1f} s",
+            f"converted {result.model_type} to {kind} with --method {result.method} in {result.seconds:.2f} s",
             f"  K/V heads       {result.source_kv_heads} -> {result.kv_heads} "
             f"({result.num_heads} query heads; groups {_groups(result.groups)})",
             f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",

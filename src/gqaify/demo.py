@@ -58,6 +58,7 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
 
     from gqaify.cli import format_summary
     from gqaify.convert import convert
+    from gqaify.kvcache import measured_kv_cache_bytes
 
     source = model or str(fetch_default_model())
     out = Path(workdir) / "smollm2-135m-mqa"
@@ -70,10 +71,11 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     ids = tokenizer("Grouped-query attention shares each key/value head", return_tensors="pt").input_ids
     with torch.inference_mode():
         cache = loaded(ids, use_cache=True).past_key_values
-    keys = cache.layers[0].keys
+    tokens = ids.shape[1]
     print(
         f"reloaded with AutoModelForCausalLM: {type(loaded).__name__}, "
-        f"num_key_value_heads={loaded.config.num_key_value_heads}; "
-        f"KV cache after a {ids.shape[1]}-token prefill holds {keys.shape[1]} head(s) per layer"
+        f"num_key_value_heads={loaded.config.num_key_value_heads}; after a {tokens}-token prefill its KV cache "
+        f"holds {cache.layers[0].keys.shape[1]} head(s) per layer, "
+        f"{measured_kv_cache_bytes(cache) // tokens:,} bytes per token (measured)"
     )
     print("next: uptrain and evaluate it (gqaify uptrain / gqaify eval, in later releases)")

@@ -17,3 +17,8 @@ from gqaify.convert.archs import Geometry
 def kv_cache_bytes_per_token(geometry: Geometry, dtype: torch.dtype) -> int:
     """Bytes of K/V cache one token occupies with full attention in every layer."""
     return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * dtype.itemsize
+
+
+def measured_kv_cache_bytes(cache) -> int:
+    """Bytes held by the key and value tensors of a transformers cache object (e.g. after a prefill)."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

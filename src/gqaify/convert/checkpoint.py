@@ -127,14 +127,16 @@ class SafetensorsSource:
         return {name: meta for name, meta, _ in self._tensors}
 
     def iter_tensors(self) -> Iterator[SourceTensor]:
-        with contextlib.ExitStack() as stack:
-            handles: dict[Path, object] = {}
-            for name, meta, where in self._tensors:
-                if where.path not in handles:
-                    stack.close()  # one file open at a time
-                    handles = {where.path: stack.enter_context(safe_open(where.path, framework="pt"))}
-                load = functools.partial(handles[where.path].get_tensor, name)
-                yield SourceTensor(name, meta, load, where.path, where)
+        for name, meta, where in self._tensors:
+            load = functools.partial(_load_safetensor, where.path, name)
+            yield SourceTensor(name, meta, load, where.path, where)
+
+
+def _load_safetensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor in memory of its own: `safe_open` maps the whole file, and pages read through the mapping
+    stay resident until it closes, so the tensor is copied out and the file closed at once."""
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(name).clone()
 
 
 class TorchBinSource:
@@ -170,16 +172,17 @@ class TorchBinSource:
 
 
 class StateDictSource:
-    """Tensors already in memory (a dequantized GGUF). Tensors sharing storage (tied weights) are kept once."""
+    """Tensors already in memory (a dequantized GGUF). A tensor that is the same view as an earlier one (tied
+    weights: lm_head.weight is embed_tokens.weight) is kept once, under its first name, as save_pretrained does."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor], files: list[Path]):
         self.files = files
-        seen: set[int] = set()
+        seen: set[tuple] = set()
         self._tensors: dict[str, torch.Tensor] = {}
         for name, t in state_dict.items():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
+            view = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if view not in seen:
+                seen.add(view)
                 self._tensors[name] = t
 
     def metadata(self) -> dict[str, TensorMeta]:
@@ -187,7 +190,7 @@ class StateDictSource:
 
     def iter_tensors(self) -> Iterator[SourceTensor]:
         for name, t in self._tensors.items():
-            yield SourceTensor(name, TensorMeta(tuple(t.shape), t.dtype), functools.partial(lambda t: t, t))
+            yield SourceTensor(name, TensorMeta(tuple(t.shape), t.dtype), functools.partial(torch.Tensor.detach, t))
 
 
 def open_checkpoint(directory: Path) -> TensorSource:
@@ -372,12 +375,13 @@ def _read_write(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
     return os.write(dst_fd, os.pread(src_fd, min(count, 1 << 24), offset))
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    """Hex SHA-256 of a file, read in 16 MiB chunks (hashlib releases the GIL, so threads overlap I/O)."""
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read into one reused 1 MiB buffer (hashlib releases the GIL while hashing)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+    buffer = memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(buffer[:n])
     return digest.hexdigest()
 
 

@@ -1,8 +1,8 @@
 """Convert a checkpoint's attention from KV to G key/value heads, streaming, into a new folder.
 
-plan    read every tensor's name, shape and dtype; list the output tensors and their shards
-stream  read tensors in source order; copy most through; hold a layer's K/V inputs until all have
-        arrived, convert them with the method, and write; save each shard when complete
+plan    read every tensor's name, shape and dtype; list the output tensors, their shards and headers
+stream  take tensors in source order: copy unchanged ones through as bytes; hold a layer's K/V inputs
+        until all have arrived, convert them with the method, and write them
 commit  config.json with the new num_key_value_heads, side files, gqaify.json and a model card go
         into a temporary folder beside OUT, which is renamed to OUT only when everything is there
 """
@@ -207,7 +207,6 @@ class _Plan:
     layer_of: dict[str, int]  # input tensor name -> the layer whose K/V it holds
     layer_inputs: list[list[str]]
     layer_outputs: list[list[str]]
-    cast: torch.dtype | None
 
 
 def _plan(source: Source, layouts: list[LayerLayout], kv_heads: int, cast: torch.dtype | None) -> _Plan:
@@ -232,7 +231,7 @@ def _plan(source: Source, layouts: list[LayerLayout], kv_heads: int, cast: torch
             for out_name in layer_outputs[layer]:
                 shape = layout.output_shape(out_name, metas[out_name].shape, kv_heads)
                 tensors[out_name] = out_meta(metas[out_name], shape)
-    return _Plan(tensors, layouts, layer_of, layer_inputs, layer_outputs, cast)
+    return _Plan(tensors, layouts, layer_of, layer_inputs, layer_outputs)
 
 
 def _stream(source, plan: _Plan, writer: ShardWriter, method, kv_heads: int, ctx, hasher, progress: bool):
@@ -315,17 +314,27 @@ def _staging(out: Path, force: bool):
     try:
         yield staging
         _apply_umask(staging)
-        old = None
-        if out.exists() and force:
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-", dir=out.parent))
-            out.rename(old / out.name)
-        staging.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
+        _swap_into_place(staging, out, force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_created(created)
         raise
+
+
+def _swap_into_place(staging: Path, out: Path, force: bool) -> None:
+    """Rename `staging` to `out`; with `force`, the old `out` is set aside and restored if the rename fails."""
+    if not (force and out.exists()):
+        staging.rename(out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-", dir=out.parent))
+    out.rename(aside / out.name)
+    try:
+        staging.rename(out)
+    except BaseException:
+        (aside / out.name).rename(out)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside)
 
 
 def _apply_umask(folder: Path) -> None:

@@ -50,6 +50,12 @@ class LayerLayout:
         if spec.k_norm_per_head:
             modules.append(_Module("k_norm", spec.module(layer, spec.k_norm_per_head), per_head=True))
         self._modules = modules
+        self._module_of = {  # every tensor name this layer may have -> its module
+            name: module
+            for module in modules
+            for suffix in SUFFIXES
+            for name in self._names(module, suffix, geometry.num_kv_heads)
+        }
 
     # -- names and shapes ---------------------------------------------------------------------------------
 
@@ -94,7 +100,7 @@ class LayerLayout:
         Raises:
             UserError: the input's shape disagrees with the geometry in config.json.
         """
-        module = self._module_of(name)
+        module = self._module_of[name]
         if module.per_head:
             expected_in, out = (self.geometry.head_dim,), shape
         else:
@@ -112,13 +118,6 @@ class LayerLayout:
         fused_q = g.num_heads * g.head_dim if module.part == "qkv" else 0
         kv_parts = 2 if module.part == "qkv" else 1  # fused rows hold K heads and V heads
         return fused_q + kv_parts * num_kv_heads * g.head_dim
-
-    def _module_of(self, name: str) -> _Module:
-        for module in self._modules:
-            prefix = module.path.split(HEAD)[0]
-            if name.startswith(prefix):
-                return module
-        raise KeyError(name)
 
     # -- tensors ------------------------------------------------------------------------------------------
 

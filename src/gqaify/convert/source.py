@@ -85,7 +85,10 @@ def _download(repo_id: str, revision: str | None) -> Source:
                 "check the name (private repos need hf auth login)"
             ) from exc
         except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
-            raise UserError(f"could not download {repo_id} from the hub ({exc}); check the network") from exc
+            raise UserError(
+                f"SRC {repo_id} is not a local path, and fetching it from the Hugging Face hub failed "
+                f"({type(exc).__name__}); check the path, or the network for a hub id"
+            ) from exc
 
     LOG.info("downloading %s from the Hugging Face hub", repo_id)
     directory = fetch(["*.safetensors"])
