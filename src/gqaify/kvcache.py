@@ -1,24 +1,81 @@
 """The size of the KV cache: the one place gqaify counts it.
 
-Each generated or prefilled token stores one key and one value vector per K/V head in every layer:
+Each token a layer caches costs one key and one value vector per K/V head:
 
-    bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    bytes = sum over layers of  2 (K and V) x kv_heads x head_dim x bytes per element x tokens cached
 
-so a model with G K/V heads caches H/G times less than its MHA parent with H heads.
+A full-attention layer caches every token; a sliding-window layer keeps only the last `window - 1` (what
+transformers' `DynamicSlidingWindowLayer` stores). With full attention everywhere, a model with G K/V heads
+caches H/G times less than its MHA parent with H heads.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from gqaify.convert.archs import Geometry
 
 
+def kv_cache_bytes(geometry: Geometry, dtype: torch.dtype, tokens: int, windows: Sequence[int | None] = ()) -> int:
+    """Bytes of K/V cache for a sequence of `tokens` tokens (batch 1).
+
+    Args:
+        windows: per layer, the sliding window, or None for full attention; empty means all full.
+    """
+    per_token = 2 * geometry.num_kv_heads * geometry.head_dim * dtype.itemsize
+    windows = windows or [None] * geometry.num_layers
+    return sum(per_token * (tokens if w is None else min(tokens, w - 1)) for w in windows)
+
+
 def kv_cache_bytes_per_token(geometry: Geometry, dtype: torch.dtype) -> int:
-    """Bytes of K/V cache one token occupies with full attention in every layer."""
-    return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * dtype.itemsize
+    """Bytes one more token adds to the cache of a full-attention model (the growth rate past any window)."""
+    return kv_cache_bytes(geometry, dtype, tokens=1)
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per layer, the sliding window of a transformers config, or None for full attention.
+
+    Uses transformers' own reading of the config (`get_layer_types_and_kwargs`, what `DynamicCache` uses), so
+    the count agrees with the cache the model really builds.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config)
+    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, kwargs, strict=True)]
 
 
 def measured_kv_cache_bytes(cache) -> int:
     """Bytes held by the key and value tensors of a transformers cache object (e.g. after a prefill)."""
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What fits in a memory budget beside the weights (K/V cache and weights only; activations not counted)."""
+
+    budget_bytes: int
+    weights_bytes: int
+    max_context: int | None  # longest sequence at batch 1; None: the cache is bounded (every layer slides)
+    max_batch: int  # most sequences of `context` tokens
+    context: int
+
+
+def capacity(geometry, dtype, windows, weights_bytes: int, budget_bytes: int, context: int) -> Capacity:
+    free = budget_bytes - weights_bytes
+    if free <= 0:
+        return Capacity(budget_bytes, weights_bytes, 0, 0, context)
+    per_sequence = kv_cache_bytes(geometry, dtype, context, windows)
+    max_batch = free // per_sequence if per_sequence else 0
+    # kv_cache_bytes grows with tokens (piecewise linear with windows): bisect the longest context that fits
+    low, high = 0, 1
+    while kv_cache_bytes(geometry, dtype, high, windows) <= free:
+        if high >= 1 << 40:
+            return Capacity(budget_bytes, weights_bytes, None, max_batch, context)
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if kv_cache_bytes(geometry, dtype, mid, windows) <= free else (low, mid)
+    return Capacity(budget_bytes, weights_bytes, low, max_batch, context)

@@ -1,1 +1,5 @@
-"""Perplexity beside the parent, KV-cache savings and decode speed (not built yet: see the eval issue)."""
+"""Perplexity beside the parent, KV-cache savings (analytic and measured), decode speed, diagnostics."""
+
+from gqaify.eval.core import EvalSettings, ModelReport, Report, evaluate
+
+__all__ = ["EvalSettings", "ModelReport", "Report", "evaluate"]

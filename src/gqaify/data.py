@@ -1,0 +1,75 @@
+"""Text data through `datasets`: the one loader for evaluation (and, later, calibration and uptraining).
+
+DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
+written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Plain text files give one row per
+line, as the hub's WikiText does; rows are joined with blank lines ("\\n\\n"), the usual perplexity setup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gqaify.errors import UserError
+
+# file suffix -> the `datasets` builder that reads it
+_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class TextData:
+    source: str
+    split: str
+    text_column: str
+    text: str  # every row joined with "\n\n"
+    rows: int
+
+
+def load_text(data: str, split: str = "test", text_column: str = "text") -> TextData:
+    """Load `data` and join its `text_column` into one string.
+
+    Raises:
+        UserError: the data is missing, has no such column or split, or holds no text.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(data).expanduser()
+    try:
+        if path.exists():
+            builder, files = _local_files(path)
+            # A local file is one split, whatever it is called: name it as asked so that `split` holds.
+            options = {"sample_by": "document"} if builder == "text" else {}
+            files_by_split = {split: [str(f) for f in files]}
+            dataset = datasets.load_dataset(builder, data_files=files_by_split, split=split, **options)
+        elif path.suffix in _BUILDERS or data.startswith((".", "/", "~")):
+            raise UserError(f"--data {data}: no such file or folder; check the path")
+        else:
+            name, _, config = data.partition(":")
+            dataset = datasets.load_dataset(name, config or None, split=split)
+    except UserError:
+        raise
+    except ValueError as exc:  # unknown split, bad config name
+        raise UserError(f"--data {data}: {exc}; check --split and the config name") from exc
+    except (FileNotFoundError, ConnectionError, OSError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+        raise UserError(f"--data {data} could not be loaded ({problem}); check the name or path") from exc
+    if text_column not in dataset.column_names:
+        raise UserError(
+            f"--data {data} has no column {text_column!r}; pass --text-column with one of {dataset.column_names}"
+        )
+    rows = [row for row in dataset[text_column] if isinstance(row, str)]
+    text = "\n\n".join(rows)
+    if not text.strip():
+        raise UserError(f"--data {data} ({split}, column {text_column!r}) holds no text; check the file or split")
+    return TextData(data, split, text_column, text, len(rows))
+
+
+def _local_files(path: Path) -> tuple[str, list[Path]]:
+    files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise UserError(f"--data {path} holds no {', '.join(sorted(_BUILDERS))} files; point it at text data")
+    builders = {_BUILDERS.get(f.suffix) for f in files}
+    if None in builders or len(builders) > 1:
+        raise UserError(f"--data {path}: use files of one kind, one of {', '.join(sorted(_BUILDERS))}")
+    return builders.pop(), files

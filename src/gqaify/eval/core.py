@@ -1,0 +1,294 @@
+"""`gqaify eval`: every model beside the first (the parent) on the same text, windows and device.
+
+For each model: perplexity (token, word, bits per byte), the KV cache (analytic, measured after a prefill,
+ratio to the parent, what fits in a memory budget), prefill and decode speed, and, against the parent,
+per-layer diagnostics. Everything is checked before the first model runs; the report is written at the end,
+so bad input or a failure leaves no partial report.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gqaify.convert.archs import ARCHITECTURES, ArchSpec, Geometry
+from gqaify.data import TextData, load_text
+from gqaify.errors import UserError, raise_if_problems
+from gqaify.eval.diagnostics import compare
+from gqaify.eval.perplexity import perplexity
+from gqaify.eval.speed import decode_speed
+from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
+
+LOG = logging.getLogger(__name__)
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    split: str = "test"
+    text_column: str = "text"
+    seq_len: int = 2048
+    stride: int | None = None  # None: seq_len (non-overlapping windows)
+    max_tokens: int | None = None
+    batch_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    memory_budget: str = "80GB"
+    decode_context: int = 512
+    decode_tokens: int = 32
+    decode_batch: int = 8
+    repeats: int = 3
+    diag_tokens: int = 512
+    speed: bool = True
+    progress: bool = True
+
+
+@dataclass
+class ModelReport:
+    model: str
+    model_type: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    dtype: str
+    parameters: int
+    tokenizer: str  # fingerprint: models with equal fingerprints saw identical token ids
+    tokens_scored: int
+    nll: float
+    perplexity: float
+    word_perplexity: float
+    bits_per_byte: float
+    delta_perplexity: float | None
+    kv_cache_bytes_per_token: float
+    kv_cache_bytes_analytic: int
+    kv_cache_bytes_measured: int
+    kv_cache_tokens: int
+    kv_ratio_to_parent: float
+    weights_bytes: int
+    max_context_at_budget: int | None
+    max_batch_at_seq_len: int
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    decode_tokens_per_s_batched: float | None = None
+    diagnostics: dict | None = None
+
+
+@dataclass
+class Report:
+    data: dict
+    settings: dict
+    models: list[ModelReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"data": self.data, "settings": self.settings, "models": [asdict(m) for m in self.models],
+                "notes": self.notes}  # fmt: skip
+
+
+def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: EvalSettings | None = None) -> Report:
+    """Evaluate `models` (the first is the parent) on `data` and write the report to `out`.
+
+    Raises:
+        UserError: bad input; nothing is written.
+    """
+    from gqaify.eval.report import write_report
+
+    s = settings or EvalSettings()
+    stride = s.seq_len if s.stride is None else s.stride
+    device = _device(s.device)
+    configs = _check(models, s, stride, Path(out))
+    text = load_text(data, s.split, s.text_column)
+    report = Report(
+        data={
+            "source": data,
+            "split": s.split,
+            "text_column": s.text_column,
+            "rows": text.rows,
+            "characters": len(text.text),
+        },  # fmt: skip
+        settings={**asdict(s), "stride": stride, "device": str(device)},
+    )
+    tokenized: dict[str, tuple[torch.Tensor, int, int]] = {}  # fingerprint -> (ids, words, bytes)
+    parent = None
+    for i, name in enumerate(models):
+        model, tokenizer = _load(name, s.dtype, device)
+        fingerprint = _fingerprint(tokenizer)
+        if fingerprint not in tokenized:
+            tokenized[fingerprint] = _tokenize(tokenizer, text, s.max_tokens, s.seq_len, name)
+        ids, words, nbytes = tokenized[fingerprint]
+        LOG.info("evaluating %s on %d tokens", name, len(ids))
+        entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride)
+        if parent is None:
+            parent, parent_entry, parent_ids = model, entry, ids
+        else:
+            entry.delta_perplexity = entry.perplexity - parent_entry.perplexity
+            entry.kv_ratio_to_parent = parent_entry.kv_cache_bytes_analytic / entry.kv_cache_bytes_analytic
+            if fingerprint == parent_entry.tokenizer:
+                found = compare(parent, model, parent_ids[: min(s.diag_tokens, s.seq_len)])
+                entry.diagnostics = asdict(found) if found else None
+            del model
+            gc.collect()
+        report.models.append(entry)
+    if len(tokenized) > 1:
+        report.notes.append(
+            "the models have different tokenizers: token perplexities are not comparable; "
+            "compare word perplexity and bits per byte"
+        )
+    write_report(report, Path(out))
+    return report
+
+
+def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalSettings, stride) -> ModelReport:
+    ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=Path(name).name[:24])
+    spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
+    geometry = Geometry.from_config(spec, config.to_dict())
+    dtype = model.dtype
+    windows = sliding_windows(config)
+    kv_tokens = min(s.seq_len, len(ids))
+    analytic = kv_cache_bytes(geometry, dtype, kv_tokens, windows)
+    with torch.inference_mode():
+        cache = model(ids[:kv_tokens].unsqueeze(0).to(model.device), use_cache=True, logits_to_keep=1)
+        measured = measured_kv_cache_bytes(cache.past_key_values)
+        del cache
+    weights = model.get_memory_footprint()
+    from accelerate.utils import convert_file_size_to_int
+
+    fits = capacity(geometry, dtype, windows, weights, convert_file_size_to_int(s.memory_budget), s.seq_len)
+    entry = ModelReport(
+        model=name,
+        model_type=config.model_type,
+        num_attention_heads=geometry.num_heads,
+        num_key_value_heads=geometry.num_kv_heads,
+        dtype=str(dtype).removeprefix("torch."),
+        parameters=model.num_parameters(),
+        tokenizer=fingerprint,
+        tokens_scored=ppl.tokens_scored,
+        nll=ppl.nll,
+        perplexity=ppl.perplexity,
+        word_perplexity=math.exp(ppl.nll_sum / words),
+        bits_per_byte=ppl.nll_sum / (nbytes * math.log(2)),
+        delta_perplexity=None,
+        kv_cache_bytes_per_token=analytic / kv_tokens,
+        kv_cache_bytes_analytic=analytic,
+        kv_cache_bytes_measured=measured,
+        kv_cache_tokens=kv_tokens,
+        kv_ratio_to_parent=1.0,
+        weights_bytes=weights,
+        max_context_at_budget=fits.max_context,
+        max_batch_at_seq_len=fits.max_batch,
+    )
+    if s.speed:
+        context = ids[: min(s.decode_context, len(ids))]
+        single = decode_speed(model, context, 1, s.decode_tokens, s.repeats)
+        batched = decode_speed(model, context, s.decode_batch, s.decode_tokens, s.repeats)
+        entry.prefill_tokens_per_s = single.prefill_tokens_per_s
+        entry.decode_tokens_per_s = single.decode_tokens_per_s
+        entry.decode_tokens_per_s_batched = batched.decode_tokens_per_s
+    return entry
+
+
+# -- input -------------------------------------------------------------------------------------------------
+
+
+def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> list:
+    """Check settings and that every model exists; return their configs."""
+    problems = []
+    if not models:
+        problems.append("name at least one MODEL (the first is the parent)")
+    if s.seq_len < 2:
+        problems.append(f"--seq-len {s.seq_len} must be at least 2")
+    if not 0 < stride <= max(s.seq_len, 1):
+        problems.append(f"--stride {stride} must be between 1 and --seq-len {s.seq_len}")
+    if s.max_tokens is not None and s.max_tokens < 2:
+        problems.append(f"--max-tokens {s.max_tokens} must be at least 2")
+    for key in ("batch_size", "decode_tokens", "decode_batch", "repeats", "decode_context", "diag_tokens"):
+        if getattr(s, key) < 1:
+            problems.append(f"--{key.replace('_', '-')} {getattr(s, key)} must be at least 1")
+    if s.dtype not in DTYPES:
+        problems.append(f"unknown --dtype {s.dtype!r}; choose one of {', '.join(DTYPES)}")
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        if convert_file_size_to_int(s.memory_budget) <= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {out} is a file; choose a folder")
+    raise_if_problems(problems)
+    configs = [_config(name) for name in models]
+    for name, config in zip(models, configs, strict=True):
+        positions = getattr(config, "max_position_embeddings", None)
+        if positions and s.seq_len > positions:
+            raise UserError(f"--seq-len {s.seq_len} exceeds the {positions} positions of {name}; lower --seq-len")
+    return configs
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise UserError(f"unknown --device {name!r}; choose auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda, but no CUDA GPU is available; use --device cpu")
+    return torch.device(name)
+
+
+def _where(name: str) -> tuple[str, dict]:
+    """from_pretrained's first argument and keyword arguments for a MODEL (folder, hub id or .gguf)."""
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path), {}
+    if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or path.exists():
+        raise UserError(f"MODEL {name} not found; check the path")
+    return name, {}  # a hub id
+
+
+def _config(name: str):
+    from transformers import AutoConfig
+
+    where, kwargs = _where(name)
+    try:
+        return AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"MODEL {name} could not be read ({type(exc).__name__}); check the path or hub id") from exc
+
+
+def _load(name: str, dtype: str, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, kwargs = _where(name)
+    torch_dtype = DTYPES[dtype]
+    if "gguf_file" in kwargs and torch_dtype == "auto":
+        torch_dtype = torch.float32  # GGUF weights are dequantized to float32
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(where, **kwargs)
+
+
+def _fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    described = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(described.encode()).hexdigest()[:12]
+
+
+def _tokenize(tokenizer, text: TextData, max_tokens: int | None, seq_len: int, name: str):
+    """(token ids (N,), words, bytes) of the text, or of its first `max_tokens` tokens."""
+    encoded = tokenizer(text.text, return_offsets_mapping=True, verbose=False)
+    ids = torch.tensor(encoded["input_ids"])
+    end = len(text.text)
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids = ids[:max_tokens]
+        end = encoded["offset_mapping"][max_tokens - 1][1]
+    if len(ids) < 2:
+        raise UserError(f"--data gives {len(ids)} token(s) with the tokenizer of {name}; it needs at least 2")
+    span = text.text[:end]
+    return ids, max(len(span.split()), 1), max(len(span.encode()), 1)

@@ -1,0 +1,160 @@
+"""The eval report: `report.json`, `report.md` (a table), and PNG plots, each file written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from gqaify.eval.core import Report
+
+PLOT_KV = "perplexity_vs_kv.png"
+PLOT_DIAGNOSTICS = "diagnostics.png"
+
+COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context", "decode tok/s"]
+
+
+def table_rows(report: Report) -> list[list[str]]:
+    rows = []
+    for m in report.models:
+        rows.append([
+            m.model,
+            str(m.num_key_value_heads),
+            f"{m.perplexity:,.2f}",
+            "—" if m.delta_perplexity is None else f"{m.delta_perplexity:+,.2f}",
+            f"{m.kv_cache_bytes_per_token:,.0f}",
+            f"{m.kv_ratio_to_parent:g}×",
+            "unbounded" if m.max_context_at_budget is None else f"{m.max_context_at_budget:,}",
+            "—" if m.decode_tokens_per_s is None else f"{m.decode_tokens_per_s:,.1f}",
+        ])  # fmt: skip
+    return rows
+
+
+def format_table(report: Report) -> str:
+    """The summary table as aligned plain text, for the terminal."""
+    rows = [COLUMNS, *table_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+
+    def line(row: list[str]) -> str:  # model name left-aligned, numbers right-aligned
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+    lines = [line(r) for r in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], *[f"note: {n}" for n in report.notes]])
+
+
+def markdown(report: Report) -> str:
+    s, d = report.settings, report.data
+    parent = report.models[0]
+    lines = [
+        "# gqaify eval",
+        "",
+        f"Data: `{d['source']}` ({d['split']}, column `{d['text_column']}`, {d['rows']:,} rows). "
+        f"Windows of {s['seq_len']} tokens, stride {s['stride']}; {parent.tokens_scored:,} tokens scored; "
+        f"device {s['device']}. KV capacity: K/V cache and weights in {s['memory_budget']}, at batch 1 "
+        f"(max context) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the parent). "
+        f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {s['decode_context']}-token prefill, "
+        f"median of {s['repeats']}.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+        *["| " + " | ".join(row) + " |" for row in table_rows(report)],
+        "",
+        *[f"Note: {n}" for n in report.notes],
+        "",
+        "| model | word ppl | bits/byte | KV bytes measured = analytic | prefill tok/s | decode tok/s "
+        f"(batch {s['decode_batch']}) | mean attn rel. error | KL to parent (nats/token) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in report.models:
+        diag = m.diagnostics
+        errors = diag["attention_relative_error"] if diag else []
+        mean_error = f"{sum(errors) / len(errors):.3f}" if errors else "—"
+        lines.append(
+            f"| {m.model} | {m.word_perplexity:,.2f} | {m.bits_per_byte:.4f} | {m.kv_cache_bytes_measured:,} "
+            f"{'=' if m.kv_cache_bytes_measured == m.kv_cache_bytes_analytic else '≠'} {m.kv_cache_bytes_analytic:,} "
+            f"| {_num(m.prefill_tokens_per_s)} | {_num(m.decode_tokens_per_s_batched)} | {mean_error} "
+            f"| {'—' if not diag else format(diag['kl_nats_per_token'], '.4f')} |"
+        )
+    lines += ["", f"![perplexity vs KV bytes per token]({PLOT_KV})", ""]
+    lines += [f"![per-layer diagnostics]({PLOT_DIAGNOSTICS})", ""]
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    for i, m in enumerate(report.models):
+        ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
+        ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (m.kv_cache_bytes_per_token, m.perplexity),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache bytes per token")
+    ax.set_ylabel("perplexity")
+    ax.set_title("Perplexity vs KV cache (★ parent)")
+    ax.margins(x=0.2, y=0.15)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_diagnostics(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    drawn = False
+    for m in report.models[1:]:
+        if m.diagnostics:
+            errors = m.diagnostics["attention_relative_error"]
+            label = f"{Path(m.model).name} (KL {m.diagnostics['kl_nats_per_token']:.2f})"
+            ax.plot(range(len(errors)), errors, marker="o", markersize=3, label=label)
+            drawn = True
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no converted model shares the parent's tokenizer and layers", ha="center",
+                va="center", transform=ax.transAxes)  # fmt: skip
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention output relative error vs parent")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Per-layer drift from the parent")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(report: Report, out: Path) -> None:
+    """Write the report files into `out` (created if needed), each through a temporary file and a rename."""
+    out.mkdir(parents=True, exist_ok=True)
+    writers = {
+        "report.json": lambda p: p.write_text(json.dumps(report.to_dict(), indent=2) + "\n"),
+        "report.md": lambda p: p.write_text(markdown(report)),
+        PLOT_KV: lambda p: plot_perplexity_vs_kv(report, p),
+        PLOT_DIAGNOSTICS: lambda p: plot_diagnostics(report, p),
+    }
+    staged = []
+    try:
+        for name, write in writers.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=Path(name).suffix, dir=out)
+            os.close(fd)
+            staged.append((Path(tmp), out / name))
+            write(Path(tmp))
+        for tmp, final in staged:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)

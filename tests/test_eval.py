@@ -1,0 +1,202 @@
+"""gqaify eval: perplexity against references, KV bytes measured against analytic, the report, bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gqaify
+from conftest import CORPUS, build_model, sample_ids, save_with_tokenizer, transformers_doc_loop
+from gqaify.cli import main
+from gqaify.convert.archs import ARCHITECTURES, Geometry
+from gqaify.eval import EvalSettings
+from gqaify.eval.perplexity import perplexity, sliding_windows
+from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes
+from gqaify.kvcache import sliding_windows as layer_windows
+
+FAST = EvalSettings(seq_len=32, decode_context=16, decode_tokens=4, decode_batch=2, repeats=1, progress=False)
+
+
+@pytest.mark.parametrize(("n", "seq_len", "stride"), [(10, 6, 3), (100, 16, 5), (100, 16, 16), (17, 16, 1), (5, 8, 8)])
+def test_windows_score_every_token_at_most_once(n, seq_len, stride):
+    windows = sliding_windows(n, seq_len, stride)
+    scored = [t for w in windows for t in range(w.scored_from, w.end)]
+    assert len(scored) == len(set(scored))
+    assert all(w.length <= seq_len and w.begin < w.scored_from for w in windows)
+    if stride < seq_len:  # overlapping windows: every token but the first has context and is scored
+        assert sorted(scored) == list(range(1, n))
+    else:  # non-overlapping chunks: the first token of each chunk is context only
+        assert sorted(scored) == [t for t in range(n) if t % seq_len]
+
+
+def brute_force_nll(model, ids, seq_len, stride):
+    """Each scored token on its own: the model sees exactly its left context inside its window."""
+    total = 0.0
+    with torch.inference_mode():
+        for w in sliding_windows(len(ids), seq_len, stride):
+            for t in range(w.scored_from, w.end):
+                logits = model(ids[w.begin : t].unsqueeze(0)).logits[0, -1]
+                total -= F.log_softmax(logits.float(), dim=-1)[ids[t]].item()
+    return total
+
+
+@pytest.mark.parametrize(("seq_len", "stride"), [(12, 12), (12, 5), (12, 1)])
+def test_perplexity_equals_brute_force_reference(seq_len, stride):
+    model = build_model("qwen2")
+    ids = sample_ids(model.config.vocab_size, length=41, batch=1)[0]
+    expected = brute_force_nll(model, ids, seq_len, stride)
+    for batch_size in (1, 3):
+        got = perplexity(model, ids, seq_len, stride, batch_size=batch_size, progress=False)
+        assert got.tokens_scored == sum(w.scored for w in sliding_windows(len(ids), seq_len, stride))
+        assert got.nll_sum == pytest.approx(expected, rel=1e-5)
+        assert got.perplexity == pytest.approx(math.exp(expected / got.tokens_scored), rel=1e-5)
+
+
+@pytest.mark.parametrize(("seq_len", "stride"), [(16, 16), (16, 6)])
+def test_perplexity_matches_the_transformers_guide(seq_len, stride):
+    model = build_model("llama")
+    ids = sample_ids(model.config.vocab_size, length=70, batch=1)[0]
+    nll_sum, n_tokens = transformers_doc_loop(model, ids, seq_len, stride)
+    got = perplexity(model, ids, seq_len, stride, batch_size=2, progress=False)
+    assert got.tokens_scored == n_tokens
+    assert got.nll_sum == pytest.approx(nll_sum, rel=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "mistral"])  # gemma2 alternates sliding layers, mistral slides all
+def test_sliding_window_cache_bytes_measured_equal_analytic(model_type):
+    model = build_model(model_type, sliding_window=8)
+    windows = layer_windows(model.config)
+    assert any(w == 8 for w in windows)
+    geometry = Geometry.from_config(ARCHITECTURES[model_type], model.config.to_dict())
+    for tokens in (5, 7, 8, 20):
+        with torch.inference_mode():
+            cache = model(sample_ids(model.config.vocab_size, length=tokens, batch=1), use_cache=True).past_key_values
+        assert measured_kv_cache_bytes(cache) == kv_cache_bytes(geometry, torch.float32, tokens, windows)
+
+
+def test_capacity_fills_the_budget_exactly():
+    g = Geometry(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
+    per_token = 2 * 2 * 2 * 8 * 2  # bf16, two layers
+    fits = capacity(g, torch.bfloat16, [], weights_bytes=1000, budget_bytes=1000 + 10 * per_token + 5, context=4)
+    assert (fits.max_context, fits.max_batch) == (10, 2)
+    sliding = capacity(g, torch.bfloat16, [4, 4], weights_bytes=0, budget_bytes=10**12, context=4)
+    assert sliding.max_context is None  # every layer slides: the cache never outgrows the budget
+    assert capacity(g, torch.bfloat16, [], weights_bytes=10, budget_bytes=5, context=4).max_batch == 0
+
+
+@pytest.fixture(scope="module")
+def lm_pair(tmp_path_factory):
+    """An MHA llama with a real (trained here) tokenizer, and its GQA-2 conversion."""
+    root = tmp_path_factory.mktemp("lm")
+    model = build_model("llama", num_kv_heads=4, vocab_size=320, max_position_embeddings=128)
+    parent = save_with_tokenizer(model, root / "parent")
+    gqaify.convert(parent, root / "gqa2", kv_heads=2, progress=False)
+    gqaify.convert(parent, root / "same", kv_heads=4, progress=False)
+    data = root / "corpus.txt"
+    data.write_text(CORPUS)
+    return root, parent, data
+
+
+def test_report_beside_the_parent(lm_pair, tmp_path):
+    root, parent, data = lm_pair
+    report = gqaify.evaluate([str(parent), str(root / "gqa2"), str(root / "same")], str(data), tmp_path / "r", FAST)
+    files = {p.name: p for p in (tmp_path / "r").iterdir()}
+    assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png"}
+    for png in ("perplexity_vs_kv.png", "diagnostics.png"):
+        assert files[png].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and files[png].stat().st_size > 5000
+    loaded = json.loads(files["report.json"].read_text())
+    assert {"data", "settings", "models"} <= set(loaded)
+    keys = {"model", "num_key_value_heads", "perplexity", "nll", "tokens_scored", "kv_cache_bytes_per_token",
+            "kv_cache_bytes_measured", "decode_tokens_per_s"}  # fmt: skip
+    assert all(keys <= set(m) for m in loaded["models"])
+
+    parent_r, gqa2, same = report.models
+    assert [m.num_key_value_heads for m in report.models] == [4, 2, 4]
+    assert parent_r.tokens_scored == gqa2.tokens_scored == same.tokens_scored > 0
+    assert same.perplexity == pytest.approx(parent_r.perplexity, rel=1e-6) and same.delta_perplexity == pytest.approx(0)
+    assert gqa2.kv_ratio_to_parent == 2 and parent_r.kv_cache_bytes_per_token == 2 * 2 * 4 * 16 * 4
+    assert all(m.kv_cache_bytes_measured == m.kv_cache_bytes_analytic for m in report.models)
+    assert same.diagnostics["kl_nats_per_token"] == pytest.approx(0, abs=1e-6)
+    assert max(same.diagnostics["attention_relative_error"]) < 1e-6
+    assert gqa2.diagnostics["kl_nats_per_token"] > 1e-3 and len(gqa2.diagnostics["attention_relative_error"]) == 2
+    assert all(m.decode_tokens_per_s > 0 and m.prefill_tokens_per_s > 0 for m in report.models)
+    assert "| 2 |" in files["report.md"].read_text()
+
+
+def test_word_and_byte_normalisation(lm_pair, tmp_path):
+    root, parent, data = lm_pair
+    report = gqaify.evaluate([str(parent)], str(data), tmp_path / "r", EvalSettings(seq_len=32, speed=False,
+                             progress=False, max_tokens=50))  # fmt: skip
+    m = report.models[0]
+    assert m.tokens_scored == 49 - 1  # 50 tokens in chunks of 32: the first token of each chunk is not scored
+    nll_sum = m.nll * m.tokens_scored
+    from transformers import AutoTokenizer
+
+    encoded = AutoTokenizer.from_pretrained(parent)(CORPUS, return_offsets_mapping=True)
+    span = CORPUS[: encoded["offset_mapping"][49][1]]
+    assert m.word_perplexity == pytest.approx(math.exp(nll_sum / len(span.split())))
+    assert m.bits_per_byte == pytest.approx(nll_sum / len(span.encode()) / math.log(2))
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--stride", "64", "--seq-len", "32"], "--stride 64 must be between 1 and --seq-len 32"),
+        (["--stride", "0"], "--stride 0 must be between 1"),
+        (["--seq-len", "4096"], "--seq-len 4096 exceeds the 128 positions"),
+        (["--text-column", "body"], "has no column 'body'; pass --text-column with one of ['text']"),
+        (["--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
+    ],
+)
+def test_bad_input(lm_pair, tmp_path, capsys, args, expect):
+    root, parent, data = lm_pair
+    capsys.readouterr()
+    code = main(["eval", str(parent), "--data", str(data), "--out", str(tmp_path / "r"), "--seq-len", "32", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and expect in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_models_and_data(lm_pair, tmp_path, capsys):
+    root, parent, data = lm_pair
+    (tmp_path / "empty.txt").write_text("  \n\n ")
+    cases = [
+        ([str(parent), str(tmp_path / "missing")], str(data), "MODEL " + str(tmp_path / "missing") + " not found"),
+        ([str(parent)], str(tmp_path / "nothing.txt"), "no such file or folder"),
+        ([str(parent)], str(tmp_path / "empty.txt"), "holds no text"),
+    ]
+    for models, data_arg, expect in cases:
+        capsys.readouterr()
+        code = main(["eval", *models, "--data", data_arg, "--out", str(tmp_path / "r"), "--seq-len", "32"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and expect in err, err
+        assert not (tmp_path / "r").exists()
+
+
+def test_models_with_different_tokenizers_are_flagged(lm_pair, tmp_path):
+    root, parent, data = lm_pair
+    other = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300, seed=3), tmp_path / "other")
+    report = gqaify.evaluate([str(parent), str(other)], str(data), tmp_path / "r", EvalSettings(seq_len=32,
+                             speed=False, progress=False))  # fmt: skip
+    assert report.models[0].tokenizer != report.models[1].tokenizer
+    assert report.models[1].diagnostics is None
+    assert any("different tokenizers" in note for note in report.notes)
+
+
+def test_cli_prints_the_table(lm_pair, tmp_path, capsys):
+    root, parent, data = lm_pair
+    args = ["eval", str(parent), str(root / "gqa2"), "--data", str(data), "--out", str(tmp_path / "r"), "--seq-len",
+            "32", "--no-speed", "-q"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "kv heads" in out and "gqa2" in out and "report.md" in out
+
+
+def test_save_with_tokenizer_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    directory = save_with_tokenizer(build_model("llama", vocab_size=320), tmp_path / "m")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert tokenizer.decode(tokenizer("The quick brown fox").input_ids) == "The quick brown fox"
