@@ -170,3 +170,12 @@ def test_sigkill_mid_conversion_leaves_no_output(tmp_path):
     assert proc.wait() == -signal.SIGKILL
     assert not out.exists()
     assert tree_hashes(src) == before
+
+
+def test_corrupt_gguf(capsys, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    before = bad.read_bytes()
+    code, err = run_cli(capsys, "convert", bad, tmp_path / "out", "--kv-heads", "1")
+    assert code == 2 and err.count("\n") == 1 and "cannot read" in err and "as a GGUF model" in err, err
+    assert not (tmp_path / "out").exists() and bad.read_bytes() == before

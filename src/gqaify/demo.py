@@ -77,7 +77,7 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     from gqaify.kvcache import measured_kv_cache_bytes
 
     source = model or str(fetch_default_model())
-    out = Path(workdir) / "smollm2-135m-mqa"
+    out = Path(workdir) / ("smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa")
     print(f"converting {source} -> {out} (MQA, mean-pool)")
     result = convert(source, out, kv_heads=1, method="mean", force=True)
     print(format_summary(result))
@@ -90,7 +90,7 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     tokens = ids.shape[1]
     print(
         f"reloaded with AutoModelForCausalLM: {type(loaded).__name__}, "
-        f"num_key_value_heads={loaded.config.num_key_value_heads}; after a {tokens}-token prefill its KV cache "
+        f"num_key_value_heads={loaded.config.num_key_value_heads}; after prefilling {tokens} tokens its KV cache "
         f"holds {cache.layers[0].keys.shape[1]} head(s) per layer, "
         f"{measured_kv_cache_bytes(cache) // tokens:,} bytes per token (measured)"
     )

@@ -1,0 +1,56 @@
+"""The text loader: local files of each kind, folders, hub names, and its errors."""
+
+import json
+
+import pytest
+
+from gqaify.data import load_text
+from gqaify.errors import UserError
+
+
+def test_text_file_is_read_verbatim(tmp_path):
+    (tmp_path / "a.txt").write_text("line one\nline two\n\nline four")
+    data = load_text(str(tmp_path / "a.txt"))
+    assert data.text == "line one\nline two\n\nline four" and data.rows == 1
+
+
+def test_folder_of_text_files_joins_documents(tmp_path):
+    (tmp_path / "1.txt").write_text("first")
+    (tmp_path / "2.txt").write_text("second")
+    assert load_text(str(tmp_path)).text == "first\n\nsecond"
+
+
+def test_jsonl_and_parquet_columns(tmp_path):
+    rows = [{"id": i, "body": f"row {i}"} for i in range(3)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_text(str(tmp_path / "d.jsonl"), text_column="body").text == "row 0\n\nrow 1\n\nrow 2"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    data = load_text(str(tmp_path / "d.parquet"), split="validation", text_column="body")
+    assert (data.text, data.split) == ("row 0\n\nrow 1\n\nrow 2", "validation")
+    with pytest.raises(UserError, match=r"has no column 'text'; pass --text-column with one of \['id', 'body'\]"):
+        load_text(str(tmp_path / "d.jsonl"))
+
+
+def test_hub_name_and_config(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None, **kwargs):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_dict({"text": ["a", "", "b"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_text("Salesforce/wikitext:wikitext-2-raw-v1", split="test").text == "a\n\n\n\nb"
+    load_text("someone/corpus", split="validation")
+    assert calls == [("Salesforce/wikitext", "wikitext-2-raw-v1", "test"), ("someone/corpus", None, "validation")]
+
+
+def test_mixed_folder_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("x")
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}')
+    with pytest.raises(UserError, match="use files of one kind"):
+        load_text(str(tmp_path))
