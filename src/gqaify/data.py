@@ -1,8 +1,9 @@
 """Text data through `datasets`: the one loader for evaluation (and, later, calibration and uptraining).
 
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
-written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Plain text files give one row per
-line, as the hub's WikiText does; rows are joined with blank lines ("\\n\\n"), the usual perplexity setup.
+written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
+("\\n\\n"), the usual perplexity setup. A plain text file is one row, its text kept verbatim (datasets'
+default of a row per line would double every newline once joined).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def convert(
             with ShardWriter(staging, plan.tensors, shard_bytes) as writer:
                 _stream(source, plan, writer, METHODS[method], kv_heads, ctx, hasher, progress)
                 writer.close()
-            _write_side_files(source, staging, kv_heads, dtype)
+            _write_side_files(source, staging, config, kv_heads, dtype)
             hashes = hasher.results(source.tensors.files)
             record = _provenance(source, spec, geometry, kv_heads, method, dtype, seed, hashes)
             (staging / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -273,15 +273,13 @@ class _SourceHasher:
         self._jobs: dict[Path, Future] = {}
 
     def reading(self, path: Path | None) -> None:
-        self._submit(path)
-
-    def _submit(self, path: Path | None) -> None:
+        """Start hashing `path` (a source file the stream has reached), once."""
         if path is not None and path not in self._jobs:
             self._jobs[path] = self._pool.submit(sha256_file, path)
 
     def results(self, files: list[Path]) -> dict[str, str]:
         for path in files:
-            self._submit(path)
+            self.reading(path)
         return {path.name: self._jobs[path].result() for path in files}
 
     def __enter__(self) -> _SourceHasher:
@@ -352,10 +350,9 @@ def _remove_created(created: list[Path]) -> None:
             parent.rmdir()
 
 
-def _write_side_files(source: Source, staging: Path, kv_heads: int, dtype: str) -> None:
+def _write_side_files(source: Source, staging: Path, config: dict, kv_heads: int, dtype: str) -> None:
     """config.json with the new num_key_value_heads (and dtype when cast); tokenizer and friends as they are."""
-    config = json.loads((source.directory / "config.json").read_text())
-    config["num_key_value_heads"] = kv_heads
+    config = {**config, "num_key_value_heads": kv_heads}
     if DTYPES[dtype] is not None:
         for key in ("dtype", "torch_dtype"):
             if key in config:

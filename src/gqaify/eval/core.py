@@ -8,6 +8,7 @@ so bad input or a failure leaves no partial report.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -103,7 +104,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     s = settings or EvalSettings()
     stride = s.seq_len if s.stride is None else s.stride
     device = _device(s.device)
-    configs = _check(models, s, stride, Path(out))
+    configs, budget = _check(models, s, stride, Path(out))
     text = load_text(data, s.split, s.text_column)
     report = Report(
         data={
@@ -124,7 +125,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
             tokenized[fingerprint] = _tokenize(tokenizer, text, s.max_tokens, name)
         ids, words, nbytes = tokenized[fingerprint]
         LOG.info("evaluating %s on %d tokens", name, len(ids))
-        entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride)
+        entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride, budget)
         if parent is None:
             parent, parent_entry, parent_ids = model, entry, ids
         else:
@@ -145,7 +146,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     return report
 
 
-def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalSettings, stride) -> ModelReport:
+def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalSettings, stride, budget: int):
     ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=Path(name).name[:24])
     spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
     geometry = Geometry.from_config(spec, config.to_dict())
@@ -157,10 +158,7 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         cache = model(ids[:kv_tokens].unsqueeze(0).to(model.device), use_cache=True, logits_to_keep=1)
         measured = measured_kv_cache_bytes(cache.past_key_values)
         del cache
-    weights = model.get_memory_footprint()
-    from accelerate.utils import convert_file_size_to_int
-
-    fits = capacity(geometry, dtype, windows, weights, convert_file_size_to_int(s.memory_budget), s.seq_len)
+    fits = capacity(geometry, dtype, windows, model.get_memory_footprint(), budget, s.seq_len)
     entry = ModelReport(
         model=name,
         model_type=config.model_type,
@@ -180,7 +178,7 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         kv_cache_bytes_measured=measured,
         kv_cache_tokens=kv_tokens,
         kv_ratio_to_parent=1.0,
-        weights_bytes=weights,
+        weights_bytes=fits.weights_bytes,
         max_context_at_budget=fits.max_context,
         max_batch_at_seq_len=fits.max_batch,
     )
@@ -197,8 +195,8 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
 # -- input -------------------------------------------------------------------------------------------------
 
 
-def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> list:
-    """Check settings and that every model exists; return their configs."""
+def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> tuple[list, int]:
+    """Check settings and that every model exists; return their configs and the memory budget in bytes."""
     problems = []
     if not models:
         problems.append("name at least one MODEL (the first is the parent)")
@@ -215,10 +213,10 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> list:
         problems.append(f"unknown --dtype {s.dtype!r}; choose one of {', '.join(DTYPES)}")
     from accelerate.utils import convert_file_size_to_int
 
-    try:
-        if convert_file_size_to_int(s.memory_budget) <= 0:
-            raise ValueError
-    except ValueError:
+    budget = 0
+    with contextlib.suppress(ValueError):
+        budget = convert_file_size_to_int(s.memory_budget)
+    if budget <= 0:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} is a file; choose a folder")
@@ -228,7 +226,7 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> list:
         positions = getattr(config, "max_position_embeddings", None)
         if positions and s.seq_len > positions:
             raise UserError(f"--seq-len {s.seq_len} exceeds the {positions} positions of {name}; lower --seq-len")
-    return configs
+    return configs, budget
 
 
 def _device(name: str) -> torch.device:

@@ -36,13 +36,10 @@ def attention_modules(model) -> list[torch.nn.Module] | None:
 
 
 @torch.inference_mode()
-def _trace(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _trace(model, modules, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(per-layer attention outputs (T, hidden) in float32, log-probabilities (T, vocab) in float32)."""
     outputs: list[torch.Tensor] = []
-    hooks = [
-        module.register_forward_hook(lambda _m, _in, out: outputs.append(out[0][0].float()))
-        for module in attention_modules(model)
-    ]
+    hooks = [module.register_forward_hook(lambda _m, _in, out: outputs.append(out[0][0].float())) for module in modules]
     try:
         logits = model(ids.to(next(model.parameters()).device).unsqueeze(0)).logits[0]
     finally:
@@ -53,12 +50,11 @@ def _trace(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 def compare(parent, model, ids: torch.Tensor) -> Diagnostics | None:
     """Diagnostics of `model` against `parent` on the token ids `ids` (1-D); None where layers cannot be matched."""
-    if attention_modules(parent) is None or attention_modules(model) is None:
+    parent_modules, modules = attention_modules(parent), attention_modules(model)
+    if parent_modules is None or modules is None or len(parent_modules) != len(modules):
         return None
-    if parent.config.num_hidden_layers != model.config.num_hidden_layers:
-        return None
-    parent_attn, parent_logp = _trace(parent, ids)
-    attn, logp = _trace(model, ids)
+    parent_attn, parent_logp = _trace(parent, parent_modules, ids)
+    attn, logp = _trace(model, modules, ids)
     errors = [((a.cpu() - p.cpu()).norm() / p.cpu().norm()).item() for a, p in zip(attn, parent_attn, strict=True)]
     kl = (parent_logp.exp() * (parent_logp - logp.to(parent_logp.device))).sum(-1).mean().item()
     return Diagnostics(len(ids), errors, kl)
