@@ -1,4 +1,4 @@
-"""Text data through `datasets`: the one loader for evaluation (and, later, calibration and uptraining).
+"""Text data through `datasets`: the one loader for evaluation, uptraining and (later) calibration.
 
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
 written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
@@ -26,11 +26,17 @@ class TextData:
     rows: int
 
 
-def load_text(data: str, split: str = "test", text_column: str = "text") -> TextData:
-    """Load `data` and join its `text_column` into one string.
+def load_rows(
+    data: str, split: str = "test", text_column: str = "text", streaming: bool = False, option: str = "--data"
+):
+    """The `datasets` dataset behind `data`, checked to have a `text_column`.
+
+    Args:
+        streaming: return an `IterableDataset` that reads lazily (for sets larger than memory or disk).
+        option: how the user named `data` (e.g. "--data", "eval_data"), for error messages.
 
     Raises:
-        UserError: the data is missing, has no such column or split, or holds no text.
+        UserError: the data is missing, or has no such column or split.
     """
     import datasets
 
@@ -38,39 +44,50 @@ def load_text(data: str, split: str = "test", text_column: str = "text") -> Text
     path = Path(data).expanduser()
     try:
         if path.exists():
-            builder, files = _local_files(path)
+            builder, files = _local_files(path, option)
             # A local file is one split, whatever it is called: name it as asked so that `split` holds.
             options = {"sample_by": "document"} if builder == "text" else {}
             files_by_split = {split: [str(f) for f in files]}
-            dataset = datasets.load_dataset(builder, data_files=files_by_split, split=split, **options)
+            dataset = datasets.load_dataset(
+                builder, data_files=files_by_split, split=split, streaming=streaming, **options
+            )
         elif path.suffix in _BUILDERS or data.startswith((".", "/", "~")):
-            raise UserError(f"--data {data}: no such file or folder; check the path")
+            raise UserError(f"{option} {data}: no such file or folder; check the path")
         else:
             name, _, config = data.partition(":")
-            dataset = datasets.load_dataset(name, config or None, split=split)
+            dataset = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
     except UserError:
         raise
     except ValueError as exc:  # unknown split, bad config name
-        raise UserError(f"--data {data}: {exc}; check --split and the config name") from exc
+        raise UserError(f"{option} {data}: {exc}; check --split and the config name") from exc
     except (FileNotFoundError, ConnectionError, OSError) as exc:
         problem = f"{type(exc).__name__}: {exc}"
-        raise UserError(f"--data {data} could not be loaded ({problem}); check the name or path") from exc
-    if text_column not in dataset.column_names:
-        raise UserError(
-            f"--data {data} has no column {text_column!r}; pass --text-column with one of {dataset.column_names}"
-        )
+        raise UserError(f"{option} {data} could not be loaded ({problem}); check the name or path") from exc
+    columns = dataset.column_names  # None for some streamed sets: then a missing column shows on first read
+    if columns is not None and text_column not in columns:
+        raise UserError(f"{option} {data} has no column {text_column!r}; pass --text-column with one of {columns}")
+    return dataset
+
+
+def load_text(data: str, split: str = "test", text_column: str = "text", option: str = "--data") -> TextData:
+    """Load `data` and join its `text_column` into one string.
+
+    Raises:
+        UserError: the data is missing, has no such column or split, or holds no text.
+    """
+    dataset = load_rows(data, split, text_column, option=option)
     rows = [row for row in dataset[text_column] if isinstance(row, str)]
     text = "\n\n".join(rows)
     if not text.strip():
-        raise UserError(f"--data {data} ({split}, column {text_column!r}) holds no text; check the file or split")
+        raise UserError(f"{option} {data} ({split}, column {text_column!r}) holds no text; check the file or split")
     return TextData(data, split, text_column, text, len(rows))
 
 
-def _local_files(path: Path) -> tuple[str, list[Path]]:
+def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:
     files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
     if not files:
-        raise UserError(f"--data {path} holds no {', '.join(sorted(_BUILDERS))} files; point it at text data")
+        raise UserError(f"{option} {path} holds no {', '.join(sorted(_BUILDERS))} files; point it at text data")
     builders = {_BUILDERS.get(f.suffix) for f in files}
     if None in builders or len(builders) > 1:
-        raise UserError(f"--data {path}: use files of one kind, one of {', '.join(sorted(_BUILDERS))}")
+        raise UserError(f"{option} {path}: use files of one kind, one of {', '.join(sorted(_BUILDERS))}")
     return builders.pop(), files

@@ -26,10 +26,9 @@ from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.speed import decode_speed
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
+from gqaify.models import DTYPES, load_config, load_model
 
 LOG = logging.getLogger(__name__)
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     tokenized: dict[str, tuple[torch.Tensor, int, int]] = {}  # fingerprint -> (ids, words, bytes)
     parent = None
     for i, name in enumerate(models):
-        model, tokenizer = _load(name, s.dtype, device)
+        model, tokenizer = load_model(name, s.dtype, device)
         fingerprint = _fingerprint(tokenizer)
         if fingerprint not in tokenized:
             tokenized[fingerprint] = _tokenize(tokenizer, text, s.max_tokens, name)
@@ -221,7 +220,7 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> tuple[
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} is a file; choose a folder")
     raise_if_problems(problems)
-    configs = [_config(name) for name in models]
+    configs = [load_config(name) for name in models]
     for name, config in zip(models, configs, strict=True):
         positions = getattr(config, "max_position_embeddings", None)
         if positions and s.seq_len > positions:
@@ -237,42 +236,6 @@ def _device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda, but no CUDA GPU is available; use --device cpu")
     return torch.device(name)
-
-
-def _where(name: str) -> tuple[str, dict]:
-    """from_pretrained's first argument and keyword arguments for a MODEL (folder, hub id or .gguf)."""
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        return str(path), {}
-    if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or path.exists():
-        raise UserError(f"MODEL {name} not found; check the path")
-    return name, {}  # a hub id
-
-
-def _config(name: str):
-    from transformers import AutoConfig
-
-    where, kwargs = _where(name)
-    try:
-        return AutoConfig.from_pretrained(where, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"MODEL {name} could not be read ({type(exc).__name__}); check the path or hub id") from exc
-
-
-def _load(name: str, dtype: str, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    where, kwargs = _where(name)
-    torch_dtype = DTYPES[dtype]
-    if "gguf_file" in kwargs and torch_dtype == "auto":
-        torch_dtype = torch.float32  # GGUF weights are dequantized to float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs).to(device).eval()
-        return model, AutoTokenizer.from_pretrained(where, **kwargs)
-    except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
-        raise UserError(f"MODEL {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc
 
 
 def _fingerprint(tokenizer) -> str:
