@@ -170,5 +170,5 @@ def save_with_tokenizer(model, directory: Path) -> Path:
     tokenizer.train_from_iterator([CORPUS], trainer)
     assert tokenizer.get_vocab_size() <= model.config.vocab_size
     save(model, directory)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<s>").save_pretrained(directory)
     return directory

@@ -2,9 +2,10 @@
 
     gqaify.convert(src, out, kv_heads=G)   rewrite a checkpoint's K/V projections from KV heads to G
     gqaify.evaluate([parent, converted], data, out)   perplexity, KV cache and speed beside the parent
+    gqaify.uptrain(gqaify.UptrainSettings(...))       recover quality with a short run (accelerate)
 
-The function `gqaify.convert` is the public entry point; its implementation lives in the subpackage of the
-same name (import its modules as `from gqaify.convert import methods`).
+The functions `gqaify.convert` and `gqaify.uptrain` are the public entry points; their implementations live
+in the subpackages of the same names (import their modules as `from gqaify.convert import methods`).
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -16,5 +17,6 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 from gqaify.convert import convert  # noqa: E402  (after __version__, which convert records)
 from gqaify.eval import EvalSettings, evaluate  # noqa: E402
+from gqaify.uptrain import UptrainSettings, uptrain  # noqa: E402
 
-__all__ = ["EvalSettings", "__version__", "convert", "evaluate"]
+__all__ = ["EvalSettings", "UptrainSettings", "__version__", "convert", "evaluate", "uptrain"]

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     ev.set_defaults(run=_run_eval)
 
+    up = sub.add_parser(
+        "uptrain",
+        help="uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
+        add_help=False,  # --help is the settings parser's: every field of the recipe
+    )
+    up.set_defaults(run=_run_uptrain)
+
     demo = sub.add_parser(
         "demo",
         help="the main job on the default model (SmolLM2-135M-Instruct, fetched from PyPI)",
@@ -88,15 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
     """Run the command line `argv` (default: sys.argv) and return its exit status."""
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args, rest = parser.parse_known_args(argv)
+        if rest and args.command != "uptrain":  # uptrain's options belong to its settings parser
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help, or a usage error already reported on one line
         return int(exc.code or 0)
+    args.rest = rest
+    args.prog = prog if prog != "gqaify" else f"gqaify {args.command}"
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         args.run(args)
+    except SystemExit as exc:  # a subcommand's own parser: --help, or a usage error reported on one line
+        return int(exc.code or 0)
     except UserError as exc:
         print(f"gqaify: error: {exc}", file=sys.stderr)
         return 2
@@ -141,6 +155,19 @@ def _run_eval(args) -> None:
     print(f"report: {args.out}/report.md, report.json; plots: {args.out}/*.png")
 
 
+def _run_uptrain(args) -> None:
+    from transformers.utils import logging as transformers_logging
+
+    from gqaify.uptrain import parse, uptrain
+
+    transformers_logging.disable_progress_bar()  # loading and saving bars between the training bar's updates
+    result = uptrain(parse(args.rest, prog=args.prog))
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(format_uptrain_summary(result))
+
+
 def _run_demo(args) -> None:
     from gqaify.demo import run_demo
 
@@ -162,6 +189,17 @@ def format_summary(result) -> str:
             f"  saved to        {result.out}",
         ]
     )
+
+
+def format_uptrain_summary(result) -> str:
+    """A few lines saying what an uptraining run did."""
+    lines = [f"uptrained {result.steps} steps, {result.tokens:,} tokens; final training loss {result.loss:.4f}"]
+    if result.eval_perplexity is not None:
+        parent = f" (parent {result.parent_perplexity:.2f})" if result.parent_perplexity is not None else ""
+        lines.append(f"  eval perplexity {result.eval_perplexity:.2f}{parent}")
+    lines.append(f"  model           {result.final}")
+    lines.append(f"  metrics         {result.metrics}" + (f", plot {result.plot}" if result.plot else ""))
+    return "\n".join(lines)
 
 
 def _groups(groups: list[list[int]]) -> str:

@@ -1,0 +1,81 @@
+"""Training data: documents tokenized, marked with EOS, packed into blocks, served in a seeded order.
+
+    documents     "Once upon a time ..."   "The lobster ..."   ...
+    tokens        [bos] 12 87 ... 5 [eos] [bos] 44 ... [eos] ...       each document ends with EOS
+    blocks        |<-- seq_len -->|<-- seq_len -->|<-- ...             the stream cut every seq_len tokens
+
+A block may span documents (the EOS between them marks the boundary), so no token is padding and every
+position is trained on. The tail of each tokenized batch of documents shorter than a block is dropped.
+
+The order is a function of (seed, epoch) alone: `EpochSampler` permutes the blocks afresh each epoch, and a
+resumed run skips the batches it already consumed, so it sees exactly the data an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from gqaify.data import load_rows
+from gqaify.errors import UserError
+
+DOCUMENTS_PER_MAP = 1000  # documents tokenized and packed together; the remainder of each map batch is dropped
+
+
+def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: int, streaming: bool = False):
+    """`datasets` dataset of {"input_ids": (seq_len,)} blocks from `data`.
+
+    Raises:
+        UserError: the data cannot be loaded, or (not streaming) holds less than one block of tokens.
+    """
+    rows = load_rows(data, split, text_column, streaming=streaming, option="data")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the model's tokenizer has no EOS token to mark document ends; set tokenizer.eos_token")
+
+    def tokenize(batch: dict) -> dict:
+        texts = [t for t in batch[text_column] if isinstance(t, str) and t.strip()]
+        ids = tokenizer(texts, verbose=False)["input_ids"]
+        return {"input_ids": [doc if doc[-1:] == [eos] else [*doc, eos] for doc in ids]}
+
+    def pack(batch: dict) -> dict:
+        stream = [token for doc in batch["input_ids"] for token in doc]
+        whole = len(stream) // seq_len * seq_len
+        return {"input_ids": [stream[i : i + seq_len] for i in range(0, whole, seq_len)]}
+
+    columns = rows.column_names or [text_column]
+    blocks = rows.map(tokenize, batched=True, batch_size=DOCUMENTS_PER_MAP, remove_columns=columns)
+    blocks = blocks.map(pack, batched=True, batch_size=DOCUMENTS_PER_MAP)
+    if streaming:
+        return blocks.with_format("torch")
+    if len(blocks) == 0:
+        tokens = sum(len(ids) for ids in rows.map(tokenize, batched=True, remove_columns=columns)["input_ids"])
+        raise UserError(
+            f"data {data} gives {tokens:,} tokens, less than one block of seq_len {seq_len}; "
+            "give more text or lower seq_len"
+        )
+    return blocks.with_format("torch")
+
+
+class EpochSampler(Sampler[int]):
+    """A permutation of `num_blocks` blocks drawn from (seed, epoch), cut to a multiple of `multiple`.
+
+    `multiple` is the blocks of one optimizer step over all processes, so an epoch ends on a step boundary
+    and every process gets the same number of batches.
+    """
+
+    def __init__(self, num_blocks: int, seed: int, multiple: int):
+        self.num_blocks, self.seed, self.multiple = num_blocks, seed, multiple
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_blocks // self.multiple * self.multiple
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        yield from torch.randperm(self.num_blocks, generator=generator)[: len(self)].tolist()

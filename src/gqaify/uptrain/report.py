@@ -1,0 +1,113 @@
+"""What an uptraining run writes beside its checkpoints: metrics.jsonl (and .csv) as accelerate trackers,
+and the recovery plot (eval perplexity against training tokens, the parent as a line)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+from accelerate.tracking import GeneralTracker, on_main_process
+
+METRICS = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+
+
+class JsonlTracker(GeneralTracker):
+    """metrics.jsonl: one JSON object per logged step, {"step": ..., "tokens": ..., "loss": ..., ...}."""
+
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__()
+        self.path = Path(path)
+
+    @property
+    def tracker(self):
+        return self.path
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+class CsvTracker(GeneralTracker):
+    """metrics.csv, a row per logged step with fixed `columns`, for spreadsheets (log_to: csv)."""
+
+    name = "csv"
+    requires_logging_directory = False
+
+    def __init__(self, path: str | os.PathLike, columns: tuple[str, ...]):
+        super().__init__()
+        self.path, self.columns = Path(path), ("step", *columns)
+
+    @property
+    def tracker(self):
+        return self.path
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        new = not self.path.exists()
+        with open(self.path, "a", newline="") as f:
+            writer = csv.DictWriter(f, self.columns, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow({"step": step, **values})
+
+
+def truncate_metrics(out: Path, step: int) -> None:
+    """Drop the metrics logged after `step` (-1: all of them), from metrics.jsonl and metrics.csv.
+
+    A resumed run logged those steps after its last checkpoint and lost them with the process; without
+    them the files read as one uninterrupted run.
+    """
+    jsonl, table = out / METRICS, out / METRICS_CSV
+    if jsonl.exists():
+        jsonl.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(jsonl) if r["step"] <= step))
+    if table.exists():
+        with open(table, newline="") as f:
+            reader = csv.DictReader(f)
+            rows, columns = [r for r in reader if int(r["step"]) <= step], reader.fieldnames
+        with open(table, "w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_curve(rows: list[dict]) -> tuple[list[int], list[float]]:
+    """(training tokens, eval perplexity) at every evaluation in `rows`."""
+    points = [(r["tokens"], r["eval_perplexity"]) for r in rows if "eval_perplexity" in r]
+    return [t for t, _ in points], [p for _, p in points]
+
+
+def plot_recovery(curves: dict[str, tuple[list[int], list[float]]], parent: float | None, path, title: str) -> None:
+    """Eval perplexity (log scale) against training tokens, one line per curve, the parent dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (tokens, ppl) in curves.items():
+        ax.plot(tokens, ppl, marker="o", markersize=3, label=label)
+    if parent is not None:
+        ax.axhline(parent, color="black", linestyle="--", linewidth=1, label=f"parent ({parent:.1f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("eval perplexity")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,504 @@
+"""The uptraining loop, through accelerate: the same code on a CPU, one GPU, or several with DDP or FSDP.
+
+    output_dir/
+        run.json               the settings that define the run (a rerun must match them to resume)
+        converted/             the converted model, when the run starts from a source and kv_heads
+        checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position
+        metrics.jsonl          step, tokens, loss, lr, tokens/s, eval perplexity
+        recovery.png           eval perplexity vs tokens, the parent as a line
+        final/                 a plain Hugging Face checkpoint
+
+Each optimizer step consumes `micro_batch_size x grad_accum x processes` blocks of `seq_len` tokens; the run
+takes `budget // that` steps. Checkpoints are written to a hidden folder and renamed when complete, so a run
+killed at any moment resumes from its last complete checkpoint and ends as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from gqaify.convert.archs import ARCHITECTURES, LAYER
+from gqaify.data import load_text
+from gqaify.errors import UserError
+from gqaify.eval.perplexity import perplexity
+from gqaify.models import load_config, load_model
+from gqaify.uptrain.data import EpochSampler, packed_blocks
+from gqaify.uptrain.report import (
+    METRICS,
+    METRICS_CSV,
+    CsvTracker,
+    JsonlTracker,
+    eval_curve,
+    plot_recovery,
+    read_metrics,
+    truncate_metrics,
+)
+from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings, check
+
+LOG = logging.getLogger(__name__)
+# accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
+logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+
+RUN_FILE = "run.json"
+PROGRESS_FILE = "progress.json"
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint (accelerate's register_for_checkpointing)."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # training tokens consumed, all processes
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass(frozen=True)
+class UptrainResult:
+    final: Path
+    steps: int
+    tokens: int
+    loss: float | None  # the last step's training loss
+    eval_perplexity: float | None
+    parent_perplexity: float | None
+    metrics: Path
+    plot: Path | None
+
+
+def uptrain(settings: UptrainSettings) -> UptrainResult:
+    """Run (or resume) the uptraining `settings` describe. Call it in every process of a launch.
+
+    Raises:
+        UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    s = settings
+    check(s)
+    out = Path(s.output_dir)
+    _check_paths(s)
+    trackers = [JsonlTracker(out / METRICS)]
+    if "csv" in s.log_to:
+        trackers.append(CsvTracker(out / METRICS_CSV, ("tokens", "loss", "lr", "eval_perplexity")))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=s.grad_accum,
+        mixed_precision=s.mixed_precision,
+        log_with=trackers + [t for t in s.log_to if t != "csv"],
+        project_dir=out,
+    )
+    world = accelerator.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:
+        raise UserError(
+            f"the launcher started {launched} processes but accelerate joined {world}: without a GPU, launch with "
+            "ACCELERATE_USE_CPU=1 (accelerate launch --cpu starts a single process unless MPI is set up)"
+        )
+    run = _claim_output_dir(out, s, world, accelerator)
+    final = out / "final"
+    if run.get("completed") and final.is_dir():
+        return _result_of_finished_run(out, run)
+    set_seed(s.seed)
+
+    model_path = _model_to_train(s, out, accelerator)
+    model, tokenizer = load_model(model_path, torch.float32, "cpu", option="model")
+    saved_dtype = load_config(model_path, option="model").dtype or torch.float32
+    model.train()
+    if s.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    names = _select_trainable(model, s.trainable)
+    params = [p for n, p in model.named_parameters() if n in names]
+
+    with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
+        blocks = packed_blocks(s.data, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
+    tokens_per_step = s.tokens_per_step_per_process * world
+    steps = s.budget() // tokens_per_step
+    if steps < 1:
+        raise UserError(
+            f"the budget of {s.budget():,} tokens is less than one optimizer step of {tokens_per_step:,} "
+            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+        )
+    blocks_per_step = s.micro_batch_size * s.grad_accum * world
+    if not s.streaming and len(blocks) < blocks_per_step:
+        raise UserError(
+            f"data {s.data} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
+            f"{blocks_per_step}; give more text, or lower seq_len or the batch"
+        )
+    loader = _loader(blocks, s, blocks_per_step)
+
+    decay = [p for p in params if p.ndim >= 2]  # matrices decay; norms and biases do not
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": [p for p in params if p.ndim < 2]}]
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0)
+    scheduler = _scheduler(s, optimizer, steps)
+    # The scheduler is stepped here once per optimizer step, not prepared: accelerate would step it once per
+    # process, which makes the schedule depend on the number of processes.
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress, scheduler)
+
+    checkpoints = out / "checkpoints"
+    latest = _latest_checkpoint(checkpoints)
+    if latest is not None:
+        accelerator.load_state(str(latest))
+        LOG.info("resumed from %s (step %d)", latest, progress.step)
+        if accelerator.is_main_process:
+            print(f"resuming from {latest} (step {progress.step} of {steps})")
+
+    teacher = None
+    if s.distill_from:
+        teacher, _ = load_model(s.distill_from, "auto", accelerator.device, option="distill_from")
+        teacher.requires_grad_(False)
+        if teacher.config.vocab_size != accelerator.unwrap_model(model).config.vocab_size:
+            raise UserError(
+                f"distill_from {s.distill_from} has a vocabulary of {teacher.config.vocab_size}, the model "
+                f"{accelerator.unwrap_model(model).config.vocab_size}; distil from the model's parent"
+            )
+    eval_ids = _eval_ids(s, tokenizer)
+    eval_seq_len = s.eval_seq_len or s.seq_len
+    if eval_ids is not None and "parent_perplexity" not in run:
+        run["parent_perplexity"] = _parent_perplexity(s, teacher, eval_ids, eval_seq_len, accelerator, model_path)
+        if accelerator.is_main_process:
+            _write_json(out / RUN_FILE, run)
+
+    if accelerator.is_main_process:
+        truncate_metrics(out, progress.step if latest is not None else -1)
+    accelerator.wait_for_everyone()
+    accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
+
+    def evaluate() -> None:
+        model.eval()
+        ppl = perplexity(model, eval_ids, eval_seq_len, eval_seq_len, progress=False).perplexity
+        model.train()
+        accelerator.log({"tokens": progress.tokens, "eval_perplexity": ppl}, step=progress.step)
+        LOG.info("step %d: eval perplexity %.2f", progress.step, ppl)
+
+    if eval_ids is not None and progress.step == 0:
+        evaluate()
+    bar = tqdm(
+        total=steps,
+        initial=progress.step,
+        unit="step",
+        desc="uptrain",
+        disable=not (s.progress and accelerator.is_main_process) or None,
+    )
+    started, tokens_at_start = time.perf_counter(), progress.tokens
+    step_loss = torch.zeros((), device=accelerator.device)
+    last_loss = None
+    while progress.step < steps:
+        loader.set_epoch(progress.epoch)
+        batches = (
+            accelerator.skip_first_batches(loader, progress.batches_in_epoch) if progress.batches_in_epoch else loader
+        )
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = _loss(model, teacher, batch["input_ids"], s, accelerator)
+                accelerator.backward(loss)
+                step_loss += loss.detach()
+                if accelerator.sync_gradients:
+                    if s.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(params, s.max_grad_norm)
+                    optimizer.step()
+                    if not accelerator.optimizer_step_was_skipped:
+                        scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+            progress.batches_in_epoch += 1
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            progress.tokens += tokens_per_step
+            last_loss = accelerator.reduce(step_loss, "mean").item() / s.grad_accum
+            step_loss.zero_()
+            rate = (progress.tokens - tokens_at_start) / (time.perf_counter() - started)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{rate:,.0f}")
+            if progress.step % s.log_every == 0 or progress.step == steps:
+                lr = scheduler.get_last_lr()[0]
+                accelerator.log(
+                    {"tokens": progress.tokens, "loss": last_loss, "lr": lr, "tokens_per_s": rate}, step=progress.step
+                )
+            if eval_ids is not None and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
+                evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
+            if s.save_every and (progress.step % s.save_every == 0 or progress.step == steps):
+                _save_checkpoint(accelerator, checkpoints, progress, s.save_total_limit)
+            if progress.step == steps:
+                break
+        else:  # the epoch's batches are used up
+            progress.epoch += 1
+            progress.batches_in_epoch = 0
+    bar.close()
+    _save_final(accelerator, model, tokenizer, model_path, final, saved_dtype, s, progress)
+    if accelerator.is_main_process:
+        run["completed"] = True
+        _write_json(out / RUN_FILE, run)
+        _plot(out, run, s)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # last: it also ends the process group
+    return _result_of_finished_run(out, run)
+
+
+# -- pieces of the loop --------------------------------------------------------------------------------------
+
+
+def _loss(model, teacher, ids: torch.Tensor, s: UptrainSettings, accelerator) -> torch.Tensor:
+    """The LM loss (transformers' own, over every next token), mixed with the KL to the teacher if any."""
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    if teacher is None or s.distill_weight == 0:
+        return out.loss
+    with torch.no_grad(), accelerator.autocast():
+        target = teacher(input_ids=ids, use_cache=False).logits
+    kl = distillation_kl(out.logits, target, s.temperature)
+    return (1 - s.distill_weight) * out.loss + s.distill_weight * kl
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) per token, averaged over tokens, of the temperature-softened next-token
+    distributions, times temperature² (Hinton et al.) so its gradients keep their scale as T changes."""
+    vocab = student_logits.shape[-1]
+    student = F.log_softmax(student_logits.float().reshape(-1, vocab) / temperature, dim=-1)  # (tokens, vocab)
+    teacher = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / temperature, dim=-1)
+    return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+
+
+def _select_trainable(model, trainable: str) -> set[str]:
+    """Names of the parameters that train; the others get requires_grad False.
+
+    Raises:
+        UserError: `trainable` needs the architecture table and the model is not in it, or kv-only on a
+            fused QKV projection (one tensor holds Q, K and V).
+    """
+    names = {n for n, _ in model.named_parameters()}
+    if trainable != "all":
+        spec = ARCHITECTURES.get(model.config.model_type)
+        if spec is None:
+            raise UserError(
+                f"trainable {trainable}: gqaify does not know where attention lives in "
+                f"{model.config.model_type}; use trainable all"
+            )
+        attention = re.escape(spec.attention).replace(re.escape(LAYER), r"\d+")
+        if trainable == "attention":
+            pattern = rf"{attention}\."
+        else:
+            if spec.qkv_proj:
+                raise UserError(
+                    f"trainable kv-only: {model.config.model_type} fuses Q, K and V in one tensor; "
+                    "use trainable attention"
+                )
+            kv = [spec.k_proj, spec.v_proj, spec.k_norm, spec.k_norm_per_head and spec.k_norm_per_head.split(".{")[0]]
+            pattern = rf"{attention}\.({'|'.join(re.escape(k) for k in kv if k)})\."
+        names = {n for n in names if re.match(pattern, n)}
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in names)
+    return names
+
+
+def _scheduler(s: UptrainSettings, optimizer, steps: int):
+    from transformers import get_scheduler
+
+    warmup = math.ceil(s.warmup * steps) if s.warmup < 1 else int(s.warmup)
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[s.schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=min(warmup, steps), num_training_steps=steps)
+
+
+def _loader(blocks, s: UptrainSettings, blocks_per_step: int):
+    from torch.utils.data import DataLoader
+
+    if s.streaming:
+        return DataLoader(
+            blocks.shuffle(seed=s.seed, buffer_size=10_000), batch_size=s.micro_batch_size, drop_last=True
+        )
+    sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
+    return DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True)
+
+
+def _eval_ids(s: UptrainSettings, tokenizer) -> torch.Tensor | None:
+    if not s.eval_data:
+        return None
+    text = load_text(s.eval_data, s.eval_split, s.text_column, option="eval_data").text
+    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: s.eval_tokens])
+    if len(ids) < 2:
+        raise UserError(f"eval_data {s.eval_data} gives {len(ids)} token(s); it needs at least 2")
+    return ids
+
+
+def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator, model_path: str) -> float | None:
+    """The parent's perplexity on the eval tokens, for the plot's reference line (computed once per run)."""
+    parent = s.parent or s.distill_from or (s.model if s.kv_heads is not None else None)
+    if parent is None:
+        return None
+    model = teacher if parent == s.distill_from and teacher is not None else None
+    if model is None:
+        model, _ = load_model(parent, "auto", accelerator.device, option="parent")
+    ppl = perplexity(model, eval_ids, seq_len, seq_len, progress=False).perplexity
+    del model
+    return ppl
+
+
+# -- the output folder ---------------------------------------------------------------------------------------
+
+
+def _check_paths(s: UptrainSettings) -> None:
+    out = Path(s.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir {out} is a file; choose a folder")
+    for key in ("model", "distill_from", "parent"):
+        value = getattr(s, key)
+        if value:
+            load_config(value, option=key)  # exists and is a model
+
+
+def _identity(s: UptrainSettings, processes: int) -> dict:
+    values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
+    return {**values, "processes": processes}
+
+
+def _claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator) -> dict:
+    """run.json of `out`, written if new; refuses a folder that holds another run or other files.
+
+    Raises:
+        UserError: `out` holds another run's checkpoints (with different settings) or unrelated files.
+    """
+    from gqaify import __version__
+
+    identity = _identity(s, processes)
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        run = json.loads(run_file.read_text())
+        differs = [k for k in identity if run["settings"].get(k) != identity[k]]
+        if differs:
+            k = differs[0]
+            raise UserError(
+                f"output_dir {out} holds another run's checkpoints (it had {k}={run['settings'].get(k)!r}, now "
+                f"{identity[k]!r}); use a new output_dir, or delete this one to start over"
+            )
+        return run
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
+    run = {"tool": "gqaify", "version": __version__, "settings": identity}
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(run_file, run)
+    accelerator.wait_for_everyone()
+    return run
+
+
+def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
+    """`model` itself, or its conversion to `kv_heads` in output_dir/converted (converted once, atomically)."""
+    if s.kv_heads is None:
+        return s.model
+    converted = out / "converted"
+    if accelerator.is_main_process and not converted.is_dir():
+        from gqaify.convert import convert
+
+        convert(s.model, converted, s.kv_heads, method=s.method, progress=s.progress)
+    accelerator.wait_for_everyone()
+    return str(converted)
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the most steps (complete ones have been renamed out of `.partial-*`)."""
+    found = []
+    for path in root.glob("step-*"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            found.append((json.loads((path / PROGRESS_FILE).read_text())["step"], path))
+    return max(found)[1] if found else None
+
+
+def _save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> None:
+    """accelerate's save_state into a hidden folder, renamed into place when every process has written."""
+    partial = root / f".partial-step-{progress.step:07d}"
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_json(partial / PROGRESS_FILE, progress.state_dict())
+        target = root / f"step-{progress.step:07d}"
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+        done = sorted(root.glob("step-*"), key=lambda p: json.loads((p / PROGRESS_FILE).read_text())["step"])
+        for old in done[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def _save_final(accelerator, model, tokenizer, model_path: str, final: Path, dtype, s, progress: Progress) -> None:
+    """output_dir/final: a plain checkpoint in the converted model's dtype, plus gqaify.json provenance."""
+    from gqaify import __version__
+
+    state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    partial = final.with_name(".partial-final")
+    if partial.exists():
+        shutil.rmtree(partial)
+    unwrapped.config.dtype = dtype
+    unwrapped.save_pretrained(partial, state_dict=state)
+    tokenizer.save_pretrained(partial)
+    provenance_file = Path(model_path) / "gqaify.json"
+    provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
+    provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
+                             "tokens": progress.tokens, "settings": asdict(s)}  # fmt: skip
+    _write_json(partial / "gqaify.json", provenance)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+
+
+def _plot(out: Path, run: dict, s: UptrainSettings) -> None:
+    curve = eval_curve(read_metrics(out / METRICS))
+    if curve[0]:
+        label = f"{Path(s.model).name} ({s.trainable}{', distilled' if s.distill_from else ''})"
+        plot_recovery({label: curve}, run.get("parent_perplexity"), out / "recovery.png", "uptraining recovery")
+
+
+def _result_of_finished_run(out: Path, run: dict) -> UptrainResult:
+    rows = read_metrics(out / METRICS)
+    losses = [r for r in rows if "loss" in r]
+    tokens, ppl = eval_curve(rows)
+    plot = out / "recovery.png"
+    return UptrainResult(
+        final=out / "final",
+        steps=losses[-1]["step"] if losses else 0,
+        tokens=losses[-1]["tokens"] if losses else 0,
+        loss=losses[-1]["loss"] if losses else None,
+        eval_perplexity=ppl[-1] if ppl else None,
+        parent_perplexity=run.get("parent_perplexity"),
+        metrics=out / METRICS,
+        plot=plot if plot.exists() else None,
+    )
+
+
+def _loggable(s: UptrainSettings) -> dict:
+    return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in asdict(s).items()}
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
