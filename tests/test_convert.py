@@ -234,3 +234,28 @@ def test_force_restores_the_old_output_if_the_swap_fails(mha_llama, tmp_path, mo
         gqaify.convert(src, tmp_path / "out", kv_heads=1, force=True, progress=False)
     assert tree_hashes(tmp_path / "out") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_norm_mean_restores_the_groups_mean_row_norm():
+    # two orthogonal heads of one row each, norms 3 and 1: the mean has norm sqrt(10)/2, direction (3, 1)
+    heads = {"k.weight": torch.tensor([[[3.0, 0.0]], [[0.0, 1.0]]]), "v.weight": torch.ones(2, 1, 2)}
+    heads["k.bias"] = torch.tensor([[2.0], [0.0]])
+    out = METHODS["norm-mean"](heads, 1, MethodContext(torch.Generator(), 0.02))
+    k = out["k.weight"][0, 0]
+    assert k.norm().item() == pytest.approx(2.0)  # the mean of the norms 3 and 1
+    assert (k / k.norm()).tolist() == pytest.approx((torch.tensor([3.0, 1.0]) / 10**0.5).tolist())
+    assert out["k.bias"].item() == pytest.approx(1.0 * 2.0 / (10**0.5 / 2))  # scaled with its row
+    assert torch.equal(out["v.weight"], torch.ones(1, 1, 2))  # identical heads: nothing to restore
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "olmo2"])
+def test_norm_mean_on_duplicated_heads_reproduces_the_gqa_model(model_type, tmp_path):
+    from conftest import duplicate_kv_heads
+
+    gqa = build_model(model_type, num_kv_heads=2)
+    save(duplicate_kv_heads(gqa), tmp_path / "mha")
+    gqaify.convert(tmp_path / "mha", tmp_path / "out", kv_heads=2, method="norm-mean", progress=False)
+    ids = sample_ids(gqa.config.vocab_size)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids), rtol=0, atol=1e-5)
+    gqaify.convert(tmp_path / "mha", tmp_path / "same", kv_heads=4, method="norm-mean", progress=False)
+    assert torch.equal(logits(load(tmp_path / "same"), ids), logits(load(tmp_path / "mha"), ids))

@@ -44,6 +44,20 @@ def test_ref_mha_6l(tmp_path):
     assert (tmp_path / "gqa2" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
+@needs_assets
+def test_norm_mean_starts_closer_to_the_parent_than_mean_on_ref_mha_6l(tmp_path):
+    from gqaify.eval.perplexity import perplexity
+
+    src = MODELS / "ref-mha-6L"
+    text = (MODELS.parent / "text" / "wikitext-2-raw-test.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(src)(text[:20_000], return_tensors="pt").input_ids[0, :2048]
+    found = {}
+    for method in ("mean", "norm-mean"):
+        gqaify.convert(src, tmp_path / method, kv_heads=2, method=method, progress=False)
+        found[method] = perplexity(load(tmp_path / method), ids, 512, 512, progress=False).perplexity
+    assert found["norm-mean"] < 0.8 * found["mean"]
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(

@@ -80,3 +80,22 @@ def random(heads: Heads, num_groups: int, ctx: MethodContext) -> Heads:
         else:
             out[key] = mean_pool(t, num_groups)
     return out
+
+
+@method("norm-mean")
+def norm_mean(heads: Heads, num_groups: int, ctx: MethodContext) -> Heads:
+    """Mean-pool, then give every row of each pooled projection the mean norm of the rows it came from.
+
+    Averaging g near-orthogonal heads shrinks each row by about 1/sqrt(g), which flattens attention (K) and
+    dims the output (V); restoring the norm keeps each row's direction (the mean's) and its scale (the
+    group's). A bias is scaled with its row. K norms are mean-pooled.
+    """
+    out = {key: mean_pool(t, num_groups) for key, t in heads.items()}
+    for proj in ("k", "v"):
+        weight = heads[f"{proj}.weight"]  # (KV, d, hidden)
+        target = group(weight.norm(dim=-1), num_groups).mean(dim=1)  # (G, d): the group's mean row norm
+        scale = target / out[f"{proj}.weight"].norm(dim=-1).clamp_min(torch.finfo(weight.dtype).tiny)  # (G, d)
+        out[f"{proj}.weight"] = out[f"{proj}.weight"] * scale.unsqueeze(-1)
+        if f"{proj}.bias" in out:
+            out[f"{proj}.bias"] = out[f"{proj}.bias"] * scale
+    return out
