@@ -125,6 +125,10 @@ def check(s: UptrainSettings) -> None:
     problems += [
         f"{k} must be >= 0, got {getattr(s, k)}; fix it" for k in ("eval_every", "save_every") if getattr(s, k) < 0
     ]
+    from gqaify.convert.methods import METHODS
+
+    if s.method not in METHODS:
+        problems.append(f"method {s.method!r} is not a conversion method; use one of {', '.join(METHODS)}")
     if s.kv_heads is not None and s.kv_heads < 1:
         problems.append(f"kv_heads must be a positive integer, got {s.kv_heads}; fix it")
     if s.max_tokens is not None and s.budget_fraction is not None:
@@ -163,6 +167,7 @@ def build_parser(prog: str = "gqaify uptrain"):
     parser = _Parser(
         UptrainSettings,
         prog=prog,
+        allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
         description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from "
         "--recipe (a YAML file of the fields below) and are overridden by --field value.",
     )

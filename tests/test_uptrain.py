@@ -1,0 +1,320 @@
+"""Uptraining: settings and recipes, packed data, the loop's exactness (resume, processes), distillation,
+trainable subsets, outputs, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
+from gqaify.convert import convert
+from gqaify.uptrain import UptrainSettings, parse, uptrain
+from gqaify.uptrain.data import EpochSampler, packed_blocks
+from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.settings import load_recipe
+from gqaify.uptrain.train import distillation_kl
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A tiny MHA parent (4 heads) with a tokenizer, its GQA-2 mean-pool, training and eval text."""
+    root = tmp_path_factory.mktemp("uptrain")
+    parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")
+    converted = root / "gqa2"
+    convert(parent, converted, 2, progress=False)
+    (root / "train.txt").write_text(CORPUS * 3)
+    (root / "eval.txt").write_text(CORPUS[:600])
+    return {
+        "root": root,
+        "parent": parent,
+        "converted": converted,
+        "train": root / "train.txt",
+        "eval": root / "eval.txt",
+    }
+
+
+def args(tiny, out: Path, *extra: str) -> list[str]:
+    """Command-line settings for a short run on the tiny model: 16-token blocks, 2 x 2 per step."""
+    return [
+        "--model", str(tiny["converted"]), "--output_dir", str(out), "--data", str(tiny["train"]),
+        "--seq_len", "16", "--micro_batch_size", "2", "--grad_accum", "2", "--max_tokens", "1280",
+        "--lr", "1e-3", "--save_every", "0", "--no_progress", *extra,
+    ]  # fmt: skip
+
+
+def run_cli(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gqaify", "uptrain", *argv], capture_output=True, text=True, **kwargs)
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+# -- settings and recipes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_recipe_loads_and_names_its_command(recipe):
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith("# ") and "gqaify" in first and str(recipe.relative_to(REPO)) in first
+    values = load_recipe(recipe)
+    settings = parse(["--recipe", str(recipe)])
+    assert all(getattr(settings, key) == value for key, value in values.items() if not isinstance(value, float))
+
+
+def test_recipes_and_accelerate_configs_are_shipped():
+    names = {r.name for r in RECIPES}
+    assert {"smollm2-135m-mqa.yaml", "ref-mha-6L-gqa2.yaml", "llama2-7b-gqa8.yaml"} <= names
+    assert {c.stem for c in ACCELERATE_CONFIGS} == {"cpu", "single-gpu", "multi-gpu", "fsdp"}
+
+
+@pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=[c.name for c in ACCELERATE_CONFIGS])
+def test_accelerate_configs_load(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(config))
+    assert loaded.compute_environment.value == "LOCAL_MACHINE"
+    if config.stem == "fsdp":
+        assert loaded.distributed_type.value == "FSDP" and loaded.fsdp_config["fsdp_version"] == 2
+
+
+def test_command_line_overrides_the_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: 100\nlr: 3.0e-4\nlog_to: [csv]\n")
+    settings = parse(["--recipe", str(recipe), "--lr", "1e-3", "--trainable", "attention"])
+    assert (settings.lr, settings.trainable, settings.max_tokens, settings.log_to) == (1e-3, "attention", 100, ["csv"])
+
+
+def test_help_lists_every_field_with_its_default():
+    import dataclasses
+
+    done = run_cli(["--help"])
+    assert done.returncode == 0
+    for field in dataclasses.fields(UptrainSettings):
+        assert f"--{field.name}" in done.stdout
+    assert "(default: 256)" in done.stdout  # seq_len
+
+
+def test_budget_fraction_of_pretraining_tokens():
+    s = UptrainSettings(model="m", output_dir="o", data="d", budget_fraction=0.05, pretraining_tokens=2_000_000)
+    assert s.budget() == 100_000
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+
+def test_blocks_pack_documents_with_eos_and_no_padding(tiny, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["converted"])
+    docs = ["the quick brown fox", "jumps over the lazy dog", "perplexity measures surprise"]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    blocks = packed_blocks(str(tmp_path / "d.jsonl"), "train", "text", tokenizer, seq_len=4)
+    stream = [t for d in docs for t in [*tokenizer(d)["input_ids"], tokenizer.eos_token_id]]
+    expected = torch.tensor(stream[: len(stream) // 4 * 4]).view(-1, 4)
+    assert torch.equal(torch.stack([b["input_ids"] for b in blocks]), expected)
+
+
+def test_epoch_order_is_a_function_of_seed_and_epoch():
+    sampler = EpochSampler(10, seed=3, multiple=4)
+    first = list(sampler)
+    assert len(first) == 8 and len(set(first)) == 8  # a whole number of steps, no repeats
+    assert list(EpochSampler(10, seed=3, multiple=4)) == first
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+
+
+# -- the loop ------------------------------------------------------------------------------------------------
+
+
+def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
+    out = tmp_path / "run"
+    result = uptrain(parse(args(tiny, out, "--eval_data", str(tiny["eval"]), "--eval_every", "5",
+                                "--parent", str(tiny["parent"]), "--log_to", "csv")))  # fmt: skip
+    assert result.steps == 20 and result.tokens == 1280  # 1280 tokens / (2 x 2 x 16) per step
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.num_key_value_heads == 2 and model.dtype == torch.float32
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (2 * 16, 64)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 21))
+    assert [r["step"] for r in rows if "eval_perplexity" in r] == [0, 5, 10, 15, 20]
+    assert result.eval_perplexity < rows[0]["eval_perplexity"]  # it learned something
+    assert result.parent_perplexity is not None and (out / "recovery.png").stat().st_size > 0
+    assert (out / "metrics.csv").read_text().splitlines()[0] == "step,tokens,loss,lr,eval_perplexity"
+    provenance = json.loads((out / "final" / "gqaify.json").read_text())
+    assert provenance["kv_heads"] == 2 and provenance["uptrain"]["tokens"] == 1280
+
+
+def test_rerun_of_a_finished_run_does_nothing(tiny, tmp_path):
+    out = tmp_path / "run"
+    first = uptrain(parse(args(tiny, out)))
+    stamp = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    again = uptrain(parse(args(tiny, out)))
+    assert again == first and (out / "final" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path):
+    """Kill the run with SIGKILL after its first checkpoint, rerun the same command: same losses, same weights."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    settings = ("--max_tokens", "16000", "--save_every", "25")  # 250 steps
+    assert run_cli(args(tiny, whole, *settings)).returncode == 0
+    process = subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *args(tiny, cut, *settings)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list((cut / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (cut / "final").exists(), "the run finished before it was killed; give it more steps"
+    assert list((cut / "checkpoints").glob("step-*"))
+    resumed = run_cli(args(tiny, cut, *settings))
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout
+    assert losses(cut) == pytest.approx(losses(whole), abs=1e-6) and len(losses(cut)) == 250
+    a, b = load_file(whole / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
+    """2 processes x micro-batch 2 x accumulation 1 = 1 process x 2 x 2: the same blocks per step."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    uptrain(parse(args(tiny, one)))
+    common = args(tiny, two, "--grad_accum", "1")
+    # accelerate's --cpu starts one process unless MPI is set up; ACCELERATE_USE_CPU with torchrun gives gloo.
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "-m", "gqaify.uptrain"]  # fmt: skip
+    done = subprocess.run([*launch, *common], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((two / "run.json").read_text())["settings"]["processes"] == 2
+    assert len(losses(two)) == 20
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+
+
+def test_launch_without_cpu_flag_on_a_cpu_machine_is_refused(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    done = run_cli(args(tiny, tmp_path / "run"), env={**os.environ, "WORLD_SIZE": "2"})
+    assert done.returncode == 2 and "ACCELERATE_USE_CPU=1" in done.stderr
+
+
+def test_distillation_lowers_kl_to_the_parent(tiny, tmp_path):
+    parent = AutoModelForCausalLM.from_pretrained(tiny["parent"]).eval()
+    ids = AutoTokenizer.from_pretrained(tiny["parent"])(CORPUS, return_tensors="pt").input_ids[:, :256]
+
+    def kl(model_dir) -> float:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            return distillation_kl(model(ids).logits, parent(ids).logits, 1.0).item()
+
+    distilled = uptrain(
+        parse(args(tiny, tmp_path / "kd", "--distill_from", str(tiny["parent"]), "--distill_weight", "1"))
+    )
+    plain = uptrain(parse(args(tiny, tmp_path / "lm")))
+    assert kl(distilled.final) < 0.8 * kl(tiny["converted"]) and kl(distilled.final) < kl(plain.final)
+
+
+def test_distillation_kl_is_the_kl_divergence():
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    p, q = F.softmax(teacher / 2, -1), F.softmax(student / 2, -1)
+    expected = (p * (p.log() - q.log())).sum(-1).mean() * 4
+    assert distillation_kl(student, teacher, 2.0).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert distillation_kl(teacher, teacher, 1.0).item() == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.parametrize("trainable", ["attention", "kv-only"])
+def test_trainable_subset_leaves_other_weights_bit_identical(tiny, tmp_path, trainable):
+    result = uptrain(parse(args(tiny, tmp_path / trainable, "--trainable", trainable)))
+    before, after = load_file(tiny["converted"] / "model.safetensors"), load_file(result.final / "model.safetensors")
+    moves = {"attention": ("self_attn.",), "kv-only": ("self_attn.k_proj.", "self_attn.v_proj.")}[trainable]
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(any(m in k for m in moves) for k in changed)
+    assert all(any(m in k for k in changed) for m in moves)
+
+
+@needs_assets
+def test_loss_goes_down_on_ref_mha_6L_converted_to_gqa2(tmp_path):
+    recipe = REPO / "recipes" / "ref-mha-6L-gqa2.yaml"
+    settings = parse(["--recipe", str(recipe), "--model", str(MODELS / "ref-mha-6L"), "--output_dir",
+                      str(tmp_path / "run"), "--data", str(MODELS.parent / "text" / "tinystories-train-sample.txt"),
+                      "--distill_from", str(MODELS / "ref-mha-6L"), "--max_tokens", "24576", "--micro_batch_size",
+                      "4", "--grad_accum", "1", "--eval_data", "", "--save_every", "0", "--no_progress"])  # fmt: skip
+    uptrain(settings)
+    curve = losses(tmp_path / "run")
+    assert len(curve) == 24 and sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_missing_recipe(tmp_path):
+    assert "recipe nope.yaml does not exist" in one_line_error(run_cli(["--recipe", "nope.yaml"], cwd=tmp_path))
+
+
+def test_unknown_recipe_key_names_the_nearest(tmp_path):
+    (tmp_path / "r.yaml").write_text("model: m\nlearning_rate: 1e-3\n")
+    line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
+    assert "unknown key 'learning_rate'" in line and "did you mean" in line
+
+
+def test_unknown_option_names_the_nearest():
+    assert "unknown option --max_token (did you mean --max_tokens?)" in one_line_error(run_cli(["--max_token", "5"]))
+
+
+@pytest.mark.parametrize("budget", ["0", "-5"])
+def test_budget_must_be_positive(tiny, tmp_path, budget):
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--max_tokens", budget)))
+    assert "max_tokens must be > 0" in line and not (tmp_path / "run").exists()
+
+
+def test_data_smaller_than_one_block(tiny, tmp_path):
+    (tmp_path / "short.txt").write_text("a few words")
+    line = one_line_error(
+        run_cli(args(tiny, tmp_path / "run", "--data", str(tmp_path / "short.txt"), "--seq_len", "64"))
+    )
+    assert "less than one block of seq_len 64" in line and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    uptrain(parse(args(tiny, out, "--save_every", "10")))
+    before = sorted(p.name for p in out.rglob("*"))
+    line = one_line_error(run_cli(args(tiny, out, "--lr", "5e-4")))
+    assert "holds another run's checkpoints (it had lr=0.001, now 0.0005)" in line
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert "holds no gqaify run" in one_line_error(run_cli(args(tiny, tmp_path / "run")))
+
+
+def test_missing_model_and_settings_are_reported_together(tmp_path):
+    line = one_line_error(run_cli(["--output_dir", str(tmp_path / "o"), "--seq_len", "0"]))
+    assert "model is required" in line and "data is required" in line and "seq_len must be a positive" in line
+
+
+def test_streaming_data_trains_for_the_whole_budget(tiny, tmp_path):
+    result = uptrain(parse(args(tiny, tmp_path / "run", "--streaming", "--max_tokens", "6400")))
+    curve = losses(tmp_path / "run")
+    assert result.steps == 100 and len(curve) == 100  # several passes over the text
+    assert sum(curve[-10:]) < sum(curve[:10])
