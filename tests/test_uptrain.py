@@ -203,8 +203,8 @@ def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
 
 
-def test_launch_without_cpu_flag_on_a_cpu_machine_is_refused(tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+def test_processes_that_do_not_join_one_group_are_refused(tiny, tmp_path):
+    """What torchrun without ACCELERATE_USE_CPU gives on a CPU machine: each process alone, WORLD_SIZE 2."""
     done = run_cli(args(tiny, tmp_path / "run"), env={**os.environ, "WORLD_SIZE": "2"})
     assert done.returncode == 2 and "ACCELERATE_USE_CPU=1" in done.stderr
 
@@ -248,7 +248,7 @@ def test_loss_goes_down_on_ref_mha_6L_converted_to_gqa2(tmp_path):
     recipe = REPO / "recipes" / "ref-mha-6L-gqa2.yaml"
     settings = parse(["--recipe", str(recipe), "--model", str(MODELS / "ref-mha-6L"), "--output_dir",
                       str(tmp_path / "run"), "--data", str(MODELS.parent / "text" / "tinystories-train-sample.txt"),
-                      "--distill_from", str(MODELS / "ref-mha-6L"), "--max_tokens", "24576", "--micro_batch_size",
+                      "--distill_from", "", "--max_tokens", "24576", "--micro_batch_size",
                       "4", "--grad_accum", "1", "--eval_data", "", "--save_every", "0", "--no_progress"])  # fmt: skip
     uptrain(settings)
     curve = losses(tmp_path / "run")
@@ -318,3 +318,12 @@ def test_streaming_data_trains_for_the_whole_budget(tiny, tmp_path):
     curve = losses(tmp_path / "run")
     assert result.steps == 100 and len(curve) == 100  # several passes over the text
     assert sum(curve[-10:]) < sum(curve[:10])
+
+
+def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--log_to", "tensorboard")))
+    assert "log_to tensorboard needs its package; pip install tensorboard" in line

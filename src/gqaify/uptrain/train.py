@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from gqaify.convert.archs import ARCHITECTURES, LAYER
+from gqaify.convert.archs import ARCHITECTURES, HEAD, LAYER
 from gqaify.data import load_text
 from gqaify.errors import UserError
 from gqaify.eval.perplexity import perplexity
@@ -53,6 +53,7 @@ LOG = logging.getLogger(__name__)
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
 PROGRESS_FILE = "progress.json"
 
 
@@ -91,32 +92,15 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
     Raises:
         UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
     """
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
+    from accelerate.utils import set_seed
 
     s = settings
     check(s)
-    out = Path(s.output_dir)
     _check_paths(s)
-    trackers = [JsonlTracker(out / METRICS)]
-    if "csv" in s.log_to:
-        trackers.append(CsvTracker(out / METRICS_CSV, ("tokens", "loss", "lr", "eval_perplexity")))
-    accelerator = Accelerator(
-        gradient_accumulation_steps=s.grad_accum,
-        mixed_precision=s.mixed_precision,
-        log_with=trackers + [t for t in s.log_to if t != "csv"],
-        project_dir=out,
-    )
-    world = accelerator.num_processes
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != world:
-        raise UserError(
-            f"the launcher started {launched} processes but accelerate joined {world}: without a GPU, launch with "
-            "ACCELERATE_USE_CPU=1 (accelerate launch --cpu starts a single process unless MPI is set up)"
-        )
-    run = _claim_output_dir(out, s, world, accelerator)
-    final = out / "final"
-    if run.get("completed") and final.is_dir():
+    out = Path(s.output_dir)
+    accelerator = _accelerator(s, out)
+    run = _claim_output_dir(out, s, accelerator.num_processes, accelerator)
+    if run.get("completed") and (out / "final").is_dir():
         return _result_of_finished_run(out, run)
     set_seed(s.seed)
 
@@ -126,93 +110,52 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
     model.train()
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    names = _select_trainable(model, s.trainable)
-    params = [p for n, p in model.named_parameters() if n in names]
-
-    with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
-        blocks = packed_blocks(s.data, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
-    tokens_per_step = s.tokens_per_step_per_process * world
-    steps = s.budget() // tokens_per_step
-    if steps < 1:
-        raise UserError(
-            f"the budget of {s.budget():,} tokens is less than one optimizer step of {tokens_per_step:,} "
-            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
-        )
-    blocks_per_step = s.micro_batch_size * s.grad_accum * world
-    if not s.streaming and len(blocks) < blocks_per_step:
-        raise UserError(
-            f"data {s.data} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
-            f"{blocks_per_step}; give more text, or lower seq_len or the batch"
-        )
-    loader = _loader(blocks, s, blocks_per_step)
-
-    decay = [p for p in params if p.ndim >= 2]  # matrices decay; norms and biases do not
-    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": [p for p in params if p.ndim < 2]}]
-    # torch's fused AdamW (one kernel for all tensors: 7x faster than the default on this CPU); not with FSDP,
-    # whose sharded parameters accelerate swaps into the optimizer after prepare.
-    fused = accelerator.distributed_type != DistributedType.FSDP
-    optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0, fused=fused)
-    scheduler = _scheduler(s, optimizer, steps)
-    # The scheduler is stepped here once per optimizer step, not prepared: accelerate would step it once per
+    params = _select_trainable(model, s.trainable)
+    loader, steps = _data(s, tokenizer, accelerator)
+    optimizer, scheduler = _optimizer(s, params, steps, accelerator)
+    # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
-
-    checkpoints = out / "checkpoints"
-    latest = _latest_checkpoint(checkpoints)
+    latest = _latest_checkpoint(out / CHECKPOINTS)
     if latest is not None:
         accelerator.load_state(str(latest))
-        LOG.info("resumed from %s (step %d)", latest, progress.step)
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {steps})")
-
-    teacher = None
-    if s.distill_from:
-        teacher, _ = load_model(s.distill_from, "auto", accelerator.device, option="distill_from")
-        teacher.requires_grad_(False)
-        if teacher.config.vocab_size != accelerator.unwrap_model(model).config.vocab_size:
-            raise UserError(
-                f"distill_from {s.distill_from} has a vocabulary of {teacher.config.vocab_size}, the model "
-                f"{accelerator.unwrap_model(model).config.vocab_size}; distil from the model's parent"
-            )
-    eval_ids = _eval_ids(s, tokenizer)
-    eval_seq_len = s.eval_seq_len or s.seq_len
-    if eval_ids is not None and "parent_perplexity" not in run:
-        run["parent_perplexity"] = _parent_perplexity(s, teacher, eval_ids, eval_seq_len, accelerator, model_path)
-        if accelerator.is_main_process:
-            _write_json(out / RUN_FILE, run)
+    teacher = _teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
+    evaluate = _evaluator(s, tokenizer, teacher, model, accelerator, run, out, progress)
 
     if accelerator.is_main_process:
         truncate_metrics(out, progress.step if latest is not None else -1)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
-
-    def evaluate() -> None:
-        model.eval()
-        ppl = perplexity(model, eval_ids, eval_seq_len, eval_seq_len, progress=False).perplexity
-        model.train()
-        accelerator.log({"tokens": progress.tokens, "eval_perplexity": ppl}, step=progress.step)
-        LOG.info("step %d: eval perplexity %.2f", progress.step, ppl)
-
-    if eval_ids is not None and progress.step == 0:
+    if evaluate and progress.step == 0:
         evaluate()
-    bar = tqdm(
-        total=steps,
-        initial=progress.step,
-        unit="step",
-        desc="uptrain",
-        disable=not (s.progress and accelerator.is_main_process) or None,
-    )
+    _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress, steps, evaluate, out)
+
+    _save_final(accelerator, model, tokenizer, model_path, out / "final", saved_dtype, s, progress)
+    if accelerator.is_main_process:
+        run["completed"] = True
+        _write_json(out / RUN_FILE, run)
+        _plot(out, run, s)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # last: it also ends the process group
+    return _result_of_finished_run(out, run)
+
+
+def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress: Progress, steps: int,
+           evaluate, out: Path) -> None:  # fmt: skip
+    """The loop: from `progress` to `steps` optimizer steps, logging, evaluating and checkpointing."""
+    tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
+    bar = tqdm(total=steps, initial=progress.step, unit="step", desc="uptrain",
+               disable=not (s.progress and accelerator.is_main_process) or None)  # fmt: skip
     started, tokens_at_start = time.perf_counter(), progress.tokens
     step_loss = torch.zeros((), device=accelerator.device)
-    last_loss = None
     while progress.step < steps:
         loader.set_epoch(progress.epoch)
-        batches = (
-            accelerator.skip_first_batches(loader, progress.batches_in_epoch) if progress.batches_in_epoch else loader
-        )
-        for batch in batches:
+        skip = progress.batches_in_epoch  # batches a resumed run already consumed in this epoch
+        for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
             with accelerator.accumulate(model):
                 loss = _loss(model, teacher, batch["input_ids"], s, accelerator)
                 accelerator.backward(loss)
@@ -229,38 +172,149 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
                 continue
             progress.step += 1
             progress.tokens += tokens_per_step
-            last_loss = accelerator.reduce(step_loss, "mean").item() / s.grad_accum
+            loss = accelerator.reduce(step_loss, "mean").item() / s.grad_accum  # mean over micro-batches
             step_loss.zero_()
             rate = (progress.tokens - tokens_at_start) / (time.perf_counter() - started)
             bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{rate:,.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
             if progress.step % s.log_every == 0 or progress.step == steps:
-                lr = scheduler.get_last_lr()[0]
-                accelerator.log(
-                    {"tokens": progress.tokens, "loss": last_loss, "lr": lr, "tokens_per_s": rate, "time": time.time()},
-                    step=progress.step,
-                )
-            if eval_ids is not None and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
+                row = {"tokens": progress.tokens, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                       "tokens_per_s": rate, "time": time.time()}  # fmt: skip
+                accelerator.log(row, step=progress.step)
+            if evaluate and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
                 evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
             if s.save_every and (progress.step % s.save_every == 0 or progress.step == steps):
-                _save_checkpoint(accelerator, checkpoints, progress, s.save_total_limit)
+                _save_checkpoint(accelerator, out / CHECKPOINTS, progress, s.save_total_limit)
             if progress.step == steps:
                 break
         else:  # the epoch's batches are used up
             progress.epoch += 1
             progress.batches_in_epoch = 0
     bar.close()
-    _save_final(accelerator, model, tokenizer, model_path, final, saved_dtype, s, progress)
-    if accelerator.is_main_process:
-        run["completed"] = True
-        _write_json(out / RUN_FILE, run)
-        _plot(out, run, s)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # last: it also ends the process group
-    return _result_of_finished_run(out, run)
 
 
 # -- pieces of the loop --------------------------------------------------------------------------------------
+
+
+def _accelerator(s: UptrainSettings, out: Path):
+    """The Accelerator, with metrics.jsonl (and .csv) trackers; refuses processes that did not join one group.
+
+    Raises:
+        UserError: a tracker in log_to is not installed.
+        UserError: the launcher started N processes but accelerate sees fewer (torchrun on a CPU machine
+            without ACCELERATE_USE_CPU: every process would train alone).
+    """
+    from accelerate import Accelerator
+    from accelerate.tracking import get_available_trackers
+
+    available = {str(t) for t in get_available_trackers()} | {"csv"}
+    missing = [t for t in s.log_to if t not in available]  # accelerate would drop them without a word
+    if missing:
+        raise UserError(f"log_to {missing[0]} needs its package; pip install {missing[0]}")
+    trackers = [JsonlTracker(out / METRICS)]
+    if "csv" in s.log_to:
+        trackers.append(CsvTracker(out / METRICS_CSV, ("tokens", "loss", "lr", "eval_perplexity")))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=s.grad_accum,
+        mixed_precision=s.mixed_precision,
+        log_with=trackers + [t for t in s.log_to if t != "csv"],
+        project_dir=out,
+    )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise UserError(
+            f"the launcher started {launched} processes but accelerate joined {accelerator.num_processes}: "
+            "without a GPU, launch with ACCELERATE_USE_CPU=1 (accelerate launch --cpu starts a single process "
+            "unless MPI is set up)"
+        )
+    return accelerator
+
+
+def _data(s: UptrainSettings, tokenizer, accelerator):
+    """(DataLoader of packed blocks, optimizer steps in the budget).
+
+    Raises:
+        UserError: the budget is less than one step, or the data packs into fewer blocks than one step needs.
+    """
+    from torch.utils.data import DataLoader
+
+    with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
+        blocks = packed_blocks(s.data, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
+    tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
+    steps = s.budget() // tokens_per_step
+    if steps < 1:
+        raise UserError(
+            f"the budget of {s.budget():,} tokens is less than one optimizer step of {tokens_per_step:,} "
+            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+        )
+    blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
+    if s.streaming:
+        shuffled = blocks.shuffle(seed=s.seed, buffer_size=10_000)
+        return DataLoader(shuffled, batch_size=s.micro_batch_size, drop_last=True), steps
+    if len(blocks) < blocks_per_step:
+        raise UserError(
+            f"data {s.data} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
+            f"{blocks_per_step}; give more text, or lower seq_len or the batch"
+        )
+    sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
+    return DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True), steps
+
+
+def _optimizer(s: UptrainSettings, params: list[torch.nn.Parameter], steps: int, accelerator):
+    """AdamW over `params` (matrices decay; norms and biases do not) and its warm-up + decay schedule."""
+    from accelerate.utils import DistributedType
+    from transformers import get_scheduler
+
+    decay = [p for p in params if p.ndim >= 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": [p for p in params if p.ndim < 2]}]
+    # torch's fused AdamW (one kernel for all tensors: 7x faster than the default on this CPU); not with FSDP,
+    # whose sharded parameters accelerate swaps into the optimizer after prepare.
+    fused = accelerator.distributed_type != DistributedType.FSDP
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0, fused=fused)
+    warmup = math.ceil(s.warmup * steps) if s.warmup < 1 else int(s.warmup)
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[s.schedule]
+    return optimizer, get_scheduler(name, optimizer, num_warmup_steps=min(warmup, steps), num_training_steps=steps)
+
+
+def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
+    """The distillation teacher in eval mode on this process's device, or None.
+
+    Raises:
+        UserError: its vocabulary differs from the student's.
+    """
+    if not s.distill_from:
+        return None
+    teacher, _ = load_model(s.distill_from, "auto", accelerator.device, option="distill_from")
+    teacher.requires_grad_(False)
+    if teacher.config.vocab_size != vocab_size:
+        raise UserError(
+            f"distill_from {s.distill_from} has a vocabulary of {teacher.config.vocab_size}, the model "
+            f"{vocab_size}; distil from the model's parent"
+        )
+    return teacher
+
+
+def _evaluator(s, tokenizer, teacher, model, accelerator, run: dict, out: Path, progress: Progress):
+    """A function that logs the eval perplexity at the current step, or None without eval_data.
+
+    The parent's perplexity on the same tokens is measured once per run and kept in run.json.
+    """
+    ids = _eval_ids(s, tokenizer)
+    if ids is None:
+        return None
+    seq_len = s.eval_seq_len or s.seq_len
+    if "parent_perplexity" not in run:
+        run["parent_perplexity"] = _parent_perplexity(s, teacher, ids, seq_len, accelerator)
+        if accelerator.is_main_process:
+            _write_json(out / RUN_FILE, run)
+
+    def evaluate() -> None:
+        model.eval()
+        ppl = perplexity(model, ids, seq_len, seq_len, progress=False).perplexity
+        model.train()
+        accelerator.log({"tokens": progress.tokens, "eval_perplexity": ppl}, step=progress.step)
+
+    return evaluate
 
 
 def _loss(model, teacher, ids: torch.Tensor, s: UptrainSettings, accelerator) -> torch.Tensor:
@@ -283,8 +337,8 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
 
 
-def _select_trainable(model, trainable: str) -> set[str]:
-    """Names of the parameters that train; the others get requires_grad False.
+def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
+    """The parameters that train; the others get requires_grad False.
 
     Raises:
         UserError: `trainable` needs the architecture table and the model is not in it, or kv-only on a
@@ -307,31 +361,17 @@ def _select_trainable(model, trainable: str) -> set[str]:
                     f"trainable kv-only: {model.config.model_type} fuses Q, K and V in one tensor; "
                     "use trainable attention"
                 )
-            kv = [spec.k_proj, spec.v_proj, spec.k_norm, spec.k_norm_per_head and spec.k_norm_per_head.split(".{")[0]]
+            kv = [
+                spec.k_proj,
+                spec.v_proj,
+                spec.k_norm,
+                spec.k_norm_per_head and spec.k_norm_per_head.split(f".{HEAD}")[0],
+            ]
             pattern = rf"{attention}\.({'|'.join(re.escape(k) for k in kv if k)})\."
         names = {n for n in names if re.match(pattern, n)}
     for name, param in model.named_parameters():
         param.requires_grad_(name in names)
-    return names
-
-
-def _scheduler(s: UptrainSettings, optimizer, steps: int):
-    from transformers import get_scheduler
-
-    warmup = math.ceil(s.warmup * steps) if s.warmup < 1 else int(s.warmup)
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[s.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=min(warmup, steps), num_training_steps=steps)
-
-
-def _loader(blocks, s: UptrainSettings, blocks_per_step: int):
-    from torch.utils.data import DataLoader
-
-    if s.streaming:
-        return DataLoader(
-            blocks.shuffle(seed=s.seed, buffer_size=10_000), batch_size=s.micro_batch_size, drop_last=True
-        )
-    sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
-    return DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True)
+    return [p for n, p in model.named_parameters() if n in names]
 
 
 def _eval_ids(s: UptrainSettings, tokenizer) -> torch.Tensor | None:
@@ -344,7 +384,7 @@ def _eval_ids(s: UptrainSettings, tokenizer) -> torch.Tensor | None:
     return ids
 
 
-def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator, model_path: str) -> float | None:
+def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float | None:
     """The parent's perplexity on the eval tokens, for the plot's reference line (computed once per run)."""
     parent = s.parent or s.distill_from or (s.model if s.kv_heads is not None else None)
     if parent is None:
