@@ -151,15 +151,15 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
     bar = tqdm(total=steps, initial=progress.step, unit="step", desc="uptrain",
                disable=not (s.progress and accelerator.is_main_process) or None)  # fmt: skip
     started, tokens_at_start = time.perf_counter(), progress.tokens
-    step_loss = torch.zeros((), device=accelerator.device)
+    step_loss = torch.zeros(2, device=accelerator.device)  # (loss, LM loss) summed over micro-batches
     while progress.step < steps:
         loader.set_epoch(progress.epoch)
         skip = progress.batches_in_epoch  # batches a resumed run already consumed in this epoch
         for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
             with accelerator.accumulate(model):
-                loss = _loss(model, teacher, batch["input_ids"], s, accelerator)
+                loss, lm_loss = _loss(model, teacher, batch["input_ids"], s, accelerator)
                 accelerator.backward(loss)
-                step_loss += loss.detach()
+                step_loss += torch.stack([loss.detach(), lm_loss])
                 if accelerator.sync_gradients:
                     if s.max_grad_norm > 0:  # the prepared model's parameters: FSDP replaces the originals
                         accelerator.clip_grad_norm_(model.parameters(), s.max_grad_norm)
@@ -172,13 +172,13 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
                 continue
             progress.step += 1
             progress.tokens += tokens_per_step
-            loss = accelerator.reduce(step_loss, "mean").item() / s.grad_accum  # mean over micro-batches
+            loss, lm_loss = (accelerator.reduce(step_loss, "mean") / s.grad_accum).tolist()  # micro-batch means
             step_loss.zero_()
             rate = (progress.tokens - tokens_at_start) / (time.perf_counter() - started)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
             if progress.step % s.log_every == 0 or progress.step == steps:
-                row = {"tokens": progress.tokens, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                row = {"tokens": progress.tokens, "loss": loss, "lm_loss": lm_loss, "lr": scheduler.get_last_lr()[0],
                        "tokens_per_s": rate, "time": time.time()}  # fmt: skip
                 accelerator.log(row, step=progress.step)
             if evaluate and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
@@ -317,15 +317,16 @@ def _evaluator(s, tokenizer, teacher, model, accelerator, run: dict, out: Path, 
     return evaluate
 
 
-def _loss(model, teacher, ids: torch.Tensor, s: UptrainSettings, accelerator) -> torch.Tensor:
-    """The LM loss (transformers' own, over every next token), mixed with the KL to the teacher if any."""
+def _loss(model, teacher, ids: torch.Tensor, s: UptrainSettings, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to train on, the LM loss alone): transformers' LM loss over every next token, mixed with the
+    KL to the teacher if there is one."""
     out = model(input_ids=ids, labels=ids, use_cache=False)
     if teacher is None or s.distill_weight == 0:
-        return out.loss
+        return out.loss, out.loss.detach()
     with torch.no_grad(), accelerator.autocast():
         target = teacher(input_ids=ids, use_cache=False).logits
     kl = distillation_kl(out.logits, target, s.temperature)
-    return (1 - s.distill_weight) * out.loss + s.distill_weight * kl
+    return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
