@@ -30,17 +30,19 @@ REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 
-# name -> overrides of the recipe (which distils from the parent into every weight of the mean-pooled model)
+# name -> (folder under OUT, overrides of the recipe, which distils from the parent into every weight)
 VARIANTS = {
-    "mean (LM loss)": ["--method", "mean", "--distill_weight", "0"],
-    "mean (distilled)": ["--method", "mean"],
-}
+    "mean (LM loss)": ("mean-LM_loss", ["--method", "mean", "--distill_weight", "0"]),
+    "mean (distilled)": ("mean-distilled", ["--method", "mean"]),
+    "mean (half distilled, lr 1e-3)": ("mean-half-distilled-lr1e-3", ["--method", "mean", "--distill_weight", "0.5",
+                                                                       "--lr", "1e-3"]),
+}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=100_000, help="training tokens per variant")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="|".join(VARIANTS), help=f"separated by |, of: {' | '.join(VARIANTS)}")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     parser.add_argument("--out", default="runs/bench/uptrain", help="output folder")
     parser.add_argument("--speed-steps", type=int, default=6, help="steps per timed run in the Trainer comparison")
@@ -55,7 +57,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.skip_recovery:
-        recovery(gguf, out, args.variants.split(","), args.tokens, args.eval_every)
+        recovery(gguf, out, args.variants.split("|"), args.tokens, args.eval_every)
     if not args.skip_speed:
         speed(gguf, out, args.speed_steps, args.speed_repeats)
 
@@ -68,20 +70,22 @@ def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every
 
     curves, parent, rows = {}, None, []
     for name in variants:
-        run_dir = out / name.replace(" (", "-").rstrip(")").replace(" ", "_")
+        folder, overrides = VARIANTS[name]
+        run_dir = out / folder
         command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(RECIPE), "--model", str(gguf),
                    "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(tokens),
                    "--eval_every", str(eval_every), "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
-                   "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *VARIANTS[name]]  # fmt: skip
+                   "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *overrides]  # fmt: skip
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
-        started = time.perf_counter()
-        subprocess.run(command, check=True)
+        done = run_dir / "run.json"
+        if not (done.exists() and json.loads(done.read_text()).get("completed")):  # else: measured before
+            subprocess.run(command, check=True)
         metrics = read_metrics(run_dir / "metrics.jsonl")
         curves[name] = eval_curve(metrics)
         parent = json.loads((run_dir / "run.json").read_text()).get("parent_perplexity", parent)
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
-        rows.append({"variant": name, "overrides": VARIANTS[name], "curve": list(zip(*curves[name], strict=True)),
-                     "tokens_per_s": rate, "seconds": time.perf_counter() - started})  # fmt: skip
+        rows.append({"variant": name, "overrides": overrides, "curve": list(zip(*curves[name], strict=True)),
+                     "tokens_per_s": rate})  # fmt: skip
     plot_recovery(curves, parent, out / "recovery.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
     (out / "recovery.json").write_text(json.dumps({"parent_perplexity": parent, "variants": rows}, indent=2))
     table = recovery_table(rows, parent)
