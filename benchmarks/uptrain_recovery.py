@@ -30,12 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 
-# name -> (folder under OUT, overrides of the recipe, which distils from the parent into every weight)
+# name -> (folder under OUT, overrides of the recipe: every variant trains all weights of the mean-pooled model)
 VARIANTS = {
-    "mean (LM loss)": ("mean-LM_loss", ["--method", "mean", "--distill_weight", "0"]),
-    "mean (distilled)": ("mean-distilled", ["--method", "mean"]),
+    "mean (LM loss)": ("mean-LM_loss", ["--method", "mean", "--distill_weight", "0", "--lr", "3e-4"]),
+    "mean (distilled)": ("mean-distilled", ["--method", "mean", "--distill_weight", "1", "--lr", "3e-4"]),
     "mean (half distilled, lr 1e-3)": ("mean-half-distilled-lr1e-3", ["--method", "mean", "--distill_weight", "0.5",
-                                                                       "--lr", "1e-3"]),
+                                                                       "--lr", "1e-3"]),  # the recipe's settings
 }  # fmt: skip
 
 
