@@ -116,7 +116,7 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
         f"perplexity on {origin.split(' from ')[0]}: parent {report.models[0].perplexity:,.2f}, "
         f"MQA before uptraining {before:,.2f}, after {result.tokens:,} tokens {result.eval_perplexity:,.2f}"
     )
-    print("the full recovery curve: python benchmarks/uptrain_recovery.py (README, Uptraining)")
+    print("the full recovery curve: python benchmarks/uptrain_recovery.py (README, gqaify uptrain)")
 
 
 def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
