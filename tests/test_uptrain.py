@@ -290,7 +290,13 @@ def test_data_smaller_than_one_block(tiny, tmp_path):
     line = one_line_error(
         run_cli(args(tiny, tmp_path / "run", "--data", str(tmp_path / "short.txt"), "--seq_len", "64"))
     )
-    assert "less than one block of seq_len 64" in line and not (tmp_path / "run" / "checkpoints").exists()
+    assert "less than one block of seq_len 64" in line and not (tmp_path / "run").exists()
+
+
+def test_missing_eval_data_leaves_an_empty_output_dir_as_it_was(tiny, tmp_path):
+    (tmp_path / "run").mkdir()
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--eval_data", str(tmp_path / "nope.txt"))))
+    assert "eval_data" in line and "no such file" in line and list((tmp_path / "run").iterdir()) == []
 
 
 def test_output_dir_of_another_run_is_refused(tiny, tmp_path):

@@ -92,16 +92,29 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
     Raises:
         UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
     """
-    from accelerate.utils import set_seed
-
     s = settings
     check(s)
     _check_paths(s)
     out = Path(s.output_dir)
     accelerator = _accelerator(s, out)
+    existed = out.exists()
     run = _claim_output_dir(out, s, accelerator.num_processes, accelerator)
     if run.get("completed") and (out / "final").is_dir():
         return _result_of_finished_run(out, run)
+    try:
+        return _run(s, out, accelerator, run)
+    except UserError:  # bad data, eval data or teacher, found before any training: leave nothing behind
+        if "started" not in run and accelerator.is_main_process:
+            shutil.rmtree(out, ignore_errors=True)
+            if existed:
+                out.mkdir()
+        raise
+
+
+def _run(s: UptrainSettings, out: Path, accelerator, run: dict) -> UptrainResult:
+    """The run in a claimed output_dir: model, data, optimizer, resume, the loop, the final save."""
+    from accelerate.utils import set_seed
+
     set_seed(s.seed)
 
     model_path = _model_to_train(s, out, accelerator)
@@ -130,6 +143,9 @@ def uptrain(settings: UptrainSettings) -> UptrainResult:
         truncate_metrics(out, progress.step if latest is not None else -1)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
+    run["started"] = True
+    if accelerator.is_main_process:
+        _write_json(out / RUN_FILE, run)
     if evaluate and progress.step == 0:
         evaluate()
     _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress, steps, evaluate, out)
