@@ -156,15 +156,14 @@ def _run_eval(args) -> None:
 
 
 def _run_uptrain(args) -> None:
+    from accelerate import PartialState
     from transformers.utils import logging as transformers_logging
 
     from gqaify.uptrain import parse, uptrain
 
     transformers_logging.disable_progress_bar()  # loading and saving bars between the training bar's updates
     result = uptrain(parse(args.rest, prog=args.prog))
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
+    if PartialState().is_main_process:  # one summary per launch
         print(format_uptrain_summary(result))
 
 
