@@ -46,12 +46,12 @@ def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: i
         return {"input_ids": [stream[i : i + seq_len] for i in range(0, whole, seq_len)]}
 
     columns = rows.column_names or [text_column]
-    blocks = rows.map(tokenize, batched=True, batch_size=DOCUMENTS_PER_MAP, remove_columns=columns)
-    blocks = blocks.map(pack, batched=True, batch_size=DOCUMENTS_PER_MAP)
+    documents = rows.map(tokenize, batched=True, batch_size=DOCUMENTS_PER_MAP, remove_columns=columns)
+    blocks = documents.map(pack, batched=True, batch_size=DOCUMENTS_PER_MAP)
     if streaming:
         return blocks.with_format("torch")
     if len(blocks) == 0:
-        tokens = sum(len(ids) for ids in rows.map(tokenize, batched=True, remove_columns=columns)["input_ids"])
+        tokens = sum(len(ids) for ids in documents["input_ids"])
         raise UserError(
             f"data {data} gives {tokens:,} tokens, less than one block of seq_len {seq_len}; "
             "give more text or lower seq_len"
