@@ -476,13 +476,18 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     return str(converted)
 
 
-def _latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the most steps (complete ones have been renamed out of `.partial-*`)."""
+def _checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root` (renamed out of `.partial-*`), oldest first by their recorded step."""
     found = []
     for path in root.glob("step-*"):
         with contextlib.suppress(OSError, ValueError, KeyError):
             found.append((json.loads((path / PROGRESS_FILE).read_text())["step"], path))
-    return max(found)[1] if found else None
+    return [path for _, path in sorted(found)]
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the most steps, or None."""
+    return (_checkpoints(root) or [None])[-1]
 
 
 def _save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> None:
@@ -499,8 +504,7 @@ def _save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> 
         if target.exists():
             shutil.rmtree(target)
         os.replace(partial, target)
-        done = sorted(root.glob("step-*"), key=lambda p: json.loads((p / PROGRESS_FILE).read_text())["step"])
-        for old in done[:-keep]:
+        for old in _checkpoints(root)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
@@ -534,14 +538,15 @@ def _save_final(accelerator, model, tokenizer, model_path: str, final: Path, dty
 def _plot(out: Path, run: dict, s: UptrainSettings) -> None:
     curve = eval_curve(read_metrics(out / METRICS))
     if curve[0]:
-        label = f"{Path(s.model).name} ({s.trainable}{', distilled' if s.distill_from else ''})"
+        distilled = ", distilled" if s.distill_from and s.distill_weight > 0 else ""
+        label = f"{Path(s.model).name} ({s.trainable}{distilled})"
         plot_recovery({label: curve}, run.get("parent_perplexity"), out / "recovery.png", "uptraining recovery")
 
 
 def _result_of_finished_run(out: Path, run: dict) -> UptrainResult:
     rows = read_metrics(out / METRICS)
     losses = [r for r in rows if "loss" in r]
-    tokens, ppl = eval_curve(rows)
+    _, ppl = eval_curve(rows)
     plot = out / "recovery.png"
     return UptrainResult(
         final=out / "final",
