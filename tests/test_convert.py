@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 import gqaify
 from conftest import build_model, load, logits, sample_ids, save, tree_hashes
+from gqaify.convert.layout import Attention
 from gqaify.convert.methods import METHODS, MethodContext
 
 
@@ -133,10 +134,10 @@ def test_regrouping_a_gqa_model_to_fewer_heads(tmp_path):
 
 
 def test_first_keeps_the_first_head_of_each_group():
-    heads = {"k.weight": torch.arange(6.0).view(6, 1, 1)}
+    attn = Attention({"k.weight": torch.arange(6.0).view(6, 1, 1)})
     ctx = MethodContext(torch.Generator().manual_seed(0), 0.02)
-    assert METHODS["first"](heads, 2, ctx)["k.weight"].flatten().tolist() == [0.0, 3.0]
-    assert METHODS["mean"](heads, 2, ctx)["k.weight"].flatten().tolist() == [1.0, 4.0]
+    assert METHODS["first"].fn(attn, 2, ctx).kv["k.weight"].flatten().tolist() == [0.0, 3.0]
+    assert METHODS["mean"].fn(attn, 2, ctx).kv["k.weight"].flatten().tolist() == [1.0, 4.0]
 
 
 def test_random_reinitialises_projections_reproducibly(mha_llama, tmp_path):
@@ -240,7 +241,7 @@ def test_norm_mean_restores_the_groups_mean_row_norm():
     # two orthogonal heads of one row each, norms 3 and 1: the mean has norm sqrt(10)/2, direction (3, 1)
     heads = {"k.weight": torch.tensor([[[3.0, 0.0]], [[0.0, 1.0]]]), "v.weight": torch.ones(2, 1, 2)}
     heads["k.bias"] = torch.tensor([[2.0], [0.0]])
-    out = METHODS["norm-mean"](heads, 1, MethodContext(torch.Generator(), 0.02))
+    out = METHODS["norm-mean"].fn(Attention(heads), 1, MethodContext(torch.Generator(), 0.02)).kv
     k = out["k.weight"][0, 0]
     assert k.norm().item() == pytest.approx(2.0)  # the mean of the norms 3 and 1
     assert (k / k.norm()).tolist() == pytest.approx((torch.tensor([3.0, 1.0]) / 10**0.5).tolist())

@@ -12,7 +12,9 @@ import sys
 import traceback
 
 from gqaify.convert import METHODS, convert
+from gqaify.convert.calibrate import Calibration
 from gqaify.convert.core import DTYPES
+from gqaify.convert.grouping import GROUPINGS
 from gqaify.errors import UserError
 from gqaify.eval import EvalSettings, evaluate
 
@@ -39,12 +41,27 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", metavar="SRC", help="hub id, local model folder, or .gguf file")
     convert.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
     convert.add_argument("--kv-heads", type=int, required=True, metavar="G", help="new number of K/V heads; 1 = MQA")
-    convert.add_argument("--method", default="mean", choices=list(METHODS), help="how heads are merged (default mean)")
+    convert.add_argument(
+        "--method",
+        default="mean",
+        choices=list(METHODS),
+        help="how heads are merged (default mean): "
+        + "; ".join(
+            f"{name}: {m.summary}" + (" [needs --calib-data]" if m.calibrated else "") for name, m in METHODS.items()
+        ),
+    )
     convert.add_argument("--dtype", default="auto", choices=list(DTYPES), help="output dtype (default: keep)")
     convert.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     convert.add_argument("--force", action="store_true", help="replace OUT if it exists")
     convert.add_argument("--revision", help="hub branch, tag or commit (hub ids only)")
     convert.add_argument("--seed", type=int, default=0, help="seed for --method random (default 0)")
+    calib = Calibration("")
+    convert.add_argument("--grouping", default="contiguous", choices=GROUPINGS, help="which heads share a K/V head")
+    convert.add_argument("--calib-data", help="calibration text (file, folder or hub name[:config]); not eval text")
+    convert.add_argument("--calib-tokens", type=int, default=calib.tokens, help=f"tokens read ({calib.tokens})")
+    convert.add_argument("--calib-split", default=calib.split, help=f"split of --calib-data ({calib.split})")
+    convert.add_argument("--calib-text-column", default=calib.text_column, help="column holding the text (text)")
+    convert.add_argument("--calib-seq-len", type=int, default=calib.seq_len, help=f"window length ({calib.seq_len})")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(run=_run_convert)
 
@@ -135,6 +152,12 @@ def _run_convert(args) -> None:
         force=args.force,
         revision=args.revision,
         seed=args.seed,
+        calibration=None
+        if args.calib_data is None
+        else Calibration(
+            args.calib_data, args.calib_tokens, args.calib_split, args.calib_text_column, args.calib_seq_len
+        ),
+        grouping=args.grouping,
         progress=not args.quiet,
     )
     print(format_summary(result))
@@ -183,11 +206,28 @@ def format_summary(result) -> str:
             f"  K/V heads       {result.source_kv_heads} -> {result.kv_heads} "
             f"({result.num_heads} query heads; groups {_groups(result.groups)})",
             f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
+            *_fit_lines(result),
             f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
             f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
             f"  saved to        {result.out}",
         ]
     )
+
+
+def _fit_lines(result) -> list[str]:
+    lines = []
+    if result.permutations is not None:
+        lines.append(f"  grouping        similarity (layer 0 order {result.permutations[0]}; all in gqaify.json)")
+    if result.fit_errors:
+        parts = []
+        for key, name in (("k", "scores"), ("v", "outputs")):
+            errors = [e[key] for e in result.fit_errors if e[key] is not None]
+            if errors:
+                parts.append(f"{name} {sum(errors) / len(errors):.3f}")
+        lines.append(
+            f"  fit error       {', '.join(parts)} (mean relative, on calibration text; per layer in gqaify.json)"
+        )
+    return lines
 
 
 def format_uptrain_summary(result) -> str:

@@ -1,4 +1,4 @@
-"""Text data through `datasets`: the one loader for evaluation, uptraining and (later) calibration.
+"""Text data through `datasets`: the one loader for evaluation, uptraining and calibration.
 
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
 written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
@@ -69,14 +69,28 @@ def load_rows(
     return dataset
 
 
-def load_text(data: str, split: str = "test", text_column: str = "text", option: str = "--data") -> TextData:
+def load_text(
+    data: str, split: str = "test", text_column: str = "text", option: str = "--data", max_chars: int | None = None
+) -> TextData:
     """Load `data` and join its `text_column` into one string.
+
+    Args:
+        max_chars: read rows lazily and stop once this many characters are joined (the last row whole).
 
     Raises:
         UserError: the data is missing, has no such column or split, or holds no text.
     """
-    dataset = load_rows(data, split, text_column, option=option)
-    rows = [row for row in dataset[text_column] if isinstance(row, str)]
+    if max_chars is None:
+        dataset = load_rows(data, split, text_column, option=option)
+        rows = [row for row in dataset[text_column] if isinstance(row, str)]
+    else:
+        rows, chars = [], 0
+        for row in load_rows(data, split, text_column, streaming=True, option=option):
+            if isinstance(text := row.get(text_column), str):
+                rows.append(text)
+                chars += len(text) + 2
+                if chars >= max_chars:
+                    break
     text = "\n\n".join(rows)
     if not text.strip():
         raise UserError(f"{option} {data} ({split}, column {text_column!r}) holds no text; check the file or split")

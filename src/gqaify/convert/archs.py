@@ -9,8 +9,15 @@ names, relative to one layer's attention module, the tensors whose rows are inde
     K norm, whole width    k_norm.weight (KV*d,): one RMSNorm over all K heads together (olmo2)
     K norm, per head       k_layernorm.norms.{head}.weight (d,): one LayerNorm module per K head (stablelm)
 
-Norms over head_dim that every head shares (qwen3's q_norm/k_norm, weight (d,)) do not depend on the
-number of heads and are copied through like any other tensor.
+Methods that rewrite queries and outputs too (`aligned`, `lsq`, similarity grouping) also read the tensors
+indexed by query head: q_proj rows (or a fused projection's query rows), o_proj columns, and Q norms laid
+out as the K norms above. Norms over head_dim that every head shares (qwen3's q_norm/k_norm, weight (d,))
+do not depend on the number of heads and are copied through like any other tensor.
+
+Any Q or K norm sits between a projection and RoPE, so a rotation folded into the projection's rows no
+longer cancels in the attention scores: the methods that rotate refuse checkpoints that have such norms.
+Every architecture here applies RoPE in transformers' rotate_half layout (dimension j pairs with
+j + rotary_dim/2) to the first `rotary_dim` dimensions of each head.
 
 Adding an architecture is one entry in `ARCHITECTURES` plus its case in the tests.
 """
@@ -42,6 +49,9 @@ class ArchSpec:
     qkv_proj: str | None = None
     k_norm: str | None = None
     k_norm_per_head: str | None = None
+    q_norm: str | None = None
+    q_norm_per_head: str | None = None
+    shared_head_norms: bool = False  # q/k norms over head_dim, one weight for all heads (copied through)
     # config.json keys. An absent K/V head count means MHA; an absent head_dim (or None here, for classes
     # that ignore the key) means hidden_size // num_attention_heads, as the modeling code computes it.
     num_layers_key: str = "num_hidden_layers"
@@ -60,8 +70,11 @@ class ArchSpec:
             raise ValueError(f"{self.model_type}: attention path needs {LAYER}")
         if self.k_norm and self.k_norm_per_head:
             raise ValueError(f"{self.model_type}: one K norm layout at most")
-        if self.k_norm_per_head is not None and HEAD not in self.k_norm_per_head:
-            raise ValueError(f"{self.model_type}: k_norm_per_head needs {HEAD}")
+        if self.q_norm and self.q_norm_per_head:
+            raise ValueError(f"{self.model_type}: one Q norm layout at most")
+        for per_head in (self.k_norm_per_head, self.q_norm_per_head):
+            if per_head is not None and HEAD not in per_head:
+                raise ValueError(f"{self.model_type}: per-head norm paths need {HEAD}")
 
     def module(self, layer: int, name: str) -> str:
         """Full module path of `name` in attention layer `layer`."""
@@ -78,12 +91,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("llama"),
         ArchSpec("mistral"),
         ArchSpec("qwen2"),  # K/V biases
-        ArchSpec("qwen3"),  # q_norm/k_norm over head_dim, shared by all heads: copied through
+        ArchSpec("qwen3", shared_head_norms=True),  # q_norm/k_norm over head_dim: copied through
         _fused("phi3"),
-        ArchSpec("olmo2", k_norm="k_norm"),
+        ArchSpec("olmo2", k_norm="k_norm", q_norm="q_norm"),
         ArchSpec("gemma"),
         ArchSpec("gemma2"),
-        ArchSpec("stablelm", k_norm_per_head=f"k_layernorm.norms.{HEAD}", head_dim_key=None),
+        ArchSpec(
+            "stablelm",
+            k_norm_per_head=f"k_layernorm.norms.{HEAD}",
+            q_norm_per_head=f"q_layernorm.norms.{HEAD}",
+            head_dim_key=None,
+        ),
         ArchSpec("granite"),
     )
 }
@@ -129,3 +147,17 @@ class Geometry:
 
     def with_kv_heads(self, num_kv_heads: int) -> Geometry:
         return Geometry(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.hidden_size)
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def rotary_dim(model_type: str, config: dict, head_dim: int) -> int:
+    """How many leading dimensions of each head RoPE rotates, as transformers' config for the class says."""
+    from transformers import AutoConfig
+
+    transformers_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    rope = getattr(transformers_config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(transformers_config, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * factor)

@@ -1,8 +1,9 @@
 """Convert a checkpoint's attention from KV to G key/value heads, streaming, into a new folder.
 
 plan    read every tensor's name, shape and dtype; list the output tensors, their shards and headers
-stream  take tensors in source order: copy unchanged ones through as bytes; hold a layer's K/V inputs
-        until all have arrived, convert them with the method, and write them
+fit     with calibration text only: run the parent once over it and keep each layer's input statistics
+stream  take tensors in source order: copy unchanged ones through as bytes; hold a layer's head-indexed
+        inputs until all have arrived, regroup and convert them with the method, and write them
 commit  config.json with the new num_key_value_heads, side files, gqaify.json and a model card go
         into a temporary folder beside OUT, which is renamed to OUT only when everything is there
 """
@@ -17,7 +18,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,10 +26,12 @@ from accelerate.utils import convert_file_size_to_int
 from tqdm.auto import tqdm
 
 from gqaify import __version__
-from gqaify.convert.archs import ArchSpec, Geometry, arch_for
+from gqaify.convert.archs import ArchSpec, Geometry, arch_for, rotary_dim
+from gqaify.convert.calibrate import Calibration, calibration_ids, second_moments
 from gqaify.convert.checkpoint import ShardWriter, TensorMeta, is_writable_location, sha256_file, weight_files
-from gqaify.convert.layout import LayerLayout
-from gqaify.convert.methods import METHODS, MethodContext
+from gqaify.convert.grouping import GROUPINGS, permute, similar_order
+from gqaify.convert.layout import Attention, LayerLayout
+from gqaify.convert.methods import METHODS, Method, MethodContext, fit_error
 from gqaify.convert.source import Source, open_source
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.kvcache import kv_cache_bytes_per_token
@@ -49,7 +52,7 @@ class ConversionResult:
     num_heads: int
     source_kv_heads: int
     kv_heads: int
-    groups: list[list[int]]  # the source K/V heads pooled into each new K/V head
+    groups: list[list[int]]  # the source K/V heads pooled into each new K/V head (contiguous grouping)
     kv_bytes_per_token_before: int
     kv_bytes_per_token_after: int
     tensors_converted: int
@@ -57,6 +60,9 @@ class ConversionResult:
     num_shards: int
     bytes_written: int
     seconds: float
+    grouping: str = "contiguous"
+    permutations: list[list[int]] | None = None  # per layer, the source K/V heads in their new order
+    fit_errors: list[dict] | None = None  # per layer, relative errors of what query heads read (calibrated)
 
 
 def convert(
@@ -70,6 +76,8 @@ def convert(
     force: bool = False,
     revision: str | None = None,
     seed: int = 0,
+    calibration: Calibration | None = None,
+    grouping: str = "contiguous",
     progress: bool = True,
 ) -> ConversionResult:
     """Convert the checkpoint `src` to `kv_heads` key/value heads and save it as a plain checkpoint at `out`.
@@ -84,6 +92,10 @@ def convert(
         force: replace an existing `out`.
         revision: the hub revision (branch, tag or commit) when `src` is a hub id.
         seed: seeds methods that draw random numbers.
+        calibration: text on which the parent is run to fit `aligned` and `lsq`, to find `similarity` groups,
+            and to measure every method's per-layer error (recorded in gqaify.json).
+        grouping: "contiguous" pools neighbouring heads; "similarity" first reorders each layer's heads so
+            that the heads that agree most share a K/V head.
         progress: show a progress bar.
 
     Raises:
@@ -91,25 +103,43 @@ def convert(
     """
     start = time.perf_counter()
     out = Path(out).expanduser().absolute()
-    shard_bytes = _check_options(out, kv_heads, method, dtype, max_shard_size, force)
+    shard_bytes = _check_options(out, kv_heads, method, dtype, max_shard_size, force, calibration, grouping)
 
     with open_source(src, revision) as source:
         _check_not_overlapping(source, out)
         config = _load_config(source.directory)
         spec = arch_for(config.get("model_type"), config.get("architectures"))
         geometry = Geometry.from_config(spec, config)
-        _check_kv_heads(geometry, kv_heads, (config.get("architectures") or [spec.model_type])[0])
-        layouts = [LayerLayout(spec, geometry, layer) for layer in range(geometry.num_layers)]
+        model_name = (config.get("architectures") or [spec.model_type])[0]
+        _check_kv_heads(geometry, kv_heads, model_name)
+        with_queries = calibration is not None
+        layouts = [LayerLayout(spec, geometry, layer, with_queries) for layer in range(geometry.num_layers)]
         plan = _plan(source, layouts, kv_heads, DTYPES[dtype])
+        qk_norms = spec.shared_head_norms or layouts[0].has_qk_norms(plan.layer_inputs[0])
+        _check_method(METHODS[method], method, model_name, qk_norms)
+        ctx = MethodContext(
+            torch.Generator().manual_seed(seed),
+            config.get("initializer_range", 0.02),
+            rotary_dim(spec.model_type, config, geometry.head_dim),
+        )
+        converter = _LayerConverter(METHODS[method], kv_heads, ctx, grouping, keys_measurable=not qk_norms)
+        if calibration is not None:
+            converter.second_moments, tokens_read = _calibrate(source, spec, geometry, calibration, progress)
 
         with _SourceHasher() as hasher, _staging(out, force) as staging:
-            ctx = MethodContext(torch.Generator().manual_seed(seed), config.get("initializer_range", 0.02))
             with ShardWriter(staging, plan.tensors, shard_bytes) as writer:
-                _stream(source, plan, writer, METHODS[method], kv_heads, ctx, hasher, progress)
+                _stream(source, plan, writer, converter, hasher, progress)
                 writer.close()
             _write_side_files(source, staging, config, kv_heads, dtype)
             hashes = hasher.results(source.tensors.files)
             record = _provenance(source, spec, geometry, kv_heads, method, dtype, seed, hashes)
+            record.update(grouping=grouping, rotary_dim=ctx.rotary_dim, calibration=None)
+            if calibration is not None:
+                record.update(
+                    calibration=calibration.record(tokens_read),
+                    permutations=converter.orders if grouping == "similarity" else None,
+                    fit_error=converter.errors,
+                )
             (staging / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
             (staging / "README.md").write_text(_model_card(record))
 
@@ -131,6 +161,9 @@ def convert(
         num_shards=writer.num_shards,
         bytes_written=writer.bytes_written,
         seconds=time.perf_counter() - start,
+        grouping=grouping,
+        permutations=converter.orders if grouping == "similarity" else None,
+        fit_errors=converter.errors if calibration is not None else None,
     )
 
 
@@ -143,12 +176,22 @@ def kv_groups(source_kv_heads: int, kv_heads: int) -> list[list[int]]:
 # -- checks -------------------------------------------------------------------------------------------------
 
 
-def _check_options(out: Path, kv_heads: int, method: str, dtype: str, max_shard_size, force: bool) -> int:
+def _check_options(out: Path, kv_heads, method, dtype, max_shard_size, force, calibration, grouping) -> int:
     problems = []
     if not isinstance(kv_heads, int) or kv_heads < 1:
         problems.append(f"--kv-heads {kv_heads} must be a whole number of at least 1 (1 is MQA)")
     if method not in METHODS:
         problems.append(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    elif METHODS[method].calibrated and calibration is None:
+        problems.append(
+            f"--method {method} is fitted on calibration text; pass --calib-data DATA (text other than your eval text)"
+        )
+    if grouping not in GROUPINGS:
+        problems.append(f"unknown --grouping {grouping!r}; choose one of {', '.join(GROUPINGS)}")
+    elif grouping == "similarity" and calibration is None:
+        problems.append("--grouping similarity compares heads on calibration text; pass --calib-data DATA")
+    if calibration is not None:
+        problems += calibration.problems()
     if dtype not in DTYPES:
         problems.append(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     shard_bytes = 0
@@ -185,6 +228,14 @@ def _check_kv_heads(g: Geometry, kv_heads: int, model_name: str) -> None:
         raise UserError(f"--kv-heads {kv_heads} does not divide {model}; choose one of {', '.join(map(str, divisors))}")
     if g.num_heads % g.num_kv_heads:
         raise UserError(f"config.json has {g.num_heads} query heads, not a multiple of its {g.num_kv_heads} K/V heads")
+
+
+def _check_method(method: Method, name: str, model_name: str, qk_norms: bool) -> None:
+    if method.folds and qk_norms:
+        raise UserError(
+            f"--method {name} folds rotations into q_proj rows, which the Q/K norms of {model_name} do not let "
+            "through unchanged; use mean or norm-mean (with --grouping similarity if you like)"
+        )
 
 
 def _load_config(directory: Path) -> dict:
@@ -234,7 +285,7 @@ def _plan(source: Source, layouts: list[LayerLayout], kv_heads: int, cast: torch
     return _Plan(tensors, layouts, layer_of, layer_inputs, layer_outputs)
 
 
-def _stream(source, plan: _Plan, writer: ShardWriter, method, kv_heads: int, ctx, hasher, progress: bool):
+def _stream(source, plan: _Plan, writer: ShardWriter, converter: _LayerConverter, hasher, progress: bool):
     """Write every planned tensor: copied through as bytes where it can be, converted layer by layer."""
     pending_layers: dict[int, dict[str, torch.Tensor]] = {}
     total = sum(meta.nbytes for meta in plan.tensors.values())
@@ -254,11 +305,45 @@ def _stream(source, plan: _Plan, writer: ShardWriter, method, kv_heads: int, ctx
             if len(pending) < len(plan.layer_inputs[layer]):
                 continue
             layout = plan.layouts[layer]
-            heads, carry = layout.split(pending_layers.pop(layer))
-            converted = layout.join(method(heads, kv_heads, ctx), carry, kv_heads)
+            converted = layout.join(converter(layer, layout.split(pending_layers.pop(layer))), converter.kv_heads)
             for name in plan.layer_outputs[layer]:
                 writer.write(name, converted[name].to(plan.tensors[name].dtype))
                 bar.update(plan.tensors[name].nbytes)
+
+
+class _LayerConverter:
+    """One layer's conversion: regroup its heads, apply the method, measure the fit; records what it did."""
+
+    def __init__(self, method: Method, kv_heads: int, ctx: MethodContext, grouping: str, keys_measurable: bool):
+        self.method, self.kv_heads, self.ctx, self.grouping = method, kv_heads, ctx, grouping
+        self.keys_measurable = keys_measurable
+        self.second_moments: list[torch.Tensor] | None = None
+        self.orders: list[list[int]] = []
+        self.errors: list[dict] = []
+
+    def __call__(self, layer: int, attn: Attention) -> Attention:
+        ctx = self.ctx
+        if self.second_moments is not None:
+            ctx = replace(ctx, second_moment=self.second_moments[layer])
+        if self.grouping == "similarity":
+            order = similar_order(attn, self.kv_heads, ctx.rotary_dim, ctx.second_moment)
+            attn = permute(attn, order)
+            self.orders.append(order)
+        converted = self.method.fn(attn, self.kv_heads, ctx)
+        if ctx.second_moment is not None:
+            errors = fit_error(attn, converted, ctx, keys=self.keys_measurable)
+            self.errors.append({key: None if e is None else round(e, 6) for key, e in errors.items()})
+        return converted
+
+
+def _calibrate(source: Source, spec, geometry, calibration: Calibration, progress: bool):
+    """(each layer's input second moment, tokens read): one pass of the source model over the calibration text."""
+    ids = calibration_ids(calibration, source.load_tokenizer())
+    model = source.load_model("cuda" if torch.cuda.is_available() else "cpu")
+    seq_len = min(calibration.seq_len, getattr(model.config, "max_position_embeddings", None) or calibration.seq_len)
+    moments = second_moments(model, spec, geometry, ids, seq_len, progress)
+    del model
+    return moments, len(ids)
 
 
 class _SourceHasher:
@@ -392,6 +477,14 @@ def _model_card(record: dict) -> str:
     src, g = record["source"], record["source_geometry"]
     kind = "MQA" if record["kv_heads"] == 1 else f"GQA-{record['kv_heads']}"
     base = f"base_model: {src['name']}\n" if src["kind"] == "hub" else ""
+    rewritten = "K/V projections rewritten"
+    if METHODS[record["method"]].folds or record.get("grouping") == "similarity":
+        rewritten = "K/V projections, q_proj rows and o_proj columns rewritten"
+    grouping = ""
+    if record.get("grouping") == "similarity":
+        grouping = ", heads reordered within each layer so that similar ones share a K/V head"
+    if record.get("calibration"):
+        grouping += f" (calibrated on {record['calibration']['tokens']} tokens of `{record['calibration']['data']}`)"
     return f"""---
 {base}library_name: transformers
 tags: [gqaify, {kind.lower()}]
@@ -403,9 +496,10 @@ Converted by [gqaify](https://pypi.org/project/gqaify/) {record["version"]} from
 
 - Attention: {g["num_heads"]} query heads; K/V heads {g["num_kv_heads"]} → {record["kv_heads"]} \
 (KV cache {g["num_kv_heads"] // record["kv_heads"]}× smaller).
-- Method: `{record["method"]}`; query head i reads K/V head i // {g["num_heads"] // record["kv_heads"]} \
+- Method: `{record["method"]}`{grouping}; query head i reads K/V head i // {g["num_heads"] // record["kv_heads"]} \
 (contiguous groups, as transformers' `repeat_kv`).
-- Everything else is copied from the source unchanged; `gqaify.json` records the groups and source hashes.
+- {rewritten}; everything else is copied from the source unchanged. `gqaify.json` records the groups, \
+calibration, per-layer fit error and source hashes.
 
 A converted model loses quality until it is uptrained briefly (GQA paper, Ainslie et al. 2023); \
 compare it with its parent before use.

@@ -1,14 +1,22 @@
-"""Cut one layer's K/V-indexed checkpoint tensors into heads, and put them back together.
+"""Cut one layer's head-indexed checkpoint tensors into heads, and put them back together.
 
-Conversion methods see one layer as a dict of head-major float32 tensors, whatever the architecture
-stores on disk (see `archs.py`):
+Conversion methods see one layer as an `Attention`: two dicts of head-major float32 tensors, whatever the
+architecture stores on disk (see `archs.py`). `kv` holds what is indexed by K/V head, the tensors a method
+pools from KV heads to G:
 
     "k.weight" (KV, d, hidden)     "k.bias" (KV, d)
     "v.weight" (KV, d, hidden)     "v.bias" (KV, d)
     "k_norm.weight" (KV, d)        "k_norm.bias" (KV, d)
 
-Row r of a K/V projection belongs to head r // d, the order `repeat_kv` assumes. A fused QKV projection's
-query rows are carried aside untouched and put back in front.
+`queries` holds what is indexed by query head; methods may rewrite it but keep its H heads:
+
+    "q.weight" (H, d, hidden)      "q.bias" (H, d)
+    "o.weight" (H, hidden, d)      o_proj's columns of each head
+    "q_norm.weight" (H, d)         "q_norm.bias" (H, d)
+
+Row r of a projection (column r of o_proj) belongs to head r // d, the order `repeat_kv` assumes. A fused
+QKV projection's query rows are always in `queries`; the separate q_proj, o_proj and Q norms only when the
+layout is built `with_queries` (otherwise they are copied through unread).
 
 Every output tensor name is also an input tensor name (a layer with G heads has a subset of the names of a
 layer with KV heads), so an output keeps the dtype of the input of the same name.
@@ -17,7 +25,7 @@ layer with KV heads), so an output keeps the dtype of the input of the same name
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,36 +36,64 @@ SUFFIXES = ("weight", "bias")
 Heads = dict[str, torch.Tensor]
 
 
+@dataclass
+class Attention:
+    """One layer's head-indexed tensors, head-major float32 (keys as in the module docstring)."""
+
+    kv: Heads
+    queries: Heads = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class _Module:
-    part: str  # "k", "v", "k_norm", or "qkv" (fused: query rows carried, K and V converted)
+    part: str  # "k", "v", "k_norm", "q", "q_norm", "o", or "qkv" (fused: query rows, then K, then V)
     path: str  # full module path; per-head modules contain {head}
+    indexed_by: str = "kv"  # "kv" or "q": which head count indexes it
     per_head: bool = False
+    required: bool = True  # its weight must be in the checkpoint
+
+    @property
+    def columns(self) -> bool:  # o_proj: heads index columns, and only the weight is per head
+        return self.part == "o"
 
 
 class LayerLayout:
-    """The K/V-indexed tensors of attention layer `layer` of a checkpoint."""
+    """The head-indexed tensors of attention layer `layer` of a checkpoint."""
 
-    def __init__(self, spec: ArchSpec, geometry: Geometry, layer: int):
+    def __init__(self, spec: ArchSpec, geometry: Geometry, layer: int, with_queries: bool = False):
         self.geometry = geometry
         self.layer = layer
+
+        def module(part, name, indexed_by="kv", per_head=False, required=True):
+            return _Module(part, spec.module(layer, name), indexed_by, per_head, required)
+
         if spec.qkv_proj:
-            modules = [_Module("qkv", spec.module(layer, spec.qkv_proj))]
+            modules = [module("qkv", spec.qkv_proj)]
         else:
-            modules = [_Module("k", spec.module(layer, spec.k_proj)), _Module("v", spec.module(layer, spec.v_proj))]
-        if spec.k_norm:
-            modules.append(_Module("k_norm", spec.module(layer, spec.k_norm)))
-        if spec.k_norm_per_head:
-            modules.append(_Module("k_norm", spec.module(layer, spec.k_norm_per_head), per_head=True))
+            modules = [module("k", spec.k_proj), module("v", spec.v_proj)]
+            if with_queries:
+                modules.append(module("q", spec.q_proj, "q"))
+        if spec.k_norm or spec.k_norm_per_head:
+            modules.append(
+                module("k_norm", spec.k_norm or spec.k_norm_per_head, "kv", bool(spec.k_norm_per_head), False)
+            )
+        if with_queries:
+            modules.append(module("o", spec.o_proj, "q"))
+            if spec.q_norm or spec.q_norm_per_head:
+                per_head = bool(spec.q_norm_per_head)
+                modules.append(module("q_norm", spec.q_norm or spec.q_norm_per_head, "q", per_head, False))
         self._modules = modules
         self._module_of = {  # every tensor name this layer may have -> its module
-            name: module
-            for module in modules
-            for suffix in SUFFIXES
-            for name in self._names(module, suffix, geometry.num_kv_heads)
+            name: m for m in modules for suffix in SUFFIXES for name in self._names(m, suffix, self._count(m))
         }
 
     # -- names and shapes ---------------------------------------------------------------------------------
+
+    def _count(self, module: _Module, num_kv_heads: int | None = None) -> int:
+        """Heads indexing `module` in a layer with `num_kv_heads` K/V heads (default: the source's)."""
+        if module.indexed_by == "q":
+            return self.geometry.num_heads
+        return self.geometry.num_kv_heads if num_kv_heads is None else num_kv_heads
 
     def _names(self, module: _Module, suffix: str, num_heads: int) -> list[str]:
         if module.per_head:
@@ -65,33 +101,37 @@ class LayerLayout:
         return [f"{module.path}.{suffix}"]
 
     def inputs(self, available: Collection[str]) -> list[str]:
-        """Names of this layer's K/V-indexed tensors present in `available`, in a fixed order.
+        """Names of this layer's head-indexed tensors present in `available`, in a fixed order.
 
         Raises:
-            UserError: a K/V projection weight is missing, or a per-head norm lacks some heads.
+            UserError: a projection weight is missing, or a per-head norm lacks some heads.
         """
         names = []
         for module in self._modules:
-            for suffix in SUFFIXES:
-                wanted = self._names(module, suffix, self.geometry.num_kv_heads)
+            for suffix in ("weight",) if module.columns else SUFFIXES:
+                wanted = self._names(module, suffix, self._count(module))
                 present = [n for n in wanted if n in available]
-                if suffix == "weight" and module.part != "k_norm" and not present:
+                if suffix == "weight" and module.required and not present:
                     raise UserError(
                         f"the checkpoint has no tensor {wanted[0]!r}, which config.json implies; "
                         "check that the weights and config.json belong to the same model"
                     )
                 if present and len(present) != len(wanted):
                     missing = sorted(set(wanted) - set(present))
-                    raise UserError(f"the checkpoint lacks {missing[0]!r} (one per K/V head); it is incomplete")
+                    raise UserError(f"the checkpoint lacks {missing[0]!r} (one per head); it is incomplete")
                 names += present
         return names
+
+    def has_qk_norms(self, inputs: list[str]) -> bool:
+        """Whether any of this layer's `inputs` is a Q or K norm (acting between projection and RoPE)."""
+        return any(self._module_of[name].part in ("k_norm", "q_norm") for name in inputs)
 
     def outputs(self, inputs: list[str], num_kv_heads: int) -> list[str]:
         """Names this layer has with `num_kv_heads` heads, given its input names."""
         keep = set()
         for module in self._modules:
             for suffix in SUFFIXES:
-                keep.update(self._names(module, suffix, num_kv_heads))
+                keep.update(self._names(module, suffix, self._count(module, num_kv_heads)))
         return [name for name in inputs if name in keep]
 
     def output_shape(self, name: str, shape: tuple[int, ...], num_kv_heads: int) -> tuple[int, ...]:
@@ -101,83 +141,78 @@ class LayerLayout:
             UserError: the input's shape disagrees with the geometry in config.json.
         """
         module = self._module_of[name]
+        axis = 1 if module.columns else 0
         if module.per_head:
-            expected_in, out = (self.geometry.head_dim,), shape
+            expected_in, out = self.geometry.head_dim, shape
         else:
-            expected_in = (self._rows(module, self.geometry.num_kv_heads),)
-            out = (self._rows(module, num_kv_heads), *shape[1:])
-        if tuple(shape[:1]) != expected_in:
+            expected_in = self._rows(module, self.geometry.num_kv_heads)
+            out = (*shape[:axis], self._rows(module, num_kv_heads), *shape[axis + 1 :])
+        if len(shape) <= axis or shape[axis] != expected_in:
             raise UserError(
-                f"tensor {name!r} has shape {list(shape)}, but config.json implies {expected_in[0]} rows; "
-                "check that the weights and config.json belong to the same model"
+                f"tensor {name!r} has shape {list(shape)}, but config.json implies {expected_in} "
+                f"{'columns' if axis else 'rows'}; check that the weights and config.json belong to the same model"
             )
         return out
 
     def _rows(self, module: _Module, num_kv_heads: int) -> int:
         g = self.geometry
-        fused_q = g.num_heads * g.head_dim if module.part == "qkv" else 0
-        kv_parts = 2 if module.part == "qkv" else 1  # fused rows hold K heads and V heads
-        return fused_q + kv_parts * num_kv_heads * g.head_dim
+        if module.part == "qkv":  # rows [Q heads | K heads | V heads]
+            return (g.num_heads + 2 * num_kv_heads) * g.head_dim
+        return self._count(module, num_kv_heads) * g.head_dim
 
     # -- tensors ------------------------------------------------------------------------------------------
 
-    def split(self, tensors: Mapping[str, torch.Tensor]) -> tuple[Heads, Heads]:
-        """Cut this layer's input tensors into head-major float32 heads.
-
-        Returns:
-            (heads, carry): heads keyed as in the module docstring; carry holds what conversion leaves
-            alone (a fused projection's query rows), keyed by suffix.
-        """
+    def split(self, tensors: Mapping[str, torch.Tensor]) -> Attention:
+        """Cut this layer's input tensors into head-major float32 heads."""
         g = self.geometry
-        heads: Heads = {}
-        carry: Heads = {}
+        attn = Attention({}, {})
         for module in self._modules:
             for suffix in SUFFIXES:
-                names = self._names(module, suffix, g.num_kv_heads)
+                names = self._names(module, suffix, self._count(module))
                 if names[0] not in tensors:
                     continue
-                if module.per_head:  # KV tensors (d,) -> (KV, d)
+                if module.per_head:  # n tensors (d,) -> (n, d)
+                    heads = attn.queries if module.indexed_by == "q" else attn.kv
                     heads[f"{module.part}.{suffix}"] = torch.stack([tensors[n].float() for n in names])
                     continue
-                rows = tensors[names[0]].float()
-                if module.part == "qkv":  # ((H + 2*KV)*d, ...) -> (H*d, ...), (KV*d, ...), (KV*d, ...)
-                    q, k, v = _split_fused(rows, g)
-                    carry[suffix] = q
-                    parts = {"k": k, "v": v}
+                t = tensors[names[0]].float()
+                if module.columns:  # (hidden, H*d) -> (H, hidden, d)
+                    attn.queries["o.weight"] = t.unflatten(1, (g.num_heads, g.head_dim)).transpose(0, 1)
+                    continue
+                if module.part == "qkv":
+                    kv_rows = g.num_kv_heads * g.head_dim
+                    parts = dict(zip("qkv", t.split([g.num_heads * g.head_dim, kv_rows, kv_rows]), strict=True))
                 else:
-                    parts = {module.part: rows}
-                for part, t in parts.items():  # (KV*d, *rest) -> (KV, d, *rest)
-                    heads[f"{part}.{suffix}"] = t.reshape(g.num_kv_heads, g.head_dim, *t.shape[1:])
-        return heads, carry
+                    parts = {module.part: t}
+                for part, rows in parts.items():  # (n*d, *rest) -> (n, d, *rest)
+                    heads = attn.queries if part in ("q", "q_norm") else attn.kv
+                    heads[f"{part}.{suffix}"] = rows.unflatten(0, (-1, g.head_dim))
+        return attn
 
-    def join(self, heads: Heads, carry: Heads, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    def join(self, attn: Attention, num_kv_heads: int) -> dict[str, torch.Tensor]:
         """Inverse of `split` for a layer with `num_kv_heads` heads; float32 tensors keyed by output name."""
         out: dict[str, torch.Tensor] = {}
         for module in self._modules:
+            heads = attn.queries if module.indexed_by == "q" else attn.kv
             for suffix in SUFFIXES:
-                key = f"{module.part}.{suffix}"
                 if module.part == "qkv":
-                    if suffix not in carry:
-                        continue
-                    # (G, d, *rest) -> (G*d, *rest), then rows [Q | K | V]
-                    k, v = (heads[f"{p}.{suffix}"].flatten(0, 1) for p in ("k", "v"))
-                    out[f"{module.path}.{suffix}"] = torch.cat([carry[suffix], k, v])
+                    if f"k.{suffix}" in attn.kv:  # (n, d, *rest) -> rows [Q | K | V]
+                        q = attn.queries[f"q.{suffix}"].flatten(0, 1)
+                        k, v = (attn.kv[f"{p}.{suffix}"].flatten(0, 1) for p in ("k", "v"))
+                        out[f"{module.path}.{suffix}"] = torch.cat([q, k, v])
                     continue
+                key = f"{module.part}.{suffix}"
                 if key not in heads:
                     continue
                 t = heads[key]
-                if t.shape[0] != num_kv_heads:
-                    raise ValueError(f"{key}: expected {num_kv_heads} heads, got {t.shape[0]}")
-                names = self._names(module, suffix, num_kv_heads)
-                if module.per_head:  # (G, d) -> G tensors (d,)
+                count = self._count(module, num_kv_heads)
+                if t.shape[0] != count:
+                    raise ValueError(f"{key}: expected {count} heads, got {t.shape[0]}")
+                names = self._names(module, suffix, count)
+                if module.per_head:  # (n, d) -> n tensors (d,)
                     out.update(zip(names, t.unbind(0), strict=True))
-                else:  # (G, d, *rest) -> (G*d, *rest)
+                elif module.columns:  # (H, hidden, d) -> (hidden, H*d)
+                    out[names[0]] = t.transpose(0, 1).flatten(1, 2)
+                else:  # (n, d, *rest) -> (n*d, *rest)
                     out[names[0]] = t.flatten(0, 1)
         return out
-
-
-def _split_fused(rows: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused QKV rows ((H + 2*KV)*d, ...) -> Q (H*d, ...), K (KV*d, ...), V (KV*d, ...)."""
-    kv_rows = g.num_kv_heads * g.head_dim
-    q, k, v = rows.split([g.num_heads * g.head_dim, kv_rows, kv_rows])
-    return q, k, v

@@ -34,6 +34,39 @@ class Source:
     tensors: TensorSource
     revision: str | None = None  # hub commit
     provenance: dict = field(default_factory=dict)
+    model: object | None = None  # the transformers model, where reading the source built it already (GGUF)
+
+    def load_tokenizer(self):
+        """The source's tokenizer (for calibration text).
+
+        Raises:
+            UserError: the folder has no tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.directory)
+        except (OSError, ValueError) as exc:
+            raise UserError(
+                f"calibration needs the tokenizer of {self.name}, which could not be loaded ({exc})"
+            ) from exc
+
+    def load_model(self, device: str = "cpu"):
+        """The source as a float32 transformers model in eval mode on `device` (for calibration).
+
+        Raises:
+            UserError: transformers cannot build the model from the folder.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if self.model is not None:  # already float32 (a GGUF, dequantized on reading)
+            return self.model.to(device).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"calibration runs {self.name}, which transformers could not load ({exc})") from exc
+        return model.to(device).eval()
 
 
 @contextlib.contextmanager
@@ -123,4 +156,4 @@ def _open_gguf(path: Path) -> Iterator[Source]:
         config["architectures"] = [type(model).__name__]
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tensors = StateDictSource(model.state_dict(), files=[path])
-        yield Source(str(path), "gguf", directory, tensors, provenance={"gguf_file": path.name})
+        yield Source(str(path), "gguf", directory, tensors, provenance={"gguf_file": path.name}, model=model)

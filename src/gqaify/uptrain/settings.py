@@ -36,6 +36,13 @@ class UptrainSettings:
     )
     kv_heads: int | None = field(default=None, metadata=_help("convert `model` to this many K/V heads first"))
     method: str = field(default="mean", metadata=_help("conversion method when kv_heads is set"))
+    grouping: Literal["contiguous", "similarity"] = field(
+        default="contiguous", metadata=_help("which heads share a K/V head; similarity needs calib_data")
+    )
+    calib_data: str | None = field(
+        default=None, metadata=_help("calibration text for the conversion (aligned, lsq, similarity); not eval text")
+    )
+    calib_tokens: int = field(default=32768, metadata=_help("calibration tokens read from calib_data"))
     output_dir: str = field(default="", metadata=_help("folder for checkpoints, metrics, plot and final/"))
     # -- the data
     data: str = field(
@@ -129,6 +136,8 @@ def check(s: UptrainSettings) -> None:
 
     if s.method not in METHODS:
         problems.append(f"method {s.method!r} is not a conversion method; use one of {', '.join(METHODS)}")
+    elif s.kv_heads is not None and (METHODS[s.method].calibrated or s.grouping != "contiguous") and not s.calib_data:
+        problems.append(f"method {s.method} with grouping {s.grouping} fits on calibration text; set calib_data")
     if s.kv_heads is not None and s.kv_heads < 1:
         problems.append(f"kv_heads must be a positive integer, got {s.kv_heads}; fix it")
     if s.max_tokens is not None and s.budget_fraction is not None:

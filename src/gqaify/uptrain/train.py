@@ -470,8 +470,13 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     converted = out / "converted"
     if accelerator.is_main_process and not converted.is_dir():
         from gqaify.convert import convert
+        from gqaify.convert.calibrate import Calibration
 
-        convert(s.model, converted, s.kv_heads, method=s.method, progress=s.progress)
+        calibration = Calibration(s.calib_data, s.calib_tokens) if s.calib_data else None
+        convert(
+            s.model, converted, s.kv_heads, method=s.method, calibration=calibration, grouping=s.grouping,
+            progress=s.progress,
+        )  # fmt: skip
     accelerator.wait_for_everyone()
     return str(converted)
 

@@ -1,0 +1,97 @@
+"""Calibration statistics: the second moment of each layer's attention input over some text.
+
+The parent model reads `tokens` tokens of the calibration text in windows of `seq_len`, once. A forward
+pre-hook on every layer's K projection (whose input q, k and v share: the normed hidden state) adds
+Σ [x; 1][x; 1]ᵀ in float64 as the pass goes, so memory holds one (hidden + 1)² matrix per layer and never
+an activation. The constant 1 lets a fit treat a projection's bias as one more input column. Everything
+that methods and similarity grouping fit is a function of these matrices (see `fit.py`).
+
+Calibrate on text other than the text you evaluate on; the benchmarks here do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from gqaify.convert.archs import ArchSpec, Geometry
+from gqaify.data import load_text
+from gqaify.errors import UserError
+
+LOG = logging.getLogger(__name__)
+
+_CHARS_PER_TOKEN = 12  # read at most this many characters per wanted token (English BPE needs about 4)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Where calibration text comes from and how much of it to read."""
+
+    data: str  # a text file or folder, or a hub dataset name[:config], as `gqaify eval --data`
+    tokens: int = 32768
+    split: str = "train"
+    text_column: str = "text"
+    seq_len: int = 1024
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not isinstance(self.tokens, int) or self.tokens < 2:
+            problems.append(f"--calib-tokens {self.tokens} must be at least 2 (tens of thousands are typical)")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            problems.append(f"--calib-seq-len {self.seq_len} must be at least 2")
+        return problems
+
+    def record(self, tokens_read: int) -> dict:
+        return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read}
+
+
+def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:
+    """The first `calibration.tokens` token ids of the calibration text (fewer, with a warning, if short).
+
+    Raises:
+        UserError: the data cannot be read or gives fewer than 2 tokens.
+    """
+    c = calibration
+    text = load_text(c.data, c.split, c.text_column, "--calib-data", max_chars=c.tokens * _CHARS_PER_TOKEN).text
+    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: c.tokens])
+    if len(ids) < 2:
+        raise UserError(f"--calib-data {c.data} gives {len(ids)} token(s); give it more text")
+    if len(ids) < c.tokens:
+        LOG.warning("--calib-data %s holds %d tokens, fewer than --calib-tokens %d", c.data, len(ids), c.tokens)
+    return ids
+
+
+@torch.inference_mode()
+def second_moments(
+    model, spec: ArchSpec, geometry: Geometry, ids: torch.Tensor, seq_len: int, progress: bool = True
+) -> list[torch.Tensor]:
+    """E[[x; 1][x; 1]ᵀ] of every attention layer's input x over the tokens `ids`: (hidden + 1)² float64 each."""
+    device = next(model.parameters()).device
+    size = geometry.hidden_size + 1
+    sums = [torch.zeros(size, size, dtype=torch.float64, device=device) for _ in range(geometry.num_layers)]
+
+    def hook(layer: int):
+        def add(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
+            sums[layer].addmm_(x.T, x)
+
+        return add
+
+    projection = spec.k_proj or spec.qkv_proj
+    modules = dict(model.named_modules())
+    handles = [
+        modules[spec.module(layer, projection)].register_forward_pre_hook(hook(layer))
+        for layer in range(geometry.num_layers)
+    ]
+    try:
+        windows = ids.split(seq_len)
+        for window in tqdm(windows, desc="calibrating", unit="window", disable=not progress or None):
+            model.base_model(input_ids=window[None].to(device), use_cache=False)  # no LM head: not needed
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [(s / len(ids)).cpu() for s in sums]

@@ -1,0 +1,217 @@
+"""Calibrated methods (aligned, lsq), similarity grouping, and the fitting math under them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+import gqaify
+from conftest import (
+    CORPUS,
+    MODELS,
+    build_model,
+    duplicate_kv_heads,
+    load,
+    logits,
+    needs_assets,
+    sample_ids,
+    save_with_tokenizer,
+    tree_hashes,
+)
+from gqaify.convert import fit
+from gqaify.convert.archs import ARCHITECTURES, Geometry
+from gqaify.convert.calibrate import Calibration
+from gqaify.convert.grouping import balanced_groups, permute, similar_order
+from gqaify.convert.layout import LayerLayout
+from test_errors import run_cli
+
+TEXT = MODELS.parent / "text"
+EXACT = ["mean", "first", "norm-mean", "aligned", "lsq"]  # `random` discards the heads by design
+# separate projections, K/V/Q biases, fused QKV, partial rotary
+FOLDABLE = {"llama": {}, "qwen2": {}, "phi3": {}, "stablelm": {"qk_layernorm": False}}
+
+
+@pytest.fixture
+def calibration(tmp_path) -> Calibration:
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    return Calibration(str(tmp_path / "calib.txt"), tokens=2048, seq_len=48)
+
+
+def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
+    model = build_model(model_type, num_kv_heads=num_kv_heads, vocab_size=320, **{**FOLDABLE[model_type], **overrides})
+    return model, save_with_tokenizer(model, directory)
+
+
+@pytest.mark.parametrize("model_type", list(FOLDABLE))
+@pytest.mark.parametrize("method", EXACT)
+def test_every_method_with_nothing_pooled_reproduces_the_parent(model_type, method, calibration, tmp_path):
+    model, src = _tiny(model_type, tmp_path / "src")
+    result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, calibration=calibration, progress=False)
+    ids = sample_ids(320)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids), rtol=0, atol=1e-5)
+    assert all(e["v"] < 1e-6 and e["k"] < 1e-6 for e in result.fit_errors)
+
+
+@pytest.mark.parametrize("model_type", list(FOLDABLE))
+@pytest.mark.parametrize("method", ["aligned", "lsq"])
+def test_fitted_methods_pool_duplicated_heads_back_exactly(model_type, method, calibration, tmp_path):
+    gqa, _ = _tiny(model_type, tmp_path / "gqa")
+    twin = save_with_tokenizer(duplicate_kv_heads(gqa), tmp_path / "mha")
+    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method=method, calibration=calibration, progress=False)
+    ids = sample_ids(320)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids), rtol=0, atol=1e-5)
+
+
+@needs_assets
+@pytest.mark.parametrize("method", ["aligned", "lsq"])
+def test_stories260k_twin_pools_back_to_the_real_model(method, tmp_path):
+    calibration = Calibration(str(TEXT / "tinystories-train-sample.txt"), tokens=4096, seq_len=256)
+    out = tmp_path / "out"
+    gqaify.convert(MODELS / "stories260K-mha", out, kv_heads=4, method=method, calibration=calibration, progress=False)
+    ids = sample_ids(512, length=64)
+    expected = logits(load(MODELS / "stories260K"), ids)
+    torch.testing.assert_close(logits(load(out), ids), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial RoPE, head_dim 16
+def test_key_rotation_commutes_with_rope(rotary_dim):
+    torch.manual_seed(0)
+    head_dim, hidden, positions = 16, 32, 256
+    keys = torch.randn(2, head_dim, hidden, dtype=torch.float64)  # two key heads
+    query = torch.randn(1, head_dim, hidden, dtype=torch.float64)  # a query head that reads the second
+    c = torch.cov(torch.randn(hidden, 500, dtype=torch.float64)) + 0.1 * torch.eye(hidden, dtype=torch.float64)
+    blocks = fit.key_blocks(keys, rotary_dim)
+    fitted = [fit.align(block, c)[1][:, 1:] for block in blocks]  # T of head 1: rotations, not identity
+    assert any((t - torch.eye(t.shape[-1])).abs().max() > 0.1 for t in fitted)
+    rotated_k = fit.from_key_blocks([t @ b[:, 1:] for t, b in zip(fitted, blocks, strict=True)], rotary_dim)
+    rotated_q = fit.from_key_blocks(
+        [t @ b for t, b in zip(fitted, fit.key_blocks(query, rotary_dim), strict=True)], rotary_dim
+    )
+
+    config = build_model("llama").config
+    config.head_dim, config.max_position_embeddings = rotary_dim, positions
+    x = torch.randn(1, positions, hidden, dtype=torch.float64)
+    cos, sin = LlamaRotaryEmbedding(config)(x.float(), torch.arange(positions)[None])
+
+    def scores(q_rows, k_rows):  # (positions, positions) RoPE attention scores, RoPE on the first rotary_dim
+        q, k = (x @ rows[0].T for rows in (q_rows, k_rows))  # (1, positions, head_dim)
+        rope_q, rope_k = apply_rotary_pos_emb(
+            q[None, ..., :rotary_dim], k[None, ..., :rotary_dim], cos.double(), sin.double()
+        )
+        q = torch.cat([rope_q, q[None, ..., rotary_dim:]], -1)
+        k = torch.cat([rope_k, k[None, ..., rotary_dim:]], -1)
+        return (q @ k.transpose(-1, -2))[0, 0]
+
+    expected = scores(query, keys[1:])
+    torch.testing.assert_close(scores(rotated_q, rotated_k), expected, rtol=1e-9, atol=1e-9)
+    assert (rotated_k - keys[1:]).abs().max() > 0.1  # the rotation did change the key rows
+
+
+def test_shared_factor_is_exact_for_heads_that_span_one_head():
+    torch.manual_seed(0)
+    base = torch.randn(1, 1, 4, 12, dtype=torch.float64)
+    mix = torch.randn(1, 3, 4, 4, dtype=torch.float64)  # three heads, each an invertible mix of one head
+    heads = mix @ base
+    c = torch.eye(12, dtype=torch.float64)
+    readers = torch.eye(4, dtype=torch.float64).expand(1, 3, 4, 4)
+    merged, transforms = fit.shared_factor(heads, c, readers)
+    torch.testing.assert_close(transforms @ merged.unsqueeze(1), heads)
+    torch.testing.assert_close(transforms[:, 0], torch.eye(4, dtype=torch.float64)[None])  # head 0's coordinates
+
+
+def test_balanced_groups_finds_planted_pairs():
+    sim = torch.full((6, 6), 0.1)
+    for a, b in ((0, 4), (1, 3), (2, 5)):
+        sim[a, b] = sim[b, a] = 0.9
+    assert balanced_groups(sim, 3) == [0, 4, 1, 3, 2, 5]
+    assert balanced_groups(sim, 1) == list(range(6))  # one group: nothing to choose
+
+
+@needs_assets
+def test_similarity_permutation_alone_preserves_the_function_exactly():
+    src = MODELS / "ref-mha-6L"
+    model = load(src)
+    config = model.config.to_dict()
+    spec = ARCHITECTURES["llama"]
+    geometry = Geometry.from_config(spec, config)
+    state = model.state_dict()
+    moments = _moments(src, spec, geometry)
+    orders = []
+    for layer in range(geometry.num_layers):
+        layout = LayerLayout(spec, geometry, layer, with_queries=True)
+        attn = layout.split({n: state[n] for n in layout.inputs(state)})
+        order = similar_order(attn, 2, geometry.head_dim, moments[layer])
+        state.update(layout.join(permute(attn, order), geometry.num_kv_heads))
+        orders.append(order)
+    assert any(order != sorted(order) for order in orders)  # real heads do get regrouped
+    permuted = load(src)
+    permuted.load_state_dict(state)
+    ids = sample_ids(4096, length=128)
+    torch.testing.assert_close(logits(permuted, ids), logits(model, ids), rtol=0, atol=1e-5)
+
+
+def _moments(src, spec, geometry):
+    from gqaify.convert.calibrate import calibration_ids, second_moments
+
+    calibration = Calibration(str(TEXT / "tinyshakespeare.txt"), tokens=2048, seq_len=512)
+    ids = calibration_ids(calibration, AutoTokenizer.from_pretrained(src))
+    return second_moments(load(src), spec, geometry, ids, calibration.seq_len, progress=False)
+
+
+@needs_assets
+def test_fitted_methods_start_closer_to_the_parent_than_mean_on_ref_mha_6l(tmp_path):
+    from gqaify.eval.perplexity import perplexity
+
+    src = MODELS / "ref-mha-6L"
+    text = (TEXT / "wikitext-2-raw-test.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(src)(text[:20_000], return_tensors="pt").input_ids[0, :2048]
+    calibration = Calibration(str(TEXT / "tinyshakespeare.txt"), tokens=8192, seq_len=512)  # not the eval text
+    found = {}
+    for method, grouping in (("mean", "contiguous"), ("aligned", "contiguous"), ("lsq", "contiguous"),
+                             ("lsq", "similarity")):  # fmt: skip
+        out = tmp_path / f"{method}-{grouping}"
+        gqaify.convert(src, out, 2, method=method, calibration=calibration, grouping=grouping, progress=False)
+        found[method, grouping] = perplexity(load(out), ids, 512, 512, progress=False).perplexity
+    mean = found["mean", "contiguous"]
+    assert all(ppl < 0.5 * mean for key, ppl in found.items() if key[0] != "mean"), found
+
+
+def test_provenance_records_calibration_grouping_and_fit(calibration, tmp_path):
+    _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
+    out = tmp_path / "out"
+    result = gqaify.convert(src, out, 2, method="lsq", calibration=calibration, grouping="similarity", progress=False)
+    record = json.loads((out / "gqaify.json").read_text())
+    assert record["method"] == "lsq" and record["grouping"] == "similarity" and record["rotary_dim"] == 16
+    assert record["calibration"]["data"] == calibration.data
+    assert 0 < record["calibration"]["tokens"] <= calibration.tokens
+    assert record["permutations"] == result.permutations and len(record["permutations"]) == 2
+    assert all(sorted(order) == [0, 1, 2, 3] for order in record["permutations"])
+    assert len(record["fit_error"]) == 2 and all(e["k"] >= 0 and e["v"] >= 0 for e in record["fit_error"])
+    assert "q_proj rows and o_proj columns rewritten" in (out / "README.md").read_text()
+
+
+def test_calibrated_methods_refuse_bad_input(capsys, calibration, tmp_path):
+    _, src = _tiny("llama", tmp_path / "src")
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq")
+    assert code == 2 and "--calib-data" in err and len(err.strip().splitlines()) == 1
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--grouping", "similarity")
+    assert code == 2 and "--calib-data" in err
+    args = ("--kv-heads", "1", "--method", "aligned", "--calib-data", str(tmp_path / "missing.txt"))
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args)
+    assert code == 2 and "missing.txt" in err and len(err.strip().splitlines()) == 1
+    assert tree_hashes(tmp_path) == before
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2"])
+def test_rotating_methods_refuse_models_with_qk_norms(model_type, capsys, calibration, tmp_path):
+    from conftest import save
+
+    src = save(build_model(model_type), tmp_path / "src")
+    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calibration.data)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args)
+    assert code == 2 and "norm" in err and "mean" in err and not (tmp_path / "out").exists()
