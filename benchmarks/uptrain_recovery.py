@@ -68,7 +68,8 @@ def main() -> None:
 # -- recovery -------------------------------------------------------------------------------------------------
 
 
-def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every: int) -> None:
+def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every: int, name: str = "recovery") -> dict:
+    """Run (or read) each variant; write OUT/NAME.png, .md and .json; return what the .json holds."""
     from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
 
     curves, parent, rows = {}, None, []
@@ -89,11 +90,13 @@ def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
         rows.append({"variant": name, "overrides": overrides, "curve": list(zip(*curves[name], strict=True)),
                      "tokens_per_s": rate})  # fmt: skip
-    plot_recovery(curves, parent, out / "recovery.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
-    (out / "recovery.json").write_text(json.dumps({"parent_perplexity": parent, "variants": rows}, indent=2))
+    plot_recovery(curves, parent, out / f"{name}.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
+    result = {"parent_perplexity": parent, "variants": rows}
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     table = recovery_table(rows, parent)
-    (out / "recovery.md").write_text(table + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
     print(table)
+    return result
 
 
 def recovery_table(rows: list[dict], parent: float) -> str:

@@ -120,7 +120,11 @@ def test_shared_factor_is_exact_for_heads_that_span_one_head():
     readers = torch.eye(4, dtype=torch.float64).expand(1, 3, 4, 4)
     merged, transforms = fit.shared_factor(heads, c, readers)
     torch.testing.assert_close(transforms @ merged.unsqueeze(1), heads)
-    torch.testing.assert_close(transforms[:, 0], torch.eye(4, dtype=torch.float64)[None])  # head 0's coordinates
+    # duplicates of an ordinary head: the shared head is that head, in its own coordinates
+    rows = torch.linalg.qr(torch.randn(12, 4, dtype=torch.float64))[0].T * torch.tensor([[1.0], [1.5], [2.0], [0.8]])
+    merged, transforms = fit.shared_factor(rows.expand(1, 2, 4, 12), c, readers[:, :2])
+    torch.testing.assert_close(merged[0], rows)
+    torch.testing.assert_close(transforms, torch.eye(4, dtype=torch.float64).expand(1, 2, 4, 4))
 
 
 def test_balanced_groups_finds_planted_pairs():

@@ -32,6 +32,7 @@ from gqaify.convert.layout import Attention
 
 Tensor = torch.Tensor
 _EPS = 1e-10  # relative size below which an eigen- or singular value counts as zero
+_MAX_SPREAD = 4.0  # how far a shared head's output sizes may stray from the group's mean (`shared_factor`)
 
 
 def augment(weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -117,8 +118,8 @@ def shared_factor(w: Tensor, c: Tensor, consumers: Tensor) -> tuple[Tensor, Tens
         T_h = G_{h,:} F V Σ^{-1/2}   (the least-squares map from the shared output back to head h's)
 
     a weighted PCA of the heads' outputs (cf. ECKVH, arXiv 2406.07056, which takes the plain SVD of the
-    concatenated caches). Exact when the group's heads span at most m dimensions, e.g. a single head or
-    duplicates.
+    concatenated caches). Exact when the group's heads span at most m dimensions, e.g. duplicates; a group
+    of one head is returned as it is.
 
     Args:
         w: (N, S, m, n) groups of S heads.
@@ -128,6 +129,8 @@ def shared_factor(w: Tensor, c: Tensor, consumers: Tensor) -> tuple[Tensor, Tens
         (W' (N, m, n), T (N, S, m, m)) with z_h ≈ T_h z'.
     """
     n_groups, heads, rows, _ = w.shape
+    if heads == 1:  # nothing to share: the head as it is
+        return w[:, 0], torch.eye(rows, dtype=w.dtype).expand(n_groups, 1, rows, rows)
     gram = _gram(w, c)  # (N, S·m, S·m)
     f = _block_diag(_psd_sqrt(consumers))  # (N, S·m, S·m)
     values, vectors = torch.linalg.eigh(f @ gram @ f)
@@ -137,14 +140,16 @@ def shared_factor(w: Tensor, c: Tensor, consumers: Tensor) -> tuple[Tensor, Tens
     basis = f @ vectors * inv_sqrt.unsqueeze(-2)  # (N, S·m, m): F V Σ^{-1/2}
     merged = basis.mH @ w.flatten(1, 2)  # (N, m, n)
     transforms = (gram @ basis).unflatten(1, (heads, rows))  # (N, S, m, m)
-    # Any invertible M gives the same fit as (M W', T M⁻¹). Take M = T_0: the shared head in the coordinates
-    # of the group's first head, whose readers then stay as they were, so that a group of one comes back
-    # as it went in. Where T_0 is near singular, only scale W' (W' C W'ᴴ = I) to the heads' mean size.
-    first = transforms[:, 0]
-    usable = (torch.linalg.cond(first) < 1e6)[:, None, None]
-    eye = torch.eye(rows, dtype=first.dtype).expand_as(first)
-    scale = _scale(w, c).to(first.dtype)[:, None, None]
-    change = torch.where(usable, first, eye * scale)
+    # Any invertible M gives the same fit as (M W', T M⁻¹). The natural M is T_0, which puts the shared head
+    # in the coordinates of the group's first head (exact for duplicates: W' is then head 0 itself). But where
+    # head 0 is poorly represented, T_0 is near singular and the other readers need huge compensation, which
+    # leaves a model that uptraining breaks at once. So M = s R P', from T_0 = s R P, the polar decomposition
+    # relative to the whitened W' (s the heads' mean output size, R unitary), and P' = P with its eigenvalues
+    # clipped to [1/_MAX_SPREAD, _MAX_SPREAD]: T_0 itself where head 0 is an ordinary member of its group.
+    scale = _scale(w, c).to(transforms.dtype)[:, None, None]
+    u, sigma, vh = torch.linalg.svd(transforms[:, 0] / scale)
+    sigma = sigma.clamp(1 / _MAX_SPREAD, _MAX_SPREAD).to(u.dtype)
+    change = scale * u @ (sigma.unsqueeze(-1) * vh)  # s R P' = s U Σ' Vᴴ
     return change @ merged, torch.linalg.solve(change.unsqueeze(1), transforms, left=False)
 
 
