@@ -2,6 +2,7 @@
 
     python benchmarks/methods.py                     # both parts
     python benchmarks/methods.py --skip-uptrain      # zero-training table only (about 15 minutes on 2 cores)
+    python benchmarks/methods.py --skip-zero-training   # uptraining only; the zero-training rows are kept
 
 Zero training: every method converts SmolLM2-135M-Instruct (GQA-3 -> MQA) and ref-mha-6L (MHA-8 -> GQA-4,
 GQA-2, MQA); `gqaify eval` then measures the parent and every conversion on WikiText-2 raw test (SmolLM2:
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/methods", help="output folder")
     parser.add_argument("--calib-tokens", type=int, default=32768)
     parser.add_argument("--skip-uptrain", action="store_true")
+    parser.add_argument("--skip-zero-training", action="store_true")
     parser.add_argument("--uptrain-out", default="runs/bench/uptrain", help="where the uptraining runs live")
     args = parser.parse_args()
 
@@ -50,11 +52,13 @@ def main() -> None:
         ("SmolLM2-135M-Instruct", str(gguf), 3, [1], 4096, 1024),
         ("ref-mha-6L", str(MODELS / "ref-mha-6L"), 8, [4, 2, 1], 8192, 512),
     ]
-    rows = []
-    for model, src, source_kv, groups, tokens, seq_len in cases:
-        for kv_heads in groups:
-            rows += zero_training(out, model, src, source_kv, kv_heads, tokens, seq_len, args.calib_tokens)
-    uptrain = None
+    saved = json.loads((out / "methods.json").read_text()) if (out / "methods.json").exists() else {}
+    rows, uptrain = saved.get("zero_training", []), saved.get("uptraining")
+    if not args.skip_zero_training:
+        rows = []
+        for model, src, source_kv, groups, tokens, seq_len in cases:
+            for kv_heads in groups:
+                rows += zero_training(out, model, src, source_kv, kv_heads, tokens, seq_len, args.calib_tokens)
     if not args.skip_uptrain:
         sys.path.insert(0, str(Path(__file__).parent))
         from uptrain_recovery import recovery

@@ -73,22 +73,22 @@ def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every
     from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
 
     curves, parent, rows = {}, None, []
-    for name in variants:
-        folder, overrides = VARIANTS[name]
+    for variant in variants:
+        folder, overrides = VARIANTS[variant]
         run_dir = out / folder
         command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(RECIPE), "--model", str(gguf),
                    "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(tokens),
                    "--eval_every", str(eval_every), "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
                    "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *overrides]  # fmt: skip
-        print(f"== {name}: {' '.join(command[1:])}", flush=True)
+        print(f"== {variant}: {' '.join(command[1:])}", flush=True)
         done = run_dir / "run.json"
         if not (done.exists() and json.loads(done.read_text()).get("completed")):  # else: measured before
             subprocess.run(command, check=True)
         metrics = read_metrics(run_dir / "metrics.jsonl")
-        curves[name] = eval_curve(metrics)
+        curves[variant] = eval_curve(metrics)
         parent = json.loads((run_dir / "run.json").read_text()).get("parent_perplexity", parent)
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
-        rows.append({"variant": name, "overrides": overrides, "curve": list(zip(*curves[name], strict=True)),
+        rows.append({"variant": variant, "overrides": overrides, "curve": list(zip(*curves[variant], strict=True)),
                      "tokens_per_s": rate})  # fmt: skip
     plot_recovery(curves, parent, out / f"{name}.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
     result = {"parent_perplexity": parent, "variants": rows}

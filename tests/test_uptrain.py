@@ -333,3 +333,19 @@ def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
         pytest.skip("tensorboard is installed here")
     line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--log_to", "tensorboard")))
     assert "log_to tensorboard needs its package; pip install tensorboard" in line
+
+
+def test_calibrated_method_needs_calib_data(tiny, tmp_path):
+    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq")
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", *extra)))
+    assert "set calib_data" in line and not (tmp_path / "run").exists()
+
+
+def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
+    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--grouping", "similarity",
+             "--calib_data", str(tiny["train"]), "--calib_tokens", "512", "--max_tokens", "320")  # fmt: skip
+    done = run_cli(args(tiny, tmp_path / "run", *extra))
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())
+    assert (record["method"], record["grouping"], record["kv_heads"]) == ("lsq", "similarity", 2)
+    assert record["calibration"]["data"] == str(tiny["train"]) and record["calibration"]["tokens"] <= 512

@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
     args.rest = rest
     args.prog = prog if prog != "gqaify" else f"gqaify {args.command}"
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if getattr(args, "quiet", False):  # transformers' own loading bars too (calibration loads the model)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     try:
         args.run(args)
     except SystemExit as exc:  # a subcommand's own parser: --help, or a usage error reported on one line

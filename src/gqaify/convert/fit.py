@@ -61,11 +61,6 @@ def from_key_blocks(blocks: list[Tensor], rotary_dim: int) -> Tensor:
     return torch.cat(parts + [block.squeeze(0) for block in rest], dim=1)
 
 
-def value_blocks(rows: Tensor) -> list[Tensor]:
-    """(S, d, n) value rows -> one real block (1, S, d, n)."""
-    return [rows.unsqueeze(0)]
-
-
 def cross(a: Tensor, c: Tensor | None, b: Tensor) -> Tensor:
     """a C bᴴ for blocks a (..., m, n), b (..., p, n): (..., m, p); C None is the identity."""
     return (a if c is None else a @ c.to(a.dtype)) @ b.mH
