@@ -117,11 +117,9 @@ def convert(
         plan = _plan(source, layouts, kv_heads, DTYPES[dtype])
         qk_norms = spec.shared_head_norms or layouts[0].has_qk_norms(plan.layer_inputs[0])
         _check_method(METHODS[method], method, model_name, qk_norms)
-        ctx = MethodContext(
-            torch.Generator().manual_seed(seed),
-            config.get("initializer_range", 0.02),
-            rotary_dim(spec.model_type, config, geometry.head_dim),
-        )
+        ctx = MethodContext(torch.Generator().manual_seed(seed), config.get("initializer_range", 0.02))
+        if calibration is not None:  # fits need to know which dimensions RoPE turns
+            ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, config, geometry.head_dim))
         converter = _LayerConverter(METHODS[method], kv_heads, ctx, grouping, keys_measurable=not qk_norms)
         if calibration is not None:
             converter.second_moments, tokens_read = _calibrate(source, spec, geometry, calibration, progress)
@@ -133,10 +131,11 @@ def convert(
             _write_side_files(source, staging, config, kv_heads, dtype)
             hashes = hasher.results(source.tensors.files)
             record = _provenance(source, spec, geometry, kv_heads, method, dtype, seed, hashes)
-            record.update(grouping=grouping, rotary_dim=ctx.rotary_dim, calibration=None)
+            record.update(grouping=grouping, calibration=None)
             if calibration is not None:
                 record.update(
                     calibration=calibration.record(tokens_read),
+                    rotary_dim=ctx.rotary_dim,
                     permutations=converter.orders if grouping == "similarity" else None,
                     fit_error=converter.errors,
                 )

@@ -199,12 +199,17 @@ class LayerRows:
         self.attn = attn
         self.rotary_dim = rotary_dim
         inputs = attn.kv["k.weight"].shape[-1]
-        self.c = second_moment.double() if "k.bias" in attn.kv else second_moment.double()[:inputs, :inputs]
+        self.biased = any(f"{part}.bias" in {**attn.kv, **attn.queries} for part in "qkv")
+        self.c = second_moment.double() if self.biased else second_moment.double()[:inputs, :inputs]
         self.queries_per_kv_head = attn.queries["q.weight"].shape[0] // attn.kv["k.weight"].shape[0]
 
     def _rows(self, heads: dict[str, Tensor], part: str) -> Tensor:
+        """(n, d, hidden [+ 1]) float64: with a bias column (zeros for a part without one) if any part has one."""
+        weight = heads[f"{part}.weight"].double()
+        if not self.biased:
+            return weight
         bias = heads.get(f"{part}.bias")
-        return augment(heads[f"{part}.weight"].double(), None if bias is None else bias.double())
+        return augment(weight, weight.new_zeros(weight.shape[:2]) if bias is None else bias.double())
 
     def key_blocks(self) -> list[Tensor]:
         return key_blocks(self._rows(self.attn.kv, "k"), self.rotary_dim)
@@ -229,10 +234,11 @@ class LayerRows:
         kv, q = dict(self.attn.kv), dict(self.attn.queries)
         rows = {"k": (kv, from_key_blocks(keys, self.rotary_dim)), "v": (kv, values)}
         rows["q"] = (q, from_key_blocks(queries, self.rotary_dim))
-        for part, (heads, t) in rows.items():
-            if f"{part}.bias" in heads:
-                heads[f"{part}.weight"], heads[f"{part}.bias"] = t[..., :-1].float(), t[..., -1].float()
-            else:
-                heads[f"{part}.weight"] = t.float()
+        for part, (heads, t) in rows.items():  # a part without a bias keeps a zero bias column: dropped
+            if self.biased:
+                t, bias = t[..., :-1], t[..., -1]
+                if f"{part}.bias" in heads:
+                    heads[f"{part}.bias"] = bias.float()
+            heads[f"{part}.weight"] = t.float()
         q["o.weight"] = outputs.float()
         return replace(self.attn, kv=kv, queries=q)
