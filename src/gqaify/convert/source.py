@@ -48,7 +48,8 @@ class Source:
             return AutoTokenizer.from_pretrained(self.directory)
         except (OSError, ValueError) as exc:
             raise UserError(
-                f"calibration needs the tokenizer of {self.name}, which could not be loaded ({exc})"
+                f"calibration needs the tokenizer of {self.name}, which could not be loaded ({type(exc).__name__}); "
+                "add the tokenizer files to SRC, or convert without --calib-data"
             ) from exc
 
     def load_model(self, device: str = "cpu"):
@@ -65,7 +66,10 @@ class Source:
         try:
             model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=torch.float32)
         except (OSError, ValueError) as exc:
-            raise UserError(f"calibration runs {self.name}, which transformers could not load ({exc})") from exc
+            raise UserError(
+                f"calibration runs {self.name}, which transformers could not load ({type(exc).__name__}); "
+                "check its files, or convert without --calib-data"
+            ) from exc
         return model.to(device).eval()
 
 
