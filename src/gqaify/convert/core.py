@@ -120,9 +120,10 @@ def convert(
         ctx = MethodContext(torch.Generator().manual_seed(seed), config.get("initializer_range", 0.02))
         if calibration is not None:  # fits need to know which dimensions RoPE turns
             ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, config, geometry.head_dim))
-        converter = _LayerConverter(METHODS[method], kv_heads, ctx, grouping, keys_measurable=not qk_norms)
+        moments = None
         if calibration is not None:
-            converter.second_moments, tokens_read = _calibrate(source, spec, geometry, calibration, progress)
+            moments, tokens_read = _calibrate(source, spec, geometry, calibration, progress)
+        converter = _LayerConverter(METHODS[method], kv_heads, ctx, grouping, moments, keys_measurable=not qk_norms)
 
         with _SourceHasher() as hasher, _staging(out, force) as staging:
             with ShardWriter(staging, plan.tensors, shard_bytes) as writer:
@@ -136,7 +137,7 @@ def convert(
                 record.update(
                     calibration=calibration.record(tokens_read),
                     rotary_dim=ctx.rotary_dim,
-                    permutations=converter.orders if grouping == "similarity" else None,
+                    permutations=converter.orders,
                     fit_error=converter.errors,
                 )
             (staging / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -161,8 +162,8 @@ def convert(
         bytes_written=writer.bytes_written,
         seconds=time.perf_counter() - start,
         grouping=grouping,
-        permutations=converter.orders if grouping == "similarity" else None,
-        fit_errors=converter.errors if calibration is not None else None,
+        permutations=converter.orders,
+        fit_errors=converter.errors,
     )
 
 
@@ -313,23 +314,24 @@ def _stream(source, plan: _Plan, writer: ShardWriter, converter: _LayerConverter
 class _LayerConverter:
     """One layer's conversion: regroup its heads, apply the method, measure the fit; records what it did."""
 
-    def __init__(self, method: Method, kv_heads: int, ctx: MethodContext, grouping: str, keys_measurable: bool):
-        self.method, self.kv_heads, self.ctx, self.grouping = method, kv_heads, ctx, grouping
+    def __init__(self, method: Method, kv_heads: int, ctx: MethodContext, grouping: str,
+                 second_moments: list[torch.Tensor] | None, keys_measurable: bool):  # fmt: skip
+        self.method, self.kv_heads, self.ctx, self.second_moments = method, kv_heads, ctx, second_moments
         self.keys_measurable = keys_measurable
-        self.second_moments: list[torch.Tensor] | None = None
-        self.orders: list[list[int]] = []
-        self.errors: list[dict] = []
+        # what was done, per layer: the head orders (similarity grouping), the fit errors (calibrated)
+        self.orders: list[list[int]] | None = [] if grouping == "similarity" else None
+        self.errors: list[dict] | None = [] if second_moments is not None else None
 
     def __call__(self, layer: int, attn: Attention) -> Attention:
         ctx = self.ctx
         if self.second_moments is not None:
             ctx = replace(ctx, second_moment=self.second_moments[layer])
-        if self.grouping == "similarity":
+        if self.orders is not None:
             order = similar_order(attn, self.kv_heads, ctx.rotary_dim, ctx.second_moment)
             attn = permute(attn, order)
             self.orders.append(order)
         converted = self.method.fn(attn, self.kv_heads, ctx)
-        if ctx.second_moment is not None:
+        if self.errors is not None:
             errors = fit_error(attn, converted, ctx, keys=self.keys_measurable)
             self.errors.append({key: None if e is None else round(e, 6) for key, e in errors.items()})
         return converted
