@@ -74,9 +74,10 @@ def main() -> None:
 def zero_training(out: Path, model: str, src: str, source_kv: int, kv_heads: int, tokens: int, seq_len: int,
                   calib_tokens: int) -> list[dict]:  # fmt: skip
     """Convert `src` with every method, evaluate all beside the parent; one row per method."""
-    from gqaify.convert import convert
-    from gqaify.convert.calibrate import Calibration
-    from gqaify.eval import EvalSettings, evaluate
+    from gqaify.conversion.core import convert
+    from gqaify.conversion.options import Calibration
+    from gqaify.eval.core import evaluate
+    from gqaify.eval.settings import EvalSettings
 
     calibration = Calibration(str(CALIB_TEXT), tokens=calib_tokens, seq_len=seq_len)
     variants = [(m, "contiguous") for m in METHODS]

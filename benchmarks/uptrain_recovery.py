@@ -121,7 +121,7 @@ def _quarters(milestones: list[int]) -> set[int]:
 
 
 def speed(gguf: Path, out: Path, steps: int, repeats: int) -> None:
-    from gqaify.convert import convert
+    from gqaify.conversion.core import convert
 
     model_dir = out / "speed-model"
     if not model_dir.is_dir():
@@ -139,8 +139,9 @@ def speed(gguf: Path, out: Path, steps: int, repeats: int) -> None:
 
 
 def ours_tokens_per_s(model_dir: Path, steps: int) -> float:
-    from gqaify.uptrain import parse, uptrain
     from gqaify.uptrain.report import read_metrics
+    from gqaify.uptrain.settings import parse
+    from gqaify.uptrain.train import run as uptrain
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = parse([

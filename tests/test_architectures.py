@@ -5,8 +5,7 @@ import torch
 
 import gqaify
 from conftest import ARCH_CONFIGS, build_model, duplicate_kv_heads, load, logits, sample_ids, save
-from gqaify.convert import ARCHITECTURES
-from gqaify.convert.archs import Geometry, arch_for
+from gqaify.archs import ARCHITECTURES, Geometry, arch_for
 from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 
 

@@ -8,8 +8,8 @@ from safetensors import safe_open
 
 import gqaify
 from conftest import build_model, load, logits, sample_ids, save, tree_hashes
-from gqaify.convert.layout import Attention
-from gqaify.convert.methods import METHODS, MethodContext
+from gqaify.conversion.layout import Attention
+from gqaify.conversion.methods import METHODS, MethodContext
 
 
 def read_shard(path):
@@ -154,22 +154,38 @@ def test_random_reinitialises_projections_reproducibly(mha_llama, tmp_path):
 
 
 def test_hub_id_is_fetched_with_snapshot_download(mha_llama, tmp_path, monkeypatch):
-    """The hub is mocked: snapshot_download answers with a local folder named like a hub snapshot."""
+    """The hub is mocked by a folder (the repository, with a Mistral-style consolidated.safetensors beside the
+    transformers shards) and a snapshot_download that copies the files its patterns match into a snapshot."""
+    import fnmatch
+    import shutil
+
     model, src = mha_llama
     commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "remote"
+    save(model, repo, max_shard_size="30KB")
+    (repo / "consolidated.safetensors").write_bytes((repo / "model-00001-of-00029.safetensors").read_bytes())
+    (repo / "params.json").write_text("{}")
     snapshot = tmp_path / "hub" / "snapshots" / commit
-    save(model, snapshot, max_shard_size="30KB")
     calls = []
 
     def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
         calls.append((repo_id, revision, tuple(allow_patterns)))
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for path in repo.iterdir():
+            if any(fnmatch.fnmatch(path.name, pattern) for pattern in allow_patterns):
+                shutil.copyfile(path, snapshot / path.name)
         return str(snapshot)
 
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     gqaify.convert("someone/tiny-llama", tmp_path / "out", kv_heads=2, revision="main", progress=False)
-    assert calls[0][:2] == ("someone/tiny-llama", "main") and "*.safetensors" in calls[0][2]
+    assert calls[0][:2] == ("someone/tiny-llama", "main") and "*.json" in calls[0][2]
+    assert not any("safetensors" in pattern and "*" in pattern for call in calls for pattern in call[2])
+    index = json.loads((repo / "model.safetensors.index.json").read_text())
+    assert set(calls[1][2]) == set(index["weight_map"].values()) and calls[1][1] == commit
+    assert not (snapshot / "consolidated.safetensors").exists()  # never downloaded
+    assert not (tmp_path / "out" / "consolidated.safetensors").exists()
     record = json.loads((tmp_path / "out" / "gqaify.json").read_text())
     assert record["source"] | {"sha256": None} == {
         "name": "someone/tiny-llama", "kind": "hub", "path": None, "revision": commit, "sha256": None,
@@ -177,6 +193,23 @@ def test_hub_id_is_fetched_with_snapshot_download(mha_llama, tmp_path, monkeypat
     assert "base_model: someone/tiny-llama" in (tmp_path / "out" / "README.md").read_text()
     ids = sample_ids(model.config.vocab_size)
     assert logits(load(tmp_path / "out"), ids).shape == logits(model, ids).shape
+
+
+def test_local_source_carries_side_files_but_no_other_weights(mha_llama, tmp_path):
+    """A local Mistral-style download: consolidated.safetensors (the original weights in another format) must not
+    ride along into OUT, where tools that read that format would load the unconverted model."""
+    import shutil
+
+    _, src = mha_llama
+    folder = tmp_path / "mistral-style"
+    shutil.copytree(src, folder)
+    (folder / "consolidated.safetensors").write_bytes(b"original weights")
+    (folder / "LICENSE").write_text("the licence")
+    (folder / "tokenizer.model").write_bytes(b"sentencepiece")
+    gqaify.convert(folder, tmp_path / "out", kv_heads=2, progress=False)
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert "consolidated.safetensors" not in names
+    assert {"LICENSE", "tokenizer.model", "generation_config.json"} <= names
 
 
 @pytest.mark.parametrize("refuse", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
@@ -187,7 +220,7 @@ def test_shard_writer_round_trips_every_dtype(tmp_path, monkeypatch, refuse):
 
     from safetensors.torch import save_file
 
-    from gqaify.convert.checkpoint import SafetensorsSource, ShardWriter, TensorMeta
+    from gqaify.conversion.checkpoint import SafetensorsSource, ShardWriter, TensorMeta
 
     gen = torch.Generator().manual_seed(0)
     tensors = {

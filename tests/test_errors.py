@@ -132,12 +132,12 @@ def test_output_inside_source_is_refused(capsys, source, tmp_path):
 
 
 def test_internal_error_exits_1(capsys, source, tmp_path, monkeypatch):
-    from gqaify.convert import methods
+    from gqaify.conversion import methods
 
     def broken(heads, num_groups, ctx):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setitem(methods.METHODS, "mean", methods.Method(broken, "broken"))
+    monkeypatch.setitem(methods.METHODS, "mean", methods.Method(broken, methods.METHOD_INFO["mean"]))
     code, err = run_cli(capsys, "convert", source, tmp_path / "out", "--kv-heads", "2")
     assert code == 1 and "ZeroDivisionError" in err and "internal error" in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.gqaify-*"))

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 import gqaify
 from conftest import CORPUS, build_model, sample_ids, save_with_tokenizer, transformers_doc_loop
+from gqaify.archs import ARCHITECTURES, Geometry
 from gqaify.cli import main
-from gqaify.convert.archs import ARCHITECTURES, Geometry
-from gqaify.eval import EvalSettings
 from gqaify.eval.perplexity import perplexity, sliding_windows
+from gqaify.eval.settings import EvalSettings
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes
 from gqaify.kvcache import sliding_windows as layer_windows
 

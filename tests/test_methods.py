@@ -22,11 +22,11 @@ from conftest import (
     save_with_tokenizer,
     tree_hashes,
 )
-from gqaify.convert import fit
-from gqaify.convert.archs import ARCHITECTURES, Geometry
-from gqaify.convert.calibrate import Calibration
-from gqaify.convert.grouping import balanced_groups, permute, similar_order
-from gqaify.convert.layout import LayerLayout
+from gqaify.archs import ARCHITECTURES, Geometry
+from gqaify.conversion import fit
+from gqaify.conversion.grouping import balanced_groups, permute, similar_order
+from gqaify.conversion.layout import LayerLayout
+from gqaify.conversion.options import Calibration
 from test_errors import run_cli
 
 TEXT = MODELS.parent / "text"
@@ -159,7 +159,7 @@ def test_similarity_permutation_alone_preserves_the_function_exactly():
 
 
 def _moments(src, spec, geometry):
-    from gqaify.convert.calibrate import calibration_ids, second_moments
+    from gqaify.conversion.calibrate import calibration_ids, second_moments
 
     calibration = Calibration(str(TEXT / "tinyshakespeare.txt"), tokens=2048, seq_len=512)
     ids = calibration_ids(calibration, AutoTokenizer.from_pretrained(src))

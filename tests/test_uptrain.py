@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
-from gqaify.convert import convert
-from gqaify.uptrain import UptrainSettings, parse, uptrain
+from gqaify.conversion.core import convert
+from gqaify.uptrain import UptrainSettings, parse
+from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.report import read_metrics
 from gqaify.uptrain.settings import load_recipe
@@ -343,9 +344,9 @@ def test_calibrated_method_needs_calib_data(tiny, tmp_path):
 
 def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
     extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--grouping", "similarity",
-             "--calib_data", str(tiny["train"]), "--calib_tokens", "512", "--max_tokens", "320")  # fmt: skip
+             "--calib_data", str(tiny["train"]), "--calib_tokens", "1024", "--max_tokens", "320")  # fmt: skip
     done = run_cli(args(tiny, tmp_path / "run", *extra))
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())
     assert (record["method"], record["grouping"], record["kv_heads"]) == ("lsq", "similarity", 2)
-    assert record["calibration"]["data"] == str(tiny["train"]) and record["calibration"]["tokens"] <= 512
+    assert record["calibration"]["data"] == str(tiny["train"]) and record["calibration"]["tokens"] <= 1024

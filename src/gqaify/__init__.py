@@ -1,23 +1,62 @@
 """gqaify: turn multi-head-attention checkpoints into grouped-query (GQA) or multi-query (MQA) attention.
 
-    gqaify.convert(src, out, kv_heads=G)   rewrite a checkpoint's K/V projections from KV heads to G
+    gqaify.convert(src, out, kv_heads=G)                  rewrite a checkpoint's K/V heads from KV to G
     gqaify.convert(src, out, G, method="lsq", calibration=gqaify.Calibration("text.txt"))   fitted on text
-    gqaify.evaluate([parent, converted], data, out)   perplexity, KV cache and speed beside the parent
-    gqaify.uptrain(gqaify.UptrainSettings(...))       recover quality with a short run (accelerate)
+    gqaify.evaluate([parent, converted], data, out)       perplexity, KV cache and speed beside the parent
+    gqaify.uptrain.run(gqaify.UptrainSettings(...))       recover quality with a short run (accelerate)
 
-The functions `gqaify.convert` and `gqaify.uptrain` are the public entry points; their implementations live
-in the subpackages of the same names (import their modules as `from gqaify.convert import methods`).
+Functions are verbs and modules are nouns, so no name here is both: the conversion lives in the package
+`gqaify.conversion`, evaluation in `gqaify.eval`, and uptraining in the module `gqaify.uptrain` (the one you
+launch: `accelerate launch -m gqaify.uptrain`). Everything is imported on first use, so `import gqaify`
+and the command line's `--help` do not load torch.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 try:
     __version__ = version("gqaify")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0+unknown"
 
-from gqaify.convert import Calibration, convert  # noqa: E402  (after __version__, which convert records)
-from gqaify.eval import EvalSettings, evaluate  # noqa: E402
-from gqaify.uptrain import UptrainSettings, uptrain  # noqa: E402
+# public name -> the module that defines it
+_EXPORTS = {
+    "convert": "gqaify.conversion.core",
+    "ConversionResult": "gqaify.conversion.core",
+    "Calibration": "gqaify.conversion.options",
+    "evaluate": "gqaify.eval.core",
+    "EvalSettings": "gqaify.eval.settings",
+    "UptrainSettings": "gqaify.uptrain.settings",
+}
+_SUBMODULES = ("conversion", "eval", "uptrain")
 
-__all__ = ["Calibration", "EvalSettings", "UptrainSettings", "__version__", "convert", "evaluate", "uptrain"]
+__all__ = [
+    "Calibration", "ConversionResult", "EvalSettings", "UptrainSettings", "__version__", "conversion", "convert",
+    "eval", "evaluate", "uptrain",
+]  # fmt: skip
+
+if TYPE_CHECKING:
+    from gqaify import conversion, eval, uptrain  # noqa: A004 (gqaify.eval is a package, not the builtin)
+    from gqaify.conversion.core import ConversionResult, convert
+    from gqaify.conversion.options import Calibration
+    from gqaify.eval.core import evaluate
+    from gqaify.eval.settings import EvalSettings
+    from gqaify.uptrain.settings import UptrainSettings
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

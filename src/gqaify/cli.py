@@ -1,22 +1,27 @@
 """The `gqaify` command: parses arguments and calls the library.
 
-Exit status: 0 done; 2 bad input (one line on stderr naming the problem and the fix, nothing written);
-1 an internal error (a bug: the traceback is printed); 130 interrupted.
+Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr naming the problem and the fix,
+nothing written); 1 the machine ran out of something (one line, e.g. disk space) or an internal error (a bug:
+the traceback is printed); 130 interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left).
+
+Only argparse and gqaify's light modules are imported here, so that `--help` and usage errors answer before
+torch is loaded; each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
 import traceback
 
-from gqaify.convert import METHODS, convert
-from gqaify.convert.calibrate import Calibration
-from gqaify.convert.core import DTYPES
-from gqaify.convert.grouping import GROUPINGS
-from gqaify.errors import UserError
-from gqaify.eval import EvalSettings, evaluate
+from gqaify.conversion.options import GROUPINGS, METHOD_INFO, Calibration
+from gqaify.dtypes import DTYPE_NAMES
+from gqaify.errors import Interrupted, ResourceError, UserError
+from gqaify.eval.settings import EvalSettings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,15 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--method",
         default="mean",
-        choices=list(METHODS),
+        choices=list(METHOD_INFO),
         help="how heads are merged (default mean): "
         + "; ".join(
-            f"{name}: {m.summary}" + (" [needs --calib-data]" if m.calibrated else "") for name, m in METHODS.items()
+            f"{name}: {info.summary}" + (" [needs --calib-data]" if info.calibrated else "")
+            for name, info in METHOD_INFO.items()
         ),
     )
-    convert.add_argument("--dtype", default="auto", choices=list(DTYPES), help="output dtype (default: keep)")
+    convert.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="output dtype (default: keep)")
     convert.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
-    convert.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    convert.add_argument(
+        "--force", action="store_true", help="replace OUT if it is empty or a conversion gqaify wrote (nothing else)"
+    )
     convert.add_argument("--revision", help="hub branch, tag or commit (hub ids only)")
     convert.add_argument("--seed", type=int, default=0, help="seed for --method random (default 0)")
     calib = Calibration("")
@@ -62,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--calib-split", default=calib.split, help=f"split of --calib-data ({calib.split})")
     convert.add_argument("--calib-text-column", default=calib.text_column, help="column holding the text (text)")
     convert.add_argument("--calib-seq-len", type=int, default=calib.seq_len, help=f"window length ({calib.seq_len})")
+    convert.add_argument(
+        "--allow-nonfinite", action="store_true", help="convert K/V weights that hold NaN or Inf instead of refusing"
+    )
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(run=_run_convert)
 
@@ -81,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--stride", type=int, help="tokens between window starts (default: --seq-len, no overlap)")
     ev.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     ev.add_argument("--batch-size", type=int, default=defaults.batch_size, help="windows per forward pass")
-    ev.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"], help="model dtype")
+    ev.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES, help="model dtype (default auto)")
     ev.add_argument("--device", default=defaults.device, help="auto, cpu or cuda (default auto)")
     ev.add_argument("--memory-budget", default=defaults.memory_budget, help="memory for weights + KV (default 80GB)")
     ev.add_argument("--decode-context", type=int, default=defaults.decode_context, help="prefill tokens (512)")
@@ -128,24 +139,56 @@ def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    try:
-        args.run(args)
-    except SystemExit as exc:  # a subcommand's own parser: --help, or a usage error reported on one line
-        return int(exc.code or 0)
-    except UserError as exc:
-        print(f"gqaify: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("gqaify: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except Exception:
-        traceback.print_exc()
-        print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
-        return 1
+    with _sigterm_as_interrupt():
+        try:
+            args.run(args)
+        except SystemExit as exc:  # a subcommand's own parser: --help, or a usage error reported on one line
+            return int(exc.code or 0)
+        except UserError as exc:
+            print(f"gqaify: error: {exc}", file=sys.stderr)
+            return 2
+        except ResourceError as exc:
+            print(f"gqaify: error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
+            status = exc.exit_status if isinstance(exc, Interrupted) else 130
+            what = "stopped by SIGTERM" if status == 128 + signal.SIGTERM else "interrupted"
+            print(f"gqaify: {what}; {str(exc) or 'nothing was written'}", file=sys.stderr)
+            return status
+        except Exception:
+            traceback.print_exc()
+            print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
+            return 1
     return 0
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While the block runs, SIGTERM raises `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so that the
+    same cleanup runs; a second SIGTERM is ignored until the cleanup is done."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Interrupted(signum=signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run_convert(args) -> None:
+    from gqaify.conversion.core import convert
+
+    calibration = None
+    if args.calib_data is not None:
+        calibration = Calibration(
+            args.calib_data, args.calib_tokens, args.calib_split, args.calib_text_column, args.calib_seq_len
+        )
     result = convert(
         args.src,
         args.out,
@@ -156,18 +199,16 @@ def _run_convert(args) -> None:
         force=args.force,
         revision=args.revision,
         seed=args.seed,
-        calibration=None
-        if args.calib_data is None
-        else Calibration(
-            args.calib_data, args.calib_tokens, args.calib_split, args.calib_text_column, args.calib_seq_len
-        ),
+        calibration=calibration,
         grouping=args.grouping,
+        allow_nonfinite=args.allow_nonfinite,
         progress=not args.quiet,
     )
     print(format_summary(result))
 
 
 def _run_eval(args) -> None:
+    from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
 
     settings = EvalSettings(
@@ -186,10 +227,11 @@ def _run_uptrain(args) -> None:
     from accelerate import PartialState
     from transformers.utils import logging as transformers_logging
 
-    from gqaify.uptrain import parse, uptrain
+    from gqaify.uptrain.settings import parse
+    from gqaify.uptrain.train import run
 
     transformers_logging.disable_progress_bar()  # loading and saving bars between the training bar's updates
-    result = uptrain(parse(args.rest, prog=args.prog))
+    result = run(parse(args.rest, prog=args.prog))
     if PartialState().is_main_process:  # one summary per launch
         print(format_uptrain_summary(result))
 

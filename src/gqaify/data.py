@@ -39,12 +39,14 @@ def load_rows(
         UserError: the data is missing, or has no such column or split.
     """
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     datasets.disable_progress_bars()
     path = Path(data).expanduser()
     try:
         if path.exists():
             builder, files = _local_files(path, option)
+            _check_readable(builder, files, option)
             # A local file is one split, whatever it is called: name it as asked so that `split` holds.
             options = {"sample_by": "document"} if builder == "text" else {}
             files_by_split = {split: [str(f) for f in files]}
@@ -58,6 +60,8 @@ def load_rows(
             dataset = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
     except UserError:
         raise
+    except DatasetGenerationError as exc:  # a file its builder cannot parse
+        raise UserError(f"{option} {data} could not be read ({_cause(exc)}); check the file's format") from exc
     except ValueError as exc:  # unknown split, bad config name
         raise UserError(f"{option} {data}: {exc}; check --split and the config name") from exc
     except (FileNotFoundError, ConnectionError, OSError) as exc:
@@ -85,12 +89,15 @@ def load_text(
         rows = [row for row in dataset[text_column] if isinstance(row, str)]
     else:
         rows, chars = [], 0
-        for row in load_rows(data, split, text_column, streaming=True, option=option):
-            if isinstance(text := row.get(text_column), str):
-                rows.append(text)
-                chars += len(text) + 2
-                if chars >= max_chars:
-                    break
+        try:
+            for row in load_rows(data, split, text_column, streaming=True, option=option):
+                if isinstance(text := row.get(text_column), str):
+                    rows.append(text)
+                    chars += len(text) + 2
+                    if chars >= max_chars:
+                        break
+        except (ValueError, OSError) as exc:  # a streamed file its builder cannot parse, found on reading
+            raise UserError(f"{option} {data} could not be read ({_cause(exc)}); check the file's format") from exc
     text = "\n\n".join(rows)
     if not text.strip():
         raise UserError(f"{option} {data} ({split}, column {text_column!r}) holds no text; check the file or split")
@@ -105,3 +112,40 @@ def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:
     if None in builders or len(builders) > 1:
         raise UserError(f"{option} {path}: use files of one kind, one of {', '.join(sorted(_BUILDERS))}")
     return builders.pop(), files
+
+
+_SNIFF_BYTES = 1 << 16
+
+
+def _check_readable(builder: str, files: list[Path], option: str) -> None:
+    """Refuse local files that are binary where text is expected (a weights file renamed .txt, random bytes).
+
+    Raises:
+        UserError: naming the file and the first byte that cannot be UTF-8 text.
+    """
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        if builder == "parquet":
+            if head[:4] != b"PAR1":
+                raise UserError(f"{option} {path} is not a parquet file (it lacks the PAR1 mark); check the file")
+            continue
+        at = head.find(b"\0")
+        if at < 0:
+            try:
+                head.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                cut = len(head) == _SNIFF_BYTES and exc.start >= len(head) - 3  # a character cut by the sample
+                at = -1 if cut else exc.start
+        if at >= 0:
+            raise UserError(
+                f"{option} {path} is not text (binary data at byte {at:,}); point it at UTF-8 text "
+                "(.txt, .jsonl, .csv) or a .parquet file"
+            )
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of an exception chain (datasets wraps the parser's error)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -76,9 +76,10 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gqaify.cli import format_summary, format_uptrain_summary
-    from gqaify.convert import convert
-    from gqaify.eval import EvalSettings, evaluate
+    from gqaify.conversion.core import convert
+    from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
+    from gqaify.eval.settings import EvalSettings
     from gqaify.kvcache import measured_kv_cache_bytes
 
     source = model or str(fetch_default_model())
@@ -121,7 +122,8 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
 
 def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
     """A few minutes of the recipe's uptraining on the converted model, evaluated on the demo's text."""
-    from gqaify.uptrain import parse, uptrain
+    from gqaify.uptrain.settings import parse
+    from gqaify.uptrain.train import run as uptrain
 
     if not RECIPE.is_file():
         raise UserError(f"{RECIPE} not found: run the demo from a clone installed with pip install -e .")

@@ -1,8 +1,14 @@
-"""Errors that are the user's to fix.
+"""How gqaify fails: each kind of failure has its exit status and says what happened on one line.
 
-A `UserError` carries one line that names the problem and the fix. The CLI prints it and exits with
-status 2; anything else that escapes is a bug in gqaify and exits with status 1.
+    UserError       bad input: names the problem and the fix                       exit 2, nothing written
+    ResourceError   the machine ran out of something (disk space): says what/how much   exit 1, no traceback
+    Interrupted     Ctrl-C or SIGTERM: says what is left on disk, and how to resume    exit 130 or 143
+    anything else   a bug in gqaify: the traceback is printed                          exit 1
 """
+
+from __future__ import annotations
+
+import signal
 
 
 class UserError(Exception):
@@ -10,6 +16,31 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(message.split()))
+
+
+class ResourceError(Exception):
+    """Not the user's input and not a bug: the machine ran out of something. One line, no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(message.split()))
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by a signal; the message (if any) says what is left and how to go on.
+
+    A subclass of KeyboardInterrupt, so that every cleanup written for Ctrl-C also runs for SIGTERM.
+    """
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+    def with_message(self, message: str) -> Interrupted:
+        return Interrupted(message, self.signum)
 
 
 def raise_if_problems(problems: list[str]) -> None:

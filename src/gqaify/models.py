@@ -6,9 +6,8 @@ from pathlib import Path
 
 import torch
 
+from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def model_location(name: str, option: str = "MODEL") -> tuple[str, dict]:
@@ -51,11 +50,11 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.devic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, kwargs = model_location(name, option)
-    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if "gguf_file" in kwargs and torch_dtype == "auto":
-        torch_dtype = torch.float32
+    chosen = (torch_dtype(dtype) or "auto") if isinstance(dtype, str) else dtype
+    if "gguf_file" in kwargs and chosen == "auto":
+        chosen = torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=chosen, **kwargs).to(device).eval()
         return model, AutoTokenizer.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
         raise UserError(f"{option} {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc

@@ -8,7 +8,6 @@ so bad input or a failure leaves no partial report.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import logging
@@ -19,36 +18,19 @@ from pathlib import Path
 
 import torch
 
-from gqaify.convert.archs import ARCHITECTURES, ArchSpec, Geometry
+from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
 from gqaify.data import TextData, load_text
+from gqaify.dtypes import dtype_problem
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
+from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
-from gqaify.models import DTYPES, load_config, load_model
+from gqaify.models import load_config, load_model
+from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    split: str = "test"
-    text_column: str = "text"
-    seq_len: int = 2048
-    stride: int | None = None  # None: seq_len (non-overlapping windows)
-    max_tokens: int | None = None
-    batch_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    memory_budget: str = "80GB"
-    decode_context: int = 512
-    decode_tokens: int = 32
-    decode_batch: int = 8
-    repeats: int = 3
-    diag_tokens: int = 512
-    speed: bool = True
-    progress: bool = True
 
 
 @dataclass
@@ -208,14 +190,10 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> tuple[
     for key in ("batch_size", "decode_tokens", "decode_batch", "repeats", "decode_context", "diag_tokens"):
         if getattr(s, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(s, key)} must be at least 1")
-    if s.dtype not in DTYPES:
-        problems.append(f"unknown --dtype {s.dtype!r}; choose one of {', '.join(DTYPES)}")
-    from accelerate.utils import convert_file_size_to_int
-
-    budget = 0
-    with contextlib.suppress(ValueError):
-        budget = convert_file_size_to_int(s.memory_budget)
-    if budget <= 0:
+    if (problem := dtype_problem(s.dtype)) is not None:
+        problems.append(problem)
+    budget = parse_size(s.memory_budget)
+    if budget is None:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} is a file; choose a folder")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gqaify.convert.archs import ARCHITECTURES, ArchSpec
+from gqaify.archs import ARCHITECTURES, ArchSpec
 
 
 @dataclass(frozen=True)

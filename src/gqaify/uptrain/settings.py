@@ -19,6 +19,7 @@ from typing import Literal
 
 import yaml
 
+from gqaify.conversion.options import METHOD_INFO
 from gqaify.errors import UserError, raise_if_problems
 
 TRACKERS = ("csv", "tensorboard", "wandb")
@@ -132,11 +133,11 @@ def check(s: UptrainSettings) -> None:
     problems += [
         f"{k} must be >= 0, got {getattr(s, k)}; fix it" for k in ("eval_every", "save_every") if getattr(s, k) < 0
     ]
-    from gqaify.convert.methods import METHODS
-
-    if s.method not in METHODS:
-        problems.append(f"method {s.method!r} is not a conversion method; use one of {', '.join(METHODS)}")
-    elif s.kv_heads is not None and (METHODS[s.method].calibrated or s.grouping != "contiguous") and not s.calib_data:
+    if s.method not in METHOD_INFO:
+        problems.append(f"method {s.method!r} is not a conversion method; use one of {', '.join(METHOD_INFO)}")
+    elif s.kv_heads is not None and not s.calib_data and (
+        METHOD_INFO[s.method].calibrated or s.grouping == "similarity"
+    ):
         problems.append(f"method {s.method} with grouping {s.grouping} fits on calibration text; set calib_data")
     if s.kv_heads is not None and s.kv_heads < 1:
         problems.append(f"kv_heads must be a positive integer, got {s.kv_heads}; fix it")

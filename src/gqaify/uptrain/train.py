@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from gqaify.convert.archs import ARCHITECTURES, HEAD, LAYER
+from gqaify.archs import ARCHITECTURES, HEAD, LAYER
 from gqaify.data import load_text
 from gqaify.errors import UserError
 from gqaify.eval.perplexity import perplexity
@@ -86,7 +86,7 @@ class UptrainResult:
     plot: Path | None
 
 
-def uptrain(settings: UptrainSettings) -> UptrainResult:
+def run(settings: UptrainSettings) -> UptrainResult:
     """Run (or resume) the uptraining `settings` describe. Call it in every process of a launch.
 
     Raises:
@@ -469,8 +469,8 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
         return s.model
     converted = out / "converted"
     if accelerator.is_main_process and not converted.is_dir():
-        from gqaify.convert import convert
-        from gqaify.convert.calibrate import Calibration
+        from gqaify.conversion.core import convert
+        from gqaify.conversion.options import Calibration
 
         calibration = Calibration(s.calib_data, s.calib_tokens) if s.calib_data else None
         convert(

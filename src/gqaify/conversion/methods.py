@@ -12,8 +12,9 @@ j*g ... j*g + g-1 into new head j, with g = KV/G:
 
 A method is a pure function of one layer's `Attention` (see `layout.py`) that returns the layer with G K/V
 heads. Methods that only pool K/V (`mean`, `first`, `random`, `norm-mean`) leave the queries alone; methods
-that `fold` also rewrite q_proj rows and o_proj columns so that the readers of each head compensate for what
-was done to it, and need calibration statistics. Register new ones with `@method("name", ...)`.
+that fold also rewrite q_proj rows and o_proj columns so that the readers of each head compensate for what
+was done to it, and need calibration statistics. A new method is declared in `options.METHOD_INFO` (its
+summary and needs, as data) and its function registered here with `@method("name")`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gqaify.convert import fit
-from gqaify.convert.layout import Attention
+from gqaify.conversion import fit
+from gqaify.conversion.layout import Attention
+from gqaify.conversion.options import METHOD_INFO, MethodInfo
 
 
 @dataclass(frozen=True)
@@ -43,17 +45,25 @@ Fn = Callable[[Attention, int, MethodContext], Attention]
 @dataclass(frozen=True)
 class Method:
     fn: Fn
-    summary: str
-    calibrated: bool = False  # needs calibration statistics
-    folds: bool = False  # rewrites query rows and o_proj columns
+    info: MethodInfo  # summary, and whether it is calibrated and folds (`options.METHOD_INFO`)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.info.calibrated
+
+    @property
+    def folds(self) -> bool:
+        return self.info.folds
 
 
 METHODS: dict[str, Method] = {}
 
 
-def method(name: str, *, calibrated: bool = False, folds: bool = False) -> Callable[[Fn], Fn]:
+def method(name: str) -> Callable[[Fn], Fn]:
+    """Register `fn` as the computation of the method `name` declared in `options.METHOD_INFO`."""
+
     def register(fn: Fn) -> Fn:
-        METHODS[name] = Method(fn, (fn.__doc__ or "").strip().splitlines()[0], calibrated, folds)
+        METHODS[name] = Method(fn, METHOD_INFO[name])
         return fn
 
     return register
@@ -118,7 +128,7 @@ def norm_mean(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention
     return replace(attn, kv=out)
 
 
-@method("aligned", calibrated=True, folds=True)
+@method("aligned")
 def aligned(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Rotate each head onto its group's first head on calibration data, fold the rotation into its readers, average.
 
@@ -132,7 +142,7 @@ def aligned(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     return _merge(attn, num_groups, ctx, fit.align)
 
 
-@method("lsq", calibrated=True, folds=True)
+@method("lsq")
 def lsq(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Fit each group's shared K and V, and the compensation in their readers, in closed form on calibration data.
 

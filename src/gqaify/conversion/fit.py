@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from gqaify.convert.layout import Attention
+from gqaify.conversion.layout import Attention
 
 Tensor = torch.Tensor
 _EPS = 1e-10  # relative size below which an eigen- or singular value counts as zero

@@ -24,9 +24,11 @@ Adding an architecture is one entry in `ARCHITECTURES` plus its case in the test
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, raise_if_problems
 
 LAYER = "{layer}"
 HEAD = "{head}"
@@ -80,6 +82,17 @@ class ArchSpec:
         """Full module path of `name` in attention layer `layer`."""
         return f"{self.attention.format(layer=layer)}.{name}"
 
+    @property
+    def decoder_layer(self) -> str:
+        """Module path of one decoder layer, `{layer}` to be filled in (the attention path up to the index)."""
+        return self.attention[: self.attention.index(LAYER) + len(LAYER)]
+
+    def layer_of(self, tensor_name: str) -> int | None:
+        """The decoder layer a tensor belongs to, from its name; None for tensors outside the layers."""
+        prefix, _, rest = self.decoder_layer.partition(LAYER)
+        match = re.match(re.escape(prefix) + r"(\d+)" + re.escape(rest) + r"\.", tensor_name)
+        return int(match[1]) if match else None
+
 
 def _fused(model_type: str) -> ArchSpec:
     return ArchSpec(model_type, q_proj=None, k_proj=None, v_proj=None, qkv_proj="qkv_proj")
@@ -114,7 +127,7 @@ def arch_for(model_type: str, architectures: list[str] | None = None) -> ArchSpe
         name = f"{model_type!r}" + (f" ({architectures[0]})" if architectures else "")
         raise UserError(
             f"unsupported architecture {name}; gqaify converts {', '.join(sorted(ARCHITECTURES))}. "
-            "Adding one is an entry in gqaify/convert/archs.py."
+            "Adding one is an entry in gqaify/archs.py."
         )
     return spec
 
@@ -134,16 +147,31 @@ class Geometry:
         """Read from a config.json dict, through the keys `spec` names.
 
         Raises:
-            UserError: a required key is missing or not a positive integer.
+            UserError: a required key is missing, or a key is not a positive integer (see `problems`).
         """
-        required = (spec.num_layers_key, spec.num_heads_key, spec.hidden_size_key)
-        bad = [k for k in required if not isinstance(config.get(k), int) or config[k] < 1]
-        if bad:
-            raise UserError(f"config.json lacks a positive integer {bad[0]!r}; check the checkpoint's config.json")
+        raise_if_problems(cls.problems(spec, config))
         num_heads, hidden = config[spec.num_heads_key], config[spec.hidden_size_key]
         head_dim = (config.get(spec.head_dim_key) if spec.head_dim_key else None) or hidden // num_heads
         num_kv_heads = config.get(spec.num_kv_heads_key) or num_heads
         return cls(config[spec.num_layers_key], num_heads, num_kv_heads, head_dim, hidden)
+
+    @staticmethod
+    def problems(spec: ArchSpec, config: dict) -> list[str]:
+        """Every geometry key of `config` that is missing (where required) or not a positive integer."""
+        problems = []
+        required = (spec.num_layers_key, spec.num_heads_key, spec.hidden_size_key)
+        optional = tuple(k for k in (spec.num_kv_heads_key, spec.head_dim_key) if k)
+        for key in required + optional:
+            value = config.get(key)
+            if value is None and key in optional:
+                continue
+            if value is None:
+                problems.append(f"config.json lacks {key!r}, which {spec.model_type} needs; check the checkpoint")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(
+                    f"config.json has {key} = {json.dumps(value)}, not a positive whole number; fix config.json"
+                )
+        return problems
 
     def with_kv_heads(self, num_kv_heads: int) -> Geometry:
         return Geometry(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.hidden_size)

@@ -13,10 +13,8 @@ import itertools
 
 import torch
 
-from gqaify.convert import fit
-from gqaify.convert.layout import Attention
-
-GROUPINGS = ("contiguous", "similarity")
+from gqaify.conversion import fit
+from gqaify.conversion.layout import Attention
 
 
 def similar_order(attn: Attention, num_groups: int, rotary_dim: int, second_moment: torch.Tensor) -> list[int]:

@@ -12,40 +12,18 @@ Calibrate on text other than the text you evaluate on; the benchmarks here do.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.convert.archs import ArchSpec, Geometry
+from gqaify.archs import ArchSpec, Geometry
+from gqaify.conversion.options import Calibration
 from gqaify.data import load_text
 from gqaify.errors import UserError
 
 LOG = logging.getLogger(__name__)
 
 _CHARS_PER_TOKEN = 12  # read at most this many characters per wanted token (English BPE needs about 4)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Where calibration text comes from and how much of it to read."""
-
-    data: str  # a text file or folder, or a hub dataset name[:config], as `gqaify eval --data`
-    tokens: int = 32768
-    split: str = "train"
-    text_column: str = "text"
-    seq_len: int = 1024
-
-    def problems(self) -> list[str]:
-        problems = []
-        if not isinstance(self.tokens, int) or self.tokens < 2:
-            problems.append(f"--calib-tokens {self.tokens} must be at least 2 (tens of thousands are typical)")
-        if not isinstance(self.seq_len, int) or self.seq_len < 2:
-            problems.append(f"--calib-seq-len {self.seq_len} must be at least 2")
-        return problems
-
-    def record(self, tokens_read: int) -> dict:
-        return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read}
 
 
 def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:

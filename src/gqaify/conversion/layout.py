@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gqaify.convert.archs import HEAD, ArchSpec, Geometry
+from gqaify.archs import HEAD, ArchSpec, Geometry
 from gqaify.errors import UserError
 
 SUFFIXES = ("weight", "bias")

@@ -17,7 +17,6 @@ multiple of 8, then the tensors' bytes, contiguous, offsets relative to the end 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import hashlib
@@ -232,16 +231,6 @@ def open_checkpoint(directory: Path) -> TensorSource:
     )
 
 
-def weight_files(directory: Path) -> set[str]:
-    """Names of the files in `directory` that hold weights or index them (not carried over as side files)."""
-    names = {SAFETENSORS_INDEX, SAFETENSORS_SINGLE, BIN_INDEX, BIN_SINGLE}
-    for index in (SAFETENSORS_INDEX, BIN_INDEX):
-        if (directory / index).is_file():
-            with contextlib.suppress(ValueError, KeyError):  # open_checkpoint reports a corrupt index
-                names.update(json.loads((directory / index).read_text())["weight_map"].values())
-    return names
-
-
 class ShardWriter:
     """Writes the planned safetensors shards as a stream: each shard's header first, then its tensors in order.
 
@@ -383,11 +372,3 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while n := f.readinto(buffer):
             digest.update(buffer[:n])
     return digest.hexdigest()
-
-
-def is_writable_location(path: Path) -> bool:
-    """Whether `path` could be created: its nearest existing ancestor is a writable directory."""
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)

@@ -1,0 +1,267 @@
+"""Turn what the user names as a model (local folder, hub id, `.gguf` file) into a checkpoint to read.
+
+Opening a source is cheap: it gives `config.json` (as a dict) and a folder of side files (tokenizer, generation
+config, chat template, licence), so that every problem with the request can be found before any weight is
+read. The tensors come on first use of `Source.tensors`:
+
+    local folder   safetensors (or .bin) shards read lazily where they are
+    hub id         config and side files first (`snapshot_download` with the side-file patterns), then exactly
+                   the weight files the index names (or the single weights file): never other weight files
+                   of the repository, such as Mistral's `consolidated.safetensors`
+    .gguf file     the config from the file's metadata; the weights dequantized by transformers' GGUF support
+                   and served from memory, the tokenizer and generation config exported beside the config
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import logging
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gqaify.conversion.checkpoint import (
+    BIN_INDEX,
+    BIN_SINGLE,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    StateDictSource,
+    TensorSource,
+    open_checkpoint,
+)
+from gqaify.errors import UserError
+
+LOG = logging.getLogger(__name__)
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# The files of a checkpoint that are not weights and that a converted copy keeps (fetched from the hub too).
+SIDE_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*", "LICENSE*", "NOTICE*", "USE_POLICY*"]
+# ... except these: weight indices (the output has its own), and what gqaify writes itself.
+_NOT_SIDE_FILES = {SAFETENSORS_INDEX, BIN_INDEX, "config.json", "README.md", "gqaify.json"}
+
+
+@dataclass
+class Source:
+    name: str  # what the user passed
+    kind: str  # "local", "hub" or "gguf"
+    directory: Path  # config.json and side files
+    config: dict  # config.json
+    revision: str | None = None  # hub commit
+    provenance: dict = field(default_factory=dict)
+    _open_tensors: object = None  # () -> TensorSource, called on first use of `tensors`
+    _tensors: TensorSource | None = None
+    model: object | None = None  # the transformers model, where reading the source built it (GGUF)
+
+    @property
+    def tensors(self) -> TensorSource:
+        """The checkpoint's tensors, fetched or dequantized on first use.
+
+        Raises:
+            UserError: weights missing, corrupt, or not fetchable.
+        """
+        if self._tensors is None:
+            self._tensors = self._open_tensors()
+        return self._tensors
+
+    def side_files(self) -> list[Path]:
+        """The files of `directory` that a converted checkpoint carries over unchanged."""
+        return [
+            path
+            for path in sorted(self.directory.iterdir())
+            if path.is_file()
+            and path.name not in _NOT_SIDE_FILES
+            and any(fnmatch.fnmatch(path.name, pattern) for pattern in SIDE_FILES)
+        ]
+
+    def load_tokenizer(self):
+        """The source's tokenizer (for calibration text).
+
+        Raises:
+            UserError: the folder has no tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        self.tensors  # noqa: B018 (a GGUF exports its tokenizer when its weights are read)
+        try:
+            return AutoTokenizer.from_pretrained(self.directory)
+        except (OSError, ValueError) as exc:
+            raise UserError(
+                f"calibration needs the tokenizer of {self.name}, which could not be loaded ({type(exc).__name__}); "
+                "add the tokenizer files to SRC, or convert without --calib-data"
+            ) from exc
+
+    def load_model(self, device: str = "cpu"):
+        """The source as a float32 transformers model in eval mode on `device` (for calibration).
+
+        Raises:
+            UserError: transformers cannot build the model from the folder.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.tensors  # noqa: B018 (a hub source fetches its weights, a GGUF dequantizes them)
+        if self.model is not None:  # already float32 (a GGUF, dequantized on reading)
+            return self.model.to(device).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise UserError(
+                f"calibration runs {self.name}, which transformers could not load ({type(exc).__name__}); "
+                "check its files, or convert without --calib-data"
+            ) from exc
+        return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def open_source(src: str | Path, revision: str | None = None) -> Iterator[Source]:
+    """Resolve `src` to its config and side files; temporary files (GGUF export) live as long as the context.
+
+    Raises:
+        UserError: `src` does not exist, is not a model, or cannot be fetched.
+    """
+    path = Path(src).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise UserError(f"--revision applies to hub ids, but {src} is a local path; drop --revision")
+        if path.is_file() and path.suffix == ".gguf":
+            with _open_gguf(path) as source:
+                yield source
+            return
+        if path.is_file():
+            raise UserError(f"{src} is a file but not a .gguf; point SRC at a model folder, hub id, or .gguf file")
+        if not (path / "config.json").is_file():
+            raise UserError(f"{src} has no config.json; point SRC at a Hugging Face model folder")
+        directory = path.resolve()
+        yield Source(str(src), "local", directory, read_config(directory), _open_tensors=lambda: open_checkpoint(path))
+        return
+    if not source_may_exist(src):
+        raise UserError(f"SRC not found: {src} does not exist; check the path")
+    yield _open_hub(str(src), revision)
+
+
+def source_may_exist(src: str | Path) -> bool:
+    """Whether `src` is an existing path or could be a hub id (checked without the network)."""
+    path = Path(src).expanduser()
+    return path.exists() or (path.suffix != ".gguf" and bool(_REPO_ID.match(str(src))))
+
+
+def read_config(directory: Path) -> dict:
+    """config.json of `directory` as a dict.
+
+    Raises:
+        UserError: it is missing, not JSON, or not a JSON object.
+    """
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (ValueError, OSError) as exc:
+        raise UserError(f"cannot read {directory / 'config.json'} ({exc}); check the file") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"{directory / 'config.json'} is not a JSON object; check the file")
+    return config
+
+
+def _open_hub(repo_id: str, revision: str | None) -> Source:
+    LOG.info("fetching the config and side files of %s from the Hugging Face hub", repo_id)
+    directory = _snapshot(repo_id, revision, SIDE_FILES)
+    if not (directory / "config.json").is_file():
+        raise UserError(f"{repo_id} has no config.json; gqaify converts transformers checkpoints")
+    commit = directory.name if re.fullmatch(r"[0-9a-f]{40}", directory.name) else revision
+
+    def fetch_weights() -> TensorSource:
+        LOG.info("fetching the weights of %s", repo_id)
+        for index, single in ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE), (BIN_INDEX, BIN_SINGLE)):
+            if (directory / index).is_file():
+                _snapshot(repo_id, commit, sorted(_index_files(directory / index)))
+                return open_checkpoint(directory)
+            if (_snapshot(repo_id, commit, [single]) / single).is_file():
+                return open_checkpoint(directory)
+        raise UserError(
+            f"{repo_id} has none of {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, {BIN_INDEX}, {BIN_SINGLE}; "
+            "gqaify converts transformers checkpoints"
+        )
+
+    return Source(repo_id, "hub", directory, read_config(directory), revision=commit, _open_tensors=fetch_weights)
+
+
+def _index_files(index: Path) -> set[str]:
+    try:
+        return set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise UserError(f"corrupt index {index.name} in the hub repository: {exc}") from exc
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except GatedRepoError as exc:
+        raise UserError(f"{repo_id} is gated; accept its licence on the hub and log in (hf auth login)") from exc
+    except RevisionNotFoundError as exc:
+        raise UserError(f"revision {revision!r} not found in {repo_id}; check --revision") from exc
+    except RepositoryNotFoundError as exc:
+        raise UserError(
+            f"SRC not found: {repo_id} is neither a local path nor a model on the Hugging Face hub; "
+            "check the name (private repos need hf auth login)"
+        ) from exc
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise UserError(
+            f"SRC {repo_id} is not a local path, and fetching it from the Hugging Face hub failed "
+            f"({type(exc).__name__}); check the path, or the network for a hub id"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _open_gguf(path: Path) -> Iterator[Source]:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, OSError, KeyError, NotImplementedError) as exc:
+        raise UserError(f"cannot read {path} as a GGUF model ({exc}); check the file or use the HF checkpoint") from exc
+    with tempfile.TemporaryDirectory(prefix="gqaify-gguf-") as staging:
+        directory = Path(staging)
+        source = Source(str(path), "gguf", directory, _export_config(config, directory),
+                        provenance={"gguf_file": path.name})  # fmt: skip
+        source._open_tensors = lambda: _dequantize(source, path)
+        yield source
+
+
+def _export_config(config, directory: Path) -> dict:
+    """Save a GGUF's config as a plain checkpoint's (the weights leave dequantized, without quantization_config)."""
+    config.save_pretrained(directory)
+    path = directory / "config.json"
+    exported = json.loads(path.read_text())
+    exported.pop("quantization_config", None)
+    path.write_text(json.dumps(exported, indent=2, sort_keys=True) + "\n")
+    return exported
+
+
+def _dequantize(source: Source, path: Path) -> TensorSource:
+    """Dequantize the GGUF's weights (float32, in memory); export its tokenizer and generation config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    LOG.info("dequantizing %s with transformers' GGUF support", path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, OSError, KeyError, NotImplementedError) as exc:
+        raise UserError(f"cannot read {path} as a GGUF model ({exc}); check the file or use the HF checkpoint") from exc
+    model.generation_config.save_pretrained(source.directory)
+    tokenizer.save_pretrained(source.directory)
+    model.config.architectures = [type(model).__name__]
+    source.config = _export_config(model.config, source.directory)  # now with the dtype it was read in
+    source.model = model
+    return StateDictSource(model.state_dict(), files=[path])

@@ -1,0 +1,37 @@
+"""The dtypes a user may name (`--dtype`, `dtype:` in a recipe): the one table, shared by every stage.
+
+"auto" keeps what the checkpoint has: each tensor's own dtype when converting, the config's `dtype` when
+loading a model. The names are those of torch and of transformers' config files. torch is imported only
+when a name is turned into a dtype, so the command line can list the choices without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype called `name`, or None for "auto".
+
+    Raises:
+        ValueError: `name` is not in `DTYPE_NAMES` (callers check user input with `dtype_problem` first).
+    """
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}")
+    if name == "auto":
+        return None
+    import torch
+
+    return getattr(torch, name)
+
+
+def dtype_problem(name: str, option: str = "--dtype") -> str | None:
+    """A one-line problem if `name` is not a dtype gqaify accepts, else None."""
+    if name in DTYPE_NAMES:
+        return None
+    return f"unknown {option} {name!r}; choose one of {', '.join(DTYPE_NAMES)}"

@@ -1,0 +1,320 @@
+"""Output folders: they appear whole or not at all, and gqaify never removes a file it did not write.
+
+    staging     OUT is written into a hidden folder beside it and renamed to OUT when complete, so a crash or
+                a kill never leaves a partial OUT. The staging folder's name records its owner (a hash of the
+                host name, the process id and the process's start time):
+
+                    .OUT.gqaify-<host>-<pid>-<start>-<random>        a conversion being written
+                    .OUT.gqaify-old-<host>-<pid>-<start>-<random>    the OUT it replaces, set aside
+
+    --force     replaces OUT only if it is empty, or if gqaify wrote it: its gqaify.json lists every file in
+                the folder and nothing else is there. The old OUT is set aside, the new one renamed into place,
+                then the old one deleted; if the rename fails, the old one is put back. The current folder, its
+                ancestors, and an empty OUT are never targets.
+
+    leftovers   a run killed with SIGKILL cannot clean up after itself. The next run writing beside the same
+                OUT removes the staging folders whose owner process is gone (and puts back an old OUT that a
+                killed replacement had set aside), and says so; it leaves alone those of live processes, of
+                other hosts, and of unknown owners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from gqaify.errors import ResourceError, UserError
+
+LOG = logging.getLogger(__name__)
+
+PROVENANCE_FILE = "gqaify.json"  # what produced a folder, and (under "files") every file gqaify wrote there
+_OWNER = re.compile(r"^\.(?P<out>.+)\.gqaify-(?P<old>old-)?(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-[^-]+$")
+
+
+def resolve_out(out: str | os.PathLike) -> Path:
+    """`out` as an absolute path with `.` and `..` taken away (symbolic links are kept: OUT may be one)."""
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
+
+
+# -- what may be written, and what may be replaced -------------------------------------------------------------
+
+
+def destination_problems(out: str | os.PathLike, force: bool, option: str = "OUT") -> list[str]:
+    """Problems with writing a new folder at `out` (replacing it if `force`): empty, here, taken, unwritable."""
+    if not os.fspath(out).strip():
+        return [f"{option} is empty; name the folder to write"]
+    path = resolve_out(out)
+    here = Path.cwd().resolve()
+    real = path.resolve()
+    if real == here or real in here.parents:
+        return [f"{option} {out} is the current folder or one above it; name a new folder to write into"]
+    if path.is_symlink() and not path.exists():
+        return [f"{option} {path} is a broken symbolic link; remove it or choose another {option}"]
+    if not path.exists():
+        if not _writable_location(path):
+            return [f"cannot write {path}: its parent is not a writable folder; choose another {option}"]
+        return []
+    if not path.is_dir():
+        return [f"{path} exists and is not a folder; choose another {option}"]
+    if not force:
+        return [f"{path} already exists; pass --force to replace it, or choose another {option}"]
+    problem = replace_problem(path)
+    return [problem] if problem else []
+
+
+def replace_problem(folder: Path) -> str | None:
+    """Why `--force` may not replace `folder`, or None: it is empty, or holds exactly the files gqaify wrote."""
+    entries = sorted(folder.iterdir())
+    if not entries:
+        return None
+    listed = written_files(folder)
+    if listed is None:
+        return (
+            f"--force replaces only a folder gqaify wrote, and {folder} holds {_some(entries)} but no "
+            f"{PROVENANCE_FILE} listing them; choose another OUT, or empty it yourself"
+        )
+    foreign = [p for p in entries if p.name != PROVENANCE_FILE and (p.name not in listed or not _plain_file(p))]
+    if foreign:
+        return (
+            f"--force replaces only what gqaify wrote, but {folder} also holds {_some(foreign)}; move "
+            f"{'it' if len(foreign) == 1 else 'them'} out, or choose another OUT"
+        )
+    return None
+
+
+def written_files(folder: Path) -> set[str] | None:
+    """The files gqaify.json in `folder` says gqaify wrote there, or None if there is no such record."""
+    try:
+        record = json.loads((folder / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    files = record.get("files") if isinstance(record, dict) and record.get("tool") == "gqaify" else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return set(files)
+
+
+def write_provenance(folder: Path, record: dict) -> None:
+    """Write `record` as folder/gqaify.json, listing every file now in the folder: call it last."""
+    files = sorted(p.name for p in folder.iterdir() if p.name != PROVENANCE_FILE)
+    (folder / PROVENANCE_FILE).write_text(json.dumps({**record, "files": files}, indent=2) + "\n")
+
+
+def space_problem(out: Path, needed: int) -> str | None:
+    """A problem if the filesystem that will hold `out` has fewer than `needed` bytes free."""
+    where = _existing_ancestor(out)
+    free = shutil.disk_usage(where).free
+    if free >= needed:
+        return None
+    return (
+        f"not enough disk space for {out}: it needs {needed:,} bytes and {_filesystem(where)} has {free:,} free; "
+        "free some space or choose another OUT"
+    )
+
+
+# -- staging ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def staged(out: Path, force: bool, size: int = 0):
+    """A hidden folder beside `out`, renamed to `out` when the block completes and removed if it does not.
+
+    Args:
+        out: the folder to create (or, with `force`, to replace; see `replace_problem`).
+        size: the bytes the block will write, named in the message if the disk fills up.
+
+    Raises:
+        UserError: `out` appeared meanwhile (without `force`), or changed so that it may not be replaced.
+        ResourceError: the disk filled up; nothing was left behind.
+    """
+    created = []  # parent folders made here, removed again if the block fails
+    for parent in reversed(out.parents):
+        if not parent.exists():
+            parent.mkdir()
+            created.append(parent)
+    free = shutil.disk_usage(out.parent).free
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
+    except OSError as exc:
+        _remove_created(created)
+        raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another OUT") from exc
+    try:
+        yield staging
+        _apply_umask(staging)
+        _swap_into_place(staging, out, force)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_created(created)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise ResourceError(
+                f"no space left on {_filesystem(out.parent)} while writing {out}: it needs {size:,} bytes and "
+                f"{free:,} were free when it started (something else is filling the disk?); nothing was left behind"
+            ) from exc
+        raise
+
+
+def _swap_into_place(staging: Path, out: Path, force: bool) -> None:
+    """Rename `staging` to `out`; with `force`, the old `out` is set aside and put back if the rename fails."""
+    if force and out.is_dir():
+        problem = replace_problem(out)  # checked again: the folder may have changed since the run started
+        if problem:
+            raise UserError(problem)
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-{_owner_tag()}-", dir=out.parent))
+        out.rename(aside / out.name)
+        try:
+            staging.rename(out)
+        except BaseException:
+            (aside / out.name).rename(out)
+            aside.rmdir()
+            raise
+        shutil.rmtree(aside)
+        return
+    try:
+        staging.rename(out)  # replaces an empty folder; refuses anything else
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise UserError(
+                f"{out} already exists: it appeared while this run was writing (another conversion to the same "
+                "OUT?) and was not touched; pass --force to replace it, or choose another OUT"
+            ) from exc
+        raise
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give the output the permissions of a normally created folder (mkdtemp makes it private)."""
+    umask = current_umask()
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _remove_created(created: list[Path]) -> None:
+    for parent in reversed(created):
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
+# -- leftovers of killed runs ----------------------------------------------------------------------------------
+
+
+def remove_leftovers(out: Path) -> list[str]:
+    """Clear what killed runs left beside `out`; return one message per folder found (also logged).
+
+    A staging folder whose owner process is gone is removed; an old OUT that a killed replacement had set
+    aside is put back if OUT is missing (else removed: the replacement is in place). Folders of live
+    processes are left alone silently; those of other hosts or without an owner in their name, with a word.
+    """
+    messages = []
+    if not out.parent.is_dir():
+        return messages
+    for folder in sorted(out.parent.glob(f".{glob.escape(out.name)}.gqaify-*")):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        owner = _OWNER.match(folder.name)
+        if owner is None or owner["out"] != out.name:
+            messages.append(f"left {folder} alone: its name records no owner; delete it if no conversion is running")
+            continue
+        alive = _alive(owner["host"], int(owner["pid"]), int(owner["start"]))
+        if alive is None:
+            messages.append(f"left {folder} alone: it belongs to a run on another host")
+            continue
+        if alive:
+            continue  # a run writing it now
+        pid = owner["pid"]
+        if owner["old"] and (folder / out.name).is_dir() and not out.exists() and not out.is_symlink():
+            (folder / out.name).rename(out)
+            shutil.rmtree(folder, ignore_errors=True)
+            messages.append(f"put back {out}, which a replacement killed mid-swap (process {pid}) had set aside")
+            continue
+        size = _tree_size(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        messages.append(f"removed {folder} ({size / 1e6:,.1f} MB), left by a run that was killed (process {pid})")
+    for message in messages:
+        LOG.warning(message)
+    return messages
+
+
+def _owner_tag(pid: int | None = None) -> str:
+    """host hash, pid and start time (centiseconds) of a process: what tells a later run whether it lives."""
+    pid = os.getpid() if pid is None else pid
+    return f"{_host_hash()}-{pid}-{_start_time(pid)}"
+
+
+def _host_hash() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _start_time(pid: int) -> int | None:
+    import psutil
+
+    try:
+        return round(psutil.Process(pid).create_time() * 100)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _alive(host: str, pid: int, start: int) -> bool | None:
+    """Whether the process (`pid`, started at `start`) on `host` still runs; None for another host."""
+    if host != _host_hash():
+        return None
+    started = _start_time(pid)
+    return started is not None and abs(started - start) <= 1  # a reused pid has another start time
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _writable_location(path: Path) -> bool:
+    """Whether `path` could be created: its nearest existing ancestor is a writable directory."""
+    parent = _existing_ancestor(path.parent)
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+
+def _filesystem(path: Path) -> str:
+    """The device holding `path` and where it is mounted, as `df` names them."""
+    import psutil
+
+    real = str(path.resolve())
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint.rstrip("/") or "/"
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and (
+            best is None or len(mount) > len(best.mountpoint)
+        ):
+            best = part
+    return f"{best.device} (mounted at {best.mountpoint})" if best else f"the filesystem of {path}"
+
+
+def _plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _some(paths: list[Path]) -> str:
+    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+    return f"{paths[0].name}{more}"
+
+
+def _tree_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())

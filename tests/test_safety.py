@@ -1,0 +1,358 @@
+"""Nothing lost, ever: what --force may replace, clean kills and leftovers, races, a full disk, and bad input
+that used to end in a traceback or be accepted silently. Each case: the exit status, one line, and the files
+that exist (or not) afterwards."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import gqaify
+from conftest import CORPUS, build_model, save, save_with_tokenizer, tree_hashes
+from gqaify.cli import main
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A GQA-4 llama (8 query heads) in several shards, with a tokenizer (for calibration)."""
+    model = build_model("llama", num_kv_heads=4, num_attention_heads=8, head_dim=8, vocab_size=320)
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("src") / "model")
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory) -> Path:
+    """An MHA llama that takes a second or two to convert into small shards: time to send it a signal."""
+    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256,
+                        intermediate_size=1024, num_hidden_layers=16, vocab_size=320)  # fmt: skip
+    directory = tmp_path_factory.mktemp("big") / "model"
+    save_with_tokenizer(model, directory)
+    for f in directory.glob("model*.safetensors*"):  # re-save in 2 MB shards
+        f.unlink()
+    return save(model, directory, max_shard_size="2MB")
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gqaify"), err
+    return lines[0]
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*.gqaify-*"))
+
+
+# -- --force may replace only what gqaify wrote -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out", ["", ".", "..", "../..", "ABSOLUTE_A"])
+def test_force_never_targets_the_current_folder_or_its_ancestors(capsys, source, tmp_path, monkeypatch, out):
+    """`gqaify convert SRC "" --force` used to take "" as the current folder and delete the user's files."""
+    a, b = tmp_path / "a", tmp_path / "a" / "b"
+    b.mkdir(parents=True)
+    (a / "mine.txt").write_text("mine")
+    (b / "also-mine.txt").write_text("also mine")
+    before = tree_hashes(tmp_path)
+    monkeypatch.chdir(b)
+    code, err = run_cli(capsys, "convert", source, str(a) if out == "ABSOLUTE_A" else out, "--kv-heads", "2", "--force")
+    line = one_line(err)
+    assert code == 2
+    assert ("OUT is empty" in line) if out == "" else ("is the current folder or one above it" in line)
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
+def test_force_refuses_a_folder_gqaify_did_not_write(capsys, source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "2", "--force")
+    assert code == 2 and "--force replaces only a folder gqaify wrote" in one_line(err) and "notes.txt" in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and leftovers(tmp_path) == []
+
+
+def test_force_refuses_a_conversion_the_user_added_files_to(capsys, source, tmp_path):
+    out = tmp_path / "out"
+    gqaify.convert(source, out, kv_heads=2, progress=False)
+    (out / "my-eval-results.json").write_text("{}")
+    before = tree_hashes(out)
+    code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "1", "--force")
+    assert code == 2 and "also holds my-eval-results.json" in one_line(err)
+    assert tree_hashes(out) == before
+
+
+def test_force_replaces_an_empty_folder_and_an_untouched_conversion(source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    gqaify.convert(source, out, kv_heads=2, force=True, progress=False)
+    record = json.loads((out / "gqaify.json").read_text())
+    assert set(record["files"]) == {p.name for p in out.iterdir()} - {"gqaify.json"}
+    gqaify.convert(source, out, kv_heads=1, force=True, progress=False)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# -- signals and what killed runs leave ------------------------------------------------------------------------
+
+
+def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "gqaify", "convert", str(src), str(out), "--kv-heads", "1", "--max-shard-size",
+            "200KB", "-q", *extra]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pattern: str, folder: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not list(folder.glob(pattern)):
+        assert process.poll() is None, f"the process ended before {pattern} appeared: {process.communicate()}"
+        assert time.monotonic() < deadline, f"{pattern} never appeared"
+        time.sleep(0.005)
+
+
+def test_sigterm_mid_conversion_cleans_up_and_exits_143(big_source, tmp_path):
+    out = tmp_path / "out"
+    process = _start_convert(big_source, out)
+    _wait_for(".out.gqaify-*/model-*.safetensors", tmp_path, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err
+    assert "stopped by SIGTERM; nothing was written" in one_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_source, tmp_path):
+    out = tmp_path / "out"
+    process = _start_convert(big_source, out)
+    _wait_for(".out.gqaify-*/model-*.safetensors", tmp_path, process)
+    process.kill()
+    process.wait()
+    left = leftovers(tmp_path)
+    assert len(left) == 1 and not out.exists()
+    done = subprocess.run([sys.executable, "-m", "gqaify", "convert", str(big_source), str(out), "--kv-heads", "1",
+                           "-q"], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"removed {tmp_path / left[0]}" in done.stderr and "left by a run that was killed" in done.stderr
+    assert leftovers(tmp_path) == [] and (out / "gqaify.json").is_file()
+
+
+def test_a_live_conversions_staging_is_left_alone(source, tmp_path):
+    """A staging folder owned by a running process (this one) is not a leftover."""
+    from gqaify.outputs import _owner_tag, remove_leftovers
+
+    live = tmp_path / f".out.gqaify-{_owner_tag()}-abc123"
+    unknown = tmp_path / ".out.gqaify-xyz"  # no owner in its name (an older gqaify)
+    live.mkdir()
+    unknown.mkdir()
+    messages = remove_leftovers(tmp_path / "out")
+    assert live.is_dir() and unknown.is_dir()
+    assert messages == [f"left {unknown} alone: its name records no owner; delete it if no conversion is running"]
+
+
+def test_an_old_output_set_aside_by_a_killed_replacement_is_put_back(source, tmp_path):
+    """Killed between moving the old OUT aside and renaming the new one in: the next run restores the old one."""
+    from gqaify.outputs import remove_leftovers
+
+    gqaify.convert(source, tmp_path / "out", kv_heads=2, progress=False)
+    before = tree_hashes(tmp_path / "out")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended
+    aside = tmp_path / f".out.gqaify-old-{_host()}-{pid}-12345-abc123"
+    aside.mkdir()
+    (tmp_path / "out").rename(aside / "out")
+    messages = remove_leftovers(tmp_path / "out")
+    assert tree_hashes(tmp_path / "out") == before and not aside.exists()
+    assert "put back" in messages[0]
+
+
+def _host() -> str:
+    from gqaify.outputs import _host_hash
+
+    return _host_hash()
+
+
+def test_two_conversions_to_one_out_without_force(big_source, tmp_path):
+    """Started together: one writes OUT, the other is told OUT exists (exit 2) and touches nothing."""
+    out = tmp_path / "out"
+    first, second = _start_convert(big_source, out), _start_convert(big_source, out)
+    results = [(p.wait(timeout=300), p.communicate()[1]) for p in (first, second)]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "already exists" in one_line(refused)
+    assert leftovers(tmp_path) == [] and (out / "gqaify.json").is_file()
+
+
+def test_out_that_appears_during_a_conversion_is_not_touched(capsys, source, tmp_path, monkeypatch):
+    """The race, made deterministic: OUT is created by someone else while the stream runs."""
+    from gqaify.conversion import core
+
+    out = tmp_path / "out"
+    stream = core._stream
+
+    def stream_then_someone_writes_out(*args, **kwargs):
+        stream(*args, **kwargs)
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+
+    monkeypatch.setattr(core, "_stream", stream_then_someone_writes_out)
+    code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "2")
+    assert code == 2 and "already exists: it appeared while this run was writing" in one_line(err)
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and leftovers(tmp_path) == []
+
+
+# -- a full disk ------------------------------------------------------------------------------------------------
+
+
+def test_too_little_free_space_is_refused_before_writing(capsys, source, tmp_path, monkeypatch):
+    from gqaify import outputs
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", "--kv-heads", "2")
+    line = one_line(err)
+    assert code == 2 and "not enough disk space" in line and "has 1,000 free" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_mid_write_is_one_line_and_exit_1(capsys, source, tmp_path, monkeypatch):
+    from gqaify.conversion import checkpoint
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "copy_range", full)
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", "--kv-heads", "2")
+    line = one_line(err)
+    assert code == 1 and line.startswith("gqaify: error: no space left on") and "Traceback" not in err
+    assert "bytes and" in line and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 5 MB tmpfs (needs root; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_real_full_disk(capsys, big_source, tiny_disk, monkeypatch):
+    """On a real 5 MB filesystem: a 30 MB conversion is refused up front; a small one that something else
+    squeezes mid-write gets the kernel's ENOSPC, reported on one line, and leaves nothing."""
+    code, err = run_cli(capsys, "convert", big_source, tiny_disk / "big", "--kv-heads", "1")
+    assert code == 2 and "not enough disk space" in one_line(err) and "tmpfs" in err
+    assert list(tiny_disk.iterdir()) == []
+
+    small = save(build_model("llama", num_kv_heads=4), tiny_disk.parent / "small")
+    from gqaify.conversion import core
+
+    stream = core._stream
+
+    def stream_on_a_filling_disk(*args, **kwargs):
+        free = shutil.disk_usage(tiny_disk).free
+        (tiny_disk / "someone-else").write_bytes(b"x" * (free - 4096))
+        stream(*args, **kwargs)
+
+    monkeypatch.setattr(core, "_stream", stream_on_a_filling_disk)
+    code, err = run_cli(capsys, "convert", small, tiny_disk / "out", "--kv-heads", "2")
+    assert code == 1 and "no space left on tmpfs" in one_line(err)
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["someone-else"]
+
+
+# -- bad input that used to be a traceback or accepted ----------------------------------------------------------
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    return copy
+
+
+@pytest.mark.parametrize("value", ['"8"', "true", "8.0", "-4"])
+def test_config_values_of_the_wrong_type(capsys, source, tmp_path, value):
+    src = _copy(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_key_value_heads": json.loads(value)}))
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2")
+    assert code == 2 and f"config.json has num_key_value_heads = {value}, not a positive whole number" in one_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fewer_layers_in_config_than_in_the_weights(capsys, source, tmp_path):
+    src = _copy(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2")
+    line = one_line(err)
+    assert code == 2 and "has tensors of layer 1" in line and "num_hidden_layers = 1" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_kv_weights_are_refused_unless_allowed(capsys, caplog, source, tmp_path, value):
+    src = _copy(source, tmp_path)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    shard = next(p for p in src.glob("*.safetensors") if name in load_file(p))
+    tensors = load_file(shard)
+    tensors[name][3, 5] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2")
+    assert code == 2 and f"tensor {name!r} holds 1 NaN or Inf values" in one_line(err)
+    assert "--allow-nonfinite" in err and list(tmp_path.glob("out*")) == [] and leftovers(tmp_path) == []
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--allow-nonfinite")
+    assert code == 0 and f"{name} holds NaN or Inf values; converted anyway" in caplog.text
+
+
+def test_too_few_calibration_tokens_are_refused(capsys, source, tmp_path):
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    args = ("--kv-heads", "2", "--method", "lsq", "--calib-data", tmp_path / "calib.txt")
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", *args, "--calib-tokens", "10")
+    line = one_line(err)
+    assert code == 2 and "--calib-tokens 10 is too few for a model with hidden size 64" in line
+    assert "at least 520" in line and not (tmp_path / "out").exists()
+
+
+def test_calibration_text_shorter_than_the_fit_needs_is_refused(capsys, source, tmp_path):
+    (tmp_path / "calib.txt").write_text("a few words of calibration text")
+    args = ("--kv-heads", "2", "--method", "lsq", "--calib-data", tmp_path / "calib.txt")
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", *args)
+    assert code == 2 and "too few for a model with hidden size 64" in one_line(err)
+
+
+@pytest.mark.parametrize("content", ["safetensors", "random"])
+def test_binary_calibration_data_is_not_text(capsys, source, tmp_path, content):
+    data = tmp_path / "calib.txt"
+    if content == "safetensors":
+        save_file({"w": torch.randn(64, 64)}, data)  # a renamed weights file
+    else:
+        data.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).byte().numpy())
+    args = ("--kv-heads", "2", "--method", "lsq", "--calib-data", data)
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", *args)
+    assert code == 2 and f"--calib-data {data} is not text" in one_line(err)
+
+
+def test_several_problems_are_reported_in_one_line(capsys, source, tmp_path):
+    code, err = run_cli(capsys, "convert", source, tmp_path / "out", "--kv-heads", "3", "--method", "lsq")
+    line = one_line(err)
+    assert code == 2 and "--method lsq is fitted on calibration text" in line and "--kv-heads 3 does not divide" in line
+    args = ("--kv-heads", "0", "--calib-data", "x.txt", "--calib-seq-len", "0", "--method", "lsq")
+    code, err = run_cli(capsys, "convert", tmp_path / "missing", tmp_path / "out", *args)
+    line = one_line(err)
+    assert code == 2 and "--kv-heads 0" in line and "--calib-seq-len 0" in line and "SRC not found" in line
