@@ -271,9 +271,30 @@ def test_missing_recipe(tmp_path):
 
 
 def test_unknown_recipe_key_names_the_nearest(tmp_path):
-    (tmp_path / "r.yaml").write_text("model: m\nlearning_rate: 1e-3\n")
+    (tmp_path / "r.yaml").write_text("model: m\nlearnin_rat: 1e-3\nsaev_every: 5\n")
     line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
-    assert "unknown key 'learning_rate'" in line and "did you mean" in line
+    assert "unknown key 'learnin_rat'" in line and "unknown key 'saev_every' (did you mean save_every?)" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "ours"),
+    [("learning_rate", "lr?)"), ("per_device_train_batch_size", "micro_batch_size?)"),
+     ("gradient_accumulation_steps", "grad_accum?)"), ("warmup_ratio", "warmup? a fraction"),
+     ("num_train_epochs", "max_tokens? gqaify budgets training tokens, not epochs)"), ("bf16", "mixed_precision?")],
+)  # fmt: skip
+def test_training_arguments_names_are_answered_with_ours(tmp_path, name, ours):
+    (tmp_path / "r.yaml").write_text(f"model: m\n{name}: 1\n")
+    line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
+    assert f"unknown key {name!r} (did you mean {ours}" in line
+    line = one_line_error(run_cli([f"--{name}", "1"]))
+    assert f"unknown option --{name} (did you mean --{ours}" in line
+
+
+def test_recipe_values_of_the_wrong_type(tmp_path):
+    (tmp_path / "r.yaml").write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: [1, 2]\nmicro_batch_size: 2.5\n")
+    line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
+    assert "max_tokens [1, 2] is not a whole number or empty" in line
+    assert "micro_batch_size 2.5 is not a whole number" in line
 
 
 def test_unknown_option_names_the_nearest():
@@ -292,6 +313,126 @@ def test_data_smaller_than_one_block(tiny, tmp_path):
         run_cli(args(tiny, tmp_path / "run", "--data", str(tmp_path / "short.txt"), "--seq_len", "64"))
     )
     assert "less than one block of seq_len 64" in line and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("convert_first", [False, True])
+def test_empty_data_is_refused_and_nothing_is_written(tiny, tmp_path, convert_first):
+    """Used to end in an IndexError, with converted/ and run.json left behind that refused the corrected rerun."""
+    (tmp_path / "empty.txt").write_text("")
+    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2") if convert_first else ()
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", *extra, "--data", str(tmp_path / "empty.txt"))))
+    assert "gives 0 tokens, less than one block" in line and not (tmp_path / "run").exists()
+    assert run_cli(args(tiny, tmp_path / "run", *extra)).returncode == 0  # the corrected rerun
+
+
+def test_streaming_data_smaller_than_one_step(tiny, tmp_path):
+    (tmp_path / "short.txt").write_text(CORPUS[:100])  # about 54 tokens: 3 blocks of 16, a step needs 4
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "short.txt"))))
+    assert "fewer than one step's 4" in line and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["seq_len", "eval_seq_len"])
+def test_windows_longer_than_the_models_positions_are_refused(tiny, tmp_path, key):
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", f"--{key}", "128", "--eval_data", str(tiny["eval"]))))
+    assert f"{key} 128 exceeds the 64 positions" in line and not (tmp_path / "run").exists()
+
+
+def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, tmp_path):
+    """A run.json with no training behind it (the process was killed while converting) is not another run."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"tool": "gqaify", "settings": {"data": "old.txt"}}))
+    (out / "converted").mkdir()
+    assert run_cli(args(tiny, out)).returncode == 0
+    assert not (out / "converted").exists() and (out / "final").is_dir()
+
+
+def _start_uptrain(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, status):
+    out = tmp_path / "run"
+    settings = ("--max_tokens", "16000", "--save_every", "25")  # 250 steps
+    process = _start_uptrain(args(tiny, out, *settings))
+    deadline = time.monotonic() + 120
+    while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == status, err
+    line = err.strip().splitlines()[-1]
+    assert "the last checkpoint is step" in line and "of 250" in line and "rerun the same command to resume" in line
+    assert "nothing was written" not in err
+    resumed = run_cli(args(tiny, out, *settings))
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout
+
+
+def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
+    """The conversion step of uptraining (a large model into small shards), stopped mid-write."""
+    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256,
+                        intermediate_size=1024, num_hidden_layers=16, vocab_size=320)  # fmt: skip
+    parent = save_with_tokenizer(model, tmp_path / "parent")
+    (tmp_path / "train.txt").write_text(CORPUS * 3)
+    out = tmp_path / "run"
+    process = _start_uptrain(["--model", str(parent), "--kv_heads", "1", "--output_dir", str(out), "--data",
+                              str(tmp_path / "train.txt"), "--seq_len", "16", "--max_tokens", "640"])  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".converted.gqaify-*/*.safetensors")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.005)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and "nothing was written" in err.strip().splitlines()[-1], err
+    assert not out.exists()
+
+
+def test_calibration_inside_uptrain_reads_the_split_and_text_column(tiny, tmp_path):
+    rows = [{"body": line} for line in (CORPUS * 6).split(". ")]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--data", str(tmp_path / "d.jsonl"),
+             "--text_column", "body", "--split", "validation", "--calib_data", str(tmp_path / "d.jsonl"),
+             "--calib_tokens", "1024", "--max_tokens", "320")  # fmt: skip
+    done = run_cli(args(tiny, tmp_path / "run", *extra))
+    assert done.returncode == 0, done.stderr
+    calibration = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())["calibration"]
+    assert (calibration["split"], calibration["text_column"]) == ("validation", "body")
+
+
+def test_an_epoch_that_ends_inside_an_accumulation_window_counts_only_its_tokens(tiny, tmp_path):
+    """Streaming 3 micro-batches per epoch with grad_accum 2: steps of 2, 1, 2, 1 micro-batches."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny["converted"])
+    text = CORPUS * 3
+    ids = tokenizer(text)["input_ids"]
+    cut = tokenizer.decode(ids[: 6 * 16 - 1])  # with its EOS: 6 blocks of 16 tokens = 3 micro-batches of 2
+    (tmp_path / "six.txt").write_text(cut)
+    blocks = packed_blocks(str(tmp_path / "six.txt"), "train", "text", tokenizer, seq_len=16)
+    assert len(blocks) == 6
+    result = uptrain(parse(args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "six.txt"),
+                                "--max_tokens", str(4 * 64))))  # fmt: skip
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["tokens"] for r in rows] == [64, 96, 160, 192]
+    assert result.steps == 4 and result.tokens == 192
+
+
+def test_evaluation_runs_without_inference_mode():
+    """Tensors made under inference_mode cannot enter a later backward pass (FSDP gathers parameters there)."""
+    from gqaify.eval.perplexity import perplexity
+
+    model = build_model("llama")
+    seen = []
+    model.register_forward_hook(lambda *a: seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled())))
+    perplexity(model, torch.arange(20) % 96, 8, 8, progress=False)
+    assert seen and set(seen) == {(False, False)}
+
+
+def test_processes_wait_for_each_other_as_long_as_dist_timeout(tiny, tmp_path):
+    from gqaify.uptrain.train import _accelerator
+
+    accelerator = _accelerator(parse(args(tiny, tmp_path / "run", "--dist_timeout", "7200")), tmp_path / "run")
+    assert accelerator.init_handler.timeout.total_seconds() == 7200
 
 
 def test_missing_eval_data_leaves_an_empty_output_dir_as_it_was(tiny, tmp_path):

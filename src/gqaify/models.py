@@ -58,3 +58,19 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.devic
         return model, AutoTokenizer.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
         raise UserError(f"{option} {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc
+
+
+def load_tokenizer(name: str, option: str = "MODEL"):
+    """The tokenizer of `name` (folder, hub id or .gguf), without the model.
+
+    Raises:
+        UserError: it has no tokenizer files, or they cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    where, kwargs = model_location(name, option)
+    try:
+        return AutoTokenizer.from_pretrained(where, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        problem = f"{option} {name} has no tokenizer that could be loaded ({type(exc).__name__})"
+        raise UserError(f"{problem}; check its files") from exc

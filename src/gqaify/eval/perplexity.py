@@ -70,7 +70,7 @@ class Perplexity:
         return math.exp(self.nll)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def perplexity(
     model,
     ids: torch.Tensor,
@@ -83,7 +83,9 @@ def perplexity(
     """Token-weighted perplexity of `model` on the token ids `ids` (1-D), over sliding windows.
 
     Windows of the same shape run together in batches of `batch_size`. Only the logits that score a token
-    are computed (`logits_to_keep` with their positions), and log-probabilities are taken in float32.
+    are computed (`logits_to_keep` with their positions), and log-probabilities are taken in float32. Runs under
+    no_grad, not inference_mode: uptraining evaluates between optimizer steps, and tensors made under inference
+    mode (FSDP's gathered parameters among them) could not take part in the backward passes that follow.
     """
     device = next(model.parameters()).device
     windows = sliding_windows(len(ids), seq_len, stride)

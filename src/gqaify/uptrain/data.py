@@ -37,7 +37,7 @@ def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: i
 
     def tokenize(batch: dict) -> dict:
         texts = [t for t in batch[text_column] if isinstance(t, str) and t.strip()]
-        ids = tokenizer(texts, verbose=False)["input_ids"]
+        ids = tokenizer(texts, verbose=False)["input_ids"] if texts else []  # the tokenizer fails on no texts
         return {"input_ids": [doc if doc[-1:] == [eos] else [*doc, eos] for doc in ids]}
 
     def pack(batch: dict) -> dict:
@@ -51,7 +51,7 @@ def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: i
     if streaming:
         return blocks.with_format("torch")
     if len(blocks) == 0:
-        tokens = sum(len(ids) for ids in documents["input_ids"])
+        tokens = sum(len(ids) for ids in documents["input_ids"]) if documents.num_rows else 0  # (no rows, no column)
         raise UserError(
             f"data {data} gives {tokens:,} tokens, less than one block of seq_len {seq_len}; "
             "give more text or lower seq_len"

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class UptrainSettings:
         default=None, metadata=_help("calibration text for the conversion (aligned, lsq, similarity); not eval text")
     )
     calib_tokens: int = field(default=32768, metadata=_help("calibration tokens read from calib_data"))
+    calib_split: str | None = field(default=None, metadata=_help("split of calib_data (default: split)"))
     output_dir: str = field(default="", metadata=_help("folder for checkpoints, metrics, plot and final/"))
     # -- the data
     data: str = field(
@@ -100,6 +102,11 @@ class UptrainSettings:
     log_every: int = field(default=1, metadata=_help("write metrics every N steps"))
     log_to: list[str] = field(default_factory=list, metadata=_help(f"extra trackers: {', '.join(TRACKERS)}"))
     progress: bool = field(default=True, metadata=_help("show a progress bar"))
+    dist_timeout: int = field(
+        default=3600,
+        metadata=_help("seconds processes wait for each other (the main one converts the model first; raise it "
+                       "for a large calibrated conversion, or convert beforehand with gqaify convert)"),
+    )  # fmt: skip
 
     @property
     def tokens_per_step_per_process(self) -> int:
@@ -115,20 +122,48 @@ class UptrainSettings:
 _HINTS = typing.get_type_hints(UptrainSettings)
 
 # Settings that may change between a run and its resumption without changing what is trained.
-RESUMABLE_CHANGES = frozenset({"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress"})
+RESUMABLE_CHANGES = frozenset(
+    {"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress", "dist_timeout"}
+)
+
+# Names users bring from transformers' TrainingArguments and TRL, and what gqaify calls them (with a note where
+# the meaning differs): an unknown key or option that is one of these is answered with its gqaify name.
+FOREIGN_NAMES = {
+    "learning_rate": ("lr", ""),
+    "warmup_ratio": ("warmup", "a fraction of the steps when below 1"),
+    "warmup_steps": ("warmup", "a number of steps when 1 or more"),
+    "per_device_train_batch_size": ("micro_batch_size", ""),
+    "train_batch_size": ("micro_batch_size", ""),
+    "gradient_accumulation_steps": ("grad_accum", ""),
+    "lr_scheduler_type": ("schedule", ""),
+    "num_train_epochs": ("max_tokens", "gqaify budgets training tokens, not epochs"),
+    "max_steps": ("max_tokens", "gqaify budgets tokens: steps x micro_batch_size x grad_accum x processes x seq_len"),
+    "logging_steps": ("log_every", ""),
+    "save_steps": ("save_every", ""),
+    "eval_steps": ("eval_every", ""),
+    "report_to": ("log_to", ""),
+    "bf16": ("mixed_precision", "mixed_precision: bf16"),
+    "fp16": ("mixed_precision", "mixed_precision: fp16"),
+    "max_seq_length": ("seq_len", ""),
+    "max_length": ("seq_len", ""),
+    "block_size": ("seq_len", ""),
+    "dataset_text_field": ("text_column", ""),
+    "model_name_or_path": ("model", ""),
+    "dataset_name": ("data", ""),
+    "ddp_timeout": ("dist_timeout", ""),
+}
 
 
 def check(s: UptrainSettings) -> None:
     """Every problem with `s` in one `UserError` (values only; files are checked where they are opened)."""
-    problems = []
-    for f in dataclasses.fields(s):  # recipe values bypass argparse's choices: check them here
-        choices = typing.get_args(_HINTS[f.name]) if typing.get_origin(_HINTS[f.name]) is Literal else ()
-        if choices and getattr(s, f.name) not in choices:
-            problems.append(f"{f.name} {getattr(s, f.name)!r} is not one of {', '.join(choices)}; pick one")
+    problems = _type_problems(s)
+    if problems:  # the value checks below assume the types are right
+        raise_if_problems(problems)
     for key in ("model", "output_dir", "data"):
         if not getattr(s, key):
             problems.append(f"{key} is required; set it in the recipe or pass --{key}")
-    positive = ("seq_len", "micro_batch_size", "grad_accum", "eval_tokens", "log_every", "save_total_limit")
+    positive = ("seq_len", "micro_batch_size", "grad_accum", "eval_tokens", "log_every", "save_total_limit",
+                "dist_timeout")  # fmt: skip
     problems += [f"{k} must be a positive integer, got {getattr(s, k)}; fix it" for k in positive if getattr(s, k) < 1]
     problems += [
         f"{k} must be >= 0, got {getattr(s, k)}; fix it" for k in ("eval_every", "save_every") if getattr(s, k) < 0
@@ -164,6 +199,45 @@ def check(s: UptrainSettings) -> None:
     if unknown:
         problems.append(f"log_to {unknown[0]!r} is not a tracker gqaify knows; use {', '.join(TRACKERS)}")
     raise_if_problems(problems)
+
+
+def _type_problems(s: UptrainSettings) -> list[str]:
+    """Values of the wrong type or outside a field's choices (recipe values bypass argparse's conversion)."""
+    problems = []
+    for f in dataclasses.fields(s):
+        value, hint = getattr(s, f.name), _HINTS[f.name]
+        if not _is_a(value, hint):
+            problems.append(f"{f.name} {value!r} is not {_describe(hint)}; fix the recipe or the option")
+    return problems
+
+
+def _is_a(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    names = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "empty"}
+    return names.get(hint, str(hint))
 
 
 def build_parser(prog: str = "gqaify uptrain"):
@@ -203,8 +277,10 @@ def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> Uptrai
         argv, return_remaining_strings=True, look_for_args_file=False
     )
     if unused:
-        flag = next((a for a in unused if a.startswith("--")), unused[0])
-        raise UserError(f"unknown option {flag}{_nearest(flag.lstrip('-').replace('-', '_'), '--')}; see --help")
+        flags = [a for a in unused if a.startswith("--")] or unused[:1]
+        raise_if_problems(
+            [f"unknown option {flag}{_nearest(flag.lstrip('-').replace('-', '_'), '--')}" for flag in flags]
+        )
     check(settings)
     return settings
 
@@ -228,13 +304,17 @@ def load_recipe(path: str | Path) -> dict:
     if not isinstance(values, dict):
         raise UserError(f"recipe {path} must be a mapping of setting: value; see --help for the settings")
     known = {f.name for f in dataclasses.fields(UptrainSettings)}
-    for key in values:
-        if key not in known:
-            raise UserError(f"recipe {path}: unknown key {key!r}{_nearest(str(key))}; see --help for every key")
+    raise_if_problems(
+        [f"recipe {path}: unknown key {key!r}{_nearest(str(key))}" for key in values if key not in known]
+    )
     return values
 
 
 def _nearest(key: str, prefix: str = "") -> str:
+    """" (did you mean lr?)": gqaify's name for a TrainingArguments name, else the closest field name."""
+    if key in FOREIGN_NAMES:
+        name, note = FOREIGN_NAMES[key]
+        return f" (did you mean {prefix}{name}?{' ' + note if note else ''})"
     names = [f.name for f in dataclasses.fields(UptrainSettings)] + ["recipe"]
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""

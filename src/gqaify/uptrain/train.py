@@ -16,14 +16,17 @@ killed at any moment resumes from its last complete checkpoint and ends as an un
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,9 +35,10 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, HEAD, LAYER
 from gqaify.data import load_text
-from gqaify.errors import UserError
+from gqaify.errors import Interrupted, UserError, raise_if_problems
 from gqaify.eval.perplexity import perplexity
-from gqaify.models import load_config, load_model
+from gqaify.models import load_config, load_model, load_tokenizer
+from gqaify.outputs import PROVENANCE_FILE, write_provenance
 from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.report import (
     METRICS,
@@ -91,40 +95,49 @@ def run(settings: UptrainSettings) -> UptrainResult:
 
     Raises:
         UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
+        Interrupted: Ctrl-C or SIGTERM; its message says what is on disk and how to go on.
     """
     s = settings
     check(s)
-    _check_paths(s)
+    _check_inputs(s)
     out = Path(s.output_dir)
     accelerator = _accelerator(s, out)
+    # Everything that can be wrong with the data is found before output_dir is touched.
+    tokenizer = load_tokenizer(s.model, option="model")
+    loader, steps = _data(s, tokenizer, accelerator)
+    eval_ids = _eval_ids(s, tokenizer)
     existed = out.exists()
     run = _claim_output_dir(out, s, accelerator.num_processes, accelerator)
     if run.get("completed") and (out / "final").is_dir():
         return _result_of_finished_run(out, run)
     try:
-        return _run(s, out, accelerator, run)
-    except UserError:  # bad data, eval data or teacher, found before any training: leave nothing behind
-        if "started" not in run and accelerator.is_main_process:
-            shutil.rmtree(out, ignore_errors=True)
-            if existed:
-                out.mkdir()
+        return _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids)
+    except BaseException as exc:
+        if "started" not in run:  # nothing trained yet: leave output_dir as it was found
+            if accelerator.is_main_process:
+                _undo_claim(out, existed)
+            if isinstance(exc, KeyboardInterrupt):
+                raise _interrupted(exc, "nothing was written") from None
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            raise _interrupted(exc, _what_is_left(out, steps)) from None
         raise
 
 
-def _run(s: UptrainSettings, out: Path, accelerator, run: dict) -> UptrainResult:
-    """The run in a claimed output_dir: model, data, optimizer, resume, the loop, the final save."""
+def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loader, steps: int,
+         eval_ids) -> UptrainResult:  # fmt: skip
+    """The run in a claimed output_dir: model, optimizer, resume, the loop, the final save."""
     from accelerate.utils import set_seed
 
     set_seed(s.seed)
 
     model_path = _model_to_train(s, out, accelerator)
-    model, tokenizer = load_model(model_path, torch.float32, "cpu", option="model")
+    model, _ = load_model(model_path, torch.float32, "cpu", option="model")
     saved_dtype = load_config(model_path, option="model").dtype or torch.float32
     model.train()
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = _select_trainable(model, s.trainable)
-    loader, steps = _data(s, tokenizer, accelerator)
     optimizer, scheduler = _optimizer(s, params, steps, accelerator)
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
@@ -137,7 +150,7 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict) -> UptrainResult
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {steps})")
     teacher = _teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
-    evaluate = _evaluator(s, tokenizer, teacher, model, accelerator, run, out, progress)
+    evaluate = _evaluator(s, eval_ids, teacher, model, accelerator, run, out, progress)
 
     if accelerator.is_main_process:
         truncate_metrics(out, progress.step if latest is not None else -1)
@@ -160,6 +173,23 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict) -> UptrainResult
     return _result_of_finished_run(out, run)
 
 
+def _interrupted(exc: KeyboardInterrupt, message: str) -> Interrupted:
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    return Interrupted(message, signum)
+
+
+def _what_is_left(out: Path, steps: int) -> str:
+    """What an interrupted run leaves, and how to go on from it."""
+    latest = _latest_checkpoint(out / CHECKPOINTS)
+    if latest is None:
+        return (
+            f"training had started but saved no checkpoint yet; {out} holds its settings and metrics: rerun the "
+            "same command to start it again"
+        )
+    step = json.loads((latest / PROGRESS_FILE).read_text())["step"]
+    return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
+
+
 def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress: Progress, steps: int,
            evaluate, out: Path) -> None:  # fmt: skip
     """The loop: from `progress` to `steps` optimizer steps, logging, evaluating and checkpointing."""
@@ -168,6 +198,7 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
                disable=not (s.progress and accelerator.is_main_process) or None)  # fmt: skip
     started, tokens_at_start = time.perf_counter(), progress.tokens
     step_loss = torch.zeros(2, device=accelerator.device)  # (loss, LM loss) summed over micro-batches
+    window = 0  # micro-batches since the last optimizer step: grad_accum, or fewer where an epoch ends
     while progress.step < steps:
         loader.set_epoch(progress.epoch)
         skip = progress.batches_in_epoch  # batches a resumed run already consumed in this epoch
@@ -176,6 +207,7 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
                 loss, lm_loss = _loss(model, teacher, batch["input_ids"], s, accelerator)
                 accelerator.backward(loss)
                 step_loss += torch.stack([loss.detach(), lm_loss])
+                window += 1
                 if accelerator.sync_gradients:
                     if s.max_grad_norm > 0:  # the prepared model's parameters: FSDP replaces the originals
                         accelerator.clip_grad_norm_(model.parameters(), s.max_grad_norm)
@@ -187,9 +219,10 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
             if not accelerator.sync_gradients:
                 continue
             progress.step += 1
-            progress.tokens += tokens_per_step
-            loss, lm_loss = (accelerator.reduce(step_loss, "mean") / s.grad_accum).tolist()  # micro-batch means
+            progress.tokens += tokens_per_step // s.grad_accum * window
+            loss, lm_loss = (accelerator.reduce(step_loss, "mean") / window).tolist()  # micro-batch means
             step_loss.zero_()
+            window = 0
             rate = (progress.tokens - tokens_at_start) / (time.perf_counter() - started)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
@@ -222,6 +255,7 @@ def _accelerator(s: UptrainSettings, out: Path):
     """
     from accelerate import Accelerator
     from accelerate.tracking import get_available_trackers
+    from accelerate.utils import InitProcessGroupKwargs
 
     available = {str(t) for t in get_available_trackers()} | {"csv"}
     missing = [t for t in s.log_to if t not in available]  # accelerate would drop them without a word
@@ -235,6 +269,8 @@ def _accelerator(s: UptrainSettings, out: Path):
         mixed_precision=s.mixed_precision,
         log_with=trackers + [t for t in s.log_to if t != "csv"],
         project_dir=out,
+        # the other processes wait while the main one converts the model: give them longer than torch's default
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=s.dist_timeout))],
     )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
@@ -264,7 +300,12 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
             "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
         )
     blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
-    if s.streaming:
+    if s.streaming:  # the size is unknown: read as far as one step needs
+        if (found := sum(1 for _ in itertools.islice(blocks, blocks_per_step))) < blocks_per_step:
+            raise UserError(
+                f"data {s.data} packs into {found} blocks of {s.seq_len} tokens, fewer than one step's "
+                f"{blocks_per_step}; give more text, or lower seq_len or the batch"
+            )
         shuffled = blocks.shuffle(seed=s.seed, buffer_size=10_000)
         return DataLoader(shuffled, batch_size=s.micro_batch_size, drop_last=True), steps
     if len(blocks) < blocks_per_step:
@@ -310,12 +351,11 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
     return teacher
 
 
-def _evaluator(s, tokenizer, teacher, model, accelerator, run: dict, out: Path, progress: Progress):
-    """A function that logs the eval perplexity at the current step, or None without eval_data.
+def _evaluator(s, ids, teacher, model, accelerator, run: dict, out: Path, progress: Progress):
+    """A function that logs the eval perplexity at the current step, or None without eval_data (`ids` None).
 
     The parent's perplexity on the same tokens is measured once per run and kept in run.json.
     """
-    ids = _eval_ids(s, tokenizer)
     if ids is None:
         return None
     seq_len = s.eval_seq_len or s.seq_len
@@ -417,14 +457,24 @@ def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float
 # -- the output folder ---------------------------------------------------------------------------------------
 
 
-def _check_paths(s: UptrainSettings) -> None:
+def _check_inputs(s: UptrainSettings) -> None:
+    """output_dir is a folder or absent; the models exist; the windows fit in the model's positions."""
     out = Path(s.output_dir)
+    problems = []
     if out.exists() and not out.is_dir():
-        raise UserError(f"output_dir {out} is a file; choose a folder")
+        problems.append(f"output_dir {out} is a file; choose a folder")
+    configs = {}
     for key in ("model", "distill_from", "parent"):
-        value = getattr(s, key)
-        if value:
-            load_config(value, option=key)  # exists and is a model
+        if value := getattr(s, key):
+            try:
+                configs[key] = load_config(value, option=key)  # exists and is a model
+            except UserError as exc:
+                problems.append(str(exc))
+    positions = getattr(configs.get("model"), "max_position_embeddings", None)
+    for key, length in (("seq_len", s.seq_len), ("eval_seq_len", s.eval_seq_len)):
+        if positions and length and length > positions:
+            problems.append(f"{key} {length} exceeds the {positions} positions of {s.model}; lower {key}")
+    raise_if_problems(problems)
 
 
 def _identity(s: UptrainSettings, processes: int) -> dict:
@@ -445,6 +495,12 @@ def _claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator
     if run_file.exists():
         run = json.loads(run_file.read_text())
         differs = [k for k in identity if run["settings"].get(k) != identity[k]]
+        if differs and "started" not in run and not _checkpoints(out / CHECKPOINTS):
+            # a run that was stopped before it trained (killed while converting): nothing of it to keep
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                _undo_claim(out, existed=True)
+            return _claim_output_dir(out, s, processes, accelerator)
         if differs:
             k = differs[0]
             raise UserError(
@@ -463,6 +519,19 @@ def _claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator
     return run
 
 
+def _undo_claim(out: Path, existed: bool) -> None:
+    """Remove what a run that never trained wrote (run.json, converted/); an output_dir that existed is kept,
+    empty, as it was found (a claimed folder held nothing but this run's files)."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir() if out.is_dir() else []:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     """`model` itself, or its conversion to `kv_heads` in output_dir/converted (converted once, atomically)."""
     if s.kv_heads is None:
@@ -472,7 +541,9 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
         from gqaify.conversion.core import convert
         from gqaify.conversion.options import Calibration
 
-        calibration = Calibration(s.calib_data, s.calib_tokens) if s.calib_data else None
+        calibration = None
+        if s.calib_data:
+            calibration = Calibration(s.calib_data, s.calib_tokens, s.calib_split or s.split, s.text_column)
         convert(
             s.model, converted, s.kv_heads, method=s.method, calibration=calibration, grouping=s.grouping,
             progress=s.progress,
@@ -530,11 +601,11 @@ def _save_final(accelerator, model, tokenizer, model_path: str, final: Path, dty
     unwrapped.config.dtype = dtype
     unwrapped.save_pretrained(partial, state_dict=state)
     tokenizer.save_pretrained(partial)
-    provenance_file = Path(model_path) / "gqaify.json"
+    provenance_file = Path(model_path) / PROVENANCE_FILE
     provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
     provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
                              "tokens": progress.tokens, "settings": asdict(s)}  # fmt: skip
-    _write_json(partial / "gqaify.json", provenance)
+    write_provenance(partial, {"tool": "gqaify", **provenance})
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
