@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -86,6 +87,19 @@ def test_capacity_fills_the_budget_exactly():
     assert capacity(g, torch.bfloat16, [], weights_bytes=10, budget_bytes=5, context=4).max_batch == 0
 
 
+def test_capacity_is_capped_at_the_models_positions():
+    """SmolLM2's 80 GB figure used to be 1,724,434 tokens, past its 8,192 positions."""
+    g = Geometry(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32)
+    per_token = 2 * 2 * 2 * 8 * 2
+    budget = 10 * per_token
+    short = capacity(g, torch.bfloat16, [], weights_bytes=0, budget_bytes=budget, context=4, positions=8)
+    assert (short.max_context, short.usable_context, short.bound_by) == (10, 8, "positions")
+    long = capacity(g, torch.bfloat16, [], weights_bytes=0, budget_bytes=budget, context=4, positions=100)
+    assert (long.max_context, long.usable_context, long.bound_by) == (10, 10, "memory")
+    sliding = capacity(g, torch.bfloat16, [4, 4], weights_bytes=0, budget_bytes=10**12, context=4, positions=64)
+    assert (sliding.max_context, sliding.usable_context, sliding.bound_by) == (None, 64, "positions")
+
+
 @pytest.fixture(scope="module")
 def lm_pair(tmp_path_factory):
     """An MHA llama with a real (trained here) tokenizer, and its GQA-2 conversion."""
@@ -123,6 +137,22 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     assert gqa2.diagnostics["kl_nats_per_token"] > 1e-3 and len(gqa2.diagnostics["attention_relative_error"]) == 2
     assert all(m.decode_tokens_per_s > 0 and m.prefill_tokens_per_s > 0 for m in report.models)
     assert "| 2 |" in files["report.md"].read_text()
+    # 80 GB holds far more than the 128 positions: the usable context is the positions, and says so
+    assert all(m.max_context_at_budget > 10**6 and m.max_positions == 128 for m in report.models)
+    assert all((m.usable_context, m.context_bound_by) == (128, "positions") for m in report.models)
+    assert "128 (positions)" in files["report.md"].read_text()
+
+
+def test_report_files_follow_the_umask(lm_pair, tmp_path):
+    root, parent, data = lm_pair
+    previous = os.umask(0o022)
+    try:
+        gqaify.evaluate([str(parent)], str(data), tmp_path / "r", EvalSettings(seq_len=32, speed=False, progress=False))
+    finally:
+        os.umask(previous)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == dict.fromkeys(
+        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png"], 0o644
+    )
 
 
 def test_word_and_byte_normalisation(lm_pair, tmp_path):
@@ -191,6 +221,22 @@ def test_models_with_different_tokenizers_are_flagged(lm_pair, tmp_path):
     assert report.models[0].tokenizer != report.models[1].tokenizer
     assert report.models[1].diagnostics is None
     assert any("different tokenizers" in note for note in report.notes)
+
+
+def test_max_tokens_cuts_the_text_once_when_tokenizers_differ(lm_pair, tmp_path):
+    """The parent's first N tokens set the span; a model with another tokenizer reads the same characters, so
+    its word perplexity and bits per byte are comparable (they used to cover different text)."""
+    from transformers import AutoTokenizer
+
+    root, parent, data = lm_pair
+    other = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=260, seed=3), tmp_path / "other")
+    settings = EvalSettings(seq_len=32, speed=False, progress=False, max_tokens=60)
+    first, second = gqaify.evaluate([str(parent), str(other)], str(data), tmp_path / "r", settings).models
+    span = CORPUS[: AutoTokenizer.from_pretrained(parent)(CORPUS, return_offsets_mapping=True)["offset_mapping"][59][1]]
+    expected = (len(span.split()), len(span.encode()))
+    assert (first.words, first.text_bytes) == (second.words, second.text_bytes) == expected
+    other_ids = AutoTokenizer.from_pretrained(other)(span)["input_ids"]
+    assert len(other_ids) != 60 and second.tokens_scored == len(other_ids) - math.ceil(len(other_ids) / 32)
 
 
 def test_cli_prints_the_table(lm_pair, tmp_path, capsys):

@@ -25,3 +25,23 @@ def test_demo_takes_wikitext_from_shared_beside_the_checkout():
         assert data == str(shared) and str(shared) in origin
     else:
         assert data == HUB_WIKITEXT and "hub" in origin
+
+
+def test_declared_lower_bounds_are_the_tested_versions():
+    """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
+    import re
+    import tomllib
+
+    pinned = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            pinned[name.lower().replace("_", "-")] = version
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dependency in dependencies:
+        name, lower = re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", dependency).groups()
+        tested = pinned[name.lower().replace("_", "-")]
+        assert tested.startswith(lower) and tuple(map(int, lower.split("."))) <= tuple(map(int, tested.split("."))), (
+            dependency,
+            tested,
+        )

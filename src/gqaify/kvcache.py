@@ -38,13 +38,13 @@ def kv_cache_bytes_per_token(geometry: Geometry, dtype: torch.dtype) -> int:
 def sliding_windows(config) -> list[int | None]:
     """Per layer, the sliding window of a transformers config, or None for full attention.
 
-    Uses transformers' own reading of the config (`get_layer_types_and_kwargs`, what `DynamicCache` uses), so
-    the count agrees with the cache the model really builds.
+    Read off the cache transformers itself builds for the config (`DynamicCache(config=...)`, what `generate`
+    uses), so the count agrees with the cache the model really holds.
     """
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from transformers import DynamicCache
 
-    types, kwargs = get_layer_types_and_kwargs(config)
-    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, kwargs, strict=True)]
+    cache = DynamicCache(config=config)
+    return [layer.sliding_window if getattr(layer, "is_sliding", False) else None for layer in cache.layers]
 
 
 def measured_kv_cache_bytes(cache) -> int:
@@ -58,24 +58,39 @@ class Capacity:
 
     budget_bytes: int
     weights_bytes: int
-    max_context: int | None  # longest sequence at batch 1; None: the cache is bounded (every layer slides)
+    max_context: int | None  # longest sequence whose cache fits at batch 1; None: bounded (every layer slides)
     max_batch: int  # most sequences of `context` tokens
     context: int
+    positions: int | None = None  # the model's max_position_embeddings, where it has one
+
+    @property
+    def usable_context(self) -> int | None:
+        """The longest sequence the model can run at batch 1: the cache's room, capped at the positions."""
+        limits = [n for n in (self.max_context, self.positions) if n is not None]
+        return min(limits) if limits else None
+
+    @property
+    def bound_by(self) -> str:
+        """What limits `usable_context`: "memory", "positions", or "nothing" (a sliding cache, no positions)."""
+        if self.max_context is None:
+            return "positions" if self.positions is not None else "nothing"
+        return "positions" if self.positions is not None and self.positions < self.max_context else "memory"
 
 
-def capacity(geometry, dtype, windows, weights_bytes: int, budget_bytes: int, context: int) -> Capacity:
+def capacity(geometry, dtype, windows, weights_bytes: int, budget_bytes: int, context: int,
+             positions: int | None = None) -> Capacity:  # fmt: skip
     free = budget_bytes - weights_bytes
     if free <= 0:
-        return Capacity(budget_bytes, weights_bytes, 0, 0, context)
+        return Capacity(budget_bytes, weights_bytes, 0, 0, context, positions)
     per_sequence = kv_cache_bytes(geometry, dtype, context, windows)
     max_batch = free // per_sequence if per_sequence else 0
     # kv_cache_bytes grows with tokens (piecewise linear with windows): bisect the longest context that fits
     low, high = 0, 1
     while kv_cache_bytes(geometry, dtype, high, windows) <= free:
         if high >= 1 << 40:
-            return Capacity(budget_bytes, weights_bytes, None, max_batch, context)
+            return Capacity(budget_bytes, weights_bytes, None, max_batch, context, positions)
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if kv_cache_bytes(geometry, dtype, mid, windows) <= free else (low, mid)
-    return Capacity(budget_bytes, weights_bytes, low, max_batch, context)
+    return Capacity(budget_bytes, weights_bytes, low, max_batch, context, positions)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
-from gqaify.data import TextData, load_text
+from gqaify.data import load_text
 from gqaify.dtypes import dtype_problem
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
@@ -54,8 +54,13 @@ class ModelReport:
     kv_cache_tokens: int
     kv_ratio_to_parent: float
     weights_bytes: int
-    max_context_at_budget: int | None
+    max_context_at_budget: int | None  # what the cache would hold beside the weights (None: bounded, all slide)
+    max_positions: int | None  # the model's max_position_embeddings
+    usable_context: int | None  # the two above, whichever binds
+    context_bound_by: str  # "memory", "positions" or "nothing"
     max_batch_at_seq_len: int
+    words: int  # words and UTF-8 bytes of the text scored: the same span for every model
+    text_bytes: int
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     decode_tokens_per_s_batched: float | None = None
@@ -98,12 +103,16 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
         settings={**asdict(s), "stride": stride, "device": str(device)},
     )
     tokenized: dict[str, tuple[torch.Tensor, int, int]] = {}  # fingerprint -> (ids, words, bytes)
+    span = None  # the characters of the text evaluated: set by the parent's tokenizer, the same for all
     parent = None
     for i, name in enumerate(models):
         model, tokenizer = load_model(name, s.dtype, device)
         fingerprint = _fingerprint(tokenizer)
         if fingerprint not in tokenized:
-            tokenized[fingerprint] = _tokenize(tokenizer, text, s.max_tokens, name)
+            ids, span = _tokenize(tokenizer, text.text, name, max_tokens=s.max_tokens if span is None else None,
+                                  end=span)  # fmt: skip
+            piece = text.text[:span]
+            tokenized[fingerprint] = ids, max(len(piece.split()), 1), max(len(piece.encode()), 1)
         ids, words, nbytes = tokenized[fingerprint]
         LOG.info("evaluating %s on %d tokens", name, len(ids))
         entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride, budget)
@@ -139,7 +148,8 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         cache = model(ids[:kv_tokens].unsqueeze(0).to(model.device), use_cache=True, logits_to_keep=1)
         measured = measured_kv_cache_bytes(cache.past_key_values)
         del cache
-    fits = capacity(geometry, dtype, windows, model.get_memory_footprint(), budget, s.seq_len)
+    positions = getattr(config, "max_position_embeddings", None)
+    fits = capacity(geometry, dtype, windows, model.get_memory_footprint(), budget, s.seq_len, positions)
     entry = ModelReport(
         model=name,
         model_type=config.model_type,
@@ -161,7 +171,12 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         kv_ratio_to_parent=1.0,
         weights_bytes=fits.weights_bytes,
         max_context_at_budget=fits.max_context,
+        max_positions=positions,
+        usable_context=fits.usable_context,
+        context_bound_by=fits.bound_by,
         max_batch_at_seq_len=fits.max_batch,
+        words=words,
+        text_bytes=nbytes,
     )
     if s.speed:
         context = ids[: min(s.decode_context, len(ids))]
@@ -222,15 +237,19 @@ def _fingerprint(tokenizer) -> str:
     return hashlib.sha256(described.encode()).hexdigest()[:12]
 
 
-def _tokenize(tokenizer, text: TextData, max_tokens: int | None, name: str):
-    """(token ids (N,), words, bytes) of the text, or of its first `max_tokens` tokens."""
-    encoded = tokenizer(text.text, return_offsets_mapping=True, verbose=False)
+def _tokenize(tokenizer, text: str, name: str, max_tokens: int | None = None, end: int | None = None):
+    """(token ids (N,), characters they cover) of `text[:end]`, or of its first `max_tokens` tokens.
+
+    When tokenizers differ, the first cuts the text at `max_tokens` and the others read the same characters,
+    so that word perplexity and bits per byte compare the models on one span.
+    """
+    text = text if end is None else text[:end]
+    encoded = tokenizer(text, return_offsets_mapping=True, verbose=False)
     ids = torch.tensor(encoded["input_ids"])
-    end = len(text.text)
+    covered = len(text)
     if max_tokens is not None and len(ids) > max_tokens:
         ids = ids[:max_tokens]
-        end = encoded["offset_mapping"][max_tokens - 1][1]
+        covered = encoded["offset_mapping"][max_tokens - 1][1]
     if len(ids) < 2:
         raise UserError(f"--data gives {len(ids)} token(s) with the tokenizer of {name}; it needs at least 2")
-    span = text.text[:end]
-    return ids, max(len(span.split()), 1), max(len(span.encode()), 1)
+    return ids, covered

@@ -8,11 +8,12 @@ import tempfile
 from pathlib import Path
 
 from gqaify.eval.core import Report
+from gqaify.outputs import current_umask
 
 PLOT_KV = "perplexity_vs_kv.png"
 PLOT_DIAGNOSTICS = "diagnostics.png"
 
-COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context", "decode tok/s"]
+COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context (bound)", "decode tok/s"]
 
 
 def table_rows(report: Report) -> list[list[str]]:
@@ -25,10 +26,17 @@ def table_rows(report: Report) -> list[list[str]]:
             "—" if m.delta_perplexity is None else f"{m.delta_perplexity:+,.2f}",
             f"{m.kv_cache_bytes_per_token:,.0f}",
             f"{m.kv_ratio_to_parent:g}×",
-            "unbounded" if m.max_context_at_budget is None else f"{m.max_context_at_budget:,}",
+            _context(m),
             "—" if m.decode_tokens_per_s is None else f"{m.decode_tokens_per_s:,.1f}",
         ])  # fmt: skip
     return rows
+
+
+def _context(m) -> str:
+    """The usable context at batch 1 and what binds it: "8,192 (positions)", "1,724 (memory)"."""
+    if m.usable_context is None:
+        return "unbounded"
+    return f"{m.usable_context:,} ({m.context_bound_by})"
 
 
 def format_table(report: Report) -> str:
@@ -52,7 +60,9 @@ def markdown(report: Report) -> str:
         f"Data: `{d['source']}` ({d['split']}, column `{d['text_column']}`, {d['rows']:,} rows). "
         f"Windows of {s['seq_len']} tokens, stride {s['stride']}; {parent.tokens_scored:,} tokens scored; "
         f"device {s['device']}. KV capacity: K/V cache and weights in {s['memory_budget']}, at batch 1 "
-        f"(max context) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the parent). "
+        f"(max context: what the cache would hold, capped at the model's positions, and which of the two binds; "
+        f"report.json has both) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the "
+        "parent). "
         f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {s['decode_context']}-token prefill, "
         f"median of {s['repeats']}.",
         "",
@@ -147,12 +157,14 @@ def write_report(report: Report, out: Path) -> None:
         PLOT_DIAGNOSTICS: lambda p: plot_diagnostics(report, p),
     }
     staged = []
+    mode = 0o666 & ~current_umask()  # mkstemp makes its files private; the report is an ordinary file
     try:
         for name, write in writers.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=Path(name).suffix, dir=out)
             os.close(fd)
             staged.append((Path(tmp), out / name))
             write(Path(tmp))
+            os.chmod(tmp, mode)
         for tmp, final in staged:
             os.replace(tmp, final)
     finally:
