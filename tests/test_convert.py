@@ -290,6 +290,6 @@ def test_norm_mean_on_duplicated_heads_reproduces_the_gqa_model(model_type, tmp_
     save(duplicate_kv_heads(gqa), tmp_path / "mha")
     gqaify.convert(tmp_path / "mha", tmp_path / "out", kv_heads=2, method="norm-mean", progress=False)
     ids = sample_ids(gqa.config.vocab_size)
-    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids))
     gqaify.convert(tmp_path / "mha", tmp_path / "same", kv_heads=4, method="norm-mean", progress=False)
     assert torch.equal(logits(load(tmp_path / "same"), ids), logits(load(tmp_path / "mha"), ids))

@@ -30,6 +30,7 @@ def test_demo_takes_wikitext_from_shared_beside_the_checkout():
 def test_declared_lower_bounds_are_the_tested_versions():
     """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
     import re
+
     import tomllib
 
     pinned = {}

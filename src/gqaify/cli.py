@@ -224,14 +224,17 @@ def _run_eval(args) -> None:
 
 
 def _run_uptrain(args) -> None:
+    from gqaify.uptrain.settings import parse
+
+    settings = parse(args.rest, prog=args.prog)  # --help and bad settings answer before torch is loaded
+
     from accelerate import PartialState
     from transformers.utils import logging as transformers_logging
 
-    from gqaify.uptrain.settings import parse
     from gqaify.uptrain.train import run
 
     transformers_logging.disable_progress_bar()  # loading and saving bars between the training bar's updates
-    result = run(parse(args.rest, prog=args.prog))
+    result = run(settings)
     if PartialState().is_main_process:  # one summary per launch
         print(format_uptrain_summary(result))
 

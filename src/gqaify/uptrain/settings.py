@@ -242,7 +242,7 @@ def _describe(hint) -> str:
 
 def build_parser(prog: str = "gqaify uptrain"):
     """transformers' HfArgumentParser over `UptrainSettings`, plus --recipe; usage errors are one line."""
-    from transformers import HfArgumentParser
+    from transformers.hf_argparser import HfArgumentParser  # the module alone: transformers' top level is slower
 
     class _Parser(HfArgumentParser):
         def error(self, message: str):
