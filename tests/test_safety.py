@@ -325,7 +325,7 @@ def test_too_few_calibration_tokens_are_refused(capsys, source, tmp_path):
     code, err = run_cli(capsys, "convert", source, tmp_path / "out", *args, "--calib-tokens", "10")
     line = one_line(err)
     assert code == 2 and "--calib-tokens 10 is too few for a model with hidden size 64" in line
-    assert "at least 520" in line and not (tmp_path / "out").exists()
+    assert "at least 130" in line and not (tmp_path / "out").exists()
 
 
 def test_calibration_text_shorter_than_the_fit_needs_is_refused(capsys, source, tmp_path):

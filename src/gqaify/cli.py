@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 
-from gqaify.conversion.options import GROUPINGS, METHOD_INFO, Calibration
+from gqaify.conversion.options import CALIB_MODES, GROUPINGS, METHOD_INFO, Calibration
 from gqaify.dtypes import DTYPE_NAMES
 from gqaify.errors import Interrupted, ResourceError, UserError
 from gqaify.eval.settings import EvalSettings
@@ -70,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--calib-split", default=calib.split, help=f"split of --calib-data ({calib.split})")
     convert.add_argument("--calib-text-column", default=calib.text_column, help="column holding the text (text)")
     convert.add_argument("--calib-seq-len", type=int, default=calib.seq_len, help=f"window length ({calib.seq_len})")
+    convert.add_argument(
+        "--calib-mode",
+        default=calib.mode,
+        choices=CALIB_MODES,
+        help="sequential (default): layer by layer on the converted model's own activations, each layer repaired "
+        "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)",
+    )
+    convert.add_argument(
+        "--refine-steps",
+        type=int,
+        default=calib.refine_steps,
+        help="Adam steps per layer refining its attention against the parent layer's output on the calibration "
+        f"windows (sequential; default {calib.refine_steps})",
+    )
+    convert.add_argument(
+        "--refine-lr", type=float, default=calib.refine_lr, help=f"their learning rate ({calib.refine_lr})"
+    )
     convert.add_argument(
         "--allow-nonfinite", action="store_true", help="convert K/V weights that hold NaN or Inf instead of refusing"
     )
@@ -187,8 +204,9 @@ def _run_convert(args) -> None:
     calibration = None
     if args.calib_data is not None:
         calibration = Calibration(
-            args.calib_data, args.calib_tokens, args.calib_split, args.calib_text_column, args.calib_seq_len
-        )
+            args.calib_data, args.calib_tokens, args.calib_split, args.calib_text_column, args.calib_seq_len,
+            mode=args.calib_mode, refine_steps=args.refine_steps, refine_lr=args.refine_lr,
+        )  # fmt: skip
     result = convert(
         args.src,
         args.out,
@@ -270,11 +288,23 @@ def _fit_lines(result) -> list[str]:
     if result.fit_errors:
         parts = []
         for key, name in (("k", "scores"), ("v", "outputs")):
-            errors = [e[key] for e in result.fit_errors if e[key] is not None]
+            errors = [e[key] for e in result.fit_errors if e.get(key) is not None]
             if errors:
                 parts.append(f"{name} {sum(errors) / len(errors):.3f}")
         lines.append(
             f"  fit error       {', '.join(parts)} (mean relative, on calibration text; per layer in gqaify.json)"
+        )
+        if result.fit_errors[-1].get("out") is not None:
+            repaired = sum(bool(e.get("repaired")) for e in result.fit_errors)
+            refined = result.fit_errors[-1].get("refined", 0)
+            lines.append(
+                f"  layer outputs   {result.fit_errors[-1]['out']:.3f} relative error after the last layer; "
+                f"{repaired} of {len(result.fit_errors)} layers repaired, {refined} refine steps each"
+            )
+        seconds = result.calibration_seconds
+        lines.append(
+            f"  calibration     {seconds['total']:.1f} s (capture {seconds['capture']:.1f}, fit {seconds['fit']:.1f}, "
+            f"repair {seconds['repair']:.1f}, refine {seconds['refine']:.1f})"
         )
     return lines
 

@@ -1,10 +1,23 @@
-"""Calibration statistics: the second moment of each layer's attention input over some text.
+"""Calibration: the parent reads the calibration text layer by layer, and every layer is fitted as it goes.
 
-The parent model reads `tokens` tokens of the calibration text in windows of `seq_len`, once. A forward
-pre-hook on every layer's K projection (whose input q, k and v share: the normed hidden state) adds
-Σ [x; 1][x; 1]ᵀ in float64 as the pass goes, so memory holds one (hidden + 1)² matrix per layer and never
-an activation. The constant 1 lets a fit treat a projection's bias as one more input column. Everything
-that methods and similarity grouping fit is a function of these matrices (see `fit.py`).
+    tokens      the first `tokens` tokens of the calibration text, in windows of `seq_len` (at most the
+                model's positions)
+    capture     every layer's inputs for every window, from transformers' own model (`walk.capture`)
+    per layer   only that layer's weights are loaded from the source, then:
+                1. the parent layer runs on the parent's stream: its outputs are the targets, and the next
+                   layer's parent stream
+                2. statistics: the second moment E[[x; 1][x; 1]ᵀ] of the attention input, over the stream the
+                   fit reads (the converted stream when sequential, the parent's when parallel); the constant
+                   1 lets a fit treat a bias as one more input column. Methods and grouping are functions of it
+                3. the method fits the layer (after similarity grouping, if asked), and its fit error is measured
+                4. sequential only: the converted layer is repaired and refined against the parent's outputs
+                   (`repair.py`), then runs on the converted stream, which feeds the next layer
+                5. the layer's head-indexed tensors, as they will be saved, go to a file of their own
+
+Memory holds one decoder layer's weights (two while the converted one is built) and the activations of the
+calibration windows (the parent's and the converted streams, and the parent attention's outputs for the
+repair: a few times tokens x hidden x 4 bytes), never the whole parent. Layers run on the GPU when there is
+one; the activations stay in CPU memory and go to the GPU a window at a time.
 
 Calibrate on text other than the text you evaluate on; the benchmarks here do.
 """
@@ -12,14 +25,24 @@ Calibrate on text other than the text you evaluate on; the benchmarks here do.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from gqaify.archs import ArchSpec, Geometry
+from gqaify.conversion import walk
+from gqaify.conversion.grouping import permute, similar_order
+from gqaify.conversion.layout import LayerLayout
+from gqaify.conversion.methods import Method, MethodContext, fit_error
 from gqaify.conversion.options import Calibration
+from gqaify.conversion.repair import refine, repair_output
+from gqaify.conversion.source import Source
 from gqaify.data import load_text
-from gqaify.errors import UserError
+from gqaify.errors import UserError, raise_if_problems
 
 LOG = logging.getLogger(__name__)
 
@@ -42,34 +65,162 @@ def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:
     return ids
 
 
-@torch.inference_mode()
-def second_moments(
-    model, spec: ArchSpec, geometry: Geometry, ids: torch.Tensor, seq_len: int, progress: bool = True
-) -> list[torch.Tensor]:
-    """E[[x; 1][x; 1]ᵀ] of every attention layer's input x over the tokens `ids`: (hidden + 1)² float64 each."""
-    device = next(model.parameters()).device
-    size = geometry.hidden_size + 1
-    sums = [torch.zeros(size, size, dtype=torch.float64, device=device) for _ in range(geometry.num_layers)]
+class SecondMoment:
+    """Σ [x; 1][x; 1]ᵀ over the tokens added, in float64; `mean()` is E[[x; 1][x; 1]ᵀ], (n + 1)²."""
 
-    def hook(layer: int):
-        def add(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
-            sums[layer].addmm_(x.T, x)
+    def __init__(self, size: int, device: torch.device):
+        self.sum = torch.zeros(size + 1, size + 1, dtype=torch.float64, device=device)
+        self.count = 0
 
-        return add
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).double()
+        x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
+        self.sum.addmm_(x.T, x)
+        self.count += len(x)
 
-    projection = spec.k_proj or spec.qkv_proj
-    modules = dict(model.named_modules())
-    handles = [
-        modules[spec.module(layer, projection)].register_forward_pre_hook(hook(layer))
-        for layer in range(geometry.num_layers)
-    ]
-    try:
-        windows = ids.split(seq_len)
-        for window in tqdm(windows, desc="calibrating", unit="window", disable=not progress or None):
-            model.base_model(input_ids=window[None].to(device), use_cache=False)  # no LM head: not needed
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [(s / len(ids)).cpu() for s in sums]
+    def mean(self) -> torch.Tensor:
+        return (self.sum / self.count).cpu()
+
+
+@dataclass
+class CalibratedLayers:
+    """What calibration produced: every layer's fitted tensors on disk (one file a layer) and what was measured."""
+
+    folder: Path
+    tokens: int  # calibration tokens read
+    errors: list[dict]  # per layer: "k", "v" (the closed-form fit), and sequentially "out", "repaired", "refined"
+    orders: list[list[int]] | None  # per layer, the source K/V heads in their new order (similarity grouping)
+    seconds: dict[str, float]  # "capture", "fit", "repair", "refine", "total"
+    device: str
+
+    def load(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s head-indexed tensors as the output will hold them (full names, float32)."""
+        return load_file(self.folder / _layer_file(layer))
+
+
+def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: Calibration, method: Method,
+              kv_heads: int, grouping: str, ctx: MethodContext, keys_measurable: bool, folder: Path,
+              progress: bool = True) -> CalibratedLayers:  # fmt: skip
+    """Fit every layer of `source` to `kv_heads` K/V heads on the calibration text; write the fits to `folder`.
+
+    Raises:
+        UserError: the calibration text is unreadable or too short for the model; a layer's weights are not
+            finite, or do not match transformers' class for the model.
+    """
+    c = calibration
+    seconds = dict.fromkeys(("capture", "fit", "repair", "refine"), 0.0)
+    start = time.perf_counter()
+    ids = calibration_ids(c, source.load_tokenizer())
+    raise_if_problems([p for p in [c.size_problem(len(ids), geometry.hidden_size)] if p])
+    if warning := c.size_warning(len(ids), geometry.hidden_size):
+        LOG.warning(warning)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    positions = source.config.get("max_position_embeddings") or c.seq_len
+    windows = list(ids.split(min(c.seq_len, positions)))
+    metas = source.tensors.metadata()
+    parent = walk.skeleton(source.config)
+    converted = walk.skeleton(source.config, kv_heads) if c.mode == "sequential" else None
+    outside = source.tensors.load([name for name in metas if spec.layer_of(name) is None])
+    stream, inputs = walk.capture(parent, spec, outside, windows, device)  # the parent's stream
+    del outside
+    ours = [x.clone() for x in stream] if converted is not None else None  # the converted stream
+    seconds["capture"] = time.perf_counter() - start
+
+    folder.mkdir()
+    errors, orders = [], [] if grouping == "similarity" else None
+    bar = tqdm(range(geometry.num_layers), desc="calibrating", unit="layer", disable=not progress or None)
+    for layer in bar:
+        tick = time.perf_counter()
+        prefix = spec.decoder_layer.format(layer=layer) + "."
+        state = source.tensors.load([name for name in metas if spec.layer_of(name) == layer])
+        layout = LayerLayout(spec, geometry, layer, with_queries=True)
+        heads = {name: state[name] for name in layout.inputs(state)}
+        _check_finite(heads)
+        local = {name.removeprefix(prefix): t for name, t in state.items()}
+        attention_path = spec.attention.format(layer=layer).removeprefix(prefix)
+        input_module = f"{attention_path}.{spec.k_proj or spec.qkv_proj}"  # q, k and v read the same input
+        moment = SecondMoment(geometry.hidden_size, device)
+        targets, attention_targets = [], []
+        with walk.loaded(parent.get_submodule(prefix[:-1]), local, device, f"layer {layer}") as block:
+            fit_input = block.get_submodule(input_module)
+            attention = block.get_submodule(attention_path)
+            with walk.watching(fit_input) as attention_input, walk.watching(attention, output=True) as output:
+                for x, kw in zip(stream, inputs[layer], strict=True):
+                    targets.append(walk.run(block, x, kw, device))
+                    if ours is None:
+                        moment.add(attention_input())
+                    elif c.repair:
+                        attention_targets.append(output().cpu())
+            if ours is not None:
+                for x, kw in zip(ours, inputs[layer], strict=True):
+                    moment.add(walk.run_until(block, fit_input, x, kw, device))
+        stream = targets
+        layer_ctx = replace(ctx, second_moment=moment.mean())
+        attn = layout.split(heads)
+        if orders is not None:
+            order = similar_order(attn, kv_heads, layer_ctx.rotary_dim, layer_ctx.second_moment)
+            attn = permute(attn, order)
+            orders.append(order)
+        fitted = method.fn(attn, kv_heads, layer_ctx)
+        measured = fit_error(attn, fitted, layer_ctx, keys_measurable)
+        error = {k: None if e is None else round(e, 6) for k, e in measured.items()}
+        tensors = layout.join(fitted, kv_heads)
+        seconds["fit"] += time.perf_counter() - tick
+        if ours is not None:
+            local_fitted = {name.removeprefix(prefix): t.clone() for name, t in tensors.items()}
+            with walk.loaded(converted.get_submodule(prefix[:-1]), {**local, **local_fitted}, device,
+                             f"converted layer {layer}") as block:  # fmt: skip
+                ours, tensors, more = _repair_and_run(
+                    block, attention_path, spec, c, ours, inputs[layer], targets, attention_targets, tensors, prefix,
+                    layer, device, seconds,
+                )  # fmt: skip
+            error.update(more)
+            bar.set_postfix(out=f"{error['out']:.3f}")
+        errors.append(error)
+        save_file({name: t.contiguous() for name, t in tensors.items()}, folder / _layer_file(layer))
+    bar.close()
+    seconds["total"] = time.perf_counter() - start
+    return CalibratedLayers(folder, len(ids), errors, orders, {k: round(v, 2) for k, v in seconds.items()}, str(device))
+
+
+def _repair_and_run(block, attention_path: str, spec: ArchSpec, c: Calibration, ours, inputs, targets,
+                    attention_targets, tensors: dict, prefix: str, layer: int, device, seconds: dict):  # fmt: skip
+    """Repair and refine the converted layer `block`, run it on the converted stream; (next converted stream,
+    the layer's tensors as they now are, what was measured)."""
+    measured = {"repaired": False, "refined": 0}
+    if c.repair:
+        tick = time.perf_counter()
+        o_proj = block.get_submodule(f"{attention_path}.{spec.o_proj}")
+        result = repair_output(block, o_proj, ours, inputs, attention_targets, device)
+        measured.update(repaired=result.applied, repair_shrink=result.shrink,
+                        attention_error=[round(result.error_before, 6), round(result.error_after, 6)])  # fmt: skip
+        seconds["repair"] += time.perf_counter() - tick
+    if c.refine_steps:
+        tick = time.perf_counter()
+        parameters = dict(block.named_parameters())
+        trainable = [parameters[n] for n in (name.removeprefix(prefix) for name in tensors) if n in parameters]
+        result = refine(block, trainable, ours, inputs, targets, c.refine_steps, c.refine_lr, seed=layer, device=device)
+        measured.update(refined=result.steps, refine_loss=[round(result.loss_before, 6), round(result.loss_after, 6)])
+        seconds["refine"] += time.perf_counter() - tick
+    with torch.no_grad():
+        ours = [walk.run(block, x, kw, device) for x, kw in zip(ours, inputs, strict=True)]
+    parameters = block.state_dict()
+    tensors = {name: parameters[name.removeprefix(prefix)].detach().float().cpu().clone() for name in tensors}
+    error = sum((a - b).pow(2).sum() for a, b in zip(ours, targets, strict=True))
+    size = sum(b.pow(2).sum() for b in targets)
+    measured["out"] = round(float((error / size).sqrt()), 6)  # how far the converted stream is from the parent's
+    return ours, tensors, measured
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise UserError(
+                f"tensor {name!r} holds {int((~torch.isfinite(t)).sum()):,} NaN or Inf values: the checkpoint is "
+                "damaged (re-download it); calibration cannot fit it (convert without --calib-data and with "
+                "--allow-nonfinite to copy it as it is)"
+            )
+
+
+def _layer_file(layer: int) -> str:
+    return f"layer-{layer:05d}.safetensors"

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -82,13 +82,17 @@ class SourceTensor:
 
 
 class TensorSource(Protocol):
-    """Tensors of a checkpoint: their metadata up front, then the tensors in the same order."""
+    """Tensors of a checkpoint: their metadata up front, then the tensors in the same order, or some by name."""
 
     files: list[Path]  # the files the tensors come from (for provenance)
 
     def metadata(self) -> dict[str, TensorMeta]: ...
 
     def iter_tensors(self) -> Iterator[SourceTensor]: ...
+
+    def load(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """The tensors called `names`, each in memory of its own (calibration reads one layer at a time)."""
+        ...
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
@@ -130,6 +134,18 @@ class SafetensorsSource:
             load = functools.partial(_load_safetensor, where.path, name)
             yield SourceTensor(name, meta, load, where.path, where)
 
+    def load(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        wanted = set(names)
+        by_file: dict[Path, list[str]] = {}
+        for name, _, where in self._tensors:
+            if name in wanted:
+                by_file.setdefault(where.path, []).append(name)
+        out = {}
+        for path, in_file in by_file.items():  # each file opened once, its tensors copied out, then closed
+            with safe_open(path, framework="pt") as f:
+                out.update({name: f.get_tensor(name).clone() for name in in_file})
+        return out
+
 
 def _load_safetensor(path: Path, name: str) -> torch.Tensor:
     """One tensor in memory of its own: `safe_open` maps the whole file, and pages read through the mapping
@@ -169,6 +185,14 @@ class TorchBinSource:
             for name in names:
                 yield SourceTensor(name, self._meta[name], functools.partial(state.__getitem__, name), path)
 
+    def load(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        wanted, out = set(names), {}
+        for path, in_file in self._order:
+            if wanted.intersection(in_file):
+                state = self._load(path)  # memory-mapped: only the tensors copied here are read
+                out.update({name: state[name].clone() for name in in_file if name in wanted})
+        return out
+
 
 class StateDictSource:
     """Tensors already in memory (a dequantized GGUF). A tensor that is the same view as an earlier one (tied
@@ -190,6 +214,9 @@ class StateDictSource:
     def iter_tensors(self) -> Iterator[SourceTensor]:
         for name, t in self._tensors.items():
             yield SourceTensor(name, TensorMeta(tuple(t.shape), t.dtype), functools.partial(torch.Tensor.detach, t))
+
+    def load(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        return {name: self._tensors[name].detach() for name in names if name in self._tensors}
 
 
 def open_checkpoint(directory: Path) -> TensorSource:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -23,11 +24,10 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for, rotary_dim
-from gqaify.conversion.calibrate import calibration_ids, second_moments
+from gqaify.conversion.calibrate import CalibratedLayers, calibrate
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, sha256_file
-from gqaify.conversion.grouping import permute, similar_order
-from gqaify.conversion.layout import Attention, LayerLayout
-from gqaify.conversion.methods import METHODS, Method, MethodContext, fit_error
+from gqaify.conversion.layout import LayerLayout
+from gqaify.conversion.methods import METHODS, Method, MethodContext
 from gqaify.conversion.options import Calibration, method_problems
 from gqaify.conversion.record import kv_groups, model_card, provenance, write_config_and_side_files
 from gqaify.conversion.source import Source, open_source, read_config, source_may_exist
@@ -40,6 +40,7 @@ from gqaify.sizes import parse_size
 LOG = logging.getLogger(__name__)
 
 _SPACE_MARGIN = 1 << 20  # bytes beyond the planned tensors: shard headers, index, config, card, provenance
+_FITS = ".gqaify-fits"  # the fitted layers, in the staging folder while the stream writes them
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class ConversionResult:
     seconds: float
     grouping: str = "contiguous"
     permutations: list[list[int]] | None = None  # per layer, the source K/V heads in their new order
-    fit_errors: list[dict] | None = None  # per layer, relative errors of what query heads read (calibrated)
+    fit_errors: list[dict] | None = None  # per layer, what calibration measured (`calibrate.CalibratedLayers`)
+    calibration_seconds: dict | None = None  # time spent capturing, fitting, repairing and refining
 
 
 def convert(
@@ -125,16 +127,19 @@ def convert(
         remove_leftovers(out_path)
         size = sum(meta.nbytes for meta in plan.tensors.values()) + _SPACE_MARGIN
         size += sum(path.stat().st_size for path in source.side_files())
+        if calibration is not None:  # the fitted layers wait on disk, in float32, until the stream writes them
+            size += sum(plan.tensors[name].nbytes // plan.tensors[name].dtype.itemsize * 4
+                        for names in plan.layer_outputs for name in names)  # fmt: skip
         raise_if_problems([p for p in [space_problem(out_path, size)] if p])
 
         ctx = MethodContext(torch.Generator().manual_seed(seed), source.config.get("initializer_range", 0.02))
-        moments = tokens_read = None
-        if calibration is not None:
-            ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, source.config, geometry.head_dim))
-            moments, tokens_read = _calibrate(source, spec, geometry, calibration, progress)
-        converter = _LayerConverter(METHODS[method], kv_heads, ctx, grouping, moments, keys_measurable=not qk_norms)
-
         with _SourceHasher() as hasher, staged(out_path, force, size) as staging:
+            calibrated = None
+            if calibration is not None:
+                ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, source.config, geometry.head_dim))
+                calibrated = calibrate(source, spec, geometry, calibration, METHODS[method], kv_heads, grouping, ctx,
+                                       not qk_norms, staging / _FITS, progress)  # fmt: skip
+            converter = _LayerConverter(METHODS[method], kv_heads, ctx, calibrated)
             with ShardWriter(staging, plan.tensors, parse_size(max_shard_size)) as writer:
                 _stream(source, plan, writer, converter, hasher, allow_nonfinite, progress)
                 writer.close()
@@ -142,12 +147,14 @@ def convert(
             record = provenance(source, spec, geometry, kv_heads, method, dtype, seed,
                                 hasher.results(source.tensors.files))  # fmt: skip
             record.update(grouping=grouping, calibration=None)
-            if calibration is not None:
+            if calibrated is not None:
+                shutil.rmtree(calibrated.folder)
                 record.update(
-                    calibration=calibration.record(tokens_read),
+                    calibration={**calibration.record(calibrated.tokens), "device": calibrated.device,
+                                 "seconds": calibrated.seconds},  # fmt: skip
                     rotary_dim=ctx.rotary_dim,
-                    permutations=converter.orders,
-                    fit_error=converter.errors,
+                    permutations=calibrated.orders,
+                    fit_error=calibrated.errors,
                 )
             (staging / "README.md").write_text(model_card(record))
             write_provenance(staging, record)
@@ -171,8 +178,9 @@ def convert(
         bytes_written=writer.bytes_written,
         seconds=time.perf_counter() - start,
         grouping=grouping,
-        permutations=converter.orders,
-        fit_errors=converter.errors,
+        permutations=calibrated.orders if calibrated else None,
+        fit_errors=calibrated.errors if calibrated else None,
+        calibration_seconds=calibrated.seconds if calibrated else None,
     )
 
 
@@ -331,8 +339,7 @@ def _stream(source, plan: _Plan, writer: ShardWriter, converter: _LayerConverter
                 continue
             inputs = pending_layers.pop(layer)
             finite = _check_finite(inputs, allow_nonfinite)
-            layout = plan.layouts[layer]
-            converted = layout.join(converter(layer, layout.split(inputs)), converter.kv_heads)
+            converted = converter(layer, plan.layouts[layer], inputs)
             if finite:
                 _check_converted_finite(converted, converter.method)
             for name in plan.layer_outputs[layer]:
@@ -362,44 +369,15 @@ def _check_converted_finite(tensors: dict[str, torch.Tensor], method: Method) ->
 
 
 class _LayerConverter:
-    """One layer's conversion: regroup its heads, apply the method, measure the fit; records what it did."""
+    """One layer's conversion: the fitted tensors calibration wrote, or else the method applied to the layer."""
 
-    def __init__(self, method: Method, kv_heads: int, ctx: MethodContext, grouping: str,
-                 second_moments: list[torch.Tensor] | None, keys_measurable: bool):  # fmt: skip
-        self.method, self.kv_heads, self.ctx, self.second_moments = method, kv_heads, ctx, second_moments
-        self.keys_measurable = keys_measurable
-        # what was done, per layer: the head orders (similarity grouping), the fit errors (calibrated)
-        self.orders: list[list[int]] | None = [] if grouping == "similarity" else None
-        self.errors: list[dict] | None = [] if second_moments is not None else None
+    def __init__(self, method: Method, kv_heads: int, ctx: MethodContext, calibrated: CalibratedLayers | None):
+        self.method, self.kv_heads, self.ctx, self.calibrated = method, kv_heads, ctx, calibrated
 
-    def __call__(self, layer: int, attn: Attention) -> Attention:
-        ctx = self.ctx
-        if self.second_moments is not None:
-            ctx = replace(ctx, second_moment=self.second_moments[layer])
-        if self.orders is not None:
-            order = similar_order(attn, self.kv_heads, ctx.rotary_dim, ctx.second_moment)
-            attn = permute(attn, order)
-            self.orders.append(order)
-        converted = self.method.fn(attn, self.kv_heads, ctx)
-        if self.errors is not None:
-            errors = fit_error(attn, converted, ctx, keys=self.keys_measurable)
-            self.errors.append({key: None if e is None else round(e, 6) for key, e in errors.items()})
-        return converted
-
-
-def _calibrate(source: Source, spec, geometry, calibration: Calibration, progress: bool):
-    """(each layer's input second moment, tokens read): one pass of the source model over the calibration text.
-
-    Raises:
-        UserError: the calibration text gives too few tokens for a model of this width.
-    """
-    ids = calibration_ids(calibration, source.load_tokenizer())
-    raise_if_problems([p for p in [calibration.size_problem(len(ids), geometry.hidden_size)] if p])
-    model = source.load_model("cuda" if torch.cuda.is_available() else "cpu")
-    seq_len = min(calibration.seq_len, getattr(model.config, "max_position_embeddings", None) or calibration.seq_len)
-    moments = second_moments(model, spec, geometry, ids, seq_len, progress)
-    del model
-    return moments, len(ids)
+    def __call__(self, layer: int, layout: LayerLayout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.calibrated is not None:
+            return self.calibrated.load(layer)
+        return layout.join(self.method.fn(layout.split(inputs), self.kv_heads, self.ctx), self.kv_heads)
 
 
 class _SourceHasher:

@@ -28,6 +28,7 @@ METHOD_INFO: dict[str, MethodInfo] = {
 }
 
 GROUPINGS = ("contiguous", "similarity")
+CALIB_MODES = ("sequential", "parallel")
 
 
 def method_problems(method: str, grouping: str, calibrated: bool, option_prefix: str = "--") -> list[str]:
@@ -50,20 +51,33 @@ def method_problems(method: str, grouping: str, calibrated: bool, option_prefix:
 
 # The fits solve for (hidden + 1)-wide rows from the second moment of the layer input: with fewer tokens than
 # that it is singular and the fit memorises the calibration text (--calib-tokens 10 scored 0.000 fit error and
-# a perplexity of 257 against 148 on ref-mha-6L). Asking for this many tokens per input dimension keeps it
-# well determined; the default 32,768 is 57 per dimension for SmolLM2 (hidden 576).
-CALIB_TOKENS_PER_DIMENSION = 8
+# a perplexity of 257 against 148 on ref-mha-6L). Fewer than CALIB_TOKENS_REQUIRED per input dimension are
+# refused; fewer than CALIB_TOKENS_ADVISED are warned about. The default 32,768 is 57 per dimension for
+# SmolLM2 (hidden 576), 8 for a 7B (hidden 4,096).
+CALIB_TOKENS_REQUIRED = 2
+CALIB_TOKENS_ADVISED = 8
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Where calibration text comes from and how much of it to read."""
+    """Where calibration text comes from, how much of it to read, and how the layers are fitted on it.
+
+    mode "sequential" walks the layers in order and fits each on the converted model's own activations (what
+    the layers below it, already converted, produce), then repairs its output projection against the parent's
+    attention output (`repair`, closed form) and, with `refine_steps`, refines its attention by gradient
+    steps against the parent layer's output. "parallel" fits every layer on the parent's activations, as
+    one pass of the parent would: gqaify's first calibration, kept for comparison.
+    """
 
     data: str  # a text file or folder, or a hub dataset name[:config], as `gqaify eval --data`
     tokens: int = 32768
     split: str = "train"
     text_column: str = "text"
     seq_len: int = 1024
+    mode: str = "sequential"
+    refine_steps: int = 0  # Adam steps per layer (sequential only), one calibration window each
+    refine_lr: float = 1e-3
+    repair: bool = True  # refit o_proj against the parent's attention output (sequential only)
 
     def problems(self) -> list[str]:
         problems = []
@@ -73,26 +87,39 @@ class Calibration:
             problems.append(f"--calib-tokens {self.tokens} must be at least 2 (tens of thousands are typical)")
         if not _is_int(self.seq_len) or self.seq_len < 2:
             problems.append(f"--calib-seq-len {self.seq_len} must be at least 2")
+        if self.mode not in CALIB_MODES:
+            problems.append(f"unknown --calib-mode {self.mode!r}; choose one of {', '.join(CALIB_MODES)}")
+        if not _is_int(self.refine_steps) or self.refine_steps < 0:
+            problems.append(f"--refine-steps {self.refine_steps} must be a whole number, 0 or more")
+        elif self.refine_steps and self.mode != "sequential":
+            problems.append("--refine-steps refines each layer on the converted stream; use --calib-mode sequential")
+        if not isinstance(self.refine_lr, (int, float)) or isinstance(self.refine_lr, bool) or self.refine_lr <= 0:
+            problems.append(f"--refine-lr {self.refine_lr} must be a positive number")
         return problems
 
     def size_problem(self, tokens: int, hidden_size: int) -> str | None:
         """A problem if `tokens` calibration tokens are too few to determine a fit of `hidden_size` inputs."""
-        needed = min_calibration_tokens(hidden_size)
+        needed = CALIB_TOKENS_REQUIRED * (hidden_size + 1)
         if tokens >= needed:
             return None
         return (
             f"--calib-tokens {tokens:,} is too few for a model with hidden size {hidden_size}: the fit needs at "
-            f"least {needed:,} ({CALIB_TOKENS_PER_DIMENSION} per input dimension) or it memorises the text; "
-            "raise --calib-tokens (or give --calib-data more text)"
+            f"least {needed:,} ({CALIB_TOKENS_REQUIRED} per input dimension; {CALIB_TOKENS_ADVISED} advised) or "
+            "it memorises the text; raise --calib-tokens (or give --calib-data more text)"
+        )
+
+    def size_warning(self, tokens: int, hidden_size: int) -> str | None:
+        """A warning if `tokens` determine the fit but barely (fewer than advised)."""
+        advised = CALIB_TOKENS_ADVISED * (hidden_size + 1)
+        if tokens >= advised:
+            return None
+        return (
+            f"{tokens:,} calibration tokens for hidden size {hidden_size}: the fit may follow the text; "
+            f"{advised:,} or more are advised"
         )
 
     def record(self, tokens_read: int) -> dict:
         return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read}
-
-
-def min_calibration_tokens(hidden_size: int) -> int:
-    """The fewest calibration tokens gqaify fits on for a model of `hidden_size`."""
-    return CALIB_TOKENS_PER_DIMENSION * (hidden_size + 1)
 
 
 def _is_int(value) -> bool:

@@ -46,6 +46,10 @@ class UptrainSettings:
     )
     calib_tokens: int = field(default=32768, metadata=_help("calibration tokens read from calib_data"))
     calib_split: str | None = field(default=None, metadata=_help("split of calib_data (default: split)"))
+    calib_mode: Literal["sequential", "parallel"] = field(
+        default="sequential", metadata=_help("calibration layer by layer (sequential) or on the parent's activations")
+    )
+    refine_steps: int = field(default=0, metadata=_help("Adam steps refining each layer during calibration"))
     output_dir: str = field(default="", metadata=_help("folder for checkpoints, metrics, plot and final/"))
     # -- the data
     data: str = field(
@@ -174,6 +178,8 @@ def check(s: UptrainSettings) -> None:
         METHOD_INFO[s.method].calibrated or s.grouping == "similarity"
     ):
         problems.append(f"method {s.method} with grouping {s.grouping} fits on calibration text; set calib_data")
+    if s.refine_steps < 0 or (s.refine_steps and s.calib_mode != "sequential"):
+        problems.append(f"refine_steps {s.refine_steps} must be 0 or more, and needs calib_mode sequential")
     if s.kv_heads is not None and s.kv_heads < 1:
         problems.append(f"kv_heads must be a positive integer, got {s.kv_heads}; fix it")
     if s.max_tokens is not None and s.budget_fraction is not None:

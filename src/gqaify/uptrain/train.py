@@ -543,7 +543,8 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
 
         calibration = None
         if s.calib_data:
-            calibration = Calibration(s.calib_data, s.calib_tokens, s.calib_split or s.split, s.text_column)
+            calibration = Calibration(s.calib_data, s.calib_tokens, s.calib_split or s.split, s.text_column,
+                                      mode=s.calib_mode, refine_steps=s.refine_steps)  # fmt: skip
         convert(
             s.model, converted, s.kv_heads, method=s.method, calibration=calibration, grouping=s.grouping,
             progress=s.progress,

@@ -1,0 +1,158 @@
+"""Bringing a converted layer back to its parent's outputs, on the calibration windows, through the real softmax.
+
+Both take the converted stream as input and the parent's outputs on the parent's stream as targets, so a
+layer sees, and corrects, what the layers below it changed (the asymmetric calibration of GPTAQ, arXiv
+2504.02692, here for merged heads rather than quantized weights). Every eighth window is held out: what is
+fitted on the others is kept only if it predicts the held-out windows better, so a little (or unlike)
+calibration text is not memorised, and a layer that nothing changed (G = H, duplicated heads) stays exactly
+as it was.
+
+    repair_output   closed form. The converted attention's per-head outputs (what o_proj reads) are computed
+                    with its real softmax on the converted stream; o_proj is refitted by least squares so that
+                    the attention's output matches the parent attention's, shrunk towards the current o_proj
+                    (ridge on O - O₀) by the strength that predicts the held-out windows best.
+    refine          Adam steps on the converted attention's parameters (the shared K/V and the readers' q/o
+                    compensation, whatever the layout rewrites) minimising the mean squared error of the whole
+                    decoder layer's output against the parent layer's: the objective the layer is judged by (cf.
+                    StiefAttention, arXiv 2601.21686), for any architecture, since it needs nothing but the
+                    layer's own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gqaify.conversion.walk import run_until, to_device
+
+HOLDOUT_EVERY = 8  # window i is held out when i % 8 == 7 (the last window when there are fewer than 8)
+_SHRINKS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # ridge strengths tried, relative to the inputs' mean energy
+
+
+def holdout(count: int) -> list[bool]:
+    """Which of `count` windows are held out (none when there is only one)."""
+    if count < 2:
+        return [False] * count
+    if count < HOLDOUT_EVERY:
+        return [i == count - 1 for i in range(count)]
+    return [i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 for i in range(count)]
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    applied: bool
+    shrink: float | None  # the ridge strength chosen on the held-out windows; None: o_proj kept
+    error_before: float  # relative squared error of the attention's output on the held-out windows
+    error_after: float
+
+
+class _Moments:
+    """Σ h hᵀ, Σ t hᵀ and Σ tᵀt over tokens: the least-squares problem of o_proj, and its error for any O."""
+
+    def __init__(self, n: int, width: int, device: torch.device):
+        self.hh = torch.zeros(n, n, dtype=torch.float64, device=device)
+        self.th = torch.zeros(width, n, dtype=torch.float64, device=device)
+        self.tt = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, h: torch.Tensor, t: torch.Tensor) -> None:
+        self.hh.addmm_(h.T, h)
+        self.th.addmm_(t.T, h)
+        self.tt += t.pow(2).sum()
+
+    def error(self, o: torch.Tensor) -> float:
+        """Σ ‖t - O h‖² = Σ tᵀt - 2⟨O, Σ t hᵀ⟩ + tr(O Σ h hᵀ Oᵀ)."""
+        return max((self.tt - 2 * (o * self.th).sum() + ((o @ self.hh) * o).sum()).item(), 0.0)
+
+    def solve(self, shrink: float, towards: torch.Tensor) -> torch.Tensor:
+        """argmin_O Σ ‖t - O h‖² + λ ‖O - O₀‖², λ = shrink x the mean of Σ h²."""
+        ridge = shrink * self.hh.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+        eye = torch.eye(len(self.hh), dtype=self.hh.dtype, device=self.hh.device)
+        return torch.linalg.solve(self.hh + ridge * eye, (self.th + ridge * towards).T).T
+
+    def __iadd__(self, other: _Moments) -> _Moments:
+        self.hh, self.th, self.tt = self.hh + other.hh, self.th + other.th, self.tt + other.tt
+        return self
+
+
+def repair_output(layer: torch.nn.Module, o_proj: torch.nn.Linear, hidden: list[torch.Tensor], kwargs: list[dict],
+                  targets: list[torch.Tensor], device: torch.device) -> RepairResult:  # fmt: skip
+    """Refit `o_proj` (in place) so that the attention's output on `hidden` matches `targets`.
+
+    Args:
+        layer: the converted decoder layer, holding its weights; `o_proj` is its attention's output projection.
+        hidden: the converted stream, a (1, T, hidden) tensor per window; `kwargs` its keyword inputs.
+        targets: the parent attention's output on the parent's stream, (1, T, hidden) per window.
+    """
+    n, width = o_proj.in_features, o_proj.out_features
+    fit, held = _Moments(n, width, device), _Moments(n, width, device)
+    bias = o_proj.bias.detach().double() if o_proj.bias is not None else 0.0
+    with torch.no_grad():
+        for x, kw, target, out in zip(hidden, kwargs, targets, holdout(len(hidden)), strict=True):
+            h = run_until(layer, o_proj, x, kw, device).reshape(-1, n).double()  # (T, n): the heads, concatenated
+            t = target.to(device).reshape(-1, width).double() - bias  # (T, width)
+            (held if out else fit).add(h, t)
+    old = o_proj.weight.detach().double()
+    judge = held if held.tt > 0 else fit  # one window only: judged on itself
+    total = max(judge.tt.item(), torch.finfo(torch.float64).tiny)
+    before = judge.error(old) / total
+    tried = [(judge.error(fit.solve(shrink, old)) / total, shrink) for shrink in _SHRINKS]
+    after, shrink = min(tried)
+    if before < 1e-12 or not after < before * (1 - 1e-6):  # nothing to repair, or no repair that generalises
+        return RepairResult(False, None, before, before)
+    fit += held
+    o_proj.weight.data.copy_(fit.solve(shrink, old).to(o_proj.weight.dtype))
+    return RepairResult(True, shrink, before, after)
+
+
+@dataclass(frozen=True)
+class RefineResult:
+    steps: int  # steps taken; 0 when they did not help the held-out windows and were undone
+    loss_before: float  # mean squared error of the layer's output on the held-out windows, before and after
+    loss_after: float
+
+
+def refine(layer: torch.nn.Module, trainable: list[torch.nn.Parameter], hidden: list[torch.Tensor],
+           kwargs: list[dict], targets: list[torch.Tensor], steps: int, lr: float, seed: int,
+           device: torch.device) -> RefineResult:  # fmt: skip
+    """`steps` Adam steps on `trainable` (parameters of `layer`), one fitting window each in a seeded order,
+    minimising the mean squared error of the layer's output on `hidden` against `targets` (the parent layer's
+    outputs); undone if the held-out windows end up worse."""
+    held = holdout(len(hidden))
+    train = [i for i, out in enumerate(held) if not out]
+    judge = [i for i, out in enumerate(held) if out] or train
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            errors = [_forward(layer, hidden[i], kwargs[i], device) - targets[i].to(device) for i in judge]
+        return float(sum(e.pow(2).mean() for e in errors) / len(errors))
+
+    before = held_out_loss()
+    start = [p.detach().clone() for p in trainable]
+    for p in trainable:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(trainable, lr=lr)
+    order = torch.randperm(len(train) * -(-steps // len(train)), generator=torch.Generator().manual_seed(seed))
+    try:
+        with torch.enable_grad():
+            for step in range(steps):
+                i = train[int(order[step]) % len(train)]
+                loss = (_forward(layer, hidden[i], kwargs[i], device) - targets[i].to(device)).pow(2).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+    finally:
+        for p in trainable:
+            p.requires_grad_(False)
+            p.grad = None
+    after = held_out_loss()
+    if after < before:
+        return RefineResult(steps, before, after)
+    with torch.no_grad():
+        for p, value in zip(trainable, start, strict=True):
+            p.copy_(value)
+    return RefineResult(0, before, before)
+
+
+def _forward(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, device: torch.device) -> torch.Tensor:
+    return layer(hidden.to(device), **to_device(kwargs, device))

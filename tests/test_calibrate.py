@@ -1,0 +1,182 @@
+"""Layer-by-layer calibration: the walk computes what the model computes, one layer at a time; a conversion that
+changes nothing reproduces the parent through it; repair and refinement bring a converted layer closer to its
+parent; what it records; its bad input."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import gqaify
+from conftest import (
+    ARCH_CONFIGS,
+    CORPUS,
+    MODELS,
+    build_model,
+    duplicate_kv_heads,
+    load,
+    logits,
+    needs_assets,
+    sample_ids,  # fmt: skip
+    save_with_tokenizer,
+)
+from gqaify.archs import ARCHITECTURES
+from gqaify.conversion import walk
+from gqaify.conversion.options import Calibration
+from test_errors import run_cli
+
+TEXT = MODELS.parent / "text"
+QK_NORMS = {"qwen3", "olmo2"}  # the rotating methods refuse them: mean is calibrated there
+SLIDING = {"mistral": {"sliding_window": 8}, "gemma2": {"sliding_window": 8}}  # windows of 48 tokens slide
+
+
+@pytest.fixture
+def calibration(tmp_path) -> Calibration:
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    return Calibration(str(tmp_path / "calib.txt"), tokens=1024, seq_len=48)
+
+
+def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
+    stablelm = {"qk_layernorm": False} if model_type == "stablelm" else {}
+    overrides = {**stablelm, **SLIDING.get(model_type, {}), **overrides}
+    model = build_model(model_type, num_kv_heads=num_kv_heads, vocab_size=320, **overrides)
+    return model, save_with_tokenizer(model, directory)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
+def test_the_walk_computes_the_models_hidden_states(model_type, tmp_path):
+    """Layer by layer, with the inputs captured from the model (masks of each attention type, position
+    embeddings), each layer's output is the hidden state transformers' own forward gives after that layer."""
+    _, src = _tiny(model_type, tmp_path / "src", num_hidden_layers=3)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()  # the attention implementation transformers picks
+    ids = sample_ids(320, length=40, batch=1)[0]
+    with torch.no_grad():
+        expected = model(ids[None], output_hidden_states=True).hidden_states  # embeddings, then each layer
+    spec = ARCHITECTURES[model_type]
+    config = json.loads((src / "config.json").read_text())
+    state = model.state_dict()
+    skeleton = walk.skeleton(config)
+    outside = {n: t for n, t in state.items() if spec.layer_of(n) is None}
+    (hidden,), inputs = walk.capture(skeleton, spec, outside, [ids], torch.device("cpu"))
+    torch.testing.assert_close(hidden, expected[0])
+    for layer in range(2):  # the last entry of hidden_states has the final norm applied
+        prefix = spec.decoder_layer.format(layer=layer) + "."
+        local = {n.removeprefix(prefix): t for n, t in state.items() if n.startswith(prefix)}
+        with walk.loaded(skeleton.get_submodule(prefix[:-1]), local, torch.device("cpu"), "layer") as block:
+            hidden = walk.run(block, hidden, inputs[layer][0], torch.device("cpu"))
+        torch.testing.assert_close(hidden, expected[layer + 1])
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
+def test_sequential_calibration_that_changes_nothing_reproduces_the_parent(model_type, calibration, tmp_path):
+    """G = KV through the whole walk, repair and refinement included: the same logits."""
+    model, src = _tiny(model_type, tmp_path / "src")
+    method = "mean" if model_type in QK_NORMS else "lsq"
+    result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, progress=False,
+                            calibration=replace(calibration, refine_steps=3))  # fmt: skip
+    ids = sample_ids(320)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
+    assert all(e["out"] < 1e-5 and not e["repaired"] for e in result.fit_errors)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gemma2", "stablelm"])
+def test_duplicated_heads_pool_back_exactly_through_the_walk(model_type, calibration, tmp_path):
+    gqa, _ = _tiny(model_type, tmp_path / "gqa")
+    twin = save_with_tokenizer(duplicate_kv_heads(gqa), tmp_path / "mha")
+    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", calibration=calibration, progress=False)
+    ids = sample_ids(320)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids))
+
+
+@needs_assets
+def test_stories260k_twin_pools_back_through_the_walk(tmp_path):
+    calibration = Calibration(str(TEXT / "tinystories-train-sample.txt"), tokens=4096, seq_len=256, refine_steps=2)
+    gqaify.convert(MODELS / "stories260K-mha", tmp_path / "out", kv_heads=4, method="lsq", calibration=calibration,
+                   progress=False)  # fmt: skip
+    ids = sample_ids(512, length=64)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(load(MODELS / "stories260K"), ids))
+
+
+def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monkeypatch):
+    """Every time a layer's weights are loaded, no other layer of either model (parent or converted) holds any."""
+    _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4, num_hidden_layers=4)
+    skeletons, seen = [], []
+    make, load_layer = walk.skeleton, walk.loaded
+
+    def tracked_skeleton(*args, **kwargs):
+        skeletons.append(make(*args, **kwargs))
+        return skeletons[-1]
+
+    @contextmanager
+    def tracked_loaded(layer, *args, **kwargs):
+        with load_layer(layer, *args, **kwargs) as block:
+            real = [name for model in skeletons for name, p in model.named_parameters() if not p.is_meta]
+            layers = {ARCHITECTURES["llama"].layer_of(name) for name in real}
+            seen.append((len(real), sum(1 for _ in block.parameters()), layers))
+            yield block
+
+    monkeypatch.setattr(walk, "skeleton", tracked_skeleton)
+    monkeypatch.setattr(walk, "loaded", tracked_loaded)
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", calibration=replace(calibration, refine_steps=2),
+                   progress=False)  # fmt: skip
+    assert len(skeletons) == 2 and len(seen) == 2 * 4  # the parent's and the converted layer, for each layer
+    for real, in_layer, layers in seen:
+        assert real == in_layer and len(layers) == 1 and None not in layers  # only the layer just loaded
+
+
+def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(calibration, tmp_path):
+    _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
+    plain = gqaify.convert(src, tmp_path / "parallel", kv_heads=1, method="lsq",
+                           calibration=replace(calibration, mode="parallel"), progress=False)  # fmt: skip
+    assert all("out" not in e for e in plain.fit_errors)
+    repaired = gqaify.convert(src, tmp_path / "repaired", kv_heads=1, method="lsq", calibration=calibration,
+                              progress=False)  # fmt: skip
+    refined = gqaify.convert(src, tmp_path / "refined", kv_heads=1, method="lsq", progress=False,
+                             calibration=replace(calibration, refine_steps=40))  # fmt: skip
+    assert all(e["repaired"] for e in repaired.fit_errors)
+    assert all(e["refine_loss"][1] < e["refine_loss"][0] for e in refined.fit_errors)
+    assert refined.fit_errors[-1]["out"] < repaired.fit_errors[-1]["out"]
+    record = json.loads((tmp_path / "refined" / "gqaify.json").read_text())
+    assert record["calibration"]["mode"] == "sequential" and record["calibration"]["refine_steps"] == 40
+    assert set(record["calibration"]["seconds"]) == {"capture", "fit", "repair", "refine", "total"}
+    assert record["fit_error"] == refined.fit_errors and ".gqaify-fits" not in record["files"]
+    assert sorted(p.name for p in (tmp_path / "refined").iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_sliding_window_model_converts_to_fewer_heads(calibration, tmp_path):
+    model, src = _tiny("gemma2", tmp_path / "src", num_kv_heads=2)
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", calibration=replace(calibration, refine_steps=5),
+                   progress=False)  # fmt: skip
+    converted = load(tmp_path / "out")
+    assert converted.config.num_key_value_heads == 1 and converted.config.sliding_window == 8
+    assert torch.isfinite(logits(converted, sample_ids(320))).all()
+
+
+def test_converted_config_drives_the_converted_skeleton(tmp_path):
+    model, src = _tiny("qwen2", tmp_path / "src", num_kv_heads=2)
+    config = json.loads((src / "config.json").read_text())
+    converted = walk.skeleton(config, num_kv_heads=1)
+    assert converted.config.num_key_value_heads == 1
+    assert converted.model.layers[0].self_attn.k_proj.weight.shape == (16, 64)
+    parent = AutoConfig.for_model("qwen2", **{k: v for k, v in config.items() if k != "model_type"})
+    assert parent.num_key_value_heads == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [(["--calib-mode", "parallel", "--refine-steps", "5"], "use --calib-mode sequential"),
+     (["--refine-steps", "-1"], "--refine-steps -1 must be a whole number, 0 or more"),
+     (["--refine-lr", "0"], "--refine-lr 0.0 must be a positive number"),
+     (["--calib-mode", "backwards"], "argument --calib-mode: invalid choice")],
+)  # fmt: skip
+def test_bad_calibration_options(capsys, calibration, tmp_path, args, expect):
+    _, src = _tiny("llama", tmp_path / "src")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
+                        "--calib-data", calibration.data, *args)  # fmt: skip
+    assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
