@@ -143,7 +143,7 @@ def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(c
     assert refined.fit_errors[-1]["out"] < repaired.fit_errors[-1]["out"]
     record = json.loads((tmp_path / "refined" / "gqaify.json").read_text())
     assert record["calibration"]["mode"] == "sequential" and record["calibration"]["refine_steps"] == 40
-    assert set(record["calibration"]["seconds"]) == {"capture", "fit", "repair", "refine", "total"}
+    assert set(record["calibration"]["seconds"]) == {"capture", "fit", "repair", "refine", "run", "total"}
     assert record["fit_error"] == refined.fit_errors and ".gqaify-fits" not in record["files"]
     assert sorted(p.name for p in (tmp_path / "refined").iterdir() if p.name.startswith(".")) == []
 

