@@ -3,9 +3,9 @@
 Builds the 1B-shaped fp16 Llama of `convert_speed.py` (16 layers, hidden 2048, 32 MHA heads, random weights,
 1.9 GB in 2 shards) with ref-mha-6L's tokenizer beside it (its ids fit the vocabulary), then converts it to
 GQA-8 with `--method lsq` on WikiText-2 validation text, in a child process per run, and reports the child's
-peak RSS and wall time.
+peak RSS and wall time. 4,100 tokens is the fewest the fit accepts at hidden size 2,048 (2 per input dimension).
 
-    python benchmarks/calibration_memory.py                          # 4,100 and 16,392 calibration tokens
+    python benchmarks/calibration_memory.py                          # 4,100 calibration tokens
     python benchmarks/calibration_memory.py --tokens 2048 --pythonpath OLD/src --mode ""   # an older gqaify
 
 `--pythonpath` runs the conversion with another gqaify source tree (what the numbers were before); `--mode`
@@ -43,7 +43,7 @@ print(json.dumps({"seconds": time.perf_counter() - start,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="4100,16392", help="calibration token counts, comma-separated")
+    parser.add_argument("--tokens", default="4100", help="calibration token counts, comma-separated")
     parser.add_argument("--mode", default="sequential", help="Calibration(mode=...); empty to leave it out")
     parser.add_argument("--pythonpath", help="run the conversion with this gqaify source tree")
     parser.add_argument("--workdir", help="where the checkpoint is built (default: a temporary folder)")

@@ -157,6 +157,19 @@ def test_a_sliding_window_model_converts_to_fewer_heads(calibration, tmp_path):
     assert torch.isfinite(logits(converted, sample_ids(320))).all()
 
 
+def test_inputs_the_layers_share_are_moved_once():
+    """The capture keeps every layer's keyword inputs on the CPU; from a GPU, the position embeddings and masks
+    that all layers receive are copied once per window, not once per layer."""
+    shared, own = torch.ones(4), torch.zeros(2)
+    moved = {}
+    first = walk.to_device({"position_embeddings": (shared, shared), "mask": own}, "meta", moved)
+    second = walk.to_device({"position_embeddings": (shared,)}, "meta", moved)
+    assert first["position_embeddings"][0].is_meta and first["mask"].is_meta
+    assert first["position_embeddings"][0] is first["position_embeddings"][1] is second["position_embeddings"][0]
+    assert first["mask"] is not first["position_embeddings"][0]
+    assert walk.to_device(shared, "meta") is not first["position_embeddings"][0]  # without the memo: a new copy
+
+
 def test_converted_config_drives_the_converted_skeleton(tmp_path):
     model, src = _tiny("qwen2", tmp_path / "src", num_kv_heads=2)
     config = json.loads((src / "config.json").read_text())

@@ -357,9 +357,10 @@ def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, 
     out = tmp_path / "run"
     settings = ("--max_tokens", "16000", "--save_every", "25")  # 250 steps
     process = _start_uptrain(args(tiny, out, *settings))
-    deadline = time.monotonic() + 120
-    while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300
+    while not list((out / "checkpoints").glob("step-*")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert process.poll() is None, "the run ended before it could be stopped"
     process.send_signal(signum)
     _, err = process.communicate(timeout=60)
     assert process.returncode == status, err

@@ -82,6 +82,7 @@ def capture(model, spec: ArchSpec, outside: dict[str, torch.Tensor], windows: li
     layers = [model.get_submodule(spec.decoder_layer.format(layer=i)) for i in range(_num_layers(model, spec))]
     hidden: list[torch.Tensor] = []
     inputs: list[list[dict]] = [[] for _ in layers]
+    moved: dict = {}  # this window's tensors already on the CPU: the layers share one copy
 
     def recorder(index: int):
         def forward(self, hidden_states, *args, **kwargs):
@@ -89,7 +90,8 @@ def capture(model, spec: ArchSpec, outside: dict[str, torch.Tensor], windows: li
                 raise RuntimeError(f"{type(self).__name__} was called with positional inputs beyond the hidden states")
             if index == 0:
                 hidden.append(hidden_states.detach().cpu())
-            inputs[index].append(to_device(kwargs, "cpu"))
+                moved.clear()
+            inputs[index].append(to_device(kwargs, "cpu", moved))
             if index == len(layers) - 1:
                 raise _StopForward
             return hidden_states
@@ -184,12 +186,18 @@ def watching(module: torch.nn.Module, output: bool = False) -> Iterator[Callable
         handle.remove()
 
 
-def to_device(value, device):
-    """`value` with every tensor inside it (dicts, tuples, lists) moved to `device`."""
+def to_device(value, device, moved: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """`value` with every tensor inside it (dicts, tuples, lists) moved to `device`; with `moved`, a tensor
+    already moved (the same object) is not copied twice. `moved` holds the originals too, so an id cannot be
+    reused by another tensor while it is kept."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        if moved is None:
+            return value.to(device)
+        if id(value) not in moved:
+            moved[id(value)] = (value, value.to(device))
+        return moved[id(value)][1]
     if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
+        return {k: to_device(v, device, moved) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
+        return type(value)(to_device(v, device, moved) for v in value)
     return value
