@@ -348,8 +348,11 @@ def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, t
 
 
 def _start_uptrain(argv: list[str]) -> subprocess.Popen:
+    # A shell's background job (`pytest ... &`, CI runners) starts with SIGINT ignored, and Python then keeps it
+    # ignored: restore the default in the child so that it gets Ctrl-C as a terminal would deliver it.
     return subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
