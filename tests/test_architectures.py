@@ -1,16 +1,64 @@
 """Every supported architecture: identity at G = KV, the duplicated-heads oracle, and a G-head KV cache."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import gqaify
-from conftest import ARCH_CONFIGS, build_model, duplicate_kv_heads, load, logits, sample_ids, save
-from gqaify.archs import ARCHITECTURES, Geometry, arch_for
+from conftest import (
+    ARCH_CONFIGS,
+    CORPUS,
+    QK_NORMS,
+    build_model,
+    duplicate_kv_heads,
+    load,
+    logits,
+    rotated_twin,
+    sample_ids,
+    save,
+    save_with_tokenizer,
+)
+from gqaify import coverage
+from gqaify.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
+from gqaify.conversion.options import Calibration
 from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
+from test_errors import run_cli
+
+QK_NORMS_OFF = {"stablelm": {"qk_layernorm": False}, "cohere": {"use_qk_norm": False}}  # optional norms, off
+# Calibrated methods rotate heads: every architecture calibration runs on, without Q/K norms in the way.
+ROTATABLE = sorted(t for t in ARCH_CONFIGS if t not in QK_NORMS and ARCHITECTURES[t].no_calibration is None)
 
 
 def test_every_architecture_has_a_test_case():
     assert set(ARCH_CONFIGS) == set(ARCHITECTURES)
+
+
+def test_every_decoder_with_kv_heads_in_transformers_is_converted_or_refused_with_a_reason():
+    """The audit: each causal-LM model type of the installed transformers whose config counts K/V heads."""
+    types = coverage.kv_head_types()
+    assert len(types) > 100 and {"llama", "mixtral", "deepseek_v3", "jamba"} <= set(types)  # the probe finds them
+    assert [t for t in types if t not in ARCHITECTURES and t not in REFUSED] == []
+    assert not set(ARCHITECTURES) & set(REFUSED)
+    assert all(reason.strip() for reason in REFUSED.values())
+    assert len(ARCHITECTURES) >= 40
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "jamba", "bitnet"])
+def test_a_refused_model_type_gets_its_reason(model_type, capsys, tmp_path):
+    (tmp_path / "src").mkdir()
+    config = {"model_type": model_type, "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    code, err = run_cli(capsys, "convert", tmp_path / "src", tmp_path / "out", "--kv-heads", "1")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"gqaify does not convert {model_type!r}: {REFUSED[model_type]}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_readme_architecture_table_is_the_generated_one():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert coverage.markdown() in readme, "regenerate it: python -m gqaify.coverage"
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
@@ -38,10 +86,37 @@ def test_mean_pooling_duplicated_heads_reproduces_the_gqa_model(model_type, tmp_
     torch.testing.assert_close(logits(converted, ids), expected)
 
 
+@pytest.mark.parametrize("model_type", ROTATABLE)
+def test_lsq_pools_rotated_twins_back_exactly(model_type, tmp_path):
+    """Each query/key head of the MHA twin turned by its own RoPE-commuting rotation: lsq must find the rotations,
+    which it can only do with the table's RoPE pairing right (the twin itself checks that pairing against
+    transformers: with the other pairing it computes something else)."""
+    pairs = ARCHITECTURES[model_type].rope
+    gqa = build_model(model_type, num_kv_heads=2, vocab_size=320, **QK_NORMS_OFF.get(model_type, {}))
+    ids = sample_ids(320)
+    expected = logits(gqa, ids)
+    # float32 rounds the turned rows differently: 1e-4 still tells the pairings apart, which differ by ~1
+    torch.testing.assert_close(logits(rotated_twin(gqa, pairs), ids), expected, atol=1e-4, rtol=1e-4)
+    other = {"half": "interleaved", "interleaved": "half"}[pairs]
+    assert not torch.allclose(logits(rotated_twin(gqa, other), ids), expected, atol=1e-3)
+
+    twin = save_with_tokenizer(rotated_twin(gqa, pairs), tmp_path / "mha")
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    calibration = Calibration(str(tmp_path / "calib.txt"), tokens=2048, seq_len=48)
+    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", calibration=calibration, progress=False)
+    torch.testing.assert_close(logits(load(tmp_path / "out"), ids), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
-def test_mqa_output_loads_and_caches_one_head(model_type, tmp_path):
+def test_mqa_output_loads_and_caches_one_head(model_type, tmp_path, capsys):
     model = build_model(model_type, num_kv_heads=2)
     save(model, tmp_path / "src")
+    multiple, why = ARCHITECTURES[model_type].kv_heads_multiple
+    if multiple > 1:  # refused up front, in one line, nothing written
+        code, err = run_cli(capsys, "convert", tmp_path / "src", tmp_path / "out", "--kv-heads", "1")
+        assert code == 2 and f"not a multiple of {multiple}" in err and why in err, err
+        assert not (tmp_path / "out").exists()
+        return
     gqaify.convert(tmp_path / "src", tmp_path / "out", kv_heads=1, progress=False)
     converted = load(tmp_path / "out")
     assert type(converted) is type(model)

@@ -17,6 +17,7 @@ from conftest import (
     ARCH_CONFIGS,
     CORPUS,
     MODELS,
+    QK_NORMS,
     build_model,
     duplicate_kv_heads,
     load,
@@ -28,10 +29,10 @@ from conftest import (
 from gqaify.archs import ARCHITECTURES
 from gqaify.conversion import walk
 from gqaify.conversion.options import Calibration
+from gqaify.errors import UserError
 from test_errors import run_cli
 
 TEXT = MODELS.parent / "text"
-QK_NORMS = {"qwen3", "olmo2"}  # the rotating methods refuse them: mean is calibrated there
 SLIDING = {"mistral": {"sliding_window": 8}, "gemma2": {"sliding_window": 8}}  # windows of 48 tokens slide
 
 
@@ -48,7 +49,10 @@ def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
     return model, save_with_tokenizer(model, directory)
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
+CALIBRATED = sorted(t for t in ARCH_CONFIGS if ARCHITECTURES[t].no_calibration is None)
+
+
+@pytest.mark.parametrize("model_type", CALIBRATED)
 def test_the_walk_computes_the_models_hidden_states(model_type, tmp_path):
     """Layer by layer, with the inputs captured from the model (masks of each attention type, position
     embeddings), each layer's output is the hidden state transformers' own forward gives after that layer."""
@@ -72,7 +76,7 @@ def test_the_walk_computes_the_models_hidden_states(model_type, tmp_path):
         torch.testing.assert_close(hidden, expected[layer + 1])
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCH_CONFIGS))
+@pytest.mark.parametrize("model_type", CALIBRATED)
 def test_sequential_calibration_that_changes_nothing_reproduces_the_parent(model_type, calibration, tmp_path):
     """G = KV through the whole walk, repair and refinement included: the same logits."""
     model, src = _tiny(model_type, tmp_path / "src")
@@ -82,6 +86,35 @@ def test_sequential_calibration_that_changes_nothing_reproduces_the_parent(model
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
     assert all(e["out"] < 1e-5 and not e["repaired"] for e in result.fit_errors)
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t in ARCH_CONFIGS if ARCHITECTURES[t].no_calibration))
+def test_calibration_is_refused_where_the_walk_cannot_load_layers(model_type, capsys, calibration, tmp_path):
+    """Per-expert checkpoints of MoE models: refused before anything is written, mean offered instead."""
+    _, src = _tiny(model_type, tmp_path / "src")
+    args = ("--kv-heads", "1", "--method", "mean", "--calib-data", calibration.data)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"cannot be calibrated: {ARCHITECTURES[model_type].no_calibration}" in err
+    assert not (tmp_path / "out").exists()
+    # and the walk would indeed fail: transformers' layer does not take the tensors as stored
+    config = json.loads((src / "config.json").read_text())
+    with pytest.raises(UserError, match="do not match"):
+        _walk_first_layer(src, config, model_type)
+
+
+def _walk_first_layer(src, config, model_type):
+    from safetensors.torch import load_file
+
+    spec = ARCHITECTURES[model_type]
+    state = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        state.update(load_file(shard))
+    for layer in range(config["num_hidden_layers"]):
+        prefix = spec.decoder_layer.format(layer=layer) + "."
+        local = {n.removeprefix(prefix): t for n, t in state.items() if n.startswith(prefix)}
+        with walk.loaded(walk.skeleton(config).get_submodule(prefix[:-1]), local, torch.device("cpu"), "layer"):
+            pass
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gemma2", "stablelm"])

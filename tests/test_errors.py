@@ -1,5 +1,6 @@
 """Bad input: exit status 2, one line naming the problem and the fix, nothing written, the source untouched."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import build_model, save, tree_hashes
+from gqaify.archs import ARCHITECTURES
 from gqaify.cli import main
 
 
@@ -71,7 +73,8 @@ def test_unsupported_architecture_lists_supported_ones(capsys, tmp_path):
     src = save(GPT2LMHeadModel(config), tmp_path / "gpt2")
     assert_refused(
         capsys, src, tmp_path / "out", "--kv-heads", "1",
-        expect="unsupported architecture 'gpt2' (GPT2LMHeadModel); gqaify converts gemma, gemma2, granite, llama,",
+        expect=f"unsupported architecture 'gpt2' (GPT2LMHeadModel); gqaify converts {len(ARCHITECTURES)} model types, "
+        "listed by `python -m gqaify.coverage`",
     )  # fmt: skip
 
 
@@ -97,6 +100,19 @@ def test_weights_that_disagree_with_config(capsys, source, tmp_path):
     config = (src / "config.json").read_text().replace('"num_key_value_heads": 4', '"num_key_value_heads": 2')
     (src / "config.json").write_text(config)
     assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "1", expect="but config.json implies 16 rows")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes"])
+def test_quantized_sources_are_refused(capsys, source, tmp_path, method):
+    """Quantized weights are not matrices to pool: refused before anything is read or written."""
+    src = tmp_path / "copy"
+    shutil.copytree(source, src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (src / "config.json").write_text(json.dumps(config))
+    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "2",
+                   expect=f"SRC is quantized (quantization_config: {method}); gqaify pools full-precision weights: "
+                   "convert the unquantized checkpoint, or dequantize it first")  # fmt: skip
 
 
 def test_source_not_found(capsys, tmp_path):

@@ -14,6 +14,7 @@ import gqaify
 from conftest import (
     CORPUS,
     MODELS,
+    QK_NORMS,
     build_model,
     duplicate_kv_heads,
     load,
@@ -254,7 +255,7 @@ def test_calibrated_methods_refuse_bad_input(capsys, calibration, tmp_path):
     assert tree_hashes(tmp_path) == before
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "olmo2"])
+@pytest.mark.parametrize("model_type", sorted(QK_NORMS))
 def test_rotating_methods_refuse_models_with_qk_norms(model_type, capsys, calibration, tmp_path):
     from conftest import save
 

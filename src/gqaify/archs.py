@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 from gqaify.errors import UserError, raise_if_problems
 
+_PER_EXPERT = "transformers fuses or renames its stored tensors on loading; calibration loads layers as stored"
+
 LAYER = "{layer}"
 HEAD = "{head}"
 
@@ -54,6 +56,14 @@ class ArchSpec:
     q_norm: str | None = None
     q_norm_per_head: str | None = None
     shared_head_norms: bool = False  # q/k norms over head_dim, one weight for all heads (copied through)
+    # RoPE's pairs of dimensions within a head: "half" pairs j with j + r/2 (transformers' rotate_half),
+    # "interleaved" pairs 2j with 2j + 1 (cohere, glm). The rotating methods need it; mean does not.
+    rope: str = "half"
+    # Why calibration cannot run transformers' decoder layer on this checkpoint's tensors as stored (None: it
+    # can). Calibrated methods are refused with this reason; mean and norm-mean convert without calibration.
+    no_calibration: str | None = None
+    # The K/V head count must be a multiple of this, and why (DiffLlama splits the value heads in two halves).
+    kv_heads_multiple: tuple[int, str] = (1, "")
     # config.json keys. An absent K/V head count means MHA; an absent head_dim (or None here, for classes
     # that ignore the key) means hidden_size // num_attention_heads, as the modeling code computes it.
     num_layers_key: str = "num_hidden_layers"
@@ -74,9 +84,17 @@ class ArchSpec:
             raise ValueError(f"{self.model_type}: one K norm layout at most")
         if self.q_norm and self.q_norm_per_head:
             raise ValueError(f"{self.model_type}: one Q norm layout at most")
+        if self.rope not in ("half", "interleaved"):
+            raise ValueError(f"{self.model_type}: rope is 'half' or 'interleaved', not {self.rope!r}")
         for per_head in (self.k_norm_per_head, self.q_norm_per_head):
             if per_head is not None and HEAD not in per_head:
                 raise ValueError(f"{self.model_type}: per-head norm paths need {HEAD}")
+
+    def rope_order(self, head_dim: int, rotary_dim: int) -> list[int] | None:
+        """An order of a head's dimensions that puts its RoPE pairs in rotate_half layout; None if they are."""
+        if self.rope == "half":
+            return None
+        return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
 
     def module(self, layer: int, name: str) -> str:
         """Full module path of `name` in attention layer `layer`."""
@@ -116,18 +134,111 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             head_dim_key=None,
         ),
         ArchSpec("granite"),
+        ArchSpec("apertus", shared_head_norms=True),
+        ArchSpec("arcee"),
+        ArchSpec("beam", shared_head_norms=True),  # gated attention: the gate is indexed by query head
+        ArchSpec("cohere", rope="interleaved"),
+        ArchSpec("cohere2", rope="interleaved"),
+        ArchSpec("cwm"),
+        ArchSpec("diffllama", kv_heads_multiple=(2, "its differential attention splits the K/V heads in two halves")),
+        ArchSpec("ernie4_5", rope="interleaved"),
+        ArchSpec("exaone4", shared_head_norms=True),
+        ArchSpec("gemma3_text", shared_head_norms=True),
+        ArchSpec("glm", rope="interleaved"),  # partial rotary, Q/K/V biases
+        ArchSpec("glm4", rope="interleaved"),
+        ArchSpec("glm4_moe", no_calibration=_PER_EXPERT),
+        ArchSpec("gpt_oss"),  # attention sinks, indexed by query head
+        ArchSpec("granite_swa"),
+        ArchSpec("granitemoe", no_calibration=_PER_EXPERT),
+        ArchSpec("granitemoe_swa"),
+        ArchSpec("granitemoeshared", no_calibration=_PER_EXPERT),
+        ArchSpec("helium", rope="interleaved"),
+        ArchSpec("hunyuan_v1_dense", shared_head_norms=True),
+        ArchSpec("hunyuan_v1_moe", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("hy_v3", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("hyperclovax"),
+        ArchSpec("internlm3"),
+        ArchSpec("iquestcoder"),
+        ArchSpec("jais2"),
+        ArchSpec("kolibri1", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("laguna", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("mellum", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("minimax_m3_vl_text", shared_head_norms=True),
+        ArchSpec("ministral"),
+        ArchSpec("ministral3"),
+        ArchSpec("mixtral", no_calibration=_PER_EXPERT),
+        ArchSpec("nanochat", shared_head_norms=True),  # Q/K RMSNorms without weights
+        ArchSpec("olmo"),
+        ArchSpec("olmo3", k_norm="k_norm", q_norm="q_norm"),
+        ArchSpec("olmoe", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
+        ArchSpec("phimoe", no_calibration=_PER_EXPERT),
+        ArchSpec("qwen2_moe", no_calibration=_PER_EXPERT),
+        ArchSpec("qwen3_moe", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("seed_oss"),
+        ArchSpec("smollm3"),  # every fourth layer without RoPE
+        ArchSpec("solar_open", no_calibration=_PER_EXPERT),
+        ArchSpec("starcoder2"),
+        ArchSpec("vaultgemma"),
+        ArchSpec("afmoe", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("aria_text", no_calibration=_PER_EXPERT),
+        ArchSpec("cohere2_moe", rope="interleaved", no_calibration=_PER_EXPERT),
+        ArchSpec("dots1", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("exaone_moe", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("flint", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("llama4_text", rope="interleaved", shared_head_norms=True),  # weightless L2 Q/K norms
     )
+}
+
+_MLA = "multi-head latent attention: K and V come from one shared latent, there are no K/V heads to pool"
+_HYBRID = "hybrid: some layers are state-space, linear-attention or convolution blocks without K/V heads"
+_WRAPPER = "a multimodal wrapper; its text model has a model type of its own"
+
+# Model types transformers gives a causal-LM class and a K/V head count that gqaify does not convert, and why.
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots3_note_text",
+         "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "longcat_flash", "minicpm3", "youtu"], _MLA),  # fmt: skip
+    **dict.fromkeys(
+        ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
+         "lfm3", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+         "qwen4_exp_text", "recurrent_gemma", "zamba", "zamba2", "zaya"], _HYBRID),  # fmt: skip
+    **dict.fromkeys(
+        ["dots3_note", "emu3", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "got_ocr2", "llama4", "mllama",
+         "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp"], _WRAPPER),  # fmt: skip
+    "bitnet": "its weights are ternary (BitNet b1.58): a mean of ternary rows is not ternary",
+    "whisper": "a speech encoder-decoder; its decoder also attends to the encoder (cross-attention)",
+    "moshi": "a speech-text model whose depth decoder is a second transformer, not described",
+    "gemma4_assistant": "a drafting head that reads its target model's cache: convert the target",
+    "gemma4_unified_assistant": "a drafting head that reads its target model's cache: convert the target",
+    "gemma3n_text": "later layers reuse the K/V cache of earlier ones (KV sharing), not described",
+    "gemma4_text": "its global layers have a head size of their own (global_head_dim), not described",
+    "gemma4_unified_text": "its global layers have a head size of their own (global_head_dim), not described",
+    "mimo_v2_flash": "its value heads are larger than its key heads (v_head_dim), not described",
+    "jetmoe": "a mixture of attention experts: heads are chosen per token, there are no fixed K/V heads",
+    "doge": "its dynamic-mask parameters are indexed by K/V head in a layout not described",
+    "gpt_bigcode": "it knows only MHA and MQA (multi_query), under config keys not described",
+    "dbrx": "its fused Wqkv sits under a nested attn_config, not described",
+    "phi": "o_proj is named dense and its optional Q/K LayerNorms are not described",
+    "nemotron": "not verified by the tests yet (partial rotary with its own layer norm)",
+    "flex_olmo": "not verified by the tests yet (its Q/K norms' shapes differ from olmo2's)",
+    "minimax_m2": "not verified by the tests yet (its Q/K norms' shapes differ from olmo2's)",
+    "ernie4_5_moe": "not verified by the tests yet (its tiny test config does not build)",
+    "cohere_compass_text": "not verified by the tests yet (its default layer types do not build)",
+    "inkling_text": "not verified by the tests yet",
+    "inkling2_text": "not verified by the tests yet",
 }
 
 
 def arch_for(model_type: str, architectures: list[str] | None = None) -> ArchSpec:
     """The spec for a config's `model_type`, or a `UserError` listing the supported ones."""
     spec = ARCHITECTURES.get(model_type)
+    if spec is None and model_type in REFUSED:
+        raise UserError(f"gqaify does not convert {model_type!r}: {REFUSED[model_type]}")
     if spec is None:
         name = f"{model_type!r}" + (f" ({architectures[0]})" if architectures else "")
         raise UserError(
-            f"unsupported architecture {name}; gqaify converts {', '.join(sorted(ARCHITECTURES))}. "
-            "Adding one is an entry in gqaify/archs.py."
+            f"unsupported architecture {name}; gqaify converts {len(ARCHITECTURES)} model types, listed by "
+            "`python -m gqaify.coverage`. Adding one is an entry in gqaify/archs.py."
         )
     return spec
 

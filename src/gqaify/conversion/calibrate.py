@@ -140,7 +140,7 @@ def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: C
         tick = time.perf_counter()
         prefix = spec.decoder_layer.format(layer=layer) + "."
         state = source.tensors.load([name for name in metas if spec.layer_of(name) == layer])
-        layout = LayerLayout(spec, geometry, layer, with_queries=True)
+        layout = LayerLayout(spec, geometry, layer, with_queries=True, rotary_dim=ctx.rotary_dim)
         heads = {name: state[name] for name in layout.inputs(state)}
         _check_finite(heads)
         local = {name.removeprefix(prefix): t for name, t in state.items()}

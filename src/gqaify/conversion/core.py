@@ -215,6 +215,8 @@ def _read_config_or_problem(directory: Path) -> dict:
 def _config_problems(config: dict, kv_heads, calibration: Calibration | None):
     """(problems, spec, geometry) of converting a model with `config`: architecture, value types, G, calibration."""
     model_type = config.get("model_type")
+    if (quantized := _quantization_problem(config)) is not None:
+        return [quantized], None, None
     if model_type not in ARCHITECTURES:
         try:
             arch_for(model_type, config.get("architectures"))
@@ -228,9 +230,30 @@ def _config_problems(config: dict, kv_heads, calibration: Calibration | None):
     model_name = (config.get("architectures") or [spec.model_type])[0]
     if isinstance(kv_heads, int) and kv_heads >= 1:
         problems += _kv_heads_problems(geometry, kv_heads, model_name)
-    if calibration is not None and isinstance(calibration.tokens, int):
+        multiple, why = spec.kv_heads_multiple
+        if kv_heads % multiple:
+            problems.append(f"--kv-heads {kv_heads} is not a multiple of {multiple}, which {model_name} needs: {why}")
+    if calibration is not None and spec.no_calibration:
+        problems.append(f"{model_name} cannot be calibrated: {spec.no_calibration}; convert it with --method mean "
+                        "or norm-mean, without --calib-data")  # fmt: skip
+    elif calibration is not None and isinstance(calibration.tokens, int):
         problems += [p for p in [calibration.size_problem(calibration.tokens, geometry.hidden_size)] if p]
     return problems, spec, geometry
+
+
+def _quantization_problem(config: dict) -> str | None:
+    """A quantized checkpoint (GPTQ, AWQ, FP8, bitsandbytes, ...): its K/V weights are not plain matrices to pool.
+
+    A GGUF source is dequantized when it is read, so its exported config carries no `quantization_config`.
+    """
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method", "unknown method") if isinstance(quantization, dict) else "unknown"
+    return (
+        f"SRC is quantized (quantization_config: {method}); gqaify pools full-precision weights: convert the "
+        "unquantized checkpoint, or dequantize it first"
+    )
 
 
 def _kv_heads_problems(g: Geometry, kv_heads: int, model_name: str) -> list[str]:

@@ -18,6 +18,10 @@ Row r of a projection (column r of o_proj) belongs to head r // d, the order `re
 QKV projection's query rows are always in `queries`; the separate q_proj, o_proj and Q norms only when the
 layout is built `with_queries` (otherwise they are copied through unread).
 
+Where RoPE pairs a head's dimensions other than as rotate_half does (an architecture's `rope`), the layout
+built with the `rotary_dim` reorders each Q and K head's dimensions into rotate_half pairs on `split`, and back
+on `join`: methods only ever see rotate_half heads.
+
 Every output tensor name is also an input tensor name (a layer with G heads has a subset of the names of a
 layer with KV heads), so an output keeps the dtype of the input of the same name.
 """
@@ -60,9 +64,12 @@ class _Module:
 class LayerLayout:
     """The head-indexed tensors of attention layer `layer` of a checkpoint."""
 
-    def __init__(self, spec: ArchSpec, geometry: Geometry, layer: int, with_queries: bool = False):
+    def __init__(self, spec: ArchSpec, geometry: Geometry, layer: int, with_queries: bool = False,
+                 rotary_dim: int | None = None):  # fmt: skip
         self.geometry = geometry
         self.layer = layer
+        order = spec.rope_order(geometry.head_dim, rotary_dim) if rotary_dim else None
+        self._rope_order = None if order is None else torch.tensor(order)
 
         def module(part, name, indexed_by="kv", per_head=False, required=True):
             return _Module(part, spec.module(layer, name), indexed_by, per_head, required)
@@ -187,10 +194,19 @@ class LayerLayout:
                 for part, rows in parts.items():  # (n*d, *rest) -> (n, d, *rest)
                     heads = attn.queries if part in ("q", "q_norm") else attn.kv
                     heads[f"{part}.{suffix}"] = rows.unflatten(0, (-1, g.head_dim))
-        return attn
+        return self._reorder(attn, self._rope_order)
+
+    def _reorder(self, attn: Attention, order: torch.Tensor | None) -> Attention:
+        """`attn` with the dimensions of every Q and K head (norms included) taken in `order`."""
+        if order is None:
+            return attn
+        rotated = ("q", "k", "q_norm", "k_norm")
+        return Attention(*({k: t[:, order] if k.split(".")[0] in rotated else t for k, t in heads.items()}
+                           for heads in (attn.kv, attn.queries)))  # fmt: skip
 
     def join(self, attn: Attention, num_kv_heads: int) -> dict[str, torch.Tensor]:
         """Inverse of `split` for a layer with `num_kv_heads` heads; float32 tensors keyed by output name."""
+        attn = self._reorder(attn, None if self._rope_order is None else torch.argsort(self._rope_order))
         out: dict[str, torch.Tensor] = {}
         for module in self._modules:
             heads = attn.queries if module.indexed_by == "q" else attn.kv

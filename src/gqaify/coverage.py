@@ -1,0 +1,108 @@
+"""Which of the installed transformers' decoder model types gqaify converts, and why not the others.
+
+`audit()` walks transformers' causal-LM model types whose config counts K/V heads (`num_key_value_heads`,
+directly or on its text config) and places each one: converted (an entry of `archs.ARCHITECTURES`), refused
+(an entry of `archs.REFUSED`, with its reason), or unaccounted for, which the test suite does not allow.
+README's architecture table is `markdown()`, printed by `python -m gqaify.coverage` (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from dataclasses import dataclass
+
+from gqaify.archs import ARCHITECTURES, REFUSED, ArchSpec
+from gqaify.conversion.options import METHOD_INFO
+
+
+@dataclass(frozen=True)
+class Row:
+    model_type: str
+    status: str  # "converted", "refused" or "unaccounted"
+    detail: str  # the tensors rewritten, or why it is refused
+    methods: str = ""
+
+
+def kv_head_types() -> list[str]:
+    """transformers' model types with a causal-LM class whose (text) config has a K/V head count.
+
+    A type whose default config cannot be built is counted too: nothing says it has no K/V heads.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                config = CONFIG_MAPPING[model_type]()
+            except Exception:  # noqa: BLE001 (any failure to build a default config: counted, not guessed)
+                found.append(model_type)
+                continue
+        try:
+            text = config.get_text_config()
+        except ValueError:  # several text configs (an encoder and a decoder)
+            text = config
+        if "num_key_value_heads" in type(text).__dict__.get("__annotations__", {}) or _has_attribute(text):
+            found.append(model_type)
+    return found
+
+
+def _has_attribute(config) -> bool:
+    try:
+        return getattr(config, "num_key_value_heads", None) is not None
+    except Exception:  # noqa: BLE001 (per-layer attributes refuse global reads: there are K/V heads)
+        return True
+
+
+def audit() -> list[Row]:
+    """One row per model type gqaify converts or refuses, and per K/V-head type it does neither for."""
+    rows = [Row(t, "converted", tensors(spec), methods(spec)) for t, spec in ARCHITECTURES.items()]
+    rows += [Row(t, "refused", reason) for t, reason in REFUSED.items()]
+    known = set(ARCHITECTURES) | set(REFUSED)
+    rows += [Row(t, "unaccounted", "") for t in kv_head_types() if t not in known]
+    return sorted(rows, key=lambda row: (row.status != "converted", row.model_type))
+
+
+def tensors(spec: ArchSpec) -> str:
+    """The K/V-indexed tensors a conversion of `spec` rewrites, in words."""
+    parts = ["the K and V rows of the fused `qkv_proj`" if spec.qkv_proj else "`k_proj`, `v_proj`"]
+    if spec.k_norm:
+        parts.append(f"`{spec.k_norm}` (all K heads: pooled like them)")
+    if spec.k_norm_per_head:
+        parts.append(f"the per-head `{spec.k_norm_per_head.replace('{head}', '{h}')}`")
+    notes = []
+    if spec.shared_head_norms:
+        notes.append("Q/K norms over `head_dim` copied through")
+    if spec.rope == "interleaved":
+        notes.append("RoPE pairs interleaved")
+    return ", ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def methods(spec: ArchSpec) -> str:
+    """Which methods apply to `spec`, in words."""
+    plain = [name for name, info in METHOD_INFO.items() if not info.calibrated]
+    if spec.no_calibration:
+        return f"{', '.join(plain)} (no calibration: {spec.no_calibration})"
+    if spec.shared_head_norms or spec.k_norm or spec.q_norm:
+        return f"{', '.join(plain)}, calibrated or not (Q/K norms stop the rotating ones)"
+    return "all"
+
+
+def markdown() -> str:
+    """README's architecture table."""
+    lines = ["| `model_type` | status | K/V-indexed tensors rewritten, or why not | methods |", "|---|---|---|---|"]
+    lines += [f"| {r.model_type} | {r.status} | {r.detail} | {r.methods} |" for r in audit()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m gqaify.coverage", description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+    print(markdown(), end="")
+
+
+if __name__ == "__main__":
+    main()
