@@ -16,10 +16,12 @@ do not depend on the number of heads and are copied through like any other tenso
 
 Any Q or K norm sits between a projection and RoPE, so a rotation folded into the projection's rows no
 longer cancels in the attention scores: the methods that rotate refuse checkpoints that have such norms.
-Every architecture here applies RoPE in transformers' rotate_half layout (dimension j pairs with
-j + rotary_dim/2) to the first `rotary_dim` dimensions of each head.
+RoPE turns the first `rotary_dim` dimensions of each head in pairs: j with j + rotary_dim/2 (rotate_half) or
+2j with 2j + 1 (`rope="interleaved"`); the layout hands the methods rotate_half heads either way.
 
-Adding an architecture is one entry in `ARCHITECTURES` plus its case in the tests.
+Every other model type of transformers with K/V heads is in `REFUSED`, with the reason (`coverage.py` audits
+the installed transformers against both tables). Adding an architecture is one entry in `ARCHITECTURES` plus
+its tiny config in tests/conftest.py; the tests then check it against transformers.
 """
 
 from __future__ import annotations
