@@ -56,6 +56,15 @@ def test_a_refused_model_type_gets_its_reason(model_type, capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_variant_the_table_does_not_describe_is_refused(capsys, tmp_path):
+    """Command-R+ (cohere with use_qk_norm): its (heads, head_dim) norms would be copied with the wrong shape."""
+    src = save(build_model("cohere", num_kv_heads=2, use_qk_norm=True), tmp_path / "src")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "gqaify does not convert cohere with use_qk_norm: its per-head Q/K LayerNorms" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_readme_architecture_table_is_the_generated_one():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert coverage.markdown() in readme, "regenerate it: python -m gqaify.coverage"

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from gqaify.errors import UserError, raise_if_problems
 
+_STACKED_NORMS = "its per-head Q/K LayerNorms (weight heads x head_dim) are not described yet"
 _PER_EXPERT = "transformers fuses or renames its stored tensors on loading; calibration loads layers as stored"
 
 LAYER = "{layer}"
@@ -66,6 +67,8 @@ class ArchSpec:
     no_calibration: str | None = None
     # The K/V head count must be a multiple of this, and why (DiffLlama splits the value heads in two halves).
     kv_heads_multiple: tuple[int, str] = (1, "")
+    # A config.json flag under which the checkpoint is refused, and why (a variant not described here).
+    refused_when: tuple[str, str] | None = None
     # config.json keys. An absent K/V head count means MHA; an absent head_dim (or None here, for classes
     # that ignore the key) means hidden_size // num_attention_heads, as the modeling code computes it.
     num_layers_key: str = "num_hidden_layers"
@@ -139,7 +142,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("apertus", shared_head_norms=True),
         ArchSpec("arcee"),
         ArchSpec("beam", shared_head_norms=True),  # gated attention: the gate is indexed by query head
-        ArchSpec("cohere", rope="interleaved"),
+        ArchSpec("cohere", rope="interleaved", refused_when=("use_qk_norm", _STACKED_NORMS)),
         ArchSpec("cohere2", rope="interleaved"),
         ArchSpec("cwm"),
         ArchSpec("diffllama", kv_heads_multiple=(2, "its differential attention splits the K/V heads in two halves")),

@@ -78,6 +78,8 @@ def tensors(spec: ArchSpec) -> str:
         notes.append("Q/K norms over `head_dim` copied through")
     if spec.rope == "interleaved":
         notes.append("RoPE pairs interleaved")
+    if spec.refused_when:
+        notes.append(f"refused with `{spec.refused_when[0]}`: {spec.refused_when[1]}")
     return ", ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
 
 

@@ -224,6 +224,8 @@ def _config_problems(config: dict, kv_heads, calibration: Calibration | None):
             return [str(exc)], None, None
     spec = ARCHITECTURES[model_type]
     problems = Geometry.problems(spec, config)
+    if spec.refused_when and config.get(spec.refused_when[0]):
+        problems.append(f"gqaify does not convert {model_type} with {spec.refused_when[0]}: {spec.refused_when[1]}")
     if problems:
         return problems, spec, None
     geometry = Geometry.from_config(spec, config)
