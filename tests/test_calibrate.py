@@ -29,6 +29,7 @@ from conftest import (
 from gqaify.archs import ARCHITECTURES
 from gqaify.conversion import walk
 from gqaify.conversion.options import Calibration
+from gqaify.conversion.source import open_source
 from gqaify.errors import UserError
 from test_errors import run_cli
 
@@ -98,23 +99,21 @@ def test_calibration_is_refused_where_the_walk_cannot_load_layers(model_type, ca
     assert f"cannot be calibrated: {ARCHITECTURES[model_type].no_calibration}" in err
     assert not (tmp_path / "out").exists()
     # and the walk would indeed fail: transformers' layer does not take the tensors as stored
-    config = json.loads((src / "config.json").read_text())
     with pytest.raises(UserError, match="do not match"):
-        _walk_first_layer(src, config, model_type)
+        _load_every_layer(src, ARCHITECTURES[model_type])
 
 
-def _walk_first_layer(src, config, model_type):
-    from safetensors.torch import load_file
-
-    spec = ARCHITECTURES[model_type]
-    state = {}
-    for shard in sorted(src.glob("*.safetensors")):
-        state.update(load_file(shard))
-    for layer in range(config["num_hidden_layers"]):
-        prefix = spec.decoder_layer.format(layer=layer) + "."
-        local = {n.removeprefix(prefix): t for n, t in state.items() if n.startswith(prefix)}
-        with walk.loaded(walk.skeleton(config).get_submodule(prefix[:-1]), local, torch.device("cpu"), "layer"):
-            pass
+def _load_every_layer(src, spec):
+    """Load each decoder layer's stored tensors into the walk's skeleton, as calibration does."""
+    with open_source(src) as source:
+        skeleton = walk.skeleton(source.config)
+        names = list(source.tensors.metadata())
+        for layer in range(source.config["num_hidden_layers"]):
+            prefix = spec.decoder_layer.format(layer=layer) + "."
+            state = source.tensors.load([n for n in names if spec.layer_of(n) == layer])
+            local = {n.removeprefix(prefix): t for n, t in state.items()}
+            with walk.loaded(skeleton.get_submodule(prefix[:-1]), local, torch.device("cpu"), f"layer {layer}"):
+                pass
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gemma2", "stablelm"])

@@ -231,10 +231,7 @@ def _config_problems(config: dict, kv_heads, calibration: Calibration | None):
     geometry = Geometry.from_config(spec, config)
     model_name = (config.get("architectures") or [spec.model_type])[0]
     if isinstance(kv_heads, int) and kv_heads >= 1:
-        problems += _kv_heads_problems(geometry, kv_heads, model_name)
-        multiple, why = spec.kv_heads_multiple
-        if kv_heads % multiple:
-            problems.append(f"--kv-heads {kv_heads} is not a multiple of {multiple}, which {model_name} needs: {why}")
+        problems += _kv_heads_problems(spec, geometry, kv_heads, model_name)
     if calibration is not None and spec.no_calibration:
         problems.append(f"{model_name} cannot be calibrated: {spec.no_calibration}; convert it with --method mean "
                         "or norm-mean, without --calib-data")  # fmt: skip
@@ -251,22 +248,25 @@ def _quantization_problem(config: dict) -> str | None:
     quantization = config.get("quantization_config")
     if not quantization:
         return None
-    method = quantization.get("quant_method", "unknown method") if isinstance(quantization, dict) else "unknown"
+    method = quantization.get("quant_method", "unknown method") if isinstance(quantization, dict) else "unknown method"
     return (
         f"SRC is quantized (quantization_config: {method}); gqaify pools full-precision weights: convert the "
         "unquantized checkpoint, or dequantize it first"
     )
 
 
-def _kv_heads_problems(g: Geometry, kv_heads: int, model_name: str) -> list[str]:
+def _kv_heads_problems(spec: ArchSpec, g: Geometry, kv_heads: int, model_name: str) -> list[str]:
     divisors = ", ".join(str(n) for n in range(1, g.num_kv_heads + 1) if g.num_kv_heads % n == 0)
     model = f"the {g.num_kv_heads} K/V heads of {model_name}"
+    multiple, why = spec.kv_heads_multiple
     if g.num_heads % g.num_kv_heads:
         return [f"config.json has {g.num_heads} query heads, not a multiple of its {g.num_kv_heads} K/V heads"]
     if kv_heads > g.num_kv_heads:
         return [f"--kv-heads {kv_heads} exceeds {model}; gqaify only removes heads: choose one of {divisors}"]
     if g.num_kv_heads % kv_heads:
         return [f"--kv-heads {kv_heads} does not divide {model}; choose one of {divisors}"]
+    if kv_heads % multiple:
+        return [f"--kv-heads {kv_heads} is not a multiple of {multiple}, which {model_name} needs: {why}"]
     return []
 
 
