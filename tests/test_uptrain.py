@@ -156,6 +156,7 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     assert (out / "metrics.csv").read_text().splitlines()[0] == "step,tokens,loss,lr,eval_perplexity"
     provenance = json.loads((out / "final" / "gqaify.json").read_text())
     assert provenance["kv_heads"] == 2 and provenance["uptrain"]["tokens"] == 1280
+    assert json.loads((out / "run.json").read_text())["settings"]["mixed_precision"] == "no"  # resolved, not null
 
 
 def test_rerun_of_a_finished_run_does_nothing(tiny, tmp_path):
@@ -437,6 +438,29 @@ def test_processes_wait_for_each_other_as_long_as_dist_timeout(tiny, tmp_path):
 
     accelerator = _accelerator(parse(args(tiny, tmp_path / "run", "--dist_timeout", "7200")), tmp_path / "run")
     assert accelerator.init_handler.timeout.total_seconds() == 7200
+
+
+@pytest.mark.parametrize(("launched", "setting", "expected"), [("bf16", None, "bf16"), ("bf16", "no", "no"),
+                                                                 (None, None, "no"), (None, "bf16", "bf16")])
+def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(tiny, tmp_path, monkeypatch, launched, setting,
+                                                                       expected):  # fmt: skip
+    """`accelerate launch --config_file single-gpu.yaml` (mixed_precision: bf16) must train in bf16: a default in
+    the settings would override the launcher's choice without a word."""
+    from accelerate.state import AcceleratorState
+
+    from gqaify.uptrain.train import _accelerator
+
+    if launched:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)  # what accelerate launch passes on
+    else:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    extra = ("--mixed_precision", setting) if setting else ()
+    AcceleratorState._reset_state(reset_partial_state=True)  # the state is a process-wide singleton
+    try:
+        accelerator = _accelerator(parse(args(tiny, tmp_path / "run", *extra)), tmp_path / "run")
+        assert accelerator.mixed_precision == expected
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_missing_eval_data_leaves_an_empty_output_dir_as_it_was(tiny, tmp_path):

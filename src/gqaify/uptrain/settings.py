@@ -78,7 +78,10 @@ class UptrainSettings:
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm (0: none)"))
     seed: int = field(default=0, metadata=_help("seed for the data order and the run"))
-    mixed_precision: Literal["no", "bf16", "fp16"] = field(default="no", metadata=_help("autocast dtype (accelerate)"))
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = field(
+        default=None,
+        metadata=_help("autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"),
+    )
     gradient_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
     trainable: Literal["all", "attention", "kv-only"] = field(default="all", metadata=_help("which weights train"))
     # -- distillation

@@ -25,7 +25,7 @@ import re
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -102,6 +102,8 @@ def run(settings: UptrainSettings) -> UptrainResult:
     _check_inputs(s)
     out = Path(s.output_dir)
     accelerator = _accelerator(s, out)
+    # run.json records the precision the launcher chose, so that a resume under another one is refused
+    s = replace(s, mixed_precision=accelerator.mixed_precision)
     # Everything that can be wrong with the data is found before output_dir is touched.
     tokenizer = load_tokenizer(s.model, option="model")
     loader, steps = _data(s, tokenizer, accelerator)
