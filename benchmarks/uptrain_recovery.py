@@ -3,6 +3,7 @@
     python benchmarks/uptrain_recovery.py                       # both parts, 100k tokens per variant
     python benchmarks/uptrain_recovery.py --tokens 1000000      # the longer curve (a GPU helps)
     python benchmarks/uptrain_recovery.py --skip-recovery       # the Trainer comparison only
+    python benchmarks/uptrain_recovery.py --override "--mixed_precision bf16"   # on a GPU, as single-gpu.yaml
 
 Recovery: each variant is `recipes/smollm2-135m-mqa.yaml` with a few overrides, run as
 `python -m gqaify.uptrain` into OUT/VARIANT (rerunning resumes an interrupted variant). Training text is
@@ -30,11 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 
-# name -> (folder under OUT, overrides of the recipe: every variant trains all weights of the mean-pooled model)
+# name -> (folder under OUT, overrides of the recipe: every variant trains all weights of the converted model).
+# The mean-pooled variants drop the recipe's calibration text: with it, the conversion would repair mean's layers.
+MEAN = ["--method", "mean", "--calib_data", ""]
 VARIANTS = {
-    "mean (LM loss)": ("mean-LM_loss", ["--method", "mean", "--distill_weight", "0", "--lr", "3e-4"]),
-    "mean (distilled)": ("mean-distilled", ["--method", "mean", "--distill_weight", "1", "--lr", "3e-4"]),
-    "mean (half distilled, lr 1e-3)": ("mean-half-distilled-lr1e-3", ["--method", "mean", "--distill_weight", "0.5",
+    "mean (LM loss)": ("mean-LM_loss", [*MEAN, "--distill_weight", "0", "--lr", "3e-4"]),
+    "mean (distilled)": ("mean-distilled", [*MEAN, "--distill_weight", "1", "--lr", "3e-4"]),
+    "mean (half distilled, lr 1e-3)": ("mean-half-distilled-lr1e-3", [*MEAN, "--distill_weight", "0.5",
                                                                        "--lr", "1e-3"]),  # the recipe's settings
     # the same uptraining from calibrated conversions, calibrated on the training text (never the eval text):
     # lsq fitted on the parent's activations (gqaify's first calibration), then layer by layer with repair and
@@ -45,6 +48,10 @@ VARIANTS = {
     "lsq sequential refine 64 (half distilled, lr 1e-3)": ("lsq-sequential-refine64-half-distilled-lr1e-3", [
         "--method", "lsq", "--calib_mode", "sequential", "--refine_steps", "64", "--distill_weight", "0.5",
         "--lr", "1e-3", "--calib_data", str(TEXT / "wikitext-2-valid-tokenized.txt")]),
+    # the recipe's setting: a lower peak rate keeps more of the calibrated start (measured on a GPU, README)
+    "lsq sequential refine 64 (half distilled, lr 3e-4)": ("lsq-sequential-refine64-half-distilled-lr3e-4", [
+        "--method", "lsq", "--calib_mode", "sequential", "--refine_steps", "64", "--distill_weight", "0.5",
+        "--lr", "3e-4", "--calib_data", str(TEXT / "wikitext-2-valid-tokenized.txt")]),
 }  # fmt: skip
 
 
@@ -54,6 +61,7 @@ def main() -> None:
     parser.add_argument("--variants", default="|".join(VARIANTS), help=f"separated by |, of: {' | '.join(VARIANTS)}")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     parser.add_argument("--out", default="runs/bench/uptrain", help="output folder")
+    parser.add_argument("--override", default="", help="more recipe overrides for every variant")
     parser.add_argument("--speed-steps", type=int, default=6, help="steps per timed run in the Trainer comparison")
     parser.add_argument("--speed-repeats", type=int, default=2, help="timed runs of each loop, alternating")
     parser.add_argument("--skip-recovery", action="store_true")
@@ -66,7 +74,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.skip_recovery:
-        recovery(gguf, out, args.variants.split("|"), args.tokens, args.eval_every)
+        recovery(gguf, out, args.variants.split("|"), args.tokens, args.eval_every, overrides=args.override.split())
     if not args.skip_speed:
         speed(gguf, out, args.speed_steps, args.speed_repeats)
 
@@ -74,18 +82,19 @@ def main() -> None:
 # -- recovery -------------------------------------------------------------------------------------------------
 
 
-def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every: int, name: str = "recovery") -> dict:
+def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every: int, name: str = "recovery",
+             overrides: list[str] = ()) -> dict:  # fmt: skip
     """Run (or read) each variant; write OUT/NAME.png, .md and .json; return what the .json holds."""
     from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
 
     curves, parent, rows = {}, None, []
     for variant in variants:
-        folder, overrides = VARIANTS[variant]
+        folder, variant_overrides = VARIANTS[variant]
         run_dir = out / folder
         command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(RECIPE), "--model", str(gguf),
                    "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(tokens),
                    "--eval_every", str(eval_every), "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
-                   "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *overrides]  # fmt: skip
+                   "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *variant_overrides, *overrides]  # fmt: skip
         print(f"== {variant}: {' '.join(command[1:])}", flush=True)
         done = run_dir / "run.json"
         if not (done.exists() and json.loads(done.read_text()).get("completed")):  # else: measured before
@@ -94,8 +103,8 @@ def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every
         curves[variant] = eval_curve(metrics)
         parent = json.loads((run_dir / "run.json").read_text()).get("parent_perplexity", parent)
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
-        rows.append({"variant": variant, "overrides": overrides, "curve": list(zip(*curves[variant], strict=True)),
-                     "tokens_per_s": rate})  # fmt: skip
+        rows.append({"variant": variant, "overrides": [*variant_overrides, *overrides],
+                     "curve": list(zip(*curves[variant], strict=True)), "tokens_per_s": rate})  # fmt: skip
     plot_recovery(curves, parent, out / f"{name}.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
     result = {"parent_perplexity": parent, "variants": rows}
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
