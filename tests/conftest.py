@@ -78,6 +78,8 @@ ARCH_CONFIGS: dict[str, dict] = {
     "ministral3": dict(),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # MoE
     "nanochat": dict(),
+    "nemotron": dict(),  # partial rotary
+    "phi": dict(),  # o_proj named dense, partial rotary, LayerNorms with biases; optional Q/K LayerNorms off
     "olmo": dict(eos_token_id=0),
     "olmo3": dict(sliding_window=8, eos_token_id=0, layer_types=None),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=0),

@@ -45,7 +45,7 @@ def test_every_decoder_with_kv_heads_in_transformers_is_converted_or_refused_wit
     assert len(ARCHITECTURES) >= 40
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "jamba", "bitnet"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "jamba", "bitnet", "falcon"])
 def test_a_refused_model_type_gets_its_reason(model_type, capsys, tmp_path):
     (tmp_path / "src").mkdir()
     config = {"model_type": model_type, "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8}
@@ -56,6 +56,17 @@ def test_a_refused_model_type_gets_its_reason(model_type, capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_falcon_is_refused_because_transformers_caches_every_query_heads_kv():
+    """The premise of falcon's refusal: with 2 K/V heads of 4 (new_decoder_architecture), transformers' cache
+    still holds 4 heads per layer. When transformers caches the K/V heads themselves, this fails: convert it."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_kv_heads=2,
+                          new_decoder_architecture=True)  # fmt: skip
+    cache = FalconForCausalLM(config).eval()(sample_ids(96), use_cache=True).past_key_values
+    assert cache.layers[0].keys.shape[1] == 4
+
+
 def test_a_variant_the_table_does_not_describe_is_refused(capsys, tmp_path):
     """Command-R+ (cohere with use_qk_norm): its (heads, head_dim) norms would be copied with the wrong shape."""
     src = save(build_model("cohere", num_kv_heads=2, use_qk_norm=True), tmp_path / "src")
@@ -63,6 +74,23 @@ def test_a_variant_the_table_does_not_describe_is_refused(capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1, err
     assert "gqaify does not convert cohere with use_qk_norm: its per-head Q/K LayerNorms" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_optional_shared_qk_norms_follow_the_config_flag(capsys, tmp_path):
+    """phi with qk_layernorm: its LayerNorms over head_dim are copied through (the duplicated-head twin pools back
+    exactly with them), and the rotating methods refuse it; without the flag (Phi-1, 1.5, 2) lsq runs."""
+    gqa = build_model("phi", num_kv_heads=2, vocab_size=320, qk_layernorm=True)
+    ids = sample_ids(320)
+    save_with_tokenizer(duplicate_kv_heads(gqa), tmp_path / "mha")
+    gqaify.convert(tmp_path / "mha", tmp_path / "mean", kv_heads=2, progress=False)
+    torch.testing.assert_close(logits(load(tmp_path / "mean"), ids), logits(gqa, ids))
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", str(tmp_path / "calib.txt"), "--calib-seq-len", "48")
+    code, err = run_cli(capsys, "convert", tmp_path / "mha", tmp_path / "lsq", *args)
+    assert code == 2 and "norm" in err and "mean" in err and not (tmp_path / "lsq").exists()
+    save_with_tokenizer(build_model("phi", num_kv_heads=2, vocab_size=320), tmp_path / "plain")
+    code, err = run_cli(capsys, "convert", tmp_path / "plain", tmp_path / "lsq", *args, "--calib-tokens", "2048")
+    assert code == 0, err
 
 
 def test_readme_architecture_table_is_the_generated_one():

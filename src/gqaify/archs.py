@@ -58,7 +58,9 @@ class ArchSpec:
     k_norm_per_head: str | None = None
     q_norm: str | None = None
     q_norm_per_head: str | None = None
-    shared_head_norms: bool = False  # q/k norms over head_dim, one weight for all heads (copied through)
+    # Q/K norms over head_dim, one weight for all heads (copied through): True, or the config.json flag that
+    # turns them on where they are optional (phi's qk_layernorm)
+    shared_head_norms: bool | str = False
     # RoPE's pairs of dimensions within a head: "half" pairs j with j + r/2 (transformers' rotate_half),
     # "interleaved" pairs 2j with 2j + 1 (cohere, glm). The rotating methods need it; mean does not.
     rope: str = "half"
@@ -94,6 +96,11 @@ class ArchSpec:
         for per_head in (self.k_norm_per_head, self.q_norm_per_head):
             if per_head is not None and HEAD not in per_head:
                 raise ValueError(f"{self.model_type}: per-head norm paths need {HEAD}")
+
+    def shared_norms_in(self, config: dict) -> bool:
+        """Whether a checkpoint with this config.json has Q/K norms over head_dim that every head shares."""
+        flag = self.shared_head_norms
+        return bool(config.get(flag)) if isinstance(flag, str) else flag
 
     def rope_order(self, head_dim: int, rotary_dim: int) -> list[int] | None:
         """An order of a head's dimensions that puts its RoPE pairs in rotate_half layout; None if they are."""
@@ -173,8 +180,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("ministral3"),
         ArchSpec("mixtral", no_calibration=_PER_EXPERT),
         ArchSpec("nanochat", shared_head_norms=True),  # Q/K RMSNorms without weights
+        ArchSpec("nemotron"),  # partial rotary, LayerNorm1P
         ArchSpec("olmo"),
         ArchSpec("olmo3", k_norm="k_norm", q_norm="q_norm"),
+        ArchSpec("phi", o_proj="dense", shared_head_norms="qk_layernorm"),  # Phi-1/1.5/2: partial rotary, no norms
         ArchSpec("olmoe", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
         ArchSpec("phimoe", no_calibration=_PER_EXPERT),
         ArchSpec("qwen2_moe", no_calibration=_PER_EXPERT),
@@ -210,6 +219,9 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         ["dots3_note", "emu3", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "got_ocr2", "llama4", "mllama",
          "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp"], _WRAPPER),  # fmt: skip
+    # not counted by the audit (no num_key_value_heads), refused for what its cache would be
+    "falcon": "transformers' Falcon broadcasts its K/V heads to every query head before caching them: fewer K/V "
+    "heads would not shrink its cache",
     "bitnet": "its weights are ternary (BitNet b1.58): a mean of ternary rows is not ternary",
     "whisper": "a speech encoder-decoder; its decoder also attends to the encoder (cross-attention)",
     "moshi": "a speech-text model whose depth decoder is a second transformer, not described",
@@ -223,8 +235,6 @@ REFUSED: dict[str, str] = {
     "doge": "its dynamic-mask parameters are indexed by K/V head in a layout not described",
     "gpt_bigcode": "it knows only MHA and MQA (multi_query), under config keys not described",
     "dbrx": "its fused Wqkv sits under a nested attn_config, not described",
-    "phi": "o_proj is named dense and its optional Q/K LayerNorms are not described",
-    "nemotron": "not verified by the tests yet (partial rotary with its own layer norm)",
     "flex_olmo": "not verified by the tests yet (its Q/K norms' shapes differ from olmo2's)",
     "minimax_m2": "not verified by the tests yet (its Q/K norms' shapes differ from olmo2's)",
     "ernie4_5_moe": "not verified by the tests yet (its tiny test config does not build)",

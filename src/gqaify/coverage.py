@@ -74,7 +74,9 @@ def tensors(spec: ArchSpec) -> str:
     if spec.k_norm_per_head:
         parts.append(f"the per-head `{spec.k_norm_per_head.replace('{head}', '{h}')}`")
     notes = []
-    if spec.shared_head_norms:
+    if isinstance(spec.shared_head_norms, str):
+        notes.append(f"with `{spec.shared_head_norms}`, Q/K norms over `head_dim` copied through")
+    elif spec.shared_head_norms:
         notes.append("Q/K norms over `head_dim` copied through")
     if spec.rope == "interleaved":
         notes.append("RoPE pairs interleaved")
@@ -88,6 +90,9 @@ def methods(spec: ArchSpec) -> str:
     plain = [name for name, info in METHOD_INFO.items() if not info.calibrated]
     if spec.no_calibration:
         return f"{', '.join(plain)} (no calibration: {spec.no_calibration})"
+    if isinstance(spec.shared_head_norms, str):
+        flag = spec.shared_head_norms
+        return f"all; with `{flag}`, {', '.join(plain)}, calibrated or not (Q/K norms stop the rotating ones)"
     if spec.shared_head_norms or spec.k_norm or spec.q_norm:
         return f"{', '.join(plain)}, calibrated or not (Q/K norms stop the rotating ones)"
     return "all"

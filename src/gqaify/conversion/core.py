@@ -121,7 +121,7 @@ def convert(
         with_queries = calibration is not None
         layouts = [LayerLayout(spec, geometry, layer, with_queries) for layer in range(geometry.num_layers)]
         plan = _plan(source, spec, geometry, layouts, kv_heads, torch_dtype(dtype))
-        qk_norms = spec.shared_head_norms or layouts[0].has_qk_norms(plan.layer_inputs[0])
+        qk_norms = spec.shared_norms_in(source.config) or layouts[0].has_qk_norms(plan.layer_inputs[0])
         _check_method(METHODS[method], method, model_name, qk_norms)
 
         remove_leftovers(out_path)
