@@ -47,6 +47,8 @@ ARCH_CONFIGS: dict[str, dict] = {
     "cwm": dict(sliding_window=8, bos_token_id=0, layer_types=None),
     "diffllama": dict(),  # differential attention
     "ernie4_5": dict(),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=0,
+                         eos_token_id=0),  # fmt: skip
     "exaone4": dict(sliding_window=8, layer_types=None),
     "gemma3_text": dict(sliding_window=8, layer_types=None),
     "glm": dict(pad_token_id=0),  # partial rotary, interleaved
@@ -83,6 +85,8 @@ ARCH_CONFIGS: dict[str, dict] = {
     "olmo": dict(eos_token_id=0),
     "olmo3": dict(sliding_window=8, eos_token_id=0, layer_types=None),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=0),
+    "flex_olmo": dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=0),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=32, sliding_window=8, layer_types=None),  # fmt: skip
@@ -109,8 +113,8 @@ ARCH_CONFIGS: dict[str, dict] = {
 
 # Q/K norms the rotating methods cannot pass (they refuse these types; mean is calibrated there)
 QK_NORMS = {"qwen3", "olmo2", "apertus", "beam", "exaone4", "gemma3_text", "hunyuan_v1_dense", "hunyuan_v1_moe",
-            "hy_v3", "kolibri1", "laguna", "mellum", "minimax_m3_vl_text", "nanochat", "olmo3", "olmoe",
-            "qwen3_moe", "afmoe", "dots1", "exaone_moe", "flint", "llama4_text"}  # fmt: skip
+            "hy_v3", "kolibri1", "laguna", "mellum", "minimax_m3_vl_text", "nanochat", "olmo3", "olmoe", "qwen3_moe",
+            "afmoe", "dots1", "exaone_moe", "flint", "llama4_text", "flex_olmo", "minimax_m2"}  # fmt: skip
 
 
 def build_model(model_type: str, num_kv_heads: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:

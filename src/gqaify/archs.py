@@ -154,6 +154,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("cwm"),
         ArchSpec("diffllama", kv_heads_multiple=(2, "its differential attention splits the K/V heads in two halves")),
         ArchSpec("ernie4_5", rope="interleaved"),
+        ArchSpec("ernie4_5_moe", rope="interleaved", no_calibration=_PER_EXPERT),
         ArchSpec("exaone4", shared_head_norms=True),
         ArchSpec("gemma3_text", shared_head_norms=True),
         ArchSpec("glm", rope="interleaved"),  # partial rotary, Q/K/V biases
@@ -185,6 +186,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("olmo3", k_norm="k_norm", q_norm="q_norm"),
         ArchSpec("phi", o_proj="dense", shared_head_norms="qk_layernorm"),  # Phi-1/1.5/2: partial rotary, no norms
         ArchSpec("olmoe", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
+        ArchSpec("flex_olmo", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
+        ArchSpec("minimax_m2", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
         ArchSpec("phimoe", no_calibration=_PER_EXPERT),
         ArchSpec("qwen2_moe", no_calibration=_PER_EXPERT),
         ArchSpec("qwen3_moe", shared_head_norms=True, no_calibration=_PER_EXPERT),
@@ -235,12 +238,9 @@ REFUSED: dict[str, str] = {
     "doge": "its dynamic-mask parameters are indexed by K/V head in a layout not described",
     "gpt_bigcode": "it knows only MHA and MQA (multi_query), under config keys not described",
     "dbrx": "its fused Wqkv sits under a nested attn_config, not described",
-    "flex_olmo": "not verified by the tests yet (its Q/K norms' shapes differ from olmo2's)",
-    "minimax_m2": "not verified by the tests yet (its Q/K norms' shapes differ from olmo2's)",
-    "ernie4_5_moe": "not verified by the tests yet (its tiny test config does not build)",
     "cohere_compass_text": "not verified by the tests yet (its default layer types do not build)",
-    "inkling_text": "not verified by the tests yet",
-    "inkling2_text": "not verified by the tests yet",
+    "inkling_text": "its K and V pass through a short convolution per channel (k_sconv, v_sconv), not described",
+    "inkling2_text": "its K and V pass through a short convolution per channel (k_sconv, v_sconv), not described",
 }
 
 
