@@ -156,6 +156,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("ernie4_5", rope="interleaved"),
         ArchSpec("ernie4_5_moe", rope="interleaved", no_calibration=_PER_EXPERT),
         ArchSpec("exaone4", shared_head_norms=True),
+        ArchSpec("flex_olmo", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
         ArchSpec("gemma3_text", shared_head_norms=True),
         ArchSpec("glm", rope="interleaved"),  # partial rotary, Q/K/V biases
         ArchSpec("glm4", rope="interleaved"),
@@ -176,6 +177,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("kolibri1", shared_head_norms=True, no_calibration=_PER_EXPERT),
         ArchSpec("laguna", shared_head_norms=True, no_calibration=_PER_EXPERT),
         ArchSpec("mellum", shared_head_norms=True, no_calibration=_PER_EXPERT),
+        ArchSpec("minimax_m2", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
         ArchSpec("minimax_m3_vl_text", shared_head_norms=True),
         ArchSpec("ministral"),
         ArchSpec("ministral3"),
@@ -184,10 +186,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("nemotron"),  # partial rotary, LayerNorm1P
         ArchSpec("olmo"),
         ArchSpec("olmo3", k_norm="k_norm", q_norm="q_norm"),
-        ArchSpec("phi", o_proj="dense", shared_head_norms="qk_layernorm"),  # Phi-1/1.5/2: partial rotary, no norms
         ArchSpec("olmoe", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
-        ArchSpec("flex_olmo", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
-        ArchSpec("minimax_m2", k_norm="k_norm", q_norm="q_norm", no_calibration=_PER_EXPERT),
+        ArchSpec("phi", o_proj="dense", shared_head_norms="qk_layernorm"),  # Phi-1/1.5/2: no Q/K norms
         ArchSpec("phimoe", no_calibration=_PER_EXPERT),
         ArchSpec("qwen2_moe", no_calibration=_PER_EXPERT),
         ArchSpec("qwen3_moe", shared_head_norms=True, no_calibration=_PER_EXPERT),
