@@ -50,6 +50,7 @@ ARCH_CONFIGS: dict[str, dict] = {
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=0,
                          eos_token_id=0),  # fmt: skip
     "exaone4": dict(sliding_window=8, layer_types=None),
+    "flex_olmo": dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=0),
     "gemma3_text": dict(sliding_window=8, layer_types=None),
     "glm": dict(pad_token_id=0),  # partial rotary, interleaved
     "glm4": dict(pad_token_id=0),
@@ -74,6 +75,7 @@ ARCH_CONFIGS: dict[str, dict] = {
                    sliding_window=8, layer_types=None),  # fmt: skip
     "mellum": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
                    layer_types=None),  # fmt: skip
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0),
     "minimax_m3_vl_text": dict(num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
                                layer_types=None),  # fmt: skip
     "ministral": dict(sliding_window=8, layer_types=None),
@@ -81,12 +83,10 @@ ARCH_CONFIGS: dict[str, dict] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # MoE
     "nanochat": dict(),
     "nemotron": dict(),  # partial rotary
-    "phi": dict(),  # o_proj named dense, partial rotary, LayerNorms with biases; optional Q/K LayerNorms off
     "olmo": dict(eos_token_id=0),
     "olmo3": dict(sliding_window=8, eos_token_id=0, layer_types=None),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=0),
-    "flex_olmo": dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=0),
-    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0),
+    "phi": dict(),  # o_proj named dense, partial rotary, LayerNorms with biases; optional Q/K LayerNorms off
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=32, sliding_window=8, layer_types=None),  # fmt: skip
