@@ -134,6 +134,35 @@ def test_sigterm_mid_conversion_cleans_up_and_exits_143(big_source, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                                         (signal.SIGINT, 130, "interrupted")])
+def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, monkeypatch, signum, status, said):
+    """torch, inside safetensors' loader, once turned SIGTERM's exception into a ValueError: exit 1 and "a bug in
+    gqaify" for a run the user stopped. The recorded signal makes it a stop; an error without one stays a bug."""
+    import os
+
+    import gqaify.cli as cli
+
+    def a_library_call(args):
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt as exc:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from exc
+
+    monkeypatch.setattr(cli, "_run_convert", a_library_call)
+    assert main(["convert", "src", "out", "--kv-heads", "1"]) == status
+    err = capsys.readouterr().err
+    assert f"gqaify: {said}; nothing was written" in err and "internal error" not in err
+
+    def a_bug(args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cli, "_run_convert", a_bug)
+    assert main(["convert", "src", "out", "--kv-heads", "1"]) == 1  # the earlier command's signal is forgotten
+    assert "internal error" in capsys.readouterr().err
+
+
 def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_source, tmp_path):
     out = tmp_path / "out"
     process = _start_convert(big_source, out)

@@ -20,7 +20,7 @@ import traceback
 
 from gqaify.conversion.options import CALIB_MODES, GROUPINGS, METHOD_INFO, Calibration
 from gqaify.dtypes import DTYPE_NAMES
-from gqaify.errors import Interrupted, ResourceError, UserError
+from gqaify.errors import Interrupted, ResourceError, UserError, as_interrupt, forget_stop_signals, record_stop_signal
 from gqaify.eval.settings import EvalSettings
 
 
@@ -169,34 +169,52 @@ def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
             print(f"gqaify: error: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
-            status = exc.exit_status if isinstance(exc, Interrupted) else 130
-            what = "stopped by SIGTERM" if status == 128 + signal.SIGTERM else "interrupted"
-            print(f"gqaify: {what}; {str(exc) or 'nothing was written'}", file=sys.stderr)
-            return status
-        except Exception:
+            return _stopped(as_interrupt(exc))
+        except Exception as exc:
+            stop = as_interrupt(exc)  # a stop signal that a library turned into an error of its own
+            if stop is not None:
+                return _stopped(stop)
             traceback.print_exc()
             print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
             return 1
     return 0
 
 
+def _stopped(stop: Interrupted) -> int:
+    what = "stopped by SIGTERM" if stop.signum == signal.SIGTERM else "interrupted"
+    print(f"gqaify: {what}; {str(stop) or 'nothing was written'}", file=sys.stderr)
+    return stop.exit_status
+
+
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
     """While the block runs, SIGTERM raises `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so that the
-    same cleanup runs; a second SIGTERM is ignored until the cleanup is done."""
+    same cleanup runs; a second SIGTERM is ignored until the cleanup is done. Both signals are recorded
+    (`errors.record_stop_signal`), so that a library turning the exception into its own is still a stop."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
 
     def terminate(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        record_stop_signal(signal.SIGTERM)
         raise Interrupted(signum=signal.SIGTERM)
 
+    def interrupt(signum, frame):
+        record_stop_signal(signal.SIGINT)
+        raise KeyboardInterrupt
+
+    forget_stop_signals()
     previous = signal.signal(signal.SIGTERM, terminate)
+    # Ctrl-C only where Python's own handler is in place (a background job starts with SIGINT ignored)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _run_convert(args) -> None:

@@ -43,6 +43,32 @@ class Interrupted(KeyboardInterrupt):
         return Interrupted(message, self.signum)
 
 
+# The stop signal that arrived while a command ran, recorded by the command line's handlers. The exception a
+# handler raises can come out of a library as another one (torch, inside safetensors' loader, turns it into a
+# ValueError): an error raised after a stop signal is still a stop, not a bug.
+_stop_signals: list[int] = []
+
+
+def record_stop_signal(signum: int) -> None:
+    _stop_signals.append(signum)
+
+
+def forget_stop_signals() -> None:
+    """A new command starts: signals recorded for an earlier one (in this process) no longer apply."""
+    _stop_signals.clear()
+
+
+def as_interrupt(exc: BaseException) -> Interrupted | None:
+    """`exc` as the stop it stands for: Ctrl-C, SIGTERM, or an error raised after a stop signal; else None."""
+    if isinstance(exc, Interrupted):
+        return exc
+    if isinstance(exc, KeyboardInterrupt):
+        return Interrupted(str(exc), signal.SIGINT)
+    if _stop_signals and isinstance(exc, Exception):
+        return Interrupted("", _stop_signals[-1])
+    return None
+
+
 def raise_if_problems(problems: list[str]) -> None:
     """Raise one `UserError` carrying every problem found, so the user fixes them all in one go."""
     if problems:

@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -35,7 +34,7 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, HEAD, LAYER
 from gqaify.data import load_text
-from gqaify.errors import Interrupted, UserError, raise_if_problems
+from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.models import load_config, load_model, load_tokenizer
 from gqaify.outputs import PROVENANCE_FILE, write_provenance
@@ -115,14 +114,15 @@ def run(settings: UptrainSettings) -> UptrainResult:
     try:
         return _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids)
     except BaseException as exc:
+        stop = as_interrupt(exc)
         if "started" not in run:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
                 _undo_claim(out, existed)
-            if isinstance(exc, KeyboardInterrupt):
-                raise _interrupted(exc, "nothing was written") from None
+            if stop is not None:
+                raise stop.with_message("nothing was written") from None
             raise
-        if isinstance(exc, KeyboardInterrupt):
-            raise _interrupted(exc, _what_is_left(out, steps)) from None
+        if stop is not None:
+            raise stop.with_message(_what_is_left(out, steps)) from None
         raise
 
 
@@ -173,11 +173,6 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     accelerator.wait_for_everyone()
     accelerator.end_training()  # last: it also ends the process group
     return _result_of_finished_run(out, run)
-
-
-def _interrupted(exc: KeyboardInterrupt, message: str) -> Interrupted:
-    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-    return Interrupted(message, signum)
 
 
 def _what_is_left(out: Path, steps: int) -> str:
