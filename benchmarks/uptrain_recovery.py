@@ -38,7 +38,7 @@ VARIANTS = {
     "mean (LM loss)": ("mean-LM_loss", [*MEAN, "--distill_weight", "0", "--lr", "3e-4"]),
     "mean (distilled)": ("mean-distilled", [*MEAN, "--distill_weight", "1", "--lr", "3e-4"]),
     "mean (half distilled, lr 1e-3)": ("mean-half-distilled-lr1e-3", [*MEAN, "--distill_weight", "0.5",
-                                                                       "--lr", "1e-3"]),  # the recipe's settings
+                                                                       "--lr", "1e-3"]),  # the recipe's, before lr 3e-4
     # the same uptraining from calibrated conversions, calibrated on the training text (never the eval text):
     # lsq fitted on the parent's activations (gqaify's first calibration), then layer by layer with repair and
     # 64 refinement steps per layer (the best measured in benchmarks/methods.py)
