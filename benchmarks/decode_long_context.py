@@ -20,7 +20,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from gqaify.archs import Geometry
+from gqaify.archs import ARCHITECTURES, Geometry
 from gqaify.eval.speed import decode_speed
 from gqaify.kvcache import kv_cache_bytes
 
@@ -71,9 +71,7 @@ def main() -> None:
         fields, heads = SHAPES[shape]
         for kv_heads in heads:
             model = build(fields, kv_heads, max(contexts) + args.new_tokens + 1)
-            head_dim = fields["hidden_size"] // fields["num_attention_heads"]
-            geometry = Geometry(fields["num_hidden_layers"], fields["num_attention_heads"], kv_heads, head_dim,
-                                fields["hidden_size"])  # fmt: skip
+            geometry = Geometry.from_config(ARCHITECTURES["llama"], model.config.to_dict())
             label = {fields["num_attention_heads"]: "MHA", 1: "MQA"}.get(kv_heads, f"GQA-{kv_heads}")
             for context in contexts:
                 cache = kv_cache_bytes(geometry, torch.bfloat16, context + args.new_tokens)
