@@ -109,6 +109,10 @@ ARCH_CONFIGS: dict[str, dict] = {
     "flint": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                   sliding_window=8, layer_types=None),  # fmt: skip
     "llama4_text": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=None),
+    # no K/V heads in transformers: built with gqaify's shipped classes (`shipped/modeling_gqaify.py`)
+    "gpt2": dict(n_positions=64, bos_token_id=0, eos_token_id=0),  # Conv1D c_attn: [Q | K | V] columns
+    "gpt_neox": dict(bos_token_id=0, eos_token_id=0, rotary_pct=0.5),  # grouped fused rows, partial rotary
+    "opt": dict(ffn_dim=96, word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0, pad_token_id=0),
 }
 
 # Q/K norms the rotating methods cannot pass (they refuse these types; mean is calibrated there)
@@ -117,13 +121,24 @@ QK_NORMS = {"qwen3", "olmo2", "apertus", "beam", "exaone4", "gemma3_text", "huny
             "afmoe", "dots1", "exaone_moe", "flint", "llama4_text", "flex_olmo", "minimax_m2"}  # fmt: skip
 
 
+def model_class(model_type: str):
+    """The class that builds `model_type` with K/V heads: transformers' own, or gqaify's shipped one."""
+    from gqaify.archs import ARCHITECTURES
+    from gqaify.shipped import modeling_gqaify
+
+    shipped = ARCHITECTURES[model_type].shipped_class
+    return getattr(modeling_gqaify, shipped) if shipped else AutoModelForCausalLM
+
+
 def build_model(model_type: str, num_kv_heads: int = 2, seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny model whose every parameter is random (biases and norms included), in eval mode, fp32."""
     config = AutoConfig.for_model(
         model_type, **{**COMMON, **ARCH_CONFIGS[model_type], "num_key_value_heads": num_kv_heads, **overrides}
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    cls = model_class(model_type)
+    build = cls.from_config if cls is AutoModelForCausalLM else cls._from_config
+    model = build(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -139,7 +154,10 @@ def save(model, directory: Path, max_shard_size: str = "40KB", **kwargs) -> Path
 
 
 def load(directory: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32).eval()
+    """The model in `directory`; a shipped modeling file (gpt2, gpt_neox, opt) is trusted."""
+    return AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", dtype=torch.float32, trust_remote_code=True
+    ).eval()
 
 
 def sample_ids(vocab_size: int, length: int = 24, batch: int = 2, seed: int = 1) -> torch.Tensor:
@@ -198,6 +216,15 @@ def duplicate_kv_heads(model) -> torch.nn.Module:
         elif "qkv_proj" in name:
             q, k, v = source[name].split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
             state[name] = torch.cat([q, repeat(k), repeat(v)])
+        elif "c_attn" in name:  # GPT-2's Conv1D: columns [Q | K | V] (a bias is one row of them)
+            t = source[name].reshape(-1, source[name].shape[-1])
+            q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+            state[name] = torch.cat([q, repeat(k.T).T, repeat(v.T).T], dim=1).reshape(target.shape)
+        elif "query_key_value" in name:  # GPT-NeoX: rows per K/V head [its r queries | k | v] -> per head [q | k | v]
+            grouped = source[name].unflatten(0, (kv_heads, r + 2, head_dim))
+            q = grouped[:, :r].flatten(0, 1)  # (H, d, ...)
+            k, v = (grouped[:, i].repeat_interleave(r, dim=0) for i in (r, r + 1))
+            state[name] = torch.stack([q, k, v], dim=1).flatten(0, 2)
         else:
             state[name] = repeat(source[name])
     twin.load_state_dict(state)

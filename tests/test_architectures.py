@@ -156,7 +156,7 @@ def test_mqa_output_loads_and_caches_one_head(model_type, tmp_path, capsys):
         return
     gqaify.convert(tmp_path / "src", tmp_path / "out", kv_heads=1, progress=False)
     converted = load(tmp_path / "out")
-    assert type(converted) is type(model)
+    assert type(converted).__name__ == type(model).__name__  # gpt2, gpt_neox, opt: from the shipped file
     with torch.inference_mode():
         cache = converted(sample_ids(model.config.vocab_size, length=12), use_cache=True).past_key_values
     assert len(cache.layers) == model.config.num_hidden_layers

@@ -5,7 +5,10 @@ transformers' `repeat_kv`, so a converted checkpoint is a plain checkpoint of th
 names, relative to one layer's attention module, the tensors whose rows are indexed by K/V head:
 
     separate projections   k_proj.weight (KV*d, hidden), v_proj.weight, and their biases when present
-    fused projection       qkv_proj.weight ((H + 2*KV)*d, hidden): rows are [Q heads | K heads | V heads]
+    fused projection       qkv_proj.weight ((H + 2*KV)*d, hidden), its rows laid out as `qkv_layout` says:
+                           "contiguous"  [Q heads | K heads | V heads]                               (phi3, gpt2)
+                           "grouped"     per K/V head: its H/KV query heads, its K head, its V head  (gpt_neox)
+                           gpt_neox's MHA rows, [q | k | v] per head, are the grouped layout with H/KV = 1
     K norm, whole width    k_norm.weight (KV*d,): one RMSNorm over all K heads together (olmo2)
     K norm, per head       k_layernorm.norms.{head}.weight (d,): one LayerNorm module per K head (stablelm)
 
@@ -19,6 +22,14 @@ longer cancels in the attention scores: the methods that rotate refuse checkpoin
 RoPE turns the first `rotary_dim` dimensions of each head in pairs: j with j + rotary_dim/2 (rotate_half) or
 2j with 2j + 1 (`rope="interleaved"`); the layout hands the methods rotate_half heads either way.
 
+Weights stored as (in, out) matrices (GPT-2's Conv1D, `transposed`) are read as (out, in) and written back as
+stored. A checkpoint saved from the base model (GPT-2's and OPT's originals) lacks `base_model_prefix` in its
+tensor names; `stored_as` gives the spec that matches its names.
+
+Three model types have no K/V head count in transformers (gpt2, gpt_neox, opt): their entries name a class of
+gqaify's shipped modeling file (`shipped/modeling_gqaify.py`), which the output carries and registers in its
+config's `auto_map`, to be loaded with `trust_remote_code=True`.
+
 Every other model type of transformers with K/V heads is in `REFUSED`, with the reason (`coverage.py` audits
 the installed transformers against both tables). Adding an architecture is one entry in `ARCHITECTURES` plus
 its tiny config in tests/conftest.py; the tests then check it against transformers.
@@ -28,11 +39,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 from gqaify.errors import UserError, raise_if_problems
 
 _STACKED_NORMS = "its per-head Q/K LayerNorms (weight heads x head_dim) are not described yet"
+_SHIPPED = "calibration runs transformers' own classes, which have no K/V heads for this type (not the shipped one)"
 _PER_EXPERT = "transformers fuses or renames its stored tensors on loading; calibration loads layers as stored"
 
 LAYER = "{layer}"
@@ -54,6 +67,11 @@ class ArchSpec:
     v_proj: str | None = "v_proj"
     o_proj: str = "o_proj"
     qkv_proj: str | None = None
+    qkv_layout: str = "contiguous"  # the fused projection's rows: "contiguous" or "grouped" (module docstring)
+    transposed: bool = False  # weight matrices stored (in, out), as GPT-2's Conv1D
+    base_model_prefix: str = ""  # the attention path's start that a checkpoint of the base model lacks
+    # Non-native (no K/V head count in transformers): the class of the shipped modeling file that has one
+    shipped_class: str | None = None
     k_norm: str | None = None
     k_norm_per_head: str | None = None
     q_norm: str | None = None
@@ -91,6 +109,10 @@ class ArchSpec:
             raise ValueError(f"{self.model_type}: one K norm layout at most")
         if self.q_norm and self.q_norm_per_head:
             raise ValueError(f"{self.model_type}: one Q norm layout at most")
+        if self.qkv_layout not in ("contiguous", "grouped"):
+            raise ValueError(f"{self.model_type}: qkv_layout is 'contiguous' or 'grouped', not {self.qkv_layout!r}")
+        if not self.attention.startswith(self.base_model_prefix):
+            raise ValueError(f"{self.model_type}: the attention path does not start with {self.base_model_prefix!r}")
         if self.rope not in ("half", "interleaved"):
             raise ValueError(f"{self.model_type}: rope is 'half' or 'interleaved', not {self.rope!r}")
         for per_head in (self.k_norm_per_head, self.q_norm_per_head):
@@ -101,6 +123,14 @@ class ArchSpec:
         """Whether a checkpoint with this config.json has Q/K norms over head_dim that every head shares."""
         flag = self.shared_head_norms
         return bool(config.get(flag)) if isinstance(flag, str) else flag
+
+    def stored_as(self, names: Collection[str]) -> ArchSpec:
+        """This spec with the attention path as a checkpoint with tensor `names` stores it: without
+        `base_model_prefix` when none of them has it (a checkpoint saved from the base model)."""
+        prefix = self.base_model_prefix
+        if not prefix or any(name.startswith(prefix) for name in names):
+            return self
+        return replace(self, attention=self.attention.removeprefix(prefix), base_model_prefix="")
 
     def rope_order(self, head_dim: int, rotary_dim: int) -> list[int] | None:
         """An order of a head's dimensions that puts its RoPE pairs in rotate_half layout; None if they are."""
@@ -203,6 +233,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("exaone_moe", shared_head_norms=True, no_calibration=_PER_EXPERT),
         ArchSpec("flint", shared_head_norms=True, no_calibration=_PER_EXPERT),
         ArchSpec("llama4_text", rope="interleaved", shared_head_norms=True),  # weightless L2 Q/K norms
+        # Non-native: transformers' classes are MHA only; the output ships a subclass with K/V heads
+        ArchSpec(
+            "gpt2", attention=f"transformer.h.{LAYER}.attn", base_model_prefix="transformer.", q_proj=None,
+            k_proj=None, v_proj=None, qkv_proj="c_attn", o_proj="c_proj", transposed=True, head_dim_key=None,
+            num_layers_key="n_layer", num_heads_key="n_head", hidden_size_key="n_embd", no_calibration=_SHIPPED,
+            refused_when=("add_cross_attention", "its cross-attention reads an encoder, not described"),
+            shipped_class="GQAGPT2LMHeadModel",
+        ),  # fmt: skip
+        ArchSpec(
+            "gpt_neox", attention=f"gpt_neox.layers.{LAYER}.attention", base_model_prefix="gpt_neox.", q_proj=None,
+            k_proj=None, v_proj=None, qkv_proj="query_key_value", qkv_layout="grouped", o_proj="dense",
+            head_dim_key=None, no_calibration=_SHIPPED, shipped_class="GQAGPTNeoXForCausalLM",
+        ),  # fmt: skip
+        ArchSpec(
+            "opt", attention=f"model.decoder.layers.{LAYER}.self_attn", base_model_prefix="model.", o_proj="out_proj",
+            head_dim_key=None, no_calibration=_SHIPPED, shipped_class="GQAOPTForCausalLM",
+        ),
     )
 }
 

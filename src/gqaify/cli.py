@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--repeats", type=int, default=defaults.repeats, help="timed runs, median reported (3)")
     ev.add_argument("--diag-tokens", type=int, default=defaults.diag_tokens, help="tokens for diagnostics (512)")
     ev.add_argument("--no-speed", action="store_true", help="skip the decode-speed measurement")
+    ev.add_argument("--trust-remote-code", action="store_true",
+                    help="run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)")
     ev.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     ev.set_defaults(run=_run_eval)
 
@@ -253,7 +255,7 @@ def _run_eval(args) -> None:
         max_tokens=args.max_tokens, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
         memory_budget=args.memory_budget, decode_context=args.decode_context, decode_tokens=args.decode_tokens,
         decode_batch=args.decode_batch, repeats=args.repeats, diag_tokens=args.diag_tokens,
-        speed=not args.no_speed, progress=not args.quiet,
+        speed=not args.no_speed, progress=not args.quiet, trust_remote_code=args.trust_remote_code,
     )  # fmt: skip
     report = evaluate(args.models, args.data, args.out, settings)
     print(format_table(report))

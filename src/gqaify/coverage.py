@@ -1,8 +1,10 @@
 """Which of the installed transformers' decoder model types gqaify converts, and why not the others.
 
 `audit()` walks transformers' causal-LM model types whose config counts K/V heads (`num_key_value_heads`,
-directly or on its text config) and places each one: converted (an entry of `archs.ARCHITECTURES`), refused
-(an entry of `archs.REFUSED`, with its reason), or unaccounted for, which the test suite does not allow.
+directly or on its text config) and places each one: native (an entry of `archs.ARCHITECTURES`: the output is
+a checkpoint of transformers' own class), refused (an entry of `archs.REFUSED`, with its reason), or
+unaccounted for, which the test suite does not allow. The entries for types without K/V heads in transformers
+are listed too: "shipped code" (the output carries gqaify's modeling file) or refused.
 README's architecture table is `markdown()`, printed by `python -m gqaify.coverage` (a test keeps the two equal).
 """
 
@@ -19,7 +21,7 @@ from gqaify.conversion.options import METHOD_INFO
 @dataclass(frozen=True)
 class Row:
     model_type: str
-    status: str  # "converted", "refused" or "unaccounted"
+    status: str  # "native", "shipped code", "refused" or "unaccounted"
     detail: str  # the tensors rewritten, or why it is refused
     methods: str = ""
 
@@ -59,16 +61,23 @@ def _has_attribute(config) -> bool:
 
 def audit() -> list[Row]:
     """One row per model type gqaify converts or refuses, and per K/V-head type it does neither for."""
-    rows = [Row(t, "converted", tensors(spec), methods(spec)) for t, spec in ARCHITECTURES.items()]
+    rows = [Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec))
+            for t, spec in ARCHITECTURES.items()]  # fmt: skip
     rows += [Row(t, "refused", reason) for t, reason in REFUSED.items()]
     known = set(ARCHITECTURES) | set(REFUSED)
     rows += [Row(t, "unaccounted", "") for t in kv_head_types() if t not in known]
-    return sorted(rows, key=lambda row: (row.status != "converted", row.model_type))
+    order = ("native", "shipped code", "refused", "unaccounted")
+    return sorted(rows, key=lambda row: (order.index(row.status), row.model_type))
 
 
 def tensors(spec: ArchSpec) -> str:
     """The K/V-indexed tensors a conversion of `spec` rewrites, in words."""
-    parts = ["the K and V rows of the fused `qkv_proj`" if spec.qkv_proj else "`k_proj`, `v_proj`"]
+    if spec.qkv_proj:
+        layout = {"contiguous": "Q, K, V rows in turn", "grouped": "rows grouped per K/V head"}[spec.qkv_layout]
+        stored = ", stored (in, out)" if spec.transposed else ""
+        parts = [f"the K and V rows of the fused `{spec.qkv_proj}` ({layout}{stored})"]
+    else:
+        parts = [f"`{spec.k_proj}`, `{spec.v_proj}`"]
     if spec.k_norm:
         parts.append(f"`{spec.k_norm}` (all K heads: pooled like them)")
     if spec.k_norm_per_head:

@@ -8,6 +8,7 @@ import torch
 
 from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError
+from gqaify.shipped import SHIPPED_MODULE
 
 
 def model_location(name: str, option: str = "MODEL") -> tuple[str, dict]:
@@ -26,35 +27,56 @@ def model_location(name: str, option: str = "MODEL") -> tuple[str, dict]:
     return name, {}  # a hub id
 
 
-def load_config(name: str, option: str = "MODEL"):
+def load_config(name: str, option: str = "MODEL", trust_remote_code: bool = False):
     """The transformers config of `name`.
 
     Raises:
-        UserError: it cannot be found or read.
+        UserError: it cannot be found or read; it needs gqaify's shipped modeling code and `trust_remote_code`
+            is not set.
     """
     from transformers import AutoConfig
 
     where, kwargs = model_location(name, option)
     try:
-        return AutoConfig.from_pretrained(where, **kwargs)
+        config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{option} {name} could not be read ({type(exc).__name__}); check the path or hub id") from exc
+    shipped = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", "")
+    if shipped.startswith(f"{SHIPPED_MODULE}.") and not trust_remote_code:
+        # transformers would load its MHA class, which cannot hold the G-head weights
+        raise UserError(untrusted_problem(f"{option} {name} has {config.num_key_value_heads} K/V heads, which"))
+    return config
 
 
-def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu", option: str = "MODEL"):
+def untrusted_problem(subject: str) -> str:
+    """Why a model with gqaify's shipped modeling code is not loaded without trust_remote_code, and the fix."""
+    return (
+        f"{subject} only the modeling code gqaify ships with it ({SHIPPED_MODULE}.py) implements; pass "
+        "--trust-remote-code to run that code"
+    )
+
+
+def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu", option: str = "MODEL",
+               trust_remote_code: bool = False):  # fmt: skip
     """(model in eval mode on `device`, tokenizer) of `name`. GGUF weights are dequantized to float32.
 
+    Args:
+        trust_remote_code: run the modeling code a model folder carries (gqaify's, for GPT-2, GPT-NeoX and OPT).
+
     Raises:
-        UserError: weights or tokenizer files are missing, or the model class is unknown.
+        UserError: weights or tokenizer files are missing, the model class is unknown, or the model needs its
+            own modeling code and `trust_remote_code` is not set.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    load_config(name, option, trust_remote_code)
     where, kwargs = model_location(name, option)
     chosen = (torch_dtype(dtype) or "auto") if isinstance(dtype, str) else dtype
     if "gguf_file" in kwargs and chosen == "auto":
         chosen = torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=chosen, **kwargs).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=chosen, trust_remote_code=trust_remote_code,
+                                                     **kwargs).to(device).eval()  # fmt: skip
         return model, AutoTokenizer.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
         raise UserError(f"{option} {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc

@@ -118,6 +118,7 @@ def convert(
         problems += _overlap_problems(source, out_path)
         raise_if_problems(problems)
         model_name = (source.config.get("architectures") or [spec.model_type])[0]
+        spec = spec.stored_as(source.tensors.metadata())
         with_queries = calibration is not None
         layouts = [LayerLayout(spec, geometry, layer, with_queries) for layer in range(geometry.num_layers)]
         plan = _plan(source, spec, geometry, layouts, kv_heads, torch_dtype(dtype))
@@ -143,7 +144,7 @@ def convert(
             with ShardWriter(staging, plan.tensors, parse_size(max_shard_size)) as writer:
                 _stream(source, plan, writer, converter, hasher, allow_nonfinite, progress)
                 writer.close()
-            write_config_and_side_files(source, staging, kv_heads, dtype)
+            write_config_and_side_files(source, spec, staging, kv_heads, dtype)
             record = provenance(source, spec, geometry, kv_heads, method, dtype, seed,
                                 hasher.results(source.tensors.files))  # fmt: skip
             record.update(grouping=grouping, calibration=None)

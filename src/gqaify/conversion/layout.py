@@ -15,8 +15,10 @@ pools from KV heads to G:
     "q_norm.weight" (H, d)         "q_norm.bias" (H, d)
 
 Row r of a projection (column r of o_proj) belongs to head r // d, the order `repeat_kv` assumes. A fused
-QKV projection's query rows are always in `queries`; the separate q_proj, o_proj and Q norms only when the
-layout is built `with_queries` (otherwise they are copied through unread).
+QKV projection's rows are cut as its `qkv_layout` says (`archs.py`), and its query rows are always in
+`queries`; the separate q_proj, o_proj and Q norms only when the layout is built `with_queries` (otherwise
+they are copied through unread). Weights stored transposed (`transposed`, GPT-2's Conv1D) are turned to
+(out, in) on `split` and back on `join`.
 
 Where RoPE pairs a head's dimensions other than as rotate_half does (an architecture's `rope`), the layout
 built with the `rotary_dim` reorders each Q and K head's dimensions into rotate_half pairs on `split`, and back
@@ -68,6 +70,8 @@ class LayerLayout:
                  rotary_dim: int | None = None):  # fmt: skip
         self.geometry = geometry
         self.layer = layer
+        self.qkv_layout = spec.qkv_layout
+        self.transposed = spec.transposed
         order = spec.rope_order(geometry.head_dim, rotary_dim) if rotary_dim else None
         self._rope_order = None if order is None else torch.tensor(order)
 
@@ -149,6 +153,8 @@ class LayerLayout:
         """
         module = self._module_of[name]
         axis = 1 if module.columns else 0
+        if self.transposed and len(shape) == 2:
+            axis = 1 - axis
         if module.per_head:
             expected_in, out = self.geometry.head_dim, shape
         else:
@@ -183,18 +189,33 @@ class LayerLayout:
                     heads[f"{module.part}.{suffix}"] = torch.stack([tensors[n].float() for n in names])
                     continue
                 t = tensors[names[0]].float()
+                if self.transposed and t.dim() == 2:  # stored (in, out) -> (out, in)
+                    t = t.T
                 if module.columns:  # (hidden, H*d) -> (H, hidden, d)
                     attn.queries["o.weight"] = t.unflatten(1, (g.num_heads, g.head_dim)).transpose(0, 1)
                     continue
-                if module.part == "qkv":
-                    kv_rows = g.num_kv_heads * g.head_dim
-                    parts = dict(zip("qkv", t.split([g.num_heads * g.head_dim, kv_rows, kv_rows]), strict=True))
-                else:
-                    parts = {module.part: t}
+                parts = dict(zip("qkv", self._unfuse(t), strict=True)) if module.part == "qkv" else {module.part: t}
                 for part, rows in parts.items():  # (n*d, *rest) -> (n, d, *rest)
                     heads = attn.queries if part in ("q", "q_norm") else attn.kv
                     heads[f"{part}.{suffix}"] = rows.unflatten(0, (-1, g.head_dim))
         return self._reorder(attn, self._rope_order)
+
+    def _unfuse(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fused projection's rows ((H + 2*KV)*d, *rest) -> the rows of Q (H*d), K (KV*d) and V (KV*d)."""
+        g = self.geometry
+        if self.qkv_layout == "contiguous":
+            kv_rows = g.num_kv_heads * g.head_dim
+            return t.split([g.num_heads * g.head_dim, kv_rows, kv_rows])
+        # grouped: (KV*(r + 2)*d, *rest) -> (KV, r + 2, d, *rest), r queries, then K, then V per K/V head
+        grouped = t.unflatten(0, (g.num_kv_heads, g.queries_per_kv_head + 2, g.head_dim))
+        return grouped[:, :-2].flatten(0, 2), grouped[:, -2].flatten(0, 1), grouped[:, -1].flatten(0, 1)
+
+    def _fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Inverse of `_unfuse` for heads (n, d, *rest): q of H heads, k and v of any G dividing H."""
+        if self.qkv_layout == "contiguous":
+            return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+        groups = k.shape[0]  # (H, d, *rest) -> (G, H/G, d, *rest), then K and V after each group's queries
+        return torch.cat([q.unflatten(0, (groups, -1)), k[:, None], v[:, None]], dim=1).flatten(0, 2)
 
     def _reorder(self, attn: Attention, order: torch.Tensor | None) -> Attention:
         """`attn` with the dimensions of every Q and K head (norms included) taken in `order`."""
@@ -212,10 +233,9 @@ class LayerLayout:
             heads = attn.queries if module.indexed_by == "q" else attn.kv
             for suffix in SUFFIXES:
                 if module.part == "qkv":
-                    if f"k.{suffix}" in attn.kv:  # (n, d, *rest) -> rows [Q | K | V]
-                        q = attn.queries[f"q.{suffix}"].flatten(0, 1)
-                        k, v = (attn.kv[f"{p}.{suffix}"].flatten(0, 1) for p in ("k", "v"))
-                        out[f"{module.path}.{suffix}"] = torch.cat([q, k, v])
+                    if f"k.{suffix}" in attn.kv:  # (n, d, *rest) -> rows as the layout has them
+                        q, k, v = attn.queries[f"q.{suffix}"], attn.kv[f"k.{suffix}"], attn.kv[f"v.{suffix}"]
+                        out[f"{module.path}.{suffix}"] = self._stored(self._fuse(q, k, v))
                     continue
                 key = f"{module.part}.{suffix}"
                 if key not in heads:
@@ -228,7 +248,11 @@ class LayerLayout:
                 if module.per_head:  # (n, d) -> n tensors (d,)
                     out.update(zip(names, t.unbind(0), strict=True))
                 elif module.columns:  # (H, hidden, d) -> (hidden, H*d)
-                    out[names[0]] = t.transpose(0, 1).flatten(1, 2)
+                    out[names[0]] = self._stored(t.transpose(0, 1).flatten(1, 2))
                 else:  # (n, d, *rest) -> (n*d, *rest)
-                    out[names[0]] = t.flatten(0, 1)
+                    out[names[0]] = self._stored(t.flatten(0, 1))
         return out
+
+    def _stored(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor as the checkpoint stores it: weight matrices back to (in, out) when `transposed`."""
+        return t.T.contiguous() if self.transposed and t.dim() == 2 else t

@@ -2,6 +2,8 @@
 
     config.json   the source's, with the new num_key_value_heads (and dtype, when cast)
     side files    tokenizer, generation config, chat template, licence: copied as they are
+    modeling_gqaify.py   only for a type transformers has no K/V head count for (gpt2, gpt_neox, opt): the
+                  class with K/V heads, registered in config.json's `auto_map` for `trust_remote_code=True`
     README.md     a short model card
     gqaify.json   provenance: source (name, revision, SHA-256 of every weight file), method, groups, grouping,
                   calibration and fit error, tool version, and every file written (what --force may replace)
@@ -18,6 +20,7 @@ from gqaify import __version__
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.options import METHOD_INFO
 from gqaify.conversion.source import Source
+from gqaify.shipped import SHIPPED_FILE, SHIPPED_MODULE
 
 
 def kv_groups(source_kv_heads: int, kv_heads: int) -> list[list[int]]:
@@ -26,9 +29,13 @@ def kv_groups(source_kv_heads: int, kv_heads: int) -> list[list[int]]:
     return [list(range(g * size, (g + 1) * size)) for g in range(kv_heads)]
 
 
-def write_config_and_side_files(source: Source, folder: Path, kv_heads: int, dtype: str) -> None:
-    """config.json with the new num_key_value_heads (and dtype when cast); tokenizer and friends as they are."""
+def write_config_and_side_files(source: Source, spec: ArchSpec, folder: Path, kv_heads: int, dtype: str) -> None:
+    """config.json with the new num_key_value_heads (and dtype when cast); tokenizer and friends as they are; the
+    shipped modeling file where transformers' class has no K/V heads."""
     config = {**source.config, "num_key_value_heads": kv_heads}
+    if spec.shipped_class is not None:
+        config["auto_map"] = {"AutoModelForCausalLM": f"{SHIPPED_MODULE}.{spec.shipped_class}"}
+        shutil.copyfile(SHIPPED_FILE, folder / SHIPPED_FILE.name)
     if dtype != "auto":
         for key in ("dtype", "torch_dtype"):
             if key in config:

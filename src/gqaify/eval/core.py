@@ -106,7 +106,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     span = None  # the characters of the text evaluated: set by the parent's tokenizer, the same for all
     parent = None
     for i, name in enumerate(models):
-        model, tokenizer = load_model(name, s.dtype, device)
+        model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
         if fingerprint not in tokenized:
             ids, span = _tokenize(tokenizer, text.text, name, max_tokens=s.max_tokens if span is None else None,
@@ -213,7 +213,7 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> tuple[
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} is a file; choose a folder")
     raise_if_problems(problems)
-    configs = [load_config(name) for name in models]
+    configs = [load_config(name, trust_remote_code=s.trust_remote_code) for name in models]
     for name, config in zip(models, configs, strict=True):
         positions = getattr(config, "max_position_embeddings", None)
         if positions and s.seq_len > positions:

@@ -22,4 +22,5 @@ class EvalSettings:
     repeats: int = 3
     diag_tokens: int = 512
     speed: bool = True
+    trust_remote_code: bool = False  # load models whose folder carries modeling code (gqaify's GPT-2, GPT-NeoX, OPT)
     progress: bool = True

@@ -109,6 +109,10 @@ class UptrainSettings:
     log_every: int = field(default=1, metadata=_help("write metrics every N steps"))
     log_to: list[str] = field(default_factory=list, metadata=_help(f"extra trackers: {', '.join(TRACKERS)}"))
     progress: bool = field(default=True, metadata=_help("show a progress bar"))
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_help("run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"),
+    )
     dist_timeout: int = field(
         default=3600,
         metadata=_help("seconds processes wait for each other (the main one converts the model first; raise it "

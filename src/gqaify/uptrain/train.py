@@ -36,7 +36,7 @@ from gqaify.archs import ARCHITECTURES, HEAD, LAYER
 from gqaify.data import load_text
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
-from gqaify.models import load_config, load_model, load_tokenizer
+from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
 from gqaify.outputs import PROVENANCE_FILE, write_provenance
 from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.report import (
@@ -134,8 +134,9 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     set_seed(s.seed)
 
     model_path = _model_to_train(s, out, accelerator)
-    model, _ = load_model(model_path, torch.float32, "cpu", option="model")
-    saved_dtype = load_config(model_path, option="model").dtype or torch.float32
+    trust = s.trust_remote_code
+    model, _ = load_model(model_path, torch.float32, "cpu", option="model", trust_remote_code=trust)
+    saved_dtype = load_config(model_path, option="model", trust_remote_code=trust).dtype or torch.float32
     model.train()
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -338,7 +339,8 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
     """
     if not s.distill_from:
         return None
-    teacher, _ = load_model(s.distill_from, "auto", accelerator.device, option="distill_from")
+    teacher, _ = load_model(s.distill_from, "auto", accelerator.device, option="distill_from",
+                            trust_remote_code=s.trust_remote_code)  # fmt: skip
     teacher.requires_grad_(False)
     if teacher.config.vocab_size != vocab_size:
         raise UserError(
@@ -445,7 +447,8 @@ def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float
         return None
     model = teacher if parent == s.distill_from and teacher is not None else None
     if model is None:
-        model, _ = load_model(parent, "auto", accelerator.device, option="parent")
+        model, _ = load_model(parent, "auto", accelerator.device, option="parent",
+                              trust_remote_code=s.trust_remote_code)  # fmt: skip
     ppl = perplexity(model, eval_ids, seq_len, seq_len, progress=False).perplexity
     del model
     return ppl
@@ -464,9 +467,13 @@ def _check_inputs(s: UptrainSettings) -> None:
     for key in ("model", "distill_from", "parent"):
         if value := getattr(s, key):
             try:
-                configs[key] = load_config(value, option=key)  # exists and is a model
+                # exists and is a model
+                configs[key] = load_config(value, option=key, trust_remote_code=s.trust_remote_code)
             except UserError as exc:
                 problems.append(str(exc))
+    spec = ARCHITECTURES.get(getattr(configs.get("model"), "model_type", None))
+    if s.kv_heads is not None and spec is not None and spec.shipped_class and not s.trust_remote_code:
+        problems.append(untrusted_problem(f"model {s.model} converted to {s.kv_heads} K/V heads is a class that"))
     positions = getattr(configs.get("model"), "max_position_embeddings", None)
     for key, length in (("seq_len", s.seq_len), ("eval_seq_len", s.eval_seq_len)):
         if positions and length and length > positions:
