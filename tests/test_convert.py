@@ -1,6 +1,7 @@
 """What a conversion writes: tensors against an in-memory reference, shards, config, side files, provenance."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -81,6 +82,26 @@ def test_provenance_and_model_card(mha_llama, tmp_path):
     assert set(record["source"]["sha256"]) == {p.name for p in src.glob("*.safetensors")}
     card = (tmp_path / "out" / "README.md").read_text()
     assert "8 → 2" in card and "`mean`" in card
+
+
+def test_model_card_is_one_the_hub_parses_with_base_model_and_licence(mha_llama, tmp_path):
+    """A source in the Hugging Face cache has a hub id (base_model); its card's licence is copied to ours."""
+    from huggingface_hub import ModelCard
+
+    _, src = mha_llama
+    cached = tmp_path / "hub" / "models--someone--tiny-llama" / "snapshots" / ("ab" * 20)
+    shutil.copytree(src, cached)
+    (cached / "README.md").write_text("---\nlicense: other\nlicense_name: tiny\nlicense_link: LICENSE\n---\n# Tiny\n")
+    gqaify.convert(cached, tmp_path / "out", kv_heads=1, progress=False)
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert card.data.base_model == "someone/tiny-llama" and card.data.base_model_relation == "finetune"
+    assert (card.data.license, card.data.license_name, card.data.license_link) == ("other", "tiny", "LICENSE")
+    assert card.data.library_name == "transformers" and card.data.tags == ["gqaify", "gqa", "mqa"]
+    assert "8 → 1" in card.text and "`mean`" in card.text
+
+    gqaify.convert(src, tmp_path / "plain", kv_heads=2, progress=False)  # a folder elsewhere: no hub id, no licence
+    data = ModelCard.load(tmp_path / "plain" / "README.md").data
+    assert data.base_model is None and data.license is None and data.tags == ["gqaify", "gqa"]
 
 
 def test_dtype_casts_floating_tensors_and_config(mha_llama, tmp_path):

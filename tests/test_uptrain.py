@@ -157,6 +157,12 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     provenance = json.loads((out / "final" / "gqaify.json").read_text())
     assert provenance["kv_heads"] == 2 and provenance["uptrain"]["tokens"] == 1280
     assert json.loads((out / "run.json").read_text())["settings"]["mixed_precision"] == "no"  # resolved, not null
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "final" / "README.md")  # the conversion's card, with the uptraining added
+    assert card.data.tags == ["gqaify", "gqa"] and "## Uptraining" in card.text
+    assert f"{rows[0]['eval_perplexity']:.2f} before, **{result.eval_perplexity:.2f} after**" in card.text
+    assert "(recovery.png)" in card.text and (out / "final" / "recovery.png").is_file()
 
 
 def test_rerun_of_a_finished_run_does_nothing(tiny, tmp_path):

@@ -25,11 +25,12 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for, rotary_dim
 from gqaify.conversion.calibrate import CalibratedLayers, calibrate
+from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, sha256_file
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, Method, MethodContext
 from gqaify.conversion.options import Calibration, method_problems
-from gqaify.conversion.record import kv_groups, model_card, provenance, write_config_and_side_files
+from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
 from gqaify.conversion.source import Source, open_source, read_config, source_may_exist
 from gqaify.dtypes import dtype_problem, torch_dtype
 from gqaify.errors import UserError, raise_if_problems
@@ -157,7 +158,7 @@ def convert(
                     permutations=calibrated.orders,
                     fit_error=calibrated.errors,
                 )
-            (staging / "README.md").write_text(model_card(record))
+            model_card(record).save(staging / "README.md")
             write_provenance(staging, record)
 
     kv_dtype = plan.tensors[plan.layer_outputs[0][0]].dtype

@@ -166,7 +166,7 @@ def read_config(directory: Path) -> dict:
 
 def _open_hub(repo_id: str, revision: str | None) -> Source:
     LOG.info("fetching the config and side files of %s from the Hugging Face hub", repo_id)
-    directory = _snapshot(repo_id, revision, SIDE_FILES)
+    directory = _snapshot(repo_id, revision, [*SIDE_FILES, "README.md"])  # the card: its licence goes on ours
     if not (directory / "config.json").is_file():
         raise UserError(f"{repo_id} has no config.json; gqaify converts transformers checkpoints")
     commit = directory.name if re.fullmatch(r"[0-9a-f]{40}", directory.name) else revision

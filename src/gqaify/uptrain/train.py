@@ -166,11 +166,12 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
         evaluate()
     _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress, steps, evaluate, out)
 
-    _save_final(accelerator, model, tokenizer, model_path, out / "final", saved_dtype, s, progress)
+    if accelerator.is_main_process:
+        _plot(out, run, s)
+    _save_final(accelerator, model, tokenizer, model_path, out, saved_dtype, s, progress, run)
     if accelerator.is_main_process:
         run["completed"] = True
         _write_json(out / RUN_FILE, run)
-        _plot(out, run, s)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # last: it also ends the process group
     return _result_of_finished_run(out, run)
@@ -590,9 +591,14 @@ def _save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> 
     accelerator.wait_for_everyone()
 
 
-def _save_final(accelerator, model, tokenizer, model_path: str, final: Path, dtype, s, progress: Progress) -> None:
-    """output_dir/final: a plain checkpoint in the converted model's dtype, plus gqaify.json provenance."""
+def _save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress,
+                run: dict) -> None:  # fmt: skip
+    """output_dir/final: a plain checkpoint in the converted model's dtype, gqaify.json provenance, and the model
+    card with what uptraining measured (and the recovery plot)."""
     from gqaify import __version__
+    from gqaify.conversion.card import model_card
+
+    final = out / "final"
 
     state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
     accelerator.wait_for_everyone()
@@ -610,6 +616,19 @@ def _save_final(accelerator, model, tokenizer, model_path: str, final: Path, dty
     provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
     provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
                              "tokens": progress.tokens, "settings": asdict(s)}  # fmt: skip
+    if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
+        _, perplexities = eval_curve(read_metrics(out / METRICS))
+        uptrained = {
+            "tokens": progress.tokens, "steps": progress.step, "data": s.data, "eval_data": s.eval_data,
+            "distill_from": s.distill_from if s.distill_weight > 0 else None,
+            "perplexity_before": perplexities[0] if perplexities else None,
+            "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
+            "parent_perplexity": run.get("parent_perplexity"),
+        }  # fmt: skip
+        if (out / "recovery.png").is_file():
+            shutil.copyfile(out / "recovery.png", partial / "recovery.png")
+            uptrained["plot"] = "recovery.png"
+        model_card(provenance, uptrained).save(partial / "README.md")
     write_provenance(partial, {"tool": "gqaify", **provenance})
     if final.exists():
         shutil.rmtree(final)
