@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPTJConfig, GPTJForCausalLM
 
 from conftest import build_model, save, tree_hashes
 from gqaify.archs import ARCHITECTURES
@@ -69,11 +69,11 @@ def test_several_problems_reported_together(capsys, source, tmp_path):
 
 
 def test_unsupported_architecture_lists_supported_ones(capsys, tmp_path):
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    src = save(GPT2LMHeadModel(config), tmp_path / "gpt2")
+    config = GPTJConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, rotary_dim=8)
+    src = save(GPTJForCausalLM(config), tmp_path / "gptj")
     assert_refused(
         capsys, src, tmp_path / "out", "--kv-heads", "1",
-        expect=f"unsupported architecture 'gpt2' (GPT2LMHeadModel); gqaify converts {len(ARCHITECTURES)} model types, "
+        expect=f"unsupported architecture 'gptj' (GPTJForCausalLM); gqaify converts {len(ARCHITECTURES)} model types, "
         "listed by `python -m gqaify.coverage`",
     )  # fmt: skip
 
