@@ -87,13 +87,13 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gqaify.cli import format_summary, format_uptrain_summary
     from gqaify.conversion.core import convert
     from gqaify.conversion.options import Calibration
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
     from gqaify.eval.settings import EvalSettings
     from gqaify.kvcache import measured_kv_cache_bytes
+    from gqaify.summary import format_summary, format_uptrain_summary
 
     source = model or str(fetch_default_model())
     stem = "smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa"

@@ -13,7 +13,7 @@ import hashlib
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,6 +24,8 @@ from gqaify.dtypes import dtype_problem
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
+from gqaify.eval.report import write_report
+from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
@@ -33,59 +35,12 @@ from gqaify.sizes import parse_size
 LOG = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelReport:
-    model: str
-    model_type: str
-    num_attention_heads: int
-    num_key_value_heads: int
-    dtype: str
-    parameters: int
-    tokenizer: str  # fingerprint: models with equal fingerprints saw identical token ids
-    tokens_scored: int
-    nll: float
-    perplexity: float
-    word_perplexity: float
-    bits_per_byte: float
-    delta_perplexity: float | None
-    kv_cache_bytes_per_token: float
-    kv_cache_bytes_analytic: int
-    kv_cache_bytes_measured: int
-    kv_cache_tokens: int
-    kv_ratio_to_parent: float
-    weights_bytes: int
-    max_context_at_budget: int | None  # what the cache would hold beside the weights (None: bounded, all slide)
-    max_positions: int | None  # the model's max_position_embeddings
-    usable_context: int | None  # the two above, whichever binds
-    context_bound_by: str  # "memory", "positions" or "nothing"
-    max_batch_at_seq_len: int
-    words: int  # words and UTF-8 bytes of the text scored: the same span for every model
-    text_bytes: int
-    prefill_tokens_per_s: float | None = None
-    decode_tokens_per_s: float | None = None
-    decode_tokens_per_s_batched: float | None = None
-    diagnostics: dict | None = None
-
-
-@dataclass
-class Report:
-    data: dict
-    settings: dict
-    models: list[ModelReport] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"data": self.data, "settings": self.settings, "models": [asdict(m) for m in self.models],
-                "notes": self.notes}  # fmt: skip
-
-
 def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: EvalSettings | None = None) -> Report:
     """Evaluate `models` (the first is the parent) on `data` and write the report to `out`.
 
     Raises:
         UserError: bad input; nothing is written.
     """
-    from gqaify.eval.report import write_report
 
     s = settings or EvalSettings()
     stride = s.seq_len if s.stride is None else s.stride

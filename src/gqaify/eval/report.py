@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from gqaify.eval.core import Report
+from gqaify.eval.results import Report
 from gqaify.outputs import current_umask
 
 PLOT_KV = "perplexity_vs_kv.png"

@@ -1,0 +1,65 @@
+"""What a conversion or an uptraining run did, in a few lines for the terminal (the CLI and the demo print them)."""
+
+from __future__ import annotations
+
+
+def format_summary(result) -> str:
+    """A few lines saying what a conversion did."""
+    kind = "MQA" if result.kv_heads == 1 else f"GQA-{result.kv_heads}"
+    before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
+    return "\n".join(
+        [
+            f"converted {result.model_type} to {kind} with --method {result.method} in {result.seconds:.2f} s",
+            f"  K/V heads       {result.source_kv_heads} -> {result.kv_heads} "
+            f"({result.num_heads} query heads; groups {_groups(result.groups)})",
+            f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
+            *_fit_lines(result),
+            f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
+            f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
+            f"  saved to        {result.out}",
+        ]
+    )
+
+
+def _fit_lines(result) -> list[str]:
+    lines = []
+    if result.permutations is not None:
+        lines.append(f"  grouping        similarity (layer 0 order {result.permutations[0]}; all in gqaify.json)")
+    if result.fit_errors:
+        parts = []
+        for key, name in (("k", "scores"), ("v", "outputs")):
+            errors = [e[key] for e in result.fit_errors if e.get(key) is not None]
+            if errors:
+                parts.append(f"{name} {sum(errors) / len(errors):.3f}")
+        lines.append(
+            f"  fit error       {', '.join(parts)} (mean relative, on calibration text; per layer in gqaify.json)"
+        )
+        if result.fit_errors[-1].get("out") is not None:
+            repaired = sum(bool(e.get("repaired")) for e in result.fit_errors)
+            refined = result.fit_errors[-1].get("refined", 0)
+            lines.append(
+                f"  layer outputs   {result.fit_errors[-1]['out']:.3f} relative error after the last layer; "
+                f"{repaired} of {len(result.fit_errors)} layers repaired, {refined} refine steps each"
+            )
+        seconds = result.calibration_seconds
+        lines.append(
+            f"  calibration     {seconds['total']:.1f} s (capture {seconds['capture']:.1f}, fit {seconds['fit']:.1f}, "
+            f"repair {seconds['repair']:.1f}, refine {seconds['refine']:.1f}, converted pass {seconds['run']:.1f})"
+        )
+    return lines
+
+
+def format_uptrain_summary(result) -> str:
+    """A few lines saying what an uptraining run did."""
+    lines = [f"uptrained {result.steps} steps, {result.tokens:,} tokens; final training loss {result.loss:.4f}"]
+    if result.eval_perplexity is not None:
+        parent = f" (parent {result.parent_perplexity:.2f})" if result.parent_perplexity is not None else ""
+        lines.append(f"  eval perplexity {result.eval_perplexity:.2f}{parent}")
+    lines.append(f"  model           {result.final}")
+    lines.append(f"  metrics         {result.metrics}" + (f", plot {result.plot}" if result.plot else ""))
+    return "\n".join(lines)
+
+
+def _groups(groups: list[list[int]]) -> str:
+    shown = ["[" + ",".join(map(str, g)) + "]" for g in groups[:4]]
+    return " ".join(shown) + (" ..." if len(groups) > 4 else "")
