@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +316,61 @@ def test_norm_mean_on_duplicated_heads_reproduces_the_gqa_model(model_type, tmp_
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids))
     gqaify.convert(tmp_path / "mha", tmp_path / "same", kv_heads=4, method="norm-mean", progress=False)
     assert torch.equal(logits(load(tmp_path / "same"), ids), logits(load(tmp_path / "mha"), ids))
+
+
+class FakeHub:
+    """huggingface_hub.HfApi, recording the calls and what the folder held when it was uploaded."""
+
+    calls: list = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs.get("exist_ok")))
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        self.calls.append(("upload_folder", repo_id, str(folder_path), files, kwargs["commit_message"]))
+        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
+
+
+def test_push_to_hub_uploads_the_complete_folder_in_one_commit(mha_llama, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+    from huggingface_hub import ModelCard
+
+    from test_errors import run_cli
+
+    FakeHub.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
+    _, src = mha_llama
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", src, out, "--kv-heads", "2", "--push-to-hub", "you/tiny-gqa2", "-q")[0] == 0
+    (create, upload) = FakeHub.calls
+    assert create == ("create_repo", "you/tiny-gqa2", True)
+    assert upload[:3] == ("upload_folder", "you/tiny-gqa2", str(out.resolve()))
+    assert upload[3] == sorted(p.name for p in out.iterdir())  # everything, the card included, in one commit
+    assert {"README.md", "config.json", "gqaify.json", "model.safetensors"} <= set(upload[3])
+    assert upload[4].startswith("GQA-2 of ") and ModelCard.load(out / "README.md").data.tags == ["gqaify", "gqa"]
+
+    FakeHub.calls = []  # a conversion that fails, or a repository id that is not one: nothing is pushed
+    code, err = run_cli(capsys, "convert", src, tmp_path / "bad", "--kv-heads", "3", "--push-to-hub", "you/x")
+    assert code == 2 and FakeHub.calls == [] and not (tmp_path / "bad").exists()
+    code, err = run_cli(capsys, "convert", src, tmp_path / "bad", "--kv-heads", "2", "--push-to-hub", "not a/repo/id")
+    assert code == 2 and "owner/name" in err and FakeHub.calls == [] and not (tmp_path / "bad").exists()
+
+
+def test_a_failed_push_keeps_the_complete_folder_and_says_how_to_push_it(mha_llama, tmp_path, monkeypatch, capsys):
+    import httpx2 as httpx
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from test_errors import run_cli
+
+    class Refusing(FakeHub):
+        def create_repo(self, repo_id, **kwargs):
+            request = httpx.Request("POST", "https://huggingface.co/api/repos/create")
+            raise HfHubHTTPError("401 Client Error: Unauthorized", response=httpx.Response(401, request=request))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Refusing)
+    _, src = mha_llama
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--push-to-hub", "you/x", "-q")
+    assert code == 2 and err.count("\n") == 1 and "hf upload you/x" in err and "Unauthorized" in err, err
+    assert load(tmp_path / "out").config.num_key_value_heads == 2  # complete, loadable

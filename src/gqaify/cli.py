@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--allow-nonfinite", action="store_true", help="convert K/V weights that hold NaN or Inf instead of refusing"
     )
+    convert.add_argument("--push-to-hub", metavar="REPO", help="upload OUT, once complete, to this hub repository")
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(run=_run_convert)
 
@@ -243,6 +244,7 @@ def _run_convert(args) -> None:
         grouping=args.grouping,
         allow_nonfinite=args.allow_nonfinite,
         progress=not args.quiet,
+        push_to_hub=args.push_to_hub,
     )
     print(format_summary(result))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from gqaify import __version__
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for, rotary_dim
 from gqaify.conversion.calibrate import CalibratedLayers, calibrate
 from gqaify.conversion.card import model_card
@@ -34,6 +35,7 @@ from gqaify.conversion.record import kv_groups, provenance, write_config_and_sid
 from gqaify.conversion.source import Source, open_source, read_config, source_may_exist
 from gqaify.dtypes import dtype_problem, torch_dtype
 from gqaify.errors import UserError, raise_if_problems
+from gqaify.hub import push_folder, repo_id_problem
 from gqaify.kvcache import kv_cache_bytes_per_token
 from gqaify.outputs import destination_problems, remove_leftovers, resolve_out, space_problem, staged, write_provenance
 from gqaify.sizes import parse_size
@@ -81,6 +83,7 @@ def convert(
     grouping: str = "contiguous",
     allow_nonfinite: bool = False,
     progress: bool = True,
+    push_to_hub: str | None = None,
 ) -> ConversionResult:
     """Convert the checkpoint `src` to `kv_heads` key/value heads and save it as a plain checkpoint at `out`.
 
@@ -100,14 +103,17 @@ def convert(
             that the heads that agree most share a K/V head.
         allow_nonfinite: convert K/V projections that hold NaN or Inf instead of refusing them.
         progress: show a progress bar.
+        push_to_hub: a hub repository id (owner/name): `out`, once complete, is uploaded to it in one commit.
 
     Raises:
-        UserError: bad input; nothing is written.
+        UserError: bad input; nothing is written. Or the push failed; `out` is complete.
         ResourceError: the disk filled up while writing; nothing is left behind.
     """
     start = time.perf_counter()
     out_path = resolve_out(out) if os.fspath(out).strip() else Path()
     problems = _request_problems(src, out, kv_heads, method, dtype, max_shard_size, force, calibration, grouping)
+    if push_to_hub is not None and (problem := repo_id_problem(push_to_hub)):
+        problems.append(problem)
     if problems:  # report what config.json would add too, where reading it is free (a local folder)
         local = Path(src).expanduser()
         if local.is_dir() and (local / "config.json").is_file():
@@ -161,6 +167,9 @@ def convert(
             model_card(record).save(staging / "README.md")
             write_provenance(staging, record)
 
+    if push_to_hub is not None:
+        kind = "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
+        push_folder(out_path, push_to_hub, f"{kind} of {source.name} by gqaify {__version__} (--method {method})")
     kv_dtype = plan.tensors[plan.layer_outputs[0][0]].dtype
     converted = sum(len(names) for names in plan.layer_outputs)
     LOG.info("wrote %s", out_path)
