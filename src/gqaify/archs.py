@@ -1,8 +1,9 @@
 """What gqaify knows about each architecture, as data.
 
-Almost every architecture here implements grouped-query attention natively through `num_key_value_heads` and
-transformers' `repeat_kv`, so a converted checkpoint is a plain checkpoint of the same class (the three that
-do not ship a class of their own, below). An entry names, relative to one layer's attention module, the tensors whose rows are indexed by K/V head:
+Almost every architecture here implements grouped-query attention natively through `num_key_value_heads`
+and transformers' `repeat_kv`, so a converted checkpoint is a plain checkpoint of the same class (the three
+that do not ship a class of their own, below). An entry names, relative to one layer's attention module, the
+tensors whose rows are indexed by K/V head:
 
     separate projections   k_proj.weight (KV*d, hidden), v_proj.weight, and their biases when present
     fused projection       qkv_proj.weight ((H + 2*KV)*d, hidden), its rows laid out as `qkv_layout` says:
