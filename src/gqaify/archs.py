@@ -355,6 +355,11 @@ class Geometry:
         return self.num_heads // self.num_kv_heads
 
 
+def attention_kind(num_kv_heads: int) -> str:
+    """What a model with `num_kv_heads` K/V heads is called in the summaries and the card: "MQA" or "GQA-G"."""
+    return "MQA" if num_kv_heads == 1 else f"GQA-{num_kv_heads}"
+
+
 def rotary_dim(model_type: str, config: dict, head_dim: int) -> int:
     """How many leading dimensions of each head RoPE rotates, as transformers' config for the class says."""
     from transformers import AutoConfig

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from gqaify.archs import attention_kind
+
 
 def format_summary(result) -> str:
     """A few lines saying what a conversion did."""
-    kind = "MQA" if result.kv_heads == 1 else f"GQA-{result.kv_heads}"
+    kind = attention_kind(result.kv_heads)
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
     return "\n".join(
         [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from gqaify.archs import attention_kind
 from gqaify.conversion.options import METHOD_INFO
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
@@ -47,7 +48,7 @@ def model_card(record: dict, uptrained: dict | None = None):
     from huggingface_hub import ModelCard, ModelCardData
 
     src, g, kv_heads = record["source"], record["source_geometry"], record["kv_heads"]
-    kind = "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
+    kind = attention_kind(kv_heads)
     tags = ["gqaify", "gqa"] + (["mqa"] if kv_heads == 1 else []) + (["custom_code"] if record.get("shipped") else [])
     meta = record.get("card", {})
     data = ModelCardData(

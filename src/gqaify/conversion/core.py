@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify import __version__
-from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for, rotary_dim
+from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for, attention_kind, rotary_dim
 from gqaify.conversion.calibrate import CalibratedLayers, calibrate
 from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, sha256_file
@@ -168,8 +168,8 @@ def convert(
             write_provenance(staging, record)
 
     if push_to_hub is not None:
-        kind = "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
-        push_folder(out_path, push_to_hub, f"{kind} of {source.name} by gqaify {__version__} (--method {method})")
+        message = f"{attention_kind(kv_heads)} of {source.name} by gqaify {__version__} (--method {method})"
+        push_folder(out_path, push_to_hub, message)
     kv_dtype = plan.tensors[plan.layer_outputs[0][0]].dtype
     converted = sum(len(names) for names in plan.layer_outputs)
     LOG.info("wrote %s", out_path)
