@@ -69,14 +69,15 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.devic
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    load_config(name, option, trust_remote_code)
+    config = load_config(name, option, trust_remote_code)  # read once, checked, and handed on
     where, kwargs = model_location(name, option)
     chosen = (torch_dtype(dtype) or "auto") if isinstance(dtype, str) else dtype
     if "gguf_file" in kwargs and chosen == "auto":
         chosen = torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=chosen, trust_remote_code=trust_remote_code,
-                                                     **kwargs).to(device).eval()  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=chosen,
+                                                     trust_remote_code=trust_remote_code, **kwargs)  # fmt: skip
+        model = model.to(device).eval()
         return model, AutoTokenizer.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
         raise UserError(f"{option} {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc
