@@ -47,14 +47,16 @@ def test_same_number_of_heads_gives_the_original_class_logits(model_type, tmp_pa
     converted = load(tmp_path / "out")
     assert type(converted).__name__ == shipped and type(converted).__module__.startswith("transformers_modules")
     ids = sample_ids(parent.config.vocab_size)
-    assert torch.equal(logits(converted, ids), logits(parent, ids))
+    # the same weights through another (equivalent) code path, whose tensors may be laid out differently in
+    # memory: float64, so that the rounding of another CPU's kernels stays far below the tolerance
+    torch.testing.assert_close(logits(converted.double(), ids), logits(parent.double(), ids), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("model_type", SHIPPED)
 def test_generate_with_the_g_head_cache_matches_the_uncached_forward(model_type, tmp_path):
     save(mha_parent(model_type), tmp_path / "mha")
     gqaify.convert(tmp_path / "mha", tmp_path / "out", kv_heads=1, progress=False)
-    model = load(tmp_path / "out")
+    model = load(tmp_path / "out").double()  # float64: no near-tie of two tokens flips between the two paths
     prompt = sample_ids(model.config.vocab_size, length=8, batch=1)
     with torch.inference_mode():
         cached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
