@@ -9,7 +9,8 @@ peak RSS and wall time. 4,100 tokens is the fewest the fit accepts at hidden siz
     python benchmarks/calibration_memory.py --tokens 2048 --pythonpath OLD/src --mode ""   # an older gqaify
 
 `--pythonpath` runs the conversion with another gqaify source tree (what the numbers were before); `--mode`
-is passed as `mode=` to gqaify.Calibration (empty: not passed, for versions without it).
+is passed as `calib_mode` (empty: not passed, for versions without it; versions before ConvertSettings take
+it through gqaify.Calibration).
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ _CHILD = """
 import json, resource, sys, time
 import gqaify
 args = json.loads(sys.argv[1])
-extra = {"mode": args["mode"]} if args["mode"] else {}
-calibration = gqaify.Calibration(args["data"], tokens=args["tokens"], seq_len=1024, **extra)
+if hasattr(gqaify, "ConvertSettings"):
+    calibration = {"calib_data": args["data"], "calib_tokens": args["tokens"], "calib_seq_len": 1024,
+                   **({"calib_mode": args["mode"]} if args["mode"] else {})}
+else:  # a gqaify from before ConvertSettings (--pythonpath)
+    extra = {"mode": args["mode"]} if args["mode"] else {}
+    calibration = {"calibration": gqaify.Calibration(args["data"], tokens=args["tokens"], seq_len=1024, **extra)}
 start = time.perf_counter()
-gqaify.convert(args["src"], args["out"], 8, method="lsq", calibration=calibration, progress=False)
+gqaify.convert(args["src"], args["out"], 8, method="lsq", progress=False, **calibration)
 print(json.dumps({"seconds": time.perf_counter() - start,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -44,7 +49,7 @@ print(json.dumps({"seconds": time.perf_counter() - start,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="4100", help="calibration token counts, comma-separated")
-    parser.add_argument("--mode", default="sequential", help="Calibration(mode=...); empty to leave it out")
+    parser.add_argument("--mode", default="sequential", help="calib_mode; empty to leave it out")
     parser.add_argument("--pythonpath", help="run the conversion with this gqaify source tree")
     parser.add_argument("--workdir", help="where the checkpoint is built (default: a temporary folder)")
     args = parser.parse_args()

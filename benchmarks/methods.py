@@ -37,7 +37,7 @@ REFINE_STEPS = 64
 # label -> (method, grouping, calibration settings beyond data/tokens/seq_len; None: no calibration at all)
 VARIANTS = {
     "mean": ("mean", "contiguous", None),  # the GQA paper
-    "lsq, parallel": ("lsq", "contiguous", {"mode": "parallel"}),  # fitted on the parent's activations
+    "lsq, parallel": ("lsq", "contiguous", {"calib_mode": "parallel"}),  # fitted on the parent's activations
     "lsq, sequential, no repair": ("lsq", "contiguous", {"repair": False}),  # fitted on the converted stream
     "lsq, sequential": ("lsq", "contiguous", {}),  # + o_proj repaired against the parent's attention output
     f"lsq, sequential, refine {REFINE_STEPS}": ("lsq", "contiguous", {"refine_steps": REFINE_STEPS}),
@@ -53,10 +53,9 @@ _CHILD = """
 import json, resource, sys, time
 import gqaify
 args = json.loads(sys.argv[1])
-calibration = gqaify.Calibration(**args["calibration"]) if args["calibration"] else None
 start = time.perf_counter()
 result = gqaify.convert(args["src"], args["out"], args["kv_heads"], method=args["method"], grouping=args["grouping"],
-                        calibration=calibration, force=True, progress=False)
+                        force=True, progress=False, **(args["calibration"] or {}))
 print(json.dumps({"seconds": time.perf_counter() - start, "fit_errors": result.fit_errors,
                   "calibration_seconds": result.calibration_seconds,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
@@ -126,7 +125,8 @@ def zero_training(out: Path, model: str, src: str, source_kv: int, kv_heads: int
         path = out / "models" / f"{model}-G{kv_heads}-{label.replace(', ', '-').replace(' ', '_')}"
         print(f"== {model} -> {kv_heads} K/V heads: {label}", flush=True)
         if calibration is not None:
-            calibration = {"data": str(CALIB_TEXT), "tokens": calib_tokens, "seq_len": seq_len, **calibration}
+            calibration = {"calib_data": str(CALIB_TEXT), "calib_tokens": calib_tokens, "calib_seq_len": seq_len,
+                           **calibration}
         request = {"src": src, "out": str(path), "kv_heads": kv_heads, "method": method, "grouping": grouping,
                    "calibration": calibration}  # fmt: skip
         done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)], capture_output=True, text=True)

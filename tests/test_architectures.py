@@ -22,7 +22,6 @@ from conftest import (
 )
 from gqaify import coverage
 from gqaify.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
-from gqaify.conversion.options import Calibration
 from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from test_errors import run_cli
 
@@ -139,8 +138,8 @@ def test_lsq_pools_rotated_twins_back_exactly(model_type, tmp_path):
 
     twin = save_with_tokenizer(rotated_twin(gqa, pairs), tmp_path / "mha")
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    calibration = Calibration(str(tmp_path / "calib.txt"), tokens=2048, seq_len=48)
-    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", calibration=calibration, progress=False)
+    calibration = dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=2048, calib_seq_len=48)
+    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", **calibration, progress=False)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), expected, atol=1e-4, rtol=1e-4)
 
 

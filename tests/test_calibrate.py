@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from conftest import (
 )
 from gqaify.archs import ARCHITECTURES
 from gqaify.conversion import walk
-from gqaify.conversion.options import Calibration
 from gqaify.conversion.source import open_source
 from gqaify.errors import UserError
 from test_errors import run_cli
@@ -38,9 +36,9 @@ SLIDING = {"mistral": {"sliding_window": 8}, "gemma2": {"sliding_window": 8}}  #
 
 
 @pytest.fixture
-def calibration(tmp_path) -> Calibration:
+def calibration(tmp_path) -> dict:
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    return Calibration(str(tmp_path / "calib.txt"), tokens=1024, seq_len=48)
+    return dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=1024, calib_seq_len=48)
 
 
 def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
@@ -83,7 +81,7 @@ def test_sequential_calibration_that_changes_nothing_reproduces_the_parent(model
     model, src = _tiny(model_type, tmp_path / "src")
     method = "mean" if model_type in QK_NORMS else "lsq"
     result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, progress=False,
-                            calibration=replace(calibration, refine_steps=3))  # fmt: skip
+                            **calibration, refine_steps=3)  # fmt: skip
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
     assert all(e["out"] < 1e-5 and not e["repaired"] for e in result.fit_errors)
@@ -96,7 +94,7 @@ PER_EXPERT = sorted(t for t in ARCH_CONFIGS if ARCHITECTURES[t].no_calibration a
 def test_calibration_is_refused_where_the_walk_cannot_load_layers(model_type, capsys, calibration, tmp_path):
     """Per-expert checkpoints of MoE models: refused before anything is written, mean offered instead."""
     _, src = _tiny(model_type, tmp_path / "src")
-    args = ("--kv-heads", "1", "--method", "mean", "--calib-data", calibration.data)
+    args = ("--kv-heads", "1", "--method", "mean", "--calib-data", calibration["calib_data"])
     code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args)
     assert code == 2 and err.count("\n") == 1, err
     assert f"cannot be calibrated: {ARCHITECTURES[model_type].no_calibration}" in err
@@ -123,15 +121,16 @@ def _load_every_layer(src, spec):
 def test_duplicated_heads_pool_back_exactly_through_the_walk(model_type, calibration, tmp_path):
     gqa, _ = _tiny(model_type, tmp_path / "gqa")
     twin = save_with_tokenizer(duplicate_kv_heads(gqa), tmp_path / "mha")
-    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", calibration=calibration, progress=False)
+    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", **calibration, progress=False)
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids))
 
 
 @needs_assets
 def test_stories260k_twin_pools_back_through_the_walk(tmp_path):
-    calibration = Calibration(str(TEXT / "tinystories-train-sample.txt"), tokens=4096, seq_len=256, refine_steps=2)
-    gqaify.convert(MODELS / "stories260K-mha", tmp_path / "out", kv_heads=4, method="lsq", calibration=calibration,
+    calibration = dict(calib_data=str(TEXT / "tinystories-train-sample.txt"), calib_tokens=4096, calib_seq_len=256,
+                       refine_steps=2)  # fmt: skip
+    gqaify.convert(MODELS / "stories260K-mha", tmp_path / "out", kv_heads=4, method="lsq", **calibration,
                    progress=False)  # fmt: skip
     ids = sample_ids(512, length=64)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(load(MODELS / "stories260K"), ids))
@@ -157,7 +156,7 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
 
     monkeypatch.setattr(walk, "skeleton", tracked_skeleton)
     monkeypatch.setattr(walk, "loaded", tracked_loaded)
-    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", calibration=replace(calibration, refine_steps=2),
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=2,
                    progress=False)  # fmt: skip
     assert len(skeletons) == 2 and len(seen) == 2 * 4  # the parent's and the converted layer, for each layer
     for real, in_layer, layers in seen:
@@ -167,12 +166,12 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
 def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(calibration, tmp_path):
     _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
     plain = gqaify.convert(src, tmp_path / "parallel", kv_heads=1, method="lsq",
-                           calibration=replace(calibration, mode="parallel"), progress=False)  # fmt: skip
+                           **calibration, calib_mode="parallel", progress=False)  # fmt: skip
     assert all("out" not in e for e in plain.fit_errors)
-    repaired = gqaify.convert(src, tmp_path / "repaired", kv_heads=1, method="lsq", calibration=calibration,
+    repaired = gqaify.convert(src, tmp_path / "repaired", kv_heads=1, method="lsq", **calibration,
                               progress=False)  # fmt: skip
     refined = gqaify.convert(src, tmp_path / "refined", kv_heads=1, method="lsq", progress=False,
-                             calibration=replace(calibration, refine_steps=40))  # fmt: skip
+                             **calibration, refine_steps=40)  # fmt: skip
     assert all(e["repaired"] for e in repaired.fit_errors)
     assert all(e["refine_loss"][1] < e["refine_loss"][0] for e in refined.fit_errors)
     assert refined.fit_errors[-1]["out"] < repaired.fit_errors[-1]["out"]
@@ -185,7 +184,7 @@ def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(c
 
 def test_a_sliding_window_model_converts_to_fewer_heads(calibration, tmp_path):
     model, src = _tiny("gemma2", tmp_path / "src", num_kv_heads=2)
-    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", calibration=replace(calibration, refine_steps=5),
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=5,
                    progress=False)  # fmt: skip
     converted = load(tmp_path / "out")
     assert converted.config.num_key_value_heads == 1 and converted.config.sliding_window == 8
@@ -220,11 +219,11 @@ def test_converted_config_drives_the_converted_skeleton(tmp_path):
     [(["--calib-mode", "parallel", "--refine-steps", "5"], "use --calib-mode sequential"),
      (["--refine-steps", "-1"], "--refine-steps -1 must be a whole number, 0 or more"),
      (["--refine-lr", "0"], "--refine-lr 0.0 must be a positive number"),
-     (["--calib-mode", "backwards"], "argument --calib-mode: invalid choice")],
+     (["--calib-mode", "backwards"], "argument --calib-mode/--calib_mode: invalid choice")],
 )  # fmt: skip
 def test_bad_calibration_options(capsys, calibration, tmp_path, args, expect):
     _, src = _tiny("llama", tmp_path / "src")
     code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
-                        "--calib-data", calibration.data, *args)  # fmt: skip
+                        "--calib-data", calibration["calib_data"], *args)  # fmt: skip
     assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()

@@ -48,7 +48,7 @@ def assert_refused(capsys, src, out, *args, expect):
         (["--kv-heads", "8"], "--kv-heads 8 exceeds the 4 K/V heads"),
         (["--kv-heads", "0"], "--kv-heads 0 must be a whole number of at least 1"),
         (["--kv-heads", "-2"], "--kv-heads -2 must be a whole number of at least 1"),
-        (["--kv-heads", "two"], "argument --kv-heads: invalid int value: 'two'"),
+        (["--kv-heads", "two"], "argument --kv-heads/--kv_heads: invalid int value: 'two'"),
         (["--kv-heads", "2", "--method", "median"], "argument --method: invalid choice: 'median'"),
         (["--kv-heads", "2", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (["--kv-heads", "2", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),

@@ -201,7 +201,7 @@ def test_bad_models_and_data(lm_pair, tmp_path, capsys):
     root, parent, data = lm_pair
     (tmp_path / "empty.txt").write_text("  \n\n ")
     cases = [
-        ([str(parent), str(tmp_path / "missing")], str(data), "MODEL " + str(tmp_path / "missing") + " not found"),
+        ([str(parent), str(tmp_path / "missing")], str(data), "MODEL not found: " + str(tmp_path / "missing")),
         ([str(parent)], str(tmp_path / "nothing.txt"), "no such file or folder"),
         ([str(parent)], str(tmp_path / "empty.txt"), "holds no text"),
     ]

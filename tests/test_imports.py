@@ -20,25 +20,28 @@ def loaded_after(code: str) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [["--help"], ["convert", "--help"], ["eval", "--help"], ["convert", "a", "b", "--kv-heads", "two"],
-     ["eval", "m", "--data", "d"], ["demo", "--bogus"]],
-)  # fmt: skip
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--bogus"], ["bogus"]])
 def test_help_and_usage_errors_load_nothing_heavy(argv):
     code = f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), " \
            f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"  # fmt: skip
     assert loaded_after(code) == []
 
 
-def test_uptrain_help_loads_no_torch():
-    code = "from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()):\n" \
-           "    main(['uptrain', '--help'])"  # fmt: skip
-    assert "torch" not in loaded_after(code)
+@pytest.mark.parametrize(
+    "argv",
+    [["convert", "--help"], ["eval", "--help"], ["uptrain", "--help"], ["convert", "a", "b", "--kv-heads", "two"],
+     ["eval", "m", "--data", "d"], ["convert", "--config", "nowhere.yaml"]],
+)  # fmt: skip
+def test_a_command_parses_its_settings_without_torch(argv):
+    """The settings parser is transformers' HfArgumentParser: transformers' package, never torch."""
+    code = f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), " \
+           f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"  # fmt: skip
+    assert loaded_after(code) == ["transformers"]
 
 
 def test_import_gqaify_is_light_and_names_resolve_on_use():
-    assert loaded_after("import gqaify; gqaify.Calibration; gqaify.EvalSettings; gqaify.__version__") == []
+    assert loaded_after("import gqaify; gqaify.ConvertSettings; gqaify.EvalSettings; gqaify.UptrainSettings; "
+                        "gqaify.__version__") == []
     assert "torch" in loaded_after("import gqaify; gqaify.convert")
 
 

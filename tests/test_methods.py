@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from gqaify.archs import ARCHITECTURES, Geometry
 from gqaify.conversion import fit
 from gqaify.conversion.grouping import balanced_groups, permute, similar_order
 from gqaify.conversion.layout import LayerLayout
-from gqaify.conversion.options import Calibration
 from test_errors import run_cli
 
 TEXT = MODELS.parent / "text"
@@ -38,9 +36,9 @@ FOLDABLE = {"llama": {}, "qwen2": {}, "phi3": {}, "stablelm": {"qk_layernorm": F
 
 
 @pytest.fixture
-def calibration(tmp_path) -> Calibration:
+def calibration(tmp_path) -> dict:
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    return Calibration(str(tmp_path / "calib.txt"), tokens=2048, seq_len=48)
+    return dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=2048, calib_seq_len=48)
 
 
 def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
@@ -52,7 +50,7 @@ def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
 @pytest.mark.parametrize("method", EXACT)
 def test_every_method_with_nothing_pooled_reproduces_the_parent(model_type, method, calibration, tmp_path):
     model, src = _tiny(model_type, tmp_path / "src")
-    result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, calibration=calibration, progress=False)
+    result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, **calibration, progress=False)
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
     assert all(e["v"] < 1e-6 and e["k"] < 1e-6 for e in result.fit_errors)
@@ -63,7 +61,7 @@ def test_every_method_with_nothing_pooled_reproduces_the_parent(model_type, meth
 def test_fitted_methods_pool_duplicated_heads_back_exactly(model_type, method, calibration, tmp_path):
     gqa, _ = _tiny(model_type, tmp_path / "gqa")
     twin = save_with_tokenizer(duplicate_kv_heads(gqa), tmp_path / "mha")
-    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method=method, calibration=calibration, progress=False)
+    gqaify.convert(twin, tmp_path / "out", kv_heads=2, method=method, **calibration, progress=False)
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(gqa, ids))
 
@@ -71,9 +69,9 @@ def test_fitted_methods_pool_duplicated_heads_back_exactly(model_type, method, c
 @needs_assets
 @pytest.mark.parametrize("method", ["aligned", "lsq"])
 def test_stories260k_twin_pools_back_to_the_real_model(method, tmp_path):
-    calibration = Calibration(str(TEXT / "tinystories-train-sample.txt"), tokens=4096, seq_len=256)
+    calibration = dict(calib_data=str(TEXT / "tinystories-train-sample.txt"), calib_tokens=4096, calib_seq_len=256)
     out = tmp_path / "out"
-    gqaify.convert(MODELS / "stories260K-mha", out, kv_heads=4, method=method, calibration=calibration, progress=False)
+    gqaify.convert(MODELS / "stories260K-mha", out, kv_heads=4, method=method, **calibration, progress=False)
     ids = sample_ids(512, length=64)
     expected = logits(load(MODELS / "stories260K"), ids)
     torch.testing.assert_close(logits(load(out), ids), expected)
@@ -165,9 +163,9 @@ def test_similarity_permutation_alone_preserves_the_function_exactly():
 def _moments(src, spec, geometry):
     """Each layer's E[[x; 1][x; 1]ᵀ] of the attention input, from hooks on the whole model (independent of gqaify)."""
     from gqaify.conversion.calibrate import calibration_ids
+    from gqaify.conversion.options import Calibration
 
-    calibration = Calibration(str(TEXT / "tinyshakespeare.txt"), tokens=2048, seq_len=512)
-    ids = calibration_ids(calibration, AutoTokenizer.from_pretrained(src))
+    ids = calibration_ids(Calibration(str(TEXT / "tinyshakespeare.txt"), 2048), AutoTokenizer.from_pretrained(src))
     model = load(src)
     sums = [torch.zeros(geometry.hidden_size + 1, geometry.hidden_size + 1, dtype=torch.float64)
             for _ in range(geometry.num_layers)]  # fmt: skip
@@ -196,14 +194,15 @@ def test_calibrated_conversions_start_far_closer_to_the_parent_than_the_papers_m
     src = MODELS / "ref-mha-6L"
     text = (TEXT / "wikitext-2-raw-test.txt").read_text()
     ids = AutoTokenizer.from_pretrained(src)(text[:20_000], return_tensors="pt").input_ids[0, :2048]
-    calibration = Calibration(str(TEXT / "tinyshakespeare.txt"), tokens=4096, seq_len=512)  # not the eval text
+    # not the eval text
+    calibration = dict(calib_data=str(TEXT / "tinyshakespeare.txt"), calib_tokens=4096, calib_seq_len=512)
     found = {}
     gqaify.convert(src, tmp_path / "mean", 2, progress=False)  # the GQA paper's conversion: no calibration
     found["mean", "none"] = perplexity(load(tmp_path / "mean"), ids, 512, 512, progress=False).perplexity
     for method, grouping, mode in (("aligned", "contiguous", "sequential"), ("lsq", "contiguous", "sequential"),
                                    ("lsq", "similarity", "sequential"), ("lsq", "contiguous", "parallel")):  # fmt: skip
         out = tmp_path / f"{method}-{grouping}-{mode}"
-        gqaify.convert(src, out, 2, method=method, calibration=replace(calibration, mode=mode), grouping=grouping,
+        gqaify.convert(src, out, 2, method=method, **calibration, calib_mode=mode, grouping=grouping,
                        progress=False)  # fmt: skip
         found[method, grouping, mode] = perplexity(load(out), ids, 512, 512, progress=False).perplexity
     mean = found["mean", "none"]
@@ -219,10 +218,10 @@ def test_sequential_lsq_starts_closer_to_the_parent_than_parallel_lsq_on_ref_mha
     src = MODELS / "ref-mha-6L"
     text = (TEXT / "wikitext-2-raw-test.txt").read_text()
     ids = AutoTokenizer.from_pretrained(src)(text[:20_000], return_tensors="pt").input_ids[0, :4096]
-    calibration = Calibration(str(TEXT / "wikitext-2-valid-tokenized.txt"), tokens=16384, seq_len=512)
+    calibration = dict(calib_data=str(TEXT / "wikitext-2-valid-tokenized.txt"), calib_tokens=16384, calib_seq_len=512)
     found = {}
     for mode in ("parallel", "sequential"):
-        gqaify.convert(src, tmp_path / mode, 2, method="lsq", calibration=replace(calibration, mode=mode),
+        gqaify.convert(src, tmp_path / mode, 2, method="lsq", **calibration, calib_mode=mode,
                        progress=False)  # fmt: skip
         found[mode] = perplexity(load(tmp_path / mode), ids, 512, 512, progress=False).perplexity
     assert found["sequential"] < 0.95 * found["parallel"], found
@@ -231,11 +230,11 @@ def test_sequential_lsq_starts_closer_to_the_parent_than_parallel_lsq_on_ref_mha
 def test_provenance_records_calibration_grouping_and_fit(calibration, tmp_path):
     _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
     out = tmp_path / "out"
-    result = gqaify.convert(src, out, 2, method="lsq", calibration=calibration, grouping="similarity", progress=False)
+    result = gqaify.convert(src, out, 2, method="lsq", **calibration, grouping="similarity", progress=False)
     record = json.loads((out / "gqaify.json").read_text())
     assert record["method"] == "lsq" and record["grouping"] == "similarity" and record["rotary_dim"] == 16
-    assert record["calibration"]["data"] == calibration.data
-    assert 0 < record["calibration"]["tokens"] <= calibration.tokens
+    assert record["calibration"]["data"] == calibration["calib_data"]
+    assert 0 < record["calibration"]["tokens"] <= calibration["calib_tokens"]
     assert record["permutations"] == result.permutations and len(record["permutations"]) == 2
     assert all(sorted(order) == [0, 1, 2, 3] for order in record["permutations"])
     assert len(record["fit_error"]) == 2 and all(e["k"] >= 0 and e["v"] >= 0 for e in record["fit_error"])
@@ -260,6 +259,6 @@ def test_rotating_methods_refuse_models_with_qk_norms(model_type, capsys, calibr
     from conftest import save
 
     src = save(build_model(model_type), tmp_path / "src")
-    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calibration.data)
+    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calibration["calib_data"])
     code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args)
     assert code == 2 and "norm" in err and "mean" in err and not (tmp_path / "out").exists()

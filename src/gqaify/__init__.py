@@ -1,9 +1,13 @@
 """gqaify: turn multi-head-attention checkpoints into grouped-query (GQA) or multi-query (MQA) attention.
 
-    gqaify.convert(src, out, kv_heads=G)                  rewrite a checkpoint's K/V heads from KV to G
-    gqaify.convert(src, out, G, method="lsq", calibration=gqaify.Calibration("text.txt"))   fitted on text
-    gqaify.evaluate([parent, converted], data, out)       perplexity, KV cache and speed beside the parent
-    gqaify.uptrain.run(gqaify.UptrainSettings(...))       recover quality with a short run (accelerate)
+    gqaify.convert(src, out, kv_heads=G)                   rewrite a checkpoint's K/V heads from KV to G
+    gqaify.convert(src, out, G, method="lsq", calib_data="text.txt")    fitted on calibration text
+    gqaify.convert_with(gqaify.ConvertSettings(...))       the same, from a settings object
+    gqaify.evaluate([parent, converted], data, out)        perplexity, KV cache and speed beside the parent
+    gqaify.uptrain.run(gqaify.UptrainSettings(...))        recover quality with a short run (accelerate)
+
+Each stage's settings are one dataclass (ConvertSettings, EvalSettings, UptrainSettings): its fields are the
+keyword arguments here, the command line's options and the keys of a --config file.
 
 Functions are verbs and modules are nouns, so no name here is both: the conversion lives in the package
 `gqaify.conversion`, evaluation in `gqaify.eval`, and uptraining in the module `gqaify.uptrain` (the one you
@@ -26,7 +30,8 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 _EXPORTS = {
     "convert": "gqaify.conversion.core",
     "ConversionResult": "gqaify.conversion.core",
-    "Calibration": "gqaify.conversion.options",
+    "convert_with": "gqaify.conversion.core",
+    "ConvertSettings": "gqaify.conversion.options",
     "evaluate": "gqaify.eval.core",
     "EvalSettings": "gqaify.eval.settings",
     "UptrainSettings": "gqaify.uptrain.settings",
@@ -34,14 +39,14 @@ _EXPORTS = {
 _SUBMODULES = ("conversion", "eval", "uptrain")
 
 __all__ = [
-    "Calibration", "ConversionResult", "EvalSettings", "UptrainSettings", "__version__", "conversion", "convert",
-    "eval", "evaluate", "uptrain",
+    "ConversionResult", "ConvertSettings", "EvalSettings", "UptrainSettings", "__version__", "conversion", "convert",
+    "convert_with", "eval", "evaluate", "uptrain",
 ]  # fmt: skip
 
 if TYPE_CHECKING:
     from gqaify import conversion, eval, uptrain  # noqa: A004 (gqaify.eval is a package, not the builtin)
-    from gqaify.conversion.core import ConversionResult, convert
-    from gqaify.conversion.options import Calibration
+    from gqaify.conversion.core import ConversionResult, convert, convert_with
+    from gqaify.conversion.options import ConvertSettings
     from gqaify.eval.core import evaluate
     from gqaify.eval.settings import EvalSettings
     from gqaify.uptrain.settings import UptrainSettings

@@ -1,4 +1,4 @@
-"""Text data through `datasets`: the one loader for evaluation, uptraining and calibration.
+"""Text data through `datasets`, and its tokens: the one loader for evaluation, uptraining and calibration.
 
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
 written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gqaify.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # file suffix -> the `datasets` builder that reads it
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -102,6 +106,34 @@ def load_text(
     if not text.strip():
         raise UserError(f"{option} {data} ({split}, column {text_column!r}) holds no text; check the file or split")
     return TextData(data, split, text_column, text, len(rows))
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: torch.Tensor  # (N,) token ids
+    chars: int  # the characters of the text they cover
+
+
+def tokenize(tokenizer, text: str, max_tokens: int | None = None, what: str = "--data") -> Tokens:
+    """The token ids of `text`, cut after its first `max_tokens`, and the characters they cover.
+
+    Args:
+        what: how the user named the text (e.g. "--calib-data wiki.txt"), for the error message.
+
+    Raises:
+        UserError: fewer than 2 tokens (no next token to predict).
+    """
+    import torch
+
+    offsets = getattr(tokenizer, "is_fast", False)  # where each token ends in the text (fast tokenizers only)
+    encoded = tokenizer(text, return_offsets_mapping=offsets, verbose=False)
+    ids, chars = encoded["input_ids"], len(text)
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids = ids[:max_tokens]
+        chars = encoded["offset_mapping"][max_tokens - 1][1] if offsets else len(tokenizer.decode(ids))
+    if len(ids) < 2:
+        raise UserError(f"{what} gives {len(ids)} token(s); it needs at least 2: give it more text")
+    return Tokens(torch.tensor(ids), chars)
 
 
 def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:

@@ -88,7 +88,6 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gqaify.conversion.core import convert
-    from gqaify.conversion.options import Calibration
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
     from gqaify.eval.settings import EvalSettings
@@ -104,8 +103,8 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     print(format_summary(convert(source, mean, kv_heads=1, method="mean", force=True)))
     print(f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
           "WikiText-2 validation)")  # fmt: skip
-    calibration = Calibration(calib_data, tokens=DEMO_CALIB_TOKENS, split=calib_split)
-    print(format_summary(convert(source, best, kv_heads=1, method="lsq", calibration=calibration, force=True)))
+    print(format_summary(convert(source, best, kv_heads=1, method="lsq", calib_data=calib_data,
+                                 calib_tokens=DEMO_CALIB_TOKENS, calib_split=calib_split, force=True)))  # fmt: skip
 
     loaded = AutoModelForCausalLM.from_pretrained(best)
     tokenizer = AutoTokenizer.from_pretrained(best)

@@ -7,12 +7,13 @@ when a name is turned into a dtype, so the command line can list the choices wit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DtypeName = Literal[DTYPE_NAMES]  # the type of a settings field that names one
 
 
 def torch_dtype(name: str) -> torch.dtype | None:

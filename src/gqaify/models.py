@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError
+from gqaify.locations import locate
 from gqaify.shipped import SHIPPED_MODULE
 
 
@@ -15,16 +14,12 @@ def model_location(name: str, option: str = "MODEL") -> tuple[str, dict]:
     """from_pretrained's first argument and keyword arguments for `name` (folder, hub id or .gguf).
 
     Raises:
-        UserError: `name` looks like a path and does not exist.
+        UserError: `name` looks like a path and does not exist (`locations.locate`).
     """
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        return str(path), {}
-    if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or path.exists():
-        raise UserError(f"{option} {name} not found; check the path")
-    return name, {}  # a hub id
+    where = locate(name, option)
+    if where.kind == "gguf":
+        return str(where.path.parent), {"gguf_file": where.path.name}
+    return (str(where.path) if where.kind == "local" else name), {}
 
 
 def load_config(name: str, option: str = "MODEL", trust_remote_code: bool = False):

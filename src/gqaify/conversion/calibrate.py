@@ -43,7 +43,7 @@ from gqaify.conversion.methods import Method, MethodContext, fit_error
 from gqaify.conversion.options import Calibration
 from gqaify.conversion.repair import refine, repair_output
 from gqaify.conversion.source import Source
-from gqaify.data import load_text
+from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, raise_if_problems
 
 LOG = logging.getLogger(__name__)
@@ -59,9 +59,7 @@ def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:
     """
     c = calibration
     text = load_text(c.data, c.split, c.text_column, "--calib-data", max_chars=c.tokens * _CHARS_PER_TOKEN).text
-    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: c.tokens])
-    if len(ids) < 2:
-        raise UserError(f"--calib-data {c.data} gives {len(ids)} token(s); give it more text")
+    ids = tokenize(tokenizer, text, c.tokens, f"--calib-data {c.data}").ids
     if len(ids) < c.tokens:
         LOG.warning("--calib-data %s holds %d tokens, fewer than --calib-tokens %d", c.data, len(ids), c.tokens)
     return ids

@@ -30,14 +30,16 @@ from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, sha256_file
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, Method, MethodContext
-from gqaify.conversion.options import Calibration, method_problems
+from gqaify.conversion.options import CONVERT, NOT_RECORDED, Calibration, ConvertSettings, method_problems
 from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
-from gqaify.conversion.source import Source, open_source, read_config, source_may_exist
-from gqaify.dtypes import dtype_problem, torch_dtype
+from gqaify.conversion.source import Source, open_source, read_config
+from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.hub import push_folder, repo_id_problem
 from gqaify.kvcache import kv_cache_bytes_per_token
+from gqaify.locations import locate
 from gqaify.outputs import destination_problems, remove_leftovers, resolve_out, space_problem, staged, write_provenance
+from gqaify.settings import recorded, required_problems, type_problems
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
@@ -68,59 +70,38 @@ class ConversionResult:
     calibration_seconds: dict | None = None  # time spent capturing, fitting, repairing and refining
 
 
-def convert(
-    src: str | os.PathLike,
-    out: str | os.PathLike,
-    kv_heads: int,
-    *,
-    method: str = "mean",
-    dtype: str = "auto",
-    max_shard_size: int | str = "5GB",
-    force: bool = False,
-    revision: str | None = None,
-    seed: int = 0,
-    calibration: Calibration | None = None,
-    grouping: str = "contiguous",
-    allow_nonfinite: bool = False,
-    progress: bool = True,
-    push_to_hub: str | None = None,
-) -> ConversionResult:
+def convert(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, **settings) -> ConversionResult:
     """Convert the checkpoint `src` to `kv_heads` key/value heads and save it as a plain checkpoint at `out`.
 
     Args:
         src: a local model folder, a Hugging Face hub id, or a `.gguf` file. Never modified.
         out: the folder to create. Written beside, renamed into place when complete.
         kv_heads: G, the new number of K/V heads; must divide the source's. 1 is MQA.
-        method: how each group of heads becomes one: see `gqaify.conversion.options.METHOD_INFO`.
-        dtype: "auto" keeps each tensor's dtype; otherwise floating-point tensors are cast.
-        max_shard_size: the largest output shard, in bytes or as "5GB" / "500MiB".
-        force: replace `out` if it exists and is empty or was written by gqaify (see `gqaify.outputs`).
-        revision: the hub revision (branch, tag or commit) when `src` is a hub id.
-        seed: seeds methods that draw random numbers.
-        calibration: text on which the parent is run to fit `aligned` and `lsq`, to find `similarity` groups,
-            and to measure every method's per-layer error (recorded in gqaify.json).
-        grouping: "contiguous" pools neighbouring heads; "similarity" first reorders each layer's heads so
-            that the heads that agree most share a K/V head.
-        allow_nonfinite: convert K/V projections that hold NaN or Inf instead of refusing them.
-        progress: show a progress bar.
-        push_to_hub: a hub repository id (owner/name): `out`, once complete, is uploaded to it in one commit.
+        settings: the other fields of `ConvertSettings` (method, calib_data, dtype, force, push_to_hub, ...),
+            the same as the command line's options.
 
     Raises:
         UserError: bad input; nothing is written. Or the push failed; `out` is complete.
         ResourceError: the disk filled up while writing; nothing is left behind.
     """
+    return convert_with(ConvertSettings(src=os.fspath(src), out=os.fspath(out), kv_heads=kv_heads, **settings))
+
+
+def convert_with(settings: ConvertSettings) -> ConversionResult:
+    """The conversion `settings` describe (see `convert`); what `gqaify convert` runs."""
     start = time.perf_counter()
-    out_path = resolve_out(out) if os.fspath(out).strip() else Path()
-    problems = _request_problems(src, out, kv_heads, method, dtype, max_shard_size, force, calibration, grouping)
-    if push_to_hub is not None and (problem := repo_id_problem(push_to_hub)):
-        problems.append(problem)
+    raise_if_problems(type_problems(settings) + required_problems(CONVERT, settings))
+    s = settings
+    src, out, kv_heads, method, calibration = s.src, s.out, s.kv_heads, s.method, s.calibration()
+    out_path = resolve_out(out) if out.strip() else Path()
+    problems = _request_problems(s, calibration)
     if problems:  # report what config.json would add too, where reading it is free (a local folder)
         local = Path(src).expanduser()
         if local.is_dir() and (local / "config.json").is_file():
             problems += _config_problems(_read_config_or_problem(local), kv_heads, calibration)[0]
         raise_if_problems(problems)
 
-    with open_source(src, revision) as source:
+    with open_source(src, s.revision) as source:
         problems, spec, geometry = _config_problems(source.config, kv_heads, calibration)
         problems += _overlap_problems(source, out_path)
         raise_if_problems(problems)
@@ -128,7 +109,7 @@ def convert(
         spec = spec.stored_as(source.tensors.metadata())
         with_queries = calibration is not None
         layouts = [LayerLayout(spec, geometry, layer, with_queries) for layer in range(geometry.num_layers)]
-        plan = _plan(source, spec, geometry, layouts, kv_heads, torch_dtype(dtype))
+        plan = _plan(source, spec, geometry, layouts, kv_heads, torch_dtype(s.dtype))
         qk_norms = spec.shared_norms_in(source.config) or layouts[0].has_qk_norms(plan.layer_inputs[0])
         _check_method(METHODS[method], method, model_name, qk_norms)
 
@@ -140,21 +121,21 @@ def convert(
                         for names in plan.layer_outputs for name in names)  # fmt: skip
         raise_if_problems([p for p in [space_problem(out_path, size)] if p])
 
-        ctx = MethodContext(torch.Generator().manual_seed(seed), source.config.get("initializer_range", 0.02))
-        with _SourceHasher() as hasher, staged(out_path, force, size) as staging:
+        ctx = MethodContext(torch.Generator().manual_seed(s.seed), source.config.get("initializer_range", 0.02))
+        with _SourceHasher() as hasher, staged(out_path, s.force, size) as staging:
             calibrated = None
             if calibration is not None:
                 ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, source.config, geometry.head_dim))
-                calibrated = calibrate(source, spec, geometry, calibration, METHODS[method], kv_heads, grouping, ctx,
-                                       not qk_norms, staging / _FITS, progress)  # fmt: skip
+                calibrated = calibrate(source, spec, geometry, calibration, METHODS[method], kv_heads, s.grouping, ctx,
+                                       not qk_norms, staging / _FITS, s.progress)  # fmt: skip
             converter = _LayerConverter(METHODS[method], kv_heads, ctx, calibrated)
-            with ShardWriter(staging, plan.tensors, parse_size(max_shard_size)) as writer:
-                _stream(source, plan, writer, converter, hasher, allow_nonfinite, progress)
+            with ShardWriter(staging, plan.tensors, parse_size(s.max_shard_size)) as writer:
+                _stream(source, plan, writer, converter, hasher, s.allow_nonfinite, s.progress)
                 writer.close()
-            write_config_and_side_files(source, spec, staging, kv_heads, dtype)
-            record = provenance(source, spec, geometry, kv_heads, method, dtype, seed,
+            write_config_and_side_files(source, spec, staging, kv_heads, s.dtype)
+            record = provenance(source, spec, geometry, kv_heads, method, s.dtype, s.seed,
                                 hasher.results(source.tensors.files))  # fmt: skip
-            record.update(grouping=grouping, calibration=None)
+            record.update(grouping=s.grouping, calibration=None, settings=resolved_record(s, source, out_path))
             if calibrated is not None:
                 shutil.rmtree(calibrated.folder)
                 record.update(
@@ -167,9 +148,9 @@ def convert(
             model_card(record).save(staging / "README.md")
             write_provenance(staging, record)
 
-    if push_to_hub is not None:
+    if s.push_to_hub is not None:
         message = f"{attention_kind(kv_heads)} of {source.name} by gqaify {__version__} (--method {method})"
-        push_folder(out_path, push_to_hub, message)
+        push_folder(out_path, s.push_to_hub, message)
     kv_dtype = plan.tensors[plan.layer_outputs[0][0]].dtype
     converted = sum(len(names) for names in plan.layer_outputs)
     LOG.info("wrote %s", out_path)
@@ -188,7 +169,7 @@ def convert(
         num_shards=writer.num_shards,
         bytes_written=writer.bytes_written,
         seconds=time.perf_counter() - start,
-        grouping=grouping,
+        grouping=s.grouping,
         permutations=calibrated.orders if calibrated else None,
         fit_errors=calibrated.errors if calibrated else None,
         calibration_seconds=calibrated.seconds if calibrated else None,
@@ -198,22 +179,36 @@ def convert(
 # -- checks -------------------------------------------------------------------------------------------------
 
 
-def _request_problems(src, out, kv_heads, method, dtype, max_shard_size, force, calibration, grouping) -> list[str]:
+def _request_problems(s: ConvertSettings, calibration: Calibration | None) -> list[str]:
     """Everything wrong with the request that needs no model: the options, OUT, and whether SRC can exist."""
     problems = []
-    if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1:
-        problems.append(f"--kv-heads {kv_heads} must be a whole number of at least 1 (1 is MQA)")
-    problems += method_problems(method, grouping, calibrated=calibration is not None)
+    if s.kv_heads is None or s.kv_heads < 1:
+        problems.append(f"--kv-heads {s.kv_heads} must be a whole number of at least 1 (1 is MQA)")
+    problems += method_problems(s.method, s.grouping, calibrated=calibration is not None)
     if calibration is not None:
         problems += calibration.problems()
-    if (problem := dtype_problem(dtype)) is not None:
+    if parse_size(s.max_shard_size) is None:
+        problems.append(f"--max-shard-size {s.max_shard_size!r} is not a size; write it like 5GB, 500MB or 2GiB")
+    if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub)):
         problems.append(problem)
-    if parse_size(max_shard_size) is None:
-        problems.append(f"--max-shard-size {max_shard_size!r} is not a size; write it like 5GB, 500MB or 2GiB")
-    problems += destination_problems(out, force)
-    if not source_may_exist(src):
-        problems.append(f"SRC not found: {src} does not exist; check the path")
+    problems += destination_problems(s.out, s.force)
+    try:
+        locate(s.src, "SRC")
+    except UserError as exc:
+        problems.append(str(exc))
     return problems
+
+
+def resolved_record(s: ConvertSettings, source: Source, out: Path) -> dict:
+    """The settings as gqaify.json records them: paths absolute, a hub source pinned to the commit read, so that
+    `gqaify convert --config OUT/gqaify.json` reruns the conversion from anywhere (what went how, not what was
+    made, is left out: `NOT_RECORDED`)."""
+    calib_data = s.calib_data
+    if calib_data is not None and Path(calib_data).expanduser().exists():
+        calib_data = str(Path(calib_data).expanduser().resolve())
+    src = source.name if source.kind == "hub" else str(Path(source.name).expanduser().resolve())
+    resolved = replace(s, src=src, out=str(out), revision=source.revision, calib_data=calib_data)
+    return recorded(resolved, NOT_RECORDED)
 
 
 def _read_config_or_problem(directory: Path) -> dict:

@@ -1,4 +1,4 @@
-"""What a conversion can be asked to do, as data: the methods, the groupings, the calibration settings.
+"""What a conversion can be asked to do, as data: the methods, the groupings, and `ConvertSettings`.
 
 This module imports nothing heavy, so that the command line can list the choices and check them before torch
 is loaded. The methods' computations live in `methods.py`, registered under the names listed here.
@@ -7,6 +7,10 @@ is loaded. The methods' computations live in `methods.py`, registered under the 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
+
+from gqaify.dtypes import DtypeName
+from gqaify.settings import Positional, Stage, Switch, setting
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
 
 GROUPINGS = ("contiguous", "similarity")
 CALIB_MODES = ("sequential", "parallel")
+
+MethodName = Literal[tuple(METHOD_INFO)]
+GroupingName = Literal[GROUPINGS]
+CalibMode = Literal[CALIB_MODES]
 
 
 def method_problems(method: str, grouping: str, calibrated: bool, option_prefix: str = "--") -> list[str]:
@@ -120,6 +128,76 @@ class Calibration:
 
     def record(self, tokens_read: int) -> dict:
         return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read}
+
+
+@dataclass(frozen=True)
+class ConvertSettings:
+    """Everything `gqaify convert` is asked to do: the command line's options, a --config file's keys, and the
+    keyword arguments of `gqaify.convert`. gqaify.json records them as resolved (see `resolved_record`)."""
+
+    src: str | None = setting(None, "the model to convert: hub id, local model folder, or .gguf file (never modified)")
+    out: str | None = setting(None, "the folder to create; written beside it and renamed into place when complete")
+    kv_heads: int | None = setting(None, "G, the new number of K/V heads; must divide the source's; 1 = MQA")
+    method: MethodName = setting(
+        "mean",
+        "how each group of heads becomes one: "
+        + "; ".join(f"{name}: {info.summary}" + (" [needs calib_data]" if info.calibrated else "")
+                    for name, info in METHOD_INFO.items()),
+    )  # fmt: skip
+    grouping: GroupingName = setting(
+        "contiguous", "which heads share a K/V head: neighbours as repeat_kv (contiguous), or the heads that agree "
+        "most on the calibration text (similarity; needs calib_data)"
+    )  # fmt: skip
+    dtype: DtypeName = setting("auto", "output dtype of floating-point tensors (auto: keep each tensor's)")
+    max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
+    revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
+    seed: int = setting(0, "seed for --method random")
+    calib_data: str | None = setting(
+        None, "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
+        "per-layer fit error; use text other than your eval text"
+    )  # fmt: skip
+    calib_tokens: int = setting(32768, "calibration tokens read from calib_data")
+    calib_split: str = setting("train", "split of calib_data")
+    calib_text_column: str = setting("text", "column of calib_data holding the text")
+    calib_seq_len: int = setting(1024, "calibration window length in tokens")
+    calib_mode: CalibMode = setting(
+        "sequential", "sequential: layer by layer on the converted model's own activations, each layer repaired "
+        "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)"
+    )  # fmt: skip
+    refine_steps: int = setting(
+        0, "Adam steps per layer refining its attention against the parent layer's output (sequential only)"
+    )
+    refine_lr: float = setting(1e-3, "learning rate of refine_steps")
+    repair: bool = setting(True, "refit each layer's o_proj against the parent's attention output (sequential)")
+    allow_nonfinite: bool = setting(False, "convert K/V weights that hold NaN or Inf instead of refusing")
+    force: bool = setting(False, "replace OUT if it is empty or a conversion gqaify wrote (nothing else)")
+    push_to_hub: str | None = setting(None, "upload OUT, once complete, to this hub repository (owner/name)")
+    progress: bool = setting(True, "show a progress bar")
+
+    def calibration(self) -> Calibration | None:
+        """The calibration these settings ask for, or None without calib_data."""
+        if self.calib_data is None:
+            return None
+        return Calibration(self.calib_data, self.calib_tokens, self.calib_split, self.calib_text_column,
+                           self.calib_seq_len, self.calib_mode, self.refine_steps, self.refine_lr,
+                           self.repair)  # fmt: skip
+
+
+# What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.
+NOT_RECORDED = frozenset({"force", "push_to_hub", "progress"})
+
+CONVERT = Stage(
+    command="convert",
+    settings=ConvertSettings,
+    description="Convert SRC (hub id, local folder or .gguf file) to G key/value heads, saved as a plain Hugging "
+    "Face checkpoint in OUT. Streams tensor by tensor; SRC is never modified; OUT appears only when complete.\n\n"
+    "  gqaify convert SRC OUT --kv-heads 2\n"
+    "  gqaify convert --config convert.yaml --kv-heads 1     (the file's settings; options given here win)\n"
+    "  gqaify convert --config OUT/gqaify.json --out OUT2    (rerun a conversion from its record)",
+    required=("src", "out", "kv_heads"),
+    positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
+    switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
+)
 
 
 def _is_int(value) -> bool:

@@ -34,10 +34,10 @@ from gqaify.conversion.checkpoint import (
     open_checkpoint,
 )
 from gqaify.errors import UserError
+from gqaify.locations import locate
 
 LOG = logging.getLogger(__name__)
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # The files of a checkpoint that are not weights and that a converted copy keeps (fetched from the hub too).
 SIDE_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*", "LICENSE*", "NOTICE*", "USE_POLICY*"]
 # ... except these: weight indices (the output has its own), and what gqaify writes itself.
@@ -123,30 +123,20 @@ def open_source(src: str | Path, revision: str | None = None) -> Iterator[Source
     Raises:
         UserError: `src` does not exist, is not a model, or cannot be fetched.
     """
-    path = Path(src).expanduser()
-    if path.exists():
-        if revision is not None:
-            raise UserError(f"--revision applies to hub ids, but {src} is a local path; drop --revision")
-        if path.is_file() and path.suffix == ".gguf":
-            with _open_gguf(path) as source:
-                yield source
-            return
-        if path.is_file():
-            raise UserError(f"{src} is a file but not a .gguf; point SRC at a model folder, hub id, or .gguf file")
+    where = locate(src, "SRC")
+    if where.kind != "hub" and revision is not None:
+        raise UserError(f"--revision applies to hub ids, but {src} is a local path; drop --revision")
+    if where.kind == "gguf":
+        with _open_gguf(where.path) as source:
+            yield source
+    elif where.kind == "local":
+        path = where.path
         if not (path / "config.json").is_file():
             raise UserError(f"{src} has no config.json; point SRC at a Hugging Face model folder")
         directory = path.resolve()
         yield Source(str(src), "local", directory, read_config(directory), _open_tensors=lambda: open_checkpoint(path))
-        return
-    if not source_may_exist(src):
-        raise UserError(f"SRC not found: {src} does not exist; check the path")
-    yield _open_hub(str(src), revision)
-
-
-def source_may_exist(src: str | Path) -> bool:
-    """Whether `src` is an existing path or could be a hub id (checked without the network)."""
-    path = Path(src).expanduser()
-    return path.exists() or (path.suffix != ".gguf" and bool(_REPO_ID.match(str(src))))
+    else:
+        yield _open_hub(str(src), revision)
 
 
 def read_config(directory: Path) -> dict:

@@ -13,14 +13,13 @@ import hashlib
 import logging
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
-from gqaify.data import load_text
-from gqaify.dtypes import dtype_problem
+from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
@@ -30,6 +29,7 @@ from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.models import load_config, load_model
+from gqaify.settings import type_problems
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
@@ -38,11 +38,16 @@ LOG = logging.getLogger(__name__)
 def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: EvalSettings | None = None) -> Report:
     """Evaluate `models` (the first is the parent) on `data` and write the report to `out`.
 
+    Args:
+        settings: the other fields of `EvalSettings` (its models, data and out are those given here).
+
     Raises:
         UserError: bad input; nothing is written.
     """
-
-    s = settings or EvalSettings()
+    s = replace(settings or EvalSettings(), models=[os.fspath(m) for m in models], data=os.fspath(data),
+                out=os.fspath(out))  # fmt: skip
+    raise_if_problems(type_problems(s))
+    models, data = s.models, s.data
     stride = s.seq_len if s.stride is None else s.stride
     device = _device(s.device)
     configs, budget = _check(models, s, stride, Path(out))
@@ -64,8 +69,11 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
         if fingerprint not in tokenized:
-            ids, span = _tokenize(tokenizer, text.text, name, max_tokens=s.max_tokens if span is None else None,
-                                  end=span)  # fmt: skip
+            # the first tokenizer cuts the text at max_tokens; others read the same characters, so that word
+            # perplexity and bits per byte compare every model on one span
+            tokens = tokenize(tokenizer, text.text[:span], s.max_tokens if span is None else None,
+                              f"--data with the tokenizer of {name}")  # fmt: skip
+            ids, span = tokens.ids, tokens.chars
             piece = text.text[:span]
             tokenized[fingerprint] = ids, max(len(piece.split()), 1), max(len(piece.encode()), 1)
         ids, words, nbytes = tokenized[fingerprint]
@@ -160,8 +168,6 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> tuple[
     for key in ("batch_size", "decode_tokens", "decode_batch", "repeats", "decode_context", "diag_tokens"):
         if getattr(s, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(s, key)} must be at least 1")
-    if (problem := dtype_problem(s.dtype)) is not None:
-        problems.append(problem)
     budget = parse_size(s.memory_budget)
     if budget is None:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
@@ -190,21 +196,3 @@ def _fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     described = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(described.encode()).hexdigest()[:12]
-
-
-def _tokenize(tokenizer, text: str, name: str, max_tokens: int | None = None, end: int | None = None):
-    """(token ids (N,), characters they cover) of `text[:end]`, or of its first `max_tokens` tokens.
-
-    When tokenizers differ, the first cuts the text at `max_tokens` and the others read the same characters,
-    so that word perplexity and bits per byte compare the models on one span.
-    """
-    text = text if end is None else text[:end]
-    encoded = tokenizer(text, return_offsets_mapping=True, verbose=False)
-    ids = torch.tensor(encoded["input_ids"])
-    covered = len(text)
-    if max_tokens is not None and len(ids) > max_tokens:
-        ids = ids[:max_tokens]
-        covered = encoded["offset_mapping"][max_tokens - 1][1]
-    if len(ids) < 2:
-        raise UserError(f"--data gives {len(ids)} token(s) with the tokenizer of {name}; it needs at least 2")
-    return ids, covered

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from gqaify import __version__
+
 
 @dataclass
 class ModelReport:
@@ -47,5 +49,5 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"data": self.data, "settings": self.settings, "models": [asdict(m) for m in self.models],
-                "notes": self.notes}  # fmt: skip
+        return {"tool": "gqaify", "version": __version__, "data": self.data, "settings": self.settings,
+                "models": [asdict(m) for m in self.models], "notes": self.notes}  # fmt: skip

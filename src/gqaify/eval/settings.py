@@ -4,23 +4,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gqaify.dtypes import DtypeName
+from gqaify.settings import Positional, Stage, Switch, setting
+
 
 @dataclass(frozen=True)
 class EvalSettings:
-    split: str = "test"
-    text_column: str = "text"
-    seq_len: int = 2048
-    stride: int | None = None  # None: seq_len (non-overlapping windows)
-    max_tokens: int | None = None
-    batch_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    memory_budget: str = "80GB"
-    decode_context: int = 512
-    decode_tokens: int = 32
-    decode_batch: int = 8
-    repeats: int = 3
-    diag_tokens: int = 512
-    speed: bool = True
-    trust_remote_code: bool = False  # load models whose folder carries modeling code (gqaify's GPT-2, GPT-NeoX, OPT)
-    progress: bool = True
+    """What `gqaify eval` measures, and on what: the command line's options, a --config file's keys, and the
+    fields of `gqaify.evaluate`'s `settings`. report.json records them."""
+
+    models: list[str] = setting([], "the parent first, then the models to compare (hub ids, folders, .gguf files)")
+    data: str | None = setting(None, "text file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
+    out: str | None = setting(None, "folder for the report")
+    split: str = setting("test", "dataset split of data")
+    text_column: str = setting("text", "column holding the text")
+    seq_len: int = setting(2048, "window length in tokens")
+    stride: int | None = setting(None, "tokens between window starts (default: seq_len, no overlap)")
+    max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text")
+    batch_size: int = setting(1, "windows per forward pass")
+    dtype: DtypeName = setting("auto", "model dtype (auto: the config's)")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    memory_budget: str = setting("80GB", "memory for weights + KV cache, for the context that fits")
+    decode_context: int = setting(512, "prefill tokens before decoding")
+    decode_tokens: int = setting(32, "greedy tokens decoded")
+    decode_batch: int = setting(8, "the larger decode batch")
+    repeats: int = setting(3, "timed runs, the median reported")
+    diag_tokens: int = setting(512, "tokens for the attention diagnostics")
+    speed: bool = setting(True, "measure decode speed")
+    trust_remote_code: bool = setting(
+        False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
+    )
+    progress: bool = setting(True, "show progress bars")
+
+
+EVAL = Stage(
+    command="eval",
+    settings=EvalSettings,
+    description="Evaluate MODEL... (hub ids, folders or .gguf files; the first is the parent) on the same text and "
+    "windows, and write report.json, report.md and PNG plots to --out.\n\n"
+    "  gqaify eval PARENT CONVERTED --data wiki.txt --out report\n"
+    "  gqaify eval --config eval.yaml --seq-len 1024          (the file's settings; options given here win)\n"
+    "  gqaify eval --config report/report.json --out again    (rerun an evaluation from its report)",
+    required=("models", "data", "out"),
+    positionals=(Positional("models", "MODEL", nargs="*"),),
+    switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same as --no-progress)"),),
+)

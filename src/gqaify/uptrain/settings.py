@@ -2,122 +2,94 @@
 
     accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4 --max_tokens 50000
 
-Every field is a recipe key and a `--key value` option (HfArgumentParser builds both from the dataclass, so
-`--help` lists each field with its default and help). The recipe sets defaults; the command line wins.
+Every field is a recipe key and a `--key value` option, read as every stage's settings are (`gqaify.settings`);
+`--recipe` is uptrain's name for `--config`. The recipe sets defaults; the command line wins.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import difflib
 import math
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from gqaify.conversion.options import METHOD_INFO
-from gqaify.errors import UserError, raise_if_problems
+from gqaify.conversion.options import METHOD_INFO, CalibMode, GroupingName, MethodName
+from gqaify.errors import raise_if_problems
+from gqaify.settings import Stage, read_config, setting, type_problems
+from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass
 class UptrainSettings:
     # -- the model
-    model: str = field(
-        default="", metadata=_help("a converted checkpoint, or a source to convert when kv_heads is set")
+    model: str = setting("", "a converted checkpoint, or a source to convert when kv_heads is set")
+    kv_heads: int | None = setting(None, "convert `model` to this many K/V heads first")
+    method: MethodName = setting("mean", "conversion method when kv_heads is set")
+    grouping: GroupingName = setting(
+        "contiguous", "which heads share a K/V head; similarity needs calib_data"
     )
-    kv_heads: int | None = field(default=None, metadata=_help("convert `model` to this many K/V heads first"))
-    method: str = field(default="mean", metadata=_help("conversion method when kv_heads is set"))
-    grouping: Literal["contiguous", "similarity"] = field(
-        default="contiguous", metadata=_help("which heads share a K/V head; similarity needs calib_data")
+    calib_data: str | None = setting(
+        None, "calibration text for the conversion (aligned, lsq, similarity); not eval text"
     )
-    calib_data: str | None = field(
-        default=None, metadata=_help("calibration text for the conversion (aligned, lsq, similarity); not eval text")
+    calib_tokens: int = setting(32768, "calibration tokens read from calib_data")
+    calib_split: str | None = setting(None, "split of calib_data (default: split)")
+    calib_mode: CalibMode = setting(
+        "sequential", "calibration layer by layer (sequential) or on the parent's activations"
     )
-    calib_tokens: int = field(default=32768, metadata=_help("calibration tokens read from calib_data"))
-    calib_split: str | None = field(default=None, metadata=_help("split of calib_data (default: split)"))
-    calib_mode: Literal["sequential", "parallel"] = field(
-        default="sequential", metadata=_help("calibration layer by layer (sequential) or on the parent's activations")
-    )
-    refine_steps: int = field(default=0, metadata=_help("Adam steps refining each layer during calibration"))
-    output_dir: str = field(default="", metadata=_help("folder for checkpoints, metrics, plot and final/"))
+    refine_steps: int = setting(0, "Adam steps refining each layer during calibration")
+    output_dir: str = setting("", "folder for checkpoints, metrics, plot and final/")
     # -- the data
-    data: str = field(
-        default="", metadata=_help("training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
-    )
-    split: str = field(default="train", metadata=_help("split of `data`"))
-    text_column: str = field(default="text", metadata=_help("column holding the text (data and eval_data)"))
-    streaming: bool = field(
-        default=False, metadata=_help("read `data` lazily (datasets streaming) instead of tokenizing it all first")
-    )
-    seq_len: int = field(default=256, metadata=_help("tokens per packed training block"))
+    data: str = setting("", "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
+    split: str = setting("train", "split of `data`")
+    text_column: str = setting("text", "column holding the text (data and eval_data)")
+    streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
+    seq_len: int = setting(256, "tokens per packed training block")
     # -- the budget and batch
-    max_tokens: int | None = field(default=None, metadata=_help("training tokens in all (the budget)"))
-    budget_fraction: float | None = field(
-        default=None, metadata=_help("budget as a fraction of pretraining_tokens (instead of max_tokens)")
-    )
-    pretraining_tokens: int | None = field(
-        default=None, metadata=_help("the parent's pre-training tokens, for budget_fraction")
-    )
-    micro_batch_size: int = field(default=4, metadata=_help("blocks per forward pass, per process"))
-    grad_accum: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
+    max_tokens: int | None = setting(None, "training tokens in all (the budget)")
+    budget_fraction: float | None = setting(None, "budget as a fraction of pretraining_tokens (instead of max_tokens)")
+    pretraining_tokens: int | None = setting(None, "the parent's pre-training tokens, for budget_fraction")
+    micro_batch_size: int = setting(4, "blocks per forward pass, per process")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
     # -- the optimizer
-    lr: float = field(default=3e-4, metadata=_help("peak learning rate (AdamW)"))
-    warmup: float = field(default=0.05, metadata=_help("linear warm-up: a fraction of the steps if < 1, else steps"))
-    schedule: Literal["cosine", "linear", "constant"] = field(default="cosine", metadata=_help("decay after warm-up"))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
-    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm (0: none)"))
-    seed: int = field(default=0, metadata=_help("seed for the data order and the run"))
-    mixed_precision: Literal["no", "bf16", "fp16"] | None = field(
-        default=None,
-        metadata=_help("autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"),
+    lr: float = setting(3e-4, "peak learning rate (AdamW)")
+    warmup: float = setting(0.05, "linear warm-up: a fraction of the steps if < 1, else steps")
+    schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "decay after warm-up")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm (0: none)")
+    seed: int = setting(0, "seed for the data order and the run")
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = setting(
+        None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
-    gradient_checkpointing: bool = field(default=False, metadata=_help("recompute activations in backward"))
-    trainable: Literal["all", "attention", "kv-only"] = field(default="all", metadata=_help("which weights train"))
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward")
+    trainable: Literal["all", "attention", "kv-only"] = setting("all", "which weights train")
     # -- distillation
-    distill_from: str | None = field(
-        default=None, metadata=_help("teacher (the parent): adds KL to its next-token distribution")
-    )
-    distill_weight: float = field(default=0.5, metadata=_help("loss = (1 - w) * LM loss + w * KL"))
-    temperature: float = field(default=1.0, metadata=_help("softmax temperature of the KL term"))
+    distill_from: str | None = setting(None, "teacher (the parent): adds KL to its next-token distribution")
+    distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL")
+    temperature: float = setting(1.0, "softmax temperature of the KL term")
     # -- evaluation, checkpoints, logging
-    eval_data: str | None = field(
-        default=None, metadata=_help("held-out text for perplexity, same loaders as gqaify eval")
+    eval_data: str | None = setting(None, "held-out text for perplexity, same loaders as gqaify eval")
+    eval_split: str = setting("test", "split of eval_data")
+    eval_tokens: int = setting(16384, "evaluate on the first N tokens of eval_data")
+    eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)")
+    eval_every: int = setting(0, "evaluate every N steps (0: at start and end only)")
+    parent: str | None = setting(
+        None, "model whose perplexity the plot shows as a line (default distill_from, or the converted source)"
     )
-    eval_split: str = field(default="test", metadata=_help("split of eval_data"))
-    eval_tokens: int = field(default=16384, metadata=_help("evaluate on the first N tokens of eval_data"))
-    eval_seq_len: int | None = field(default=None, metadata=_help("perplexity window (default seq_len)"))
-    eval_every: int = field(default=0, metadata=_help("evaluate every N steps (0: at start and end only)"))
-    parent: str | None = field(
-        default=None,
-        metadata=_help(
-            "model whose perplexity the plot shows as a line (default distill_from, or the converted source)"
-        ),
+    save_every: int = setting(100, "checkpoint every N steps (0: none; resume needs them)")
+    save_total_limit: int = setting(2, "checkpoints kept")
+    log_every: int = setting(1, "write metrics every N steps")
+    log_to: list[str] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
+    progress: bool = setting(True, "show a progress bar")
+    trust_remote_code: bool = setting(
+        False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
     )
-    save_every: int = field(default=100, metadata=_help("checkpoint every N steps (0: none; resume needs them)"))
-    save_total_limit: int = field(default=2, metadata=_help("checkpoints kept"))
-    log_every: int = field(default=1, metadata=_help("write metrics every N steps"))
-    log_to: list[str] = field(default_factory=list, metadata=_help(f"extra trackers: {', '.join(TRACKERS)}"))
-    progress: bool = field(default=True, metadata=_help("show a progress bar"))
-    trust_remote_code: bool = field(
-        default=False,
-        metadata=_help("run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"),
+    dist_timeout: int = setting(
+        3600,
+        "seconds processes wait for each other (the main one converts the model first; raise it for a large "
+        "calibrated conversion, or convert beforehand with gqaify convert)",
     )
-    dist_timeout: int = field(
-        default=3600,
-        metadata=_help("seconds processes wait for each other (the main one converts the model first; raise it "
-                       "for a large calibrated conversion, or convert beforehand with gqaify convert)"),
-    )  # fmt: skip
 
     @property
     def tokens_per_step_per_process(self) -> int:
@@ -129,8 +101,6 @@ class UptrainSettings:
             return self.max_tokens
         return math.floor(self.budget_fraction * self.pretraining_tokens)
 
-
-_HINTS = typing.get_type_hints(UptrainSettings)
 
 # Settings that may change between a run and its resumption without changing what is trained.
 RESUMABLE_CHANGES = frozenset(
@@ -167,7 +137,7 @@ FOREIGN_NAMES = {
 
 def check(s: UptrainSettings) -> None:
     """Every problem with `s` in one `UserError` (values only; files are checked where they are opened)."""
-    problems = _type_problems(s)
+    problems = type_problems(s)
     if problems:  # the value checks below assume the types are right
         raise_if_problems(problems)
     for key in ("model", "output_dir", "data"):
@@ -179,11 +149,7 @@ def check(s: UptrainSettings) -> None:
     problems += [
         f"{k} must be >= 0, got {getattr(s, k)}; fix it" for k in ("eval_every", "save_every") if getattr(s, k) < 0
     ]
-    if s.method not in METHOD_INFO:
-        problems.append(f"method {s.method!r} is not a conversion method; use one of {', '.join(METHOD_INFO)}")
-    elif s.kv_heads is not None and not s.calib_data and (
-        METHOD_INFO[s.method].calibrated or s.grouping == "similarity"
-    ):
+    if s.kv_heads is not None and not s.calib_data and (METHOD_INFO[s.method].calibrated or s.grouping == "similarity"):
         problems.append(f"method {s.method} with grouping {s.grouping} fits on calibration text; set calib_data")
     if s.refine_steps < 0 or (s.refine_steps and s.calib_mode != "sequential"):
         problems.append(f"refine_steps {s.refine_steps} must be 0 or more, and needs calib_mode sequential")
@@ -214,62 +180,16 @@ def check(s: UptrainSettings) -> None:
     raise_if_problems(problems)
 
 
-def _type_problems(s: UptrainSettings) -> list[str]:
-    """Values of the wrong type or outside a field's choices (recipe values bypass argparse's conversion)."""
-    problems = []
-    for f in dataclasses.fields(s):
-        value, hint = getattr(s, f.name), _HINTS[f.name]
-        if not _is_a(value, hint):
-            problems.append(f"{f.name} {value!r} is not {_describe(hint)}; fix the recipe or the option")
-    return problems
-
-
-def _is_a(value, hint) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return value in args
-    if origin in (typing.Union, types.UnionType):
-        return any(_is_a(value, a) for a in args)
-    if origin is list:
-        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _describe(hint) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, args))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is list:
-        return f"a list of {_describe(args[0])}"
-    names = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "empty"}
-    return names.get(hint, str(hint))
-
-
-def build_parser(prog: str = "gqaify uptrain"):
-    """transformers' HfArgumentParser over `UptrainSettings`, plus --recipe; usage errors are one line."""
-    from transformers.hf_argparser import HfArgumentParser  # the module alone: transformers' top level is slower
-
-    class _Parser(HfArgumentParser):
-        def error(self, message: str):
-            self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-    parser = _Parser(
-        UptrainSettings,
-        prog=prog,
-        allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
-        description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from "
-        "--recipe (a YAML file of the fields below) and are overridden by --field value.",
-    )
-    parser.add_argument("--recipe", help="YAML file of settings; its keys are the options below")
-    return parser
+UPTRAIN = Stage(
+    command="uptrain",
+    settings=UptrainSettings,
+    description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from --recipe "
+    "(a YAML file of the fields below) and are overridden by --field value.\n\n"
+    "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"
+    "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)",
+    foreign_names=FOREIGN_NAMES,
+    config_flags=("--recipe", "--config"),
+)
 
 
 def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> UptrainSettings:
@@ -280,20 +200,7 @@ def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> Uptrai
             a value is out of range.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    parser = build_parser(prog)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--recipe")
-    recipe, _ = pre.parse_known_args(argv)
-    if recipe.recipe:
-        parser.set_defaults(**load_recipe(recipe.recipe))
-    settings, _recipe, unused = parser.parse_args_into_dataclasses(
-        argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unused:
-        flags = [a for a in unused if a.startswith("--")] or unused[:1]
-        raise_if_problems(
-            [f"unknown option {flag}{_nearest(flag.lstrip('-').replace('-', '_'), '--')}" for flag in flags]
-        )
+    settings = parse_settings(UPTRAIN, argv, prog)
     check(settings)
     return settings
 
@@ -304,30 +211,4 @@ def load_recipe(path: str | Path) -> dict:
     Raises:
         UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"recipe {path} does not exist; check the path (recipes/ holds the shipped ones)")
-    try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        raise UserError(
-            f"recipe {path} is not valid YAML{f' (line {where.line + 1})' if where else ''}; fix it"
-        ) from exc
-    if not isinstance(values, dict):
-        raise UserError(f"recipe {path} must be a mapping of setting: value; see --help for the settings")
-    known = {f.name for f in dataclasses.fields(UptrainSettings)}
-    raise_if_problems(
-        [f"recipe {path}: unknown key {key!r}{_nearest(str(key))}" for key in values if key not in known]
-    )
-    return values
-
-
-def _nearest(key: str, prefix: str = "") -> str:
-    """" (did you mean lr?)": gqaify's name for a TrainingArguments name, else the closest field name."""
-    if key in FOREIGN_NAMES:
-        name, note = FOREIGN_NAMES[key]
-        return f" (did you mean {prefix}{name}?{' ' + note if note else ''})"
-    names = [f.name for f in dataclasses.fields(UptrainSettings)] + ["recipe"]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+    return read_config(UPTRAIN, path)

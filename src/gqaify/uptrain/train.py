@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, HEAD, LAYER
-from gqaify.data import load_text
+from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
@@ -435,10 +435,7 @@ def _eval_ids(s: UptrainSettings, tokenizer) -> torch.Tensor | None:
     if not s.eval_data:
         return None
     text = load_text(s.eval_data, s.eval_split, s.text_column, option="eval_data").text
-    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][: s.eval_tokens])
-    if len(ids) < 2:
-        raise UserError(f"eval_data {s.eval_data} gives {len(ids)} token(s); it needs at least 2")
-    return ids
+    return tokenize(tokenizer, text, s.eval_tokens, f"eval_data {s.eval_data}").ids
 
 
 def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float | None:
@@ -544,15 +541,11 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     converted = out / "converted"
     if accelerator.is_main_process and not converted.is_dir():
         from gqaify.conversion.core import convert
-        from gqaify.conversion.options import Calibration
 
-        calibration = None
-        if s.calib_data:
-            calibration = Calibration(s.calib_data, s.calib_tokens, s.calib_split or s.split, s.text_column,
-                                      mode=s.calib_mode, refine_steps=s.refine_steps)  # fmt: skip
         convert(
-            s.model, converted, s.kv_heads, method=s.method, calibration=calibration, grouping=s.grouping,
-            progress=s.progress,
+            s.model, converted, s.kv_heads, method=s.method, grouping=s.grouping, calib_data=s.calib_data or None,
+            calib_tokens=s.calib_tokens, calib_split=s.calib_split or s.split, calib_text_column=s.text_column,
+            calib_mode=s.calib_mode, refine_steps=s.refine_steps, progress=s.progress,
         )  # fmt: skip
     accelerator.wait_for_everyone()
     return str(converted)
