@@ -229,14 +229,14 @@ def test_out_that_appears_during_a_conversion_is_not_touched(capsys, source, tmp
     from gqaify.conversion import core
 
     out = tmp_path / "out"
-    stream = core._stream
+    stream = core.stream_tensors
 
     def stream_then_someone_writes_out(*args, **kwargs):
         stream(*args, **kwargs)
         out.mkdir()
         (out / "theirs.txt").write_text("theirs")
 
-    monkeypatch.setattr(core, "_stream", stream_then_someone_writes_out)
+    monkeypatch.setattr(core, "stream_tensors", stream_then_someone_writes_out)
     code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "2")
     assert code == 2 and "already exists: it appeared while this run was writing" in one_line(err)
     assert [p.name for p in out.iterdir()] == ["theirs.txt"] and leftovers(tmp_path) == []
@@ -291,14 +291,14 @@ def test_real_full_disk(capsys, big_source, tiny_disk, monkeypatch):
     small = save(build_model("llama", num_kv_heads=4), tiny_disk.parent / "small")
     from gqaify.conversion import core
 
-    stream = core._stream
+    stream = core.stream_tensors
 
     def stream_on_a_filling_disk(*args, **kwargs):
         free = shutil.disk_usage(tiny_disk).free
         (tiny_disk / "someone-else").write_bytes(b"x" * (free - 4096))
         stream(*args, **kwargs)
 
-    monkeypatch.setattr(core, "_stream", stream_on_a_filling_disk)
+    monkeypatch.setattr(core, "stream_tensors", stream_on_a_filling_disk)
     code, err = run_cli(capsys, "convert", small, tiny_disk / "out", "--kv-heads", "2")
     assert code == 1 and "no space left on tmpfs" in one_line(err)
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["someone-else"]
