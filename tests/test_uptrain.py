@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.conversion.core import convert
+from gqaify.errors import UserError
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.data import EpochSampler, packed_blocks
@@ -171,6 +172,33 @@ def test_rerun_of_a_finished_run_does_nothing(tiny, tmp_path):
     stamp = (out / "final" / "model.safetensors").stat().st_mtime_ns
     again = uptrain(parse(args(tiny, out)))
     assert again == first and (out / "final" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_push_to_hub_uploads_final_once_complete(tiny, tmp_path, monkeypatch):
+    """final/ (card and provenance included) in one commit after the run; a bad repository id is refused before
+    anything is written; a finished run rerun with push_to_hub pushes without training again."""
+    import huggingface_hub
+
+    from test_convert import FakeHub
+
+    FakeHub.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="push_to_hub 'not a/repo' is not a hub repository id"):
+        parse(args(tiny, out, "--push_to_hub", "not a/repo"))
+    result = uptrain(parse(args(tiny, out, "--push_to_hub", "you/tiny-gqa2-uptrained")))
+    (create, upload) = FakeHub.calls
+    assert create == ("create_repo", "you/tiny-gqa2-uptrained", True)
+    assert upload[:3] == ("upload_folder", "you/tiny-gqa2-uptrained", str(out / "final"))
+    assert upload[3] == sorted(p.name for p in (out / "final").iterdir())
+    assert {"README.md", "gqaify.json", "config.json", "model.safetensors"} <= set(upload[3])
+    assert upload[4].startswith("uptrained by gqaify") and f"{result.tokens:,} tokens" in upload[4]
+
+    FakeHub.calls = []
+    stamp = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    assert uptrain(parse(args(tiny, out, "--push_to_hub", "you/other"))) == result  # push_to_hub is resumable
+    assert [c[:2] for c in FakeHub.calls] == [("create_repo", "you/other"), ("upload_folder", "you/other")]
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path):

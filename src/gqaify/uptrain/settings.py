@@ -15,6 +15,7 @@ from typing import Literal
 
 from gqaify.conversion.options import METHOD_INFO, CalibMode, GroupingName, MethodName
 from gqaify.errors import raise_if_problems
+from gqaify.hub import repo_id_problem
 from gqaify.settings import Stage, read_config, setting, type_problems
 from gqaify.settings import parse as parse_settings
 
@@ -81,6 +82,7 @@ class UptrainSettings:
     save_total_limit: int = setting(2, "checkpoints kept")
     log_every: int = setting(1, "write metrics every N steps")
     log_to: list[str] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
+    push_to_hub: str | None = setting(None, "upload final/, once complete, to this hub repository (owner/name)")
     progress: bool = setting(True, "show a progress bar")
     trust_remote_code: bool = setting(
         False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
@@ -104,7 +106,7 @@ class UptrainSettings:
 
 # Settings that may change between a run and its resumption without changing what is trained.
 RESUMABLE_CHANGES = frozenset(
-    {"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress", "dist_timeout"}
+    {"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress", "dist_timeout", "push_to_hub"}
 )
 
 # Names users bring from transformers' TrainingArguments and TRL, and what gqaify calls them (with a note where
@@ -132,6 +134,7 @@ FOREIGN_NAMES = {
     "model_name_or_path": ("model", ""),
     "dataset_name": ("data", ""),
     "ddp_timeout": ("dist_timeout", ""),
+    "hub_model_id": ("push_to_hub", "the repository id itself"),
 }
 
 
@@ -174,6 +177,8 @@ def check(s: UptrainSettings) -> None:
         problems.append(f"need 0 <= distill_weight <= 1 and temperature > 0, got {s.distill_weight}, {s.temperature}")
     if s.distill_from is None and s.distill_weight > 0 and s.distill_weight != UptrainSettings.distill_weight:
         problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
+    if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub, "push_to_hub")):
+        problems.append(problem)
     unknown = [t for t in s.log_to if t not in TRACKERS]
     if unknown:
         problems.append(f"log_to {unknown[0]!r} is not a tracker gqaify knows; use {', '.join(TRACKERS)}")

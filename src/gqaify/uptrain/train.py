@@ -1,28 +1,23 @@
 """The uptraining loop, through accelerate: the same code on a CPU, one GPU, or several with DDP or FSDP.
 
     output_dir/
-        run.json               the settings that define the run (a rerun must match them to resume)
+        run.json, checkpoints/, final/   the run's identity, its checkpoints and its model (`run_folder.py`)
         converted/             the converted model, when the run starts from a source and kv_heads
-        checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position
         metrics.jsonl          step, tokens, loss, lr, tokens/s, eval perplexity
         recovery.png           eval perplexity vs tokens, the parent as a line
-        final/                 a plain Hugging Face checkpoint
 
 Each optimizer step consumes `micro_batch_size x grad_accum x processes` blocks of `seq_len` tokens; the run
-takes `budget // that` steps. Checkpoints are written to a hidden folder and renamed when complete, so a run
-killed at any moment resumes from its last complete checkpoint and ends as an uninterrupted run would.
+takes `budget // that` steps. A run killed at any moment resumes from its last complete checkpoint and ends
+as an uninterrupted run would.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import logging
 import math
 import os
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -37,7 +32,6 @@ from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
-from gqaify.outputs import PROVENANCE_FILE, write_provenance
 from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.report import (
     METRICS,
@@ -49,33 +43,23 @@ from gqaify.uptrain.report import (
     read_metrics,
     truncate_metrics,
 )
-from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings, check
+from gqaify.uptrain.run_folder import (
+    CHECKPOINTS,
+    RUN_FILE,
+    Progress,
+    claim_output_dir,
+    latest_checkpoint,
+    save_checkpoint,
+    save_final,
+    undo_claim,
+    what_is_left,
+    write_json,
+)
+from gqaify.uptrain.settings import UptrainSettings, check
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
-
-RUN_FILE = "run.json"
-CHECKPOINTS = "checkpoints"
-PROGRESS_FILE = "progress.json"
-
-
-@dataclass
-class Progress:
-    """Where the run is; saved in every checkpoint (accelerate's register_for_checkpointing)."""
-
-    step: int = 0  # optimizer steps done
-    tokens: int = 0  # training tokens consumed, all processes
-    epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
-
 
 @dataclass(frozen=True)
 class UptrainResult:
@@ -108,22 +92,38 @@ def run(settings: UptrainSettings) -> UptrainResult:
     loader, steps = _data(s, tokenizer, accelerator)
     eval_ids = _eval_ids(s, tokenizer)
     existed = out.exists()
-    run = _claim_output_dir(out, s, accelerator.num_processes, accelerator)
+    run = claim_output_dir(out, s, accelerator.num_processes, accelerator)
     if run.get("completed") and (out / "final").is_dir():
-        return _result_of_finished_run(out, run)
+        return _pushed(s, _result_of_finished_run(out, run), accelerator)
     try:
-        return _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids)
+        result = _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids)
     except BaseException as exc:
         stop = as_interrupt(exc)
         if "started" not in run:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
-                _undo_claim(out, existed)
+                undo_claim(out, existed)
             if stop is not None:
                 raise stop.with_message("nothing was written") from None
             raise
         if stop is not None:
-            raise stop.with_message(_what_is_left(out, steps)) from None
+            raise stop.with_message(what_is_left(out, steps)) from None
         raise
+    return _pushed(s, result, accelerator)
+
+
+def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainResult:
+    """`result`, its final/ pushed to `push_to_hub` first where that is set (by the main process, in one commit).
+
+    Raises:
+        UserError: the hub refused; final/ is complete and the message says how to push it.
+    """
+    if s.push_to_hub is not None and accelerator.is_main_process:
+        from gqaify import __version__
+        from gqaify.hub import push_folder
+
+        after = f", eval perplexity {result.eval_perplexity:.2f}" if result.eval_perplexity is not None else ""
+        push_folder(result.final, s.push_to_hub, f"uptrained by gqaify {__version__}: {result.tokens:,} tokens{after}")
+    return result
 
 
 def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loader, steps: int,
@@ -147,7 +147,7 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress, scheduler)
-    latest = _latest_checkpoint(out / CHECKPOINTS)
+    latest = latest_checkpoint(out / CHECKPOINTS)
     if latest is not None:
         accelerator.load_state(str(latest))
         if accelerator.is_main_process:
@@ -161,32 +161,20 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
     run["started"] = True
     if accelerator.is_main_process:
-        _write_json(out / RUN_FILE, run)
+        write_json(out / RUN_FILE, run)
     if evaluate and progress.step == 0:
         evaluate()
     _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress, steps, evaluate, out)
 
     if accelerator.is_main_process:
         _plot(out, run, s)
-    _save_final(accelerator, model, tokenizer, model_path, out, saved_dtype, s, progress, run)
+    save_final(accelerator, model, tokenizer, model_path, out, saved_dtype, s, progress, run)
     if accelerator.is_main_process:
         run["completed"] = True
-        _write_json(out / RUN_FILE, run)
+        write_json(out / RUN_FILE, run)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # last: it also ends the process group
     return _result_of_finished_run(out, run)
-
-
-def _what_is_left(out: Path, steps: int) -> str:
-    """What an interrupted run leaves, and how to go on from it."""
-    latest = _latest_checkpoint(out / CHECKPOINTS)
-    if latest is None:
-        return (
-            f"training had started but saved no checkpoint yet; {out} holds its settings and metrics: rerun the "
-            "same command to start it again"
-        )
-    step = json.loads((latest / PROGRESS_FILE).read_text())["step"]
-    return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
 
 
 def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress: Progress, steps: int,
@@ -232,7 +220,7 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
             if evaluate and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
                 evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
             if s.save_every and (progress.step % s.save_every == 0 or progress.step == steps):
-                _save_checkpoint(accelerator, out / CHECKPOINTS, progress, s.save_total_limit)
+                save_checkpoint(accelerator, out / CHECKPOINTS, progress, s.save_total_limit)
             if progress.step == steps:
                 break
         else:  # the epoch's batches are used up
@@ -362,7 +350,7 @@ def _evaluator(s, ids, teacher, model, accelerator, run: dict, out: Path, progre
     if "parent_perplexity" not in run:
         run["parent_perplexity"] = _parent_perplexity(s, teacher, ids, seq_len, accelerator)
         if accelerator.is_main_process:
-            _write_json(out / RUN_FILE, run)
+            write_json(out / RUN_FILE, run)
 
     def evaluate() -> None:
         model.eval()
@@ -479,61 +467,6 @@ def _check_inputs(s: UptrainSettings) -> None:
     raise_if_problems(problems)
 
 
-def _identity(s: UptrainSettings, processes: int) -> dict:
-    values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
-    return {**values, "processes": processes}
-
-
-def _claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator) -> dict:
-    """run.json of `out`, written if new; refuses a folder that holds another run or other files.
-
-    Raises:
-        UserError: `out` holds another run's checkpoints (with different settings) or unrelated files.
-    """
-    from gqaify import __version__
-
-    identity = _identity(s, processes)
-    run_file = out / RUN_FILE
-    if run_file.exists():
-        run = json.loads(run_file.read_text())
-        differs = [k for k in identity if run["settings"].get(k) != identity[k]]
-        if differs and "started" not in run and not _checkpoints(out / CHECKPOINTS):
-            # a run that was stopped before it trained (killed while converting): nothing of it to keep
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                _undo_claim(out, existed=True)
-            return _claim_output_dir(out, s, processes, accelerator)
-        if differs:
-            k = differs[0]
-            raise UserError(
-                f"output_dir {out} holds another run's checkpoints (it had {k}={run['settings'].get(k)!r}, now "
-                f"{identity[k]!r}); use a new output_dir, or delete this one to start over"
-            )
-        return run
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
-    run = {"tool": "gqaify", "version": __version__, "settings": identity}
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(run_file, run)
-    accelerator.wait_for_everyone()
-    return run
-
-
-def _undo_claim(out: Path, existed: bool) -> None:
-    """Remove what a run that never trained wrote (run.json, converted/); an output_dir that existed is kept,
-    empty, as it was found (a claimed folder held nothing but this run's files)."""
-    if not existed:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for path in out.iterdir() if out.is_dir() else []:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-
 def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     """`model` itself, or its conversion to `kv_heads` in output_dir/converted (converted once, atomically)."""
     if s.kv_heads is None:
@@ -549,83 +482,6 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
         )  # fmt: skip
     accelerator.wait_for_everyone()
     return str(converted)
-
-
-def _checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints under `root` (renamed out of `.partial-*`), oldest first by their recorded step."""
-    found = []
-    for path in root.glob("step-*"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            found.append((json.loads((path / PROGRESS_FILE).read_text())["step"], path))
-    return [path for _, path in sorted(found)]
-
-
-def _latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the most steps, or None."""
-    return (_checkpoints(root) or [None])[-1]
-
-
-def _save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> None:
-    """accelerate's save_state into a hidden folder, renamed into place when every process has written."""
-    partial = root / f".partial-step-{progress.step:07d}"
-    if accelerator.is_main_process and partial.exists():
-        shutil.rmtree(partial)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _write_json(partial / PROGRESS_FILE, progress.state_dict())
-        target = root / f"step-{progress.step:07d}"
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(partial, target)
-        for old in _checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-
-
-def _save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress,
-                run: dict) -> None:  # fmt: skip
-    """output_dir/final: a plain checkpoint in the converted model's dtype, gqaify.json provenance, and the model
-    card with what uptraining measured (and the recovery plot)."""
-    from gqaify import __version__
-    from gqaify.conversion.card import model_card
-
-    final = out / "final"
-
-    state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        return
-    unwrapped = accelerator.unwrap_model(model)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    partial = final.with_name(".partial-final")
-    if partial.exists():
-        shutil.rmtree(partial)
-    unwrapped.config.dtype = dtype
-    unwrapped.save_pretrained(partial, state_dict=state)
-    tokenizer.save_pretrained(partial)
-    provenance_file = Path(model_path) / PROVENANCE_FILE
-    provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
-    provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
-                             "tokens": progress.tokens, "settings": asdict(s)}  # fmt: skip
-    if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
-        _, perplexities = eval_curve(read_metrics(out / METRICS))
-        uptrained = {
-            "tokens": progress.tokens, "steps": progress.step, "data": s.data, "eval_data": s.eval_data,
-            "distill_from": s.distill_from if s.distill_weight > 0 else None,
-            "perplexity_before": perplexities[0] if perplexities else None,
-            "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
-            "parent_perplexity": run.get("parent_perplexity"),
-        }  # fmt: skip
-        if (out / "recovery.png").is_file():
-            shutil.copyfile(out / "recovery.png", partial / "recovery.png")
-            uptrained["plot"] = "recovery.png"
-        model_card(provenance, uptrained).save(partial / "README.md")
-    write_provenance(partial, {"tool": "gqaify", **provenance})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
 
 
 def _plot(out: Path, run: dict, s: UptrainSettings) -> None:
@@ -657,7 +513,3 @@ def _loggable(s: UptrainSettings) -> dict:
     return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in asdict(s).items()}
 
 
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    os.replace(tmp, path)

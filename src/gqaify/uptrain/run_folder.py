@@ -1,0 +1,195 @@
+"""An uptraining run's folder: what makes it this run, its checkpoints, and its final model.
+
+    output_dir/
+        run.json               the settings that define the run (a rerun must match them to resume)
+        checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position (progress.json)
+        final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
+
+Everything here is written to a hidden name and renamed into place when complete, so a run killed at any
+moment leaves only complete checkpoints; a run that never trained leaves the folder as it was found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gqaify.errors import UserError
+from gqaify.outputs import PROVENANCE_FILE, write_provenance
+from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
+from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
+
+RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+PROGRESS_FILE = "progress.json"
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint (accelerate's register_for_checkpointing)."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # training tokens consumed, all processes
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def what_is_left(out: Path, steps: int) -> str:
+    """What an interrupted run leaves, and how to go on from it."""
+    latest = latest_checkpoint(out / CHECKPOINTS)
+    if latest is None:
+        return (
+            f"training had started but saved no checkpoint yet; {out} holds its settings and metrics: rerun the "
+            "same command to start it again"
+        )
+    step = json.loads((latest / PROGRESS_FILE).read_text())["step"]
+    return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
+
+
+def _identity(s: UptrainSettings, processes: int) -> dict:
+    values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
+    return {**values, "processes": processes}
+
+
+def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator) -> dict:
+    """run.json of `out`, written if new; refuses a folder that holds another run or other files.
+
+    Raises:
+        UserError: `out` holds another run's checkpoints (with different settings) or unrelated files.
+    """
+    from gqaify import __version__
+
+    identity = _identity(s, processes)
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        run = json.loads(run_file.read_text())
+        differs = [k for k in identity if run["settings"].get(k) != identity[k]]
+        if differs and "started" not in run and not checkpoints(out / CHECKPOINTS):
+            # a run that was stopped before it trained (killed while converting): nothing of it to keep
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                undo_claim(out, existed=True)
+            return claim_output_dir(out, s, processes, accelerator)
+        if differs:
+            k = differs[0]
+            raise UserError(
+                f"output_dir {out} holds another run's checkpoints (it had {k}={run['settings'].get(k)!r}, now "
+                f"{identity[k]!r}); use a new output_dir, or delete this one to start over"
+            )
+        return run
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
+    run = {"tool": "gqaify", "version": __version__, "settings": identity}
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(run_file, run)
+    accelerator.wait_for_everyone()
+    return run
+
+
+def undo_claim(out: Path, existed: bool) -> None:
+    """Remove what a run that never trained wrote (run.json, converted/); an output_dir that existed is kept,
+    empty, as it was found (a claimed folder held nothing but this run's files)."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir() if out.is_dir() else []:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root` (renamed out of `.partial-*`), oldest first by their recorded step."""
+    found = []
+    for path in root.glob("step-*"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            found.append((json.loads((path / PROGRESS_FILE).read_text())["step"], path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the most steps, or None."""
+    return (checkpoints(root) or [None])[-1]
+
+
+def save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> None:
+    """accelerate's save_state into a hidden folder, renamed into place when every process has written."""
+    partial = root / f".partial-step-{progress.step:07d}"
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_json(partial / PROGRESS_FILE, progress.state_dict())
+        target = root / f"step-{progress.step:07d}"
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress,
+                run: dict) -> None:  # fmt: skip
+    """output_dir/final: a plain checkpoint in the converted model's dtype, gqaify.json provenance, and the model
+    card with what uptraining measured (and the recovery plot)."""
+    from gqaify import __version__
+    from gqaify.conversion.card import model_card
+
+    final = out / "final"
+
+    state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    partial = final.with_name(".partial-final")
+    if partial.exists():
+        shutil.rmtree(partial)
+    unwrapped.config.dtype = dtype
+    unwrapped.save_pretrained(partial, state_dict=state)
+    tokenizer.save_pretrained(partial)
+    provenance_file = Path(model_path) / PROVENANCE_FILE
+    provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
+    provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
+                             "tokens": progress.tokens, "settings": asdict(s)}  # fmt: skip
+    if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
+        _, perplexities = eval_curve(read_metrics(out / METRICS))
+        uptrained = {
+            "tokens": progress.tokens, "steps": progress.step, "data": s.data, "eval_data": s.eval_data,
+            "distill_from": s.distill_from if s.distill_weight > 0 else None,
+            "perplexity_before": perplexities[0] if perplexities else None,
+            "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
+            "parent_perplexity": run.get("parent_perplexity"),
+        }  # fmt: skip
+        if (out / "recovery.png").is_file():
+            shutil.copyfile(out / "recovery.png", partial / "recovery.png")
+            uptrained["plot"] = "recovery.png"
+        model_card(provenance, uptrained).save(partial / "README.md")
+    write_provenance(partial, {"tool": "gqaify", **provenance})
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+
+
+def write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
