@@ -8,8 +8,8 @@ Each stage (`ConvertSettings`, `EvalSettings`, `UptrainSettings`) is one datacla
 --config file (YAML, or a JSON record gqaify wrote: its "settings"), a `--field value` option (`--field-name`
 and `--field_name` alike) and a keyword argument in Python. transformers' HfArgumentParser builds the options
 and --help from the fields; a positional argument (convert's SRC OUT, eval's MODEL...) is a second way to give
-one field. Values from a file never pass through argparse, so every value is checked against its field's type
-here; unknown keys and options are refused with the nearest name.
+one field. argparse checks what is typed on the command line; a file's values are checked against their fields'
+types here. Unknown keys and options are refused with the nearest name.
 
 Only the standard library and PyYAML are imported at the top; transformers' parser when a command is parsed.
 """
@@ -30,11 +30,11 @@ import yaml
 from gqaify.errors import UserError, raise_if_problems
 
 
-def setting(default, help: str, **metadata):
+def setting(default, help: str):
     """A settings field: its default and the help line shown by --help (a list default is copied per object)."""
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,6 @@ class Stage:
     switches: tuple[Switch, ...] = ()
     foreign_names: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # theirs: (ours, note)
     config_flags: tuple[str, ...] = ("--config",)
-    epilog: str | None = None
 
     def field_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings)]
@@ -90,11 +89,14 @@ def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
         SystemExit: --help (status 0), or a malformed option value (argparse's one-line error, status 2).
     """
     parser = build_parser(stage, prog)
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     pre.add_argument(*stage.config_flags, dest="config")
-    config, _ = pre.parse_known_args(argv)
-    if config.config:
-        parser.set_defaults(**read_config(stage, config.config))
+    try:
+        config = pre.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # `--config` without a file: the full parser reports it below
+        config = None
+    if config:
+        parser.set_defaults(**read_config(stage, config))
     namespace, unused = parser.parse_known_args(argv)
     if unused:
         flags = [a for a in unused if a.startswith("-")] or unused[:1]
@@ -143,7 +145,6 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
         stage.settings,
         prog=prog or f"gqaify {stage.command}",
         description=stage.description,
-        epilog=stage.epilog,
         allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
         formatter_class=_Formatter,
     )
