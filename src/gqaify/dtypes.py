@@ -20,7 +20,7 @@ def torch_dtype(name: str) -> torch.dtype | None:
     """The torch dtype called `name`, or None for "auto".
 
     Raises:
-        ValueError: `name` is not in `DTYPE_NAMES` (callers check user input with `dtype_problem` first).
+        ValueError: `name` is not in `DTYPE_NAMES` (settings fields typed `DtypeName` are checked first).
     """
     if name not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {name!r}")
@@ -29,10 +29,3 @@ def torch_dtype(name: str) -> torch.dtype | None:
     import torch
 
     return getattr(torch, name)
-
-
-def dtype_problem(name: str, option: str = "--dtype") -> str | None:
-    """A one-line problem if `name` is not a dtype gqaify accepts, else None."""
-    if name in DTYPE_NAMES:
-        return None
-    return f"unknown {option} {name!r}; choose one of {', '.join(DTYPE_NAMES)}"

@@ -70,7 +70,7 @@ def config_problems(config: dict, kv_heads, calibration: Calibration | None):
     if calibration is not None and spec.no_calibration:
         problems.append(f"{model_name} cannot be calibrated: {spec.no_calibration}; convert it with --method mean "
                         "or norm-mean, without --calib-data")  # fmt: skip
-    elif calibration is not None and isinstance(calibration.tokens, int):
+    elif calibration is not None:
         problems += [p for p in [calibration.size_problem(calibration.tokens, geometry.hidden_size)] if p]
     return problems, spec, geometry
 

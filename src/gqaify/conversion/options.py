@@ -39,21 +39,16 @@ GroupingName = Literal[GROUPINGS]
 CalibMode = Literal[CALIB_MODES]
 
 
-def method_problems(method: str, grouping: str, calibrated: bool, option_prefix: str = "--") -> list[str]:
-    """Problems with a choice of method and grouping, given whether calibration text is set."""
-    p = option_prefix
+def method_problems(method: MethodName, grouping: GroupingName, calibrated: bool) -> list[str]:
+    """Problems with a choice of method and grouping (names already checked), given whether calibration text is
+    set."""
     problems = []
-    if method not in METHOD_INFO:
-        problems.append(f"unknown {p}method {method!r}; choose one of {', '.join(METHOD_INFO)}")
-    elif METHOD_INFO[method].calibrated and not calibrated:
+    if METHOD_INFO[method].calibrated and not calibrated:
         problems.append(
-            f"{p}method {method} is fitted on calibration text; "
-            f"pass {p}calib-data DATA (text other than your eval text)"
+            f"--method {method} is fitted on calibration text; pass --calib-data DATA (text other than your eval text)"
         )
-    if grouping not in GROUPINGS:
-        problems.append(f"unknown {p}grouping {grouping!r}; choose one of {', '.join(GROUPINGS)}")
-    elif grouping == "similarity" and not calibrated:
-        problems.append(f"{p}grouping similarity compares heads on calibration text; pass {p}calib-data DATA")
+    if grouping == "similarity" and not calibrated:
+        problems.append("--grouping similarity compares heads on calibration text; pass --calib-data DATA")
     return problems
 
 
@@ -75,33 +70,34 @@ class Calibration:
     attention output (`repair`, closed form) and, with `refine_steps`, refines its attention by gradient
     steps against the parent layer's output. "parallel" fits every layer on the parent's activations, as
     one pass of the parent would: gqaify's first calibration, kept for comparison.
+
+    Built by `ConvertSettings.calibration()`, whose fields hold the defaults and whose types are checked first.
     """
 
     data: str  # a text file or folder, or a hub dataset name[:config], as `gqaify eval --data`
-    tokens: int = 32768
-    split: str = "train"
-    text_column: str = "text"
-    seq_len: int = 1024
-    mode: str = "sequential"
-    refine_steps: int = 0  # Adam steps per layer (sequential only), one calibration window each
-    refine_lr: float = 1e-3
-    repair: bool = True  # refit o_proj against the parent's attention output (sequential only)
+    tokens: int
+    split: str
+    text_column: str
+    seq_len: int
+    mode: CalibMode
+    refine_steps: int  # Adam steps per layer (sequential only), one calibration window each
+    refine_lr: float
+    repair: bool  # refit o_proj against the parent's attention output (sequential only)
 
     def problems(self) -> list[str]:
+        """Values out of range (their types are checked with the settings)."""
         problems = []
         if not self.data:
             problems.append("--calib-data is empty; name a text file, folder or hub dataset")
-        if not _is_int(self.tokens) or self.tokens < 2:
+        if self.tokens < 2:
             problems.append(f"--calib-tokens {self.tokens} must be at least 2 (tens of thousands are typical)")
-        if not _is_int(self.seq_len) or self.seq_len < 2:
+        if self.seq_len < 2:
             problems.append(f"--calib-seq-len {self.seq_len} must be at least 2")
-        if self.mode not in CALIB_MODES:
-            problems.append(f"unknown --calib-mode {self.mode!r}; choose one of {', '.join(CALIB_MODES)}")
-        if not _is_int(self.refine_steps) or self.refine_steps < 0:
+        if self.refine_steps < 0:
             problems.append(f"--refine-steps {self.refine_steps} must be a whole number, 0 or more")
         elif self.refine_steps and self.mode != "sequential":
             problems.append("--refine-steps refines each layer on the converted stream; use --calib-mode sequential")
-        if not isinstance(self.refine_lr, (int, float)) or isinstance(self.refine_lr, bool) or self.refine_lr <= 0:
+        if self.refine_lr <= 0:
             problems.append(f"--refine-lr {self.refine_lr} must be a positive number")
         return problems
 
@@ -198,7 +194,3 @@ CONVERT = Stage(
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
 )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

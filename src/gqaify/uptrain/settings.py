@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.options import METHOD_INFO, CalibMode, GroupingName, MethodName
+from gqaify.conversion.options import METHOD_INFO, CalibMode, ConvertSettings, GroupingName, MethodName
 from gqaify.errors import raise_if_problems
 from gqaify.hub import repo_id_problem
 from gqaify.settings import Stage, read_config, setting, type_problems
@@ -34,7 +34,7 @@ class UptrainSettings:
     calib_data: str | None = setting(
         None, "calibration text for the conversion (aligned, lsq, similarity); not eval text"
     )
-    calib_tokens: int = setting(32768, "calibration tokens read from calib_data")
+    calib_tokens: int = setting(ConvertSettings.calib_tokens, "calibration tokens read from calib_data")
     calib_split: str | None = setting(None, "split of calib_data (default: split)")
     calib_mode: CalibMode = setting(
         "sequential", "calibration layer by layer (sequential) or on the parent's activations"
