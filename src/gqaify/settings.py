@@ -30,11 +30,19 @@ import yaml
 from gqaify.errors import UserError, raise_if_problems
 
 
-def setting(default, help: str):
-    """A settings field: its default and the help line shown by --help (a list default is copied per object)."""
+def setting(default, help: str, empty_list: bool = False):
+    """A settings field: its default and the help line shown by --help (a list default is copied per object).
+
+    Args:
+        empty_list: a list option may be given with no values (`--generate` alone: an empty list, not None).
+    """
+    metadata = {"help": help, **({_EMPTY_LIST: True} if empty_list else {})}
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+_EMPTY_LIST = "gqaify_empty_list"  # a field's metadata reach add_argument as keywords: this one is ours
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,8 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
             if kwargs.get("type") is string_to_bool and kwargs.get("nargs") == "?":
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("type", "nargs")}
                 kwargs["action"] = "store_const"
+            if kwargs.pop(_EMPTY_LIST, False):
+                kwargs["nargs"] = "*"
             return super().add_argument(*args, **kwargs)
 
     parser = Parser(

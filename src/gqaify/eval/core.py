@@ -1,9 +1,10 @@
 """`gqaify eval`: every model beside the first (the parent) on the same text, windows and device.
 
 For each model: perplexity (token, word, bits per byte), the KV cache (analytic, measured after a prefill,
-ratio to the parent, what fits in a memory budget), prefill and decode speed, and, against the parent,
-per-layer diagnostics. Everything is checked before the first model runs; the report is written at the end,
-so bad input or a failure leaves no partial report.
+ratio to the parent, what fits in a memory budget), prefill and decode speed, against the parent per-layer
+diagnostics, and when asked, lm-evaluation-harness task scores and greedy continuations of prompts, all on
+the one loaded model. Everything is checked before the first model runs (the tasks' datasets included); the
+report is written at the end, so bad input or a failure leaves no partial report.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
 from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
+from gqaify.eval.generate import DEFAULT_PROMPTS, continuations
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import write_report
 from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
+from gqaify.eval.tasks import Harness, TaskRequest
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.models import load_config, load_model
 from gqaify.settings import type_problems
@@ -50,7 +53,10 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     models, data = s.models, s.data
     stride = s.seq_len if s.stride is None else s.stride
     device = _device(s.device)
-    configs, budget = _check(models, s, stride, Path(out))
+    request = s.task_request()
+    configs, budget = _check(models, s, stride, Path(out), request)
+    harness = Harness(request) if request else None  # the tasks' datasets are read here, before any model
+    prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
     text = load_text(data, s.split, s.text_column)
     report = Report(
         data={
@@ -79,6 +85,12 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
         ids, words, nbytes = tokenized[fingerprint]
         LOG.info("evaluating %s on %d tokens", name, len(ids))
         entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride, budget)
+        if harness:
+            LOG.info("scoring %s on %s", name, ", ".join(harness.names))
+            entry.tasks = [asdict(score) for score in harness.score(model, tokenizer)]
+        if prompts:
+            texts = continuations(model, tokenizer, prompts, s.generate_tokens)
+            entry.generations = [{"prompt": p, "text": t} for p, t in zip(prompts, texts, strict=True)]
         if parent is None:
             parent, parent_entry, parent_ids = model, entry, ids
         else:
@@ -154,9 +166,16 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
 # -- input -------------------------------------------------------------------------------------------------
 
 
-def _check(models: list[str], s: EvalSettings, stride: int, out: Path) -> tuple[list, int]:
+def _check(models: list[str], s: EvalSettings, stride: int, out: Path, request: TaskRequest | None) -> tuple[list, int]:
     """Check settings and that every model exists; return their configs and the memory budget in bytes."""
     problems = []
+    if request:
+        problems += request.problems({k: f"--{k.replace('_', '-')}" for k in ("limit", "num_fewshot", "include_path")})
+    else:
+        problems += [f"--{k.replace('_', '-')} applies to --tasks; add --tasks or leave it out"
+                     for k in ("num_fewshot", "limit", "include_path") if getattr(s, k) is not None]  # fmt: skip
+    if s.generate_tokens < 1:
+        problems.append(f"--generate-tokens {s.generate_tokens} must be at least 1")
     if not models:
         problems.append("name at least one MODEL (the first is the parent)")
     if s.seq_len < 2:

@@ -7,11 +7,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from gqaify.eval.results import Report
+from gqaify.eval.results import ModelReport, Report
+from gqaify.eval.tasks import TaskScore, headline
 from gqaify.outputs import current_umask
 
 PLOT_KV = "perplexity_vs_kv.png"
 PLOT_DIAGNOSTICS = "diagnostics.png"
+PLOT_TASKS = "tasks_vs_kv.png"
 
 COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context (bound)", "decode tok/s"]
 
@@ -48,7 +50,80 @@ def format_table(report: Report) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
 
     lines = [line(r) for r in rows]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], *[f"note: {n}" for n in report.notes]])
+    tasks = [f"{task} ({metric}): " + ", ".join(f"{name} {value}" for name, value in cells)
+             for task, metric, cells in _headline_rows(report)]  # fmt: skip
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], *tasks, *[f"note: {n}" for n in report.notes]])
+
+
+def _scores(m: ModelReport) -> list[TaskScore]:
+    return [TaskScore(**row) for row in m.tasks or []]
+
+
+def _headline_rows(report: Report) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(task, metric, [(model, value)]) for each task's headline metric, in the parent's order."""
+    per_model = [headline(_scores(m)) for m in report.models]
+    rows = []
+    for task, first in per_model[0].items():
+        cells = [(Path(m.model).name, f"{found[task].value:.4f}" if task in found else "—")
+                 for m, found in zip(report.models, per_model, strict=True)]  # fmt: skip
+        rows.append((task, first.metric, cells))
+    return rows
+
+
+def task_lines(report: Report) -> list[str]:
+    """The task table of report.md: every metric of every task, the parent beside each model's difference."""
+    if not any(m.tasks for m in report.models):
+        return []
+    keys: dict[tuple[str, str, str], int | None] = {}  # (task, metric, filter) -> n, in the order first seen
+    for m in report.models:
+        for s in _scores(m):
+            keys.setdefault((s.task, s.metric, s.filter), s.n)
+    found = [{(s.task, s.metric, s.filter): s for s in _scores(m)} for m in report.models]
+    parent = found[0]
+    settings = report.settings
+    shots = "each task's default" if settings.get("num_fewshot") is None else settings["num_fewshot"]
+    limit = "" if settings.get("limit") is None else f", at most {settings['limit']:g} items per task"
+    lines = [
+        "## Tasks",
+        "",
+        f"lm-evaluation-harness, few-shot: {shots}{limit}. Each converted model's score with its difference "
+        "from the parent's; ± is the harness's standard error.",
+        "",
+        "| task | metric | n | " + " | ".join(_md(Path(m.model).name) for m in report.models) + " |",
+        "|---|---|---|" + "---|" * len(report.models),
+    ]
+    for key, n in keys.items():
+        cells = []
+        for i, scores in enumerate(found):
+            s = scores.get(key)
+            if s is None:
+                cells.append("—")
+            elif i == 0 or key not in parent:
+                cells.append(f"{s.value:.4f}" + ("" if s.stderr is None else f" ± {s.stderr:.4f}"))
+            else:
+                cells.append(f"{s.value:.4f} ({s.value - parent[key].value:+.4f})")
+        task, metric, filter_ = key
+        shown = metric if filter_ == "none" else f"{metric} ({filter_})"
+        lines.append(f"| {task} | {shown} | {'—' if n is None else f'{n:,}'} | " + " | ".join(cells) + " |")
+    return [*lines, "", f"![task scores vs KV bytes per token]({PLOT_TASKS})", ""]
+
+
+def generation_lines(report: Report) -> list[str]:
+    """Each prompt with every model's greedy continuation beside the others."""
+    if not any(m.generations for m in report.models):
+        return []
+    prompts = [g["prompt"] for g in report.models[0].generations or []]
+    lines = ["## Generations", "", f"Greedy, at most {report.settings['generate_tokens']} new tokens.", ""]
+    for i, prompt in enumerate(prompts):
+        lines += [f"**{_md(prompt)}** …", "", "| model | continuation |", "|---|---|"]
+        lines += [f"| {_md(Path(m.model).name)} | {_md(m.generations[i]['text'])} |" for m in report.models]
+        lines.append("")
+    return lines
+
+
+def _md(text: str) -> str:
+    """Text for one Markdown table cell: pipes escaped, line breaks shown as ↵."""
+    return " ↵ ".join(text.replace("|", "\\|").splitlines()) or " "
 
 
 def markdown(report: Report) -> str:
@@ -88,7 +163,7 @@ def markdown(report: Report) -> str:
         )
     lines += ["", f"![perplexity vs KV bytes per token]({PLOT_KV})", ""]
     lines += [f"![per-layer diagnostics]({PLOT_DIAGNOSTICS})", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + task_lines(report) + generation_lines(report))
 
 
 def _num(value: float | None) -> str:
@@ -113,6 +188,41 @@ def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
     ax.set_title("Perplexity vs KV cache (★ parent)")
     ax.margins(x=0.2, y=0.15)
     ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_tasks_vs_kv(report: Report, path: Path) -> None:
+    """Each task's headline score against KV bytes per token, one line per task through the models."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    per_model = [headline(_scores(m)) for m in report.models]
+    for task, first in per_model[0].items():
+        models = enumerate(zip(report.models, per_model, strict=True))
+        points = sorted(((m.kv_cache_bytes_per_token, found[task], i) for i, (m, found) in models if task in found),
+                        key=lambda p: p[0])  # fmt: skip
+        x = [p[0] for p in points]
+        y = [p[1].value for p in points]
+        errors = [p[1].stderr or 0.0 for p in points]
+        line = ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=f"{task} ({first.metric})")
+        for kv, score, i in points:
+            if i == 0:
+                ax.scatter([kv], [score.value], marker="*", s=160, color=line[0].get_color(), zorder=4)
+    for m in report.models:
+        ax.annotate(f"G={m.num_key_value_heads}", (m.kv_cache_bytes_per_token, 0), xycoords=("data", "axes fraction"),
+                    textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache bytes per token")
+    ax.set_ylabel("score")
+    ax.set_title("Task scores vs KV cache (★ parent)")
+    ax.margins(x=0.2, y=0.15)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -156,6 +266,8 @@ def write_report(report: Report, out: Path) -> None:
         PLOT_KV: lambda p: plot_perplexity_vs_kv(report, p),
         PLOT_DIAGNOSTICS: lambda p: plot_diagnostics(report, p),
     }
+    if any(m.tasks for m in report.models):
+        writers[PLOT_TASKS] = lambda p: plot_tasks_vs_kv(report, p)
     staged = []
     mode = 0o666 & ~current_umask()  # mkstemp makes its files private; the report is an ordinary file
     try:

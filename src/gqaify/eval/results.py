@@ -39,6 +39,8 @@ class ModelReport:
     decode_tokens_per_s: float | None = None
     decode_tokens_per_s_batched: float | None = None
     diagnostics: dict | None = None
+    tasks: list[dict] | None = None  # one row per task and metric (eval/tasks.py's TaskScore), with --tasks
+    generations: list[dict] | None = None  # {"prompt", "text"} per prompt, with --generate
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gqaify.dtypes import DtypeName
+from gqaify.eval.tasks import TaskRequest
 from gqaify.settings import Positional, Stage, Switch, setting
 
 
@@ -21,7 +22,7 @@ class EvalSettings:
     seq_len: int = setting(2048, "window length in tokens")
     stride: int | None = setting(None, "tokens between window starts (default: seq_len, no overlap)")
     max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text")
-    batch_size: int = setting(1, "windows per forward pass")
+    batch_size: int = setting(1, "windows (and task requests) per forward pass")
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's)")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     memory_budget: str = setting("80GB", "memory for weights + KV cache, for the context that fits")
@@ -31,10 +32,28 @@ class EvalSettings:
     repeats: int = setting(3, "timed runs, the median reported")
     diag_tokens: int = setting(512, "tokens for the attention diagnostics")
     speed: bool = setting(True, "measure decode speed")
+    tasks: list[str] = setting(
+        [], "lm-evaluation-harness tasks to score, comma- or space-separated (needs pip install 'gqaify[tasks]')"
+    )
+    num_fewshot: int | None = setting(None, "few-shot examples per task (default: each task's own)")
+    limit: float | None = setting(None, "score only the first N items of each task (or a fraction below 1)")
+    include_path: str | None = setting(None, "folder of local task YAMLs, for --tasks")
+    generate: list[str] | None = setting(
+        None, "greedy continuations of PROMPT... side by side in report.md (--generate alone: two default prompts)",
+        empty_list=True,
+    )
+    generate_tokens: int = setting(40, "tokens generated per prompt")
     trust_remote_code: bool = setting(
         False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
     )
     progress: bool = setting(True, "show progress bars")
+
+    def task_request(self) -> TaskRequest | None:
+        """The lm-evaluation-harness tasks to score, or None."""
+        if not self.tasks:
+            return None
+        return TaskRequest.of(self.tasks, num_fewshot=self.num_fewshot, limit=self.limit,
+                              include_path=self.include_path, batch_size=self.batch_size)  # fmt: skip
 
 
 EVAL = Stage(
@@ -43,6 +62,7 @@ EVAL = Stage(
     description="Evaluate MODEL... (hub ids, folders or .gguf files; the first is the parent) on the same text and "
     "windows, and write report.json, report.md and PNG plots to --out.\n\n"
     "  gqaify eval PARENT CONVERTED --data wiki.txt --out report\n"
+    "  gqaify eval PARENT CONVERTED --data wiki.txt --out report --tasks hellaswag,arc_easy --generate\n"
     "  gqaify eval --config eval.yaml --seq-len 1024          (the file's settings; options given here win)\n"
     "  gqaify eval --config report/report.json --out again    (rerun an evaluation from its report)",
     required=("models", "data", "out"),

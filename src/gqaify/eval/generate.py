@@ -1,0 +1,33 @@
+"""Greedy continuations of a few prompts, so that a report shows in words what each model writes.
+
+A conversion that collapsed reads as repetition or noise next to its parent's sentence, which a perplexity
+figure alone does not show. Greedy decoding is deterministic: the same model writes the same words each run,
+and a G = H conversion writes exactly its parent's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Used when --generate is given without prompts: one factual, one narrative.
+DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time, there was a little girl who")
+
+
+@torch.inference_mode()
+def continuations(model, tokenizer, prompts: list[str], new_tokens: int) -> list[str]:
+    """The greedy continuation of each prompt (without the prompt), `new_tokens` tokens at most.
+
+    Each prompt runs alone (no padding), and generation stops early at the end-of-text token.
+    """
+    from transformers import GenerationConfig
+
+    pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=pad)  # fmt: skip
+    device = next(model.parameters()).device
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return texts
