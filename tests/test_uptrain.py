@@ -166,6 +166,19 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     assert "(recovery.png)" in card.text and (out / "final" / "recovery.png").is_file()
 
 
+@needs_assets
+def test_eval_tasks_are_scored_at_each_evaluation_and_logged(tiny, tmp_path):
+    model = tmp_path / "stories260K-gqa2"  # 512 positions: the tiny model's 64 cannot hold a story's sentences
+    convert(MODELS / "stories260K-mha", model, 2, progress=False)
+    out = tmp_path / "run"
+    uptrain(parse(args(tiny, out, "--model", str(model), "--eval_tasks", "story_endings", "--eval_include_path",
+                       str(REPO / "tests" / "tasks"), "--eval_limit", "8", "--eval_every", "10")))  # fmt: skip
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "story_endings/acc" in r]
+    assert [r["step"] for r in rows] == [0, 10, 20]  # no eval_data: the tasks alone are evaluated
+    assert all(r["story_endings/acc"] * 8 == round(r["story_endings/acc"] * 8) for r in rows)  # 8 items each
+    assert all(0 <= r["story_endings/acc_norm"] <= 1 and "eval_perplexity" not in r for r in rows)
+
+
 def test_rerun_of_a_finished_run_does_nothing(tiny, tmp_path):
     out = tmp_path / "run"
     first = uptrain(parse(args(tiny, out)))
@@ -336,6 +349,15 @@ def test_recipe_values_of_the_wrong_type(tmp_path):
 
 def test_unknown_option_names_the_nearest():
     assert "unknown option --max_token (did you mean --max_tokens?)" in one_line_error(run_cli(["--max_token", "5"]))
+
+
+@pytest.mark.parametrize("options, expect", [
+    (["--eval_limit", "5"], "eval_limit applies to eval_tasks"),
+    (["--eval_tasks", "x", "--eval_limit", "-1"], "eval_limit -1 must be above 0"),
+])  # fmt: skip
+def test_bad_eval_task_settings(tiny, tmp_path, options, expect):
+    line = one_line_error(run_cli(args(tiny, tmp_path / "run", *options)))
+    assert expect in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("budget", ["0", "-5"])

@@ -15,6 +15,7 @@ from typing import Literal
 
 from gqaify.conversion.options import METHOD_INFO, CalibMode, ConvertSettings, GroupingName, MethodName
 from gqaify.errors import raise_if_problems
+from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
 from gqaify.settings import Stage, read_config, setting, type_problems
 from gqaify.settings import parse as parse_settings
@@ -75,6 +76,12 @@ class UptrainSettings:
     eval_tokens: int = setting(16384, "evaluate on the first N tokens of eval_data")
     eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)")
     eval_every: int = setting(0, "evaluate every N steps (0: at start and end only)")
+    eval_tasks: list[str] = setting(
+        [], "lm-evaluation-harness tasks scored at each evaluation, logged to metrics (needs gqaify[tasks])"
+    )
+    eval_num_fewshot: int | None = setting(None, "few-shot examples per eval task (default: each task's own)")
+    eval_limit: float | None = setting(None, "score only the first N items of each eval task (or a fraction below 1)")
+    eval_include_path: str | None = setting(None, "folder of local task YAMLs, for eval_tasks")
     parent: str | None = setting(
         None, "model whose perplexity the plot shows as a line (default distill_from, or the converted source)"
     )
@@ -97,6 +104,13 @@ class UptrainSettings:
     def tokens_per_step_per_process(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
+    def task_request(self) -> TaskRequest | None:
+        """The lm-evaluation-harness tasks scored at each evaluation, or None."""
+        if not self.eval_tasks:
+            return None
+        return TaskRequest.of(self.eval_tasks, num_fewshot=self.eval_num_fewshot, limit=self.eval_limit,
+                              include_path=self.eval_include_path)  # fmt: skip
+
     def budget(self) -> int:
         """The token budget: max_tokens, else budget_fraction × pretraining_tokens."""
         if self.max_tokens is not None:
@@ -106,8 +120,9 @@ class UptrainSettings:
 
 # Settings that may change between a run and its resumption without changing what is trained.
 RESUMABLE_CHANGES = frozenset(
-    {"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress", "dist_timeout", "push_to_hub"}
-)
+    {"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress", "dist_timeout", "push_to_hub",
+     "eval_tasks", "eval_num_fewshot", "eval_limit", "eval_include_path"}
+)  # fmt: skip
 
 # Names users bring from transformers' TrainingArguments and TRL, and what gqaify calls them (with a note where
 # the meaning differs): an unknown key or option that is one of these is answered with its gqaify name.
@@ -179,6 +194,11 @@ def check(s: UptrainSettings) -> None:
         problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
     if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub, "push_to_hub")):
         problems.append(problem)
+    if request := s.task_request():
+        problems += request.problems({k: f"eval_{k}" for k in ("limit", "num_fewshot", "include_path")})
+    else:
+        knobs = [k for k in ("eval_num_fewshot", "eval_limit", "eval_include_path") if getattr(s, k) is not None]
+        problems += [f"{k} applies to eval_tasks; set eval_tasks or leave it out" for k in knobs]
     unknown = [t for t in s.log_to if t not in TRACKERS]
     if unknown:
         problems.append(f"log_to {unknown[0]!r} is not a tracker gqaify knows; use {', '.join(TRACKERS)}")

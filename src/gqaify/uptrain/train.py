@@ -31,6 +31,7 @@ from gqaify.archs import ARCHITECTURES, HEAD, LAYER
 from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
+from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
 from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.report import (
@@ -91,12 +92,14 @@ def run(settings: UptrainSettings) -> UptrainResult:
     tokenizer = load_tokenizer(s.model, option="model")
     loader, steps = _data(s, tokenizer, accelerator)
     eval_ids = _eval_ids(s, tokenizer)
+    request = s.task_request()
+    harness = Harness(request, "eval_tasks", "eval_include_path") if request else None  # reads the datasets
     existed = out.exists()
     run = claim_output_dir(out, s, accelerator.num_processes, accelerator)
     if run.get("completed") and (out / "final").is_dir():
         return _pushed(s, _result_of_finished_run(out, run), accelerator)
     try:
-        result = _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids)
+        result = _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids, harness)
     except BaseException as exc:
         stop = as_interrupt(exc)
         if "started" not in run:  # nothing trained yet: leave output_dir as it was found
@@ -127,7 +130,7 @@ def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainRe
 
 
 def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loader, steps: int,
-         eval_ids) -> UptrainResult:  # fmt: skip
+         eval_ids, harness) -> UptrainResult:  # fmt: skip
     """The run in a claimed output_dir: model, optimizer, resume, the loop, the final save."""
     from accelerate.utils import set_seed
 
@@ -153,7 +156,7 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {steps})")
     teacher = _teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
-    evaluate = _evaluator(s, eval_ids, teacher, model, accelerator, run, out, progress)
+    evaluate = _evaluator(s, eval_ids, harness, tokenizer, teacher, model, accelerator, run, out, progress)
 
     if accelerator.is_main_process:
         truncate_metrics(out, progress.step if latest is not None else -1)
@@ -339,24 +342,31 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
     return teacher
 
 
-def _evaluator(s, ids, teacher, model, accelerator, run: dict, out: Path, progress: Progress):
-    """A function that logs the eval perplexity at the current step, or None without eval_data (`ids` None).
+def _evaluator(s, ids, harness, tokenizer, teacher, model, accelerator, run: dict, out: Path, progress: Progress):
+    """A function that logs the eval perplexity (with eval_data) and task scores (with eval_tasks) at the
+    current step, or None without either.
 
-    The parent's perplexity on the same tokens is measured once per run and kept in run.json.
+    The parent's perplexity on the same tokens is measured once per run and kept in run.json. Every process
+    scores the tasks on its model (under FSDP each forward pass needs them all); the main one logs them as
+    "task/metric" (`TaskScore.name`).
     """
-    if ids is None:
+    if ids is None and harness is None:
         return None
     seq_len = s.eval_seq_len or s.seq_len
-    if "parent_perplexity" not in run:
+    if ids is not None and "parent_perplexity" not in run:
         run["parent_perplexity"] = _parent_perplexity(s, teacher, ids, seq_len, accelerator)
         if accelerator.is_main_process:
             write_json(out / RUN_FILE, run)
 
     def evaluate() -> None:
+        row: dict = {"tokens": progress.tokens}
         model.eval()
-        ppl = perplexity(model, ids, seq_len, seq_len, progress=False).perplexity
+        if ids is not None:
+            row["eval_perplexity"] = perplexity(model, ids, seq_len, seq_len, progress=False).perplexity
+        if harness is not None:
+            row |= {score.name: score.value for score in harness.score(accelerator.unwrap_model(model), tokenizer)}
         model.train()
-        accelerator.log({"tokens": progress.tokens, "eval_perplexity": ppl}, step=progress.step)
+        accelerator.log(row, step=progress.step)
 
     return evaluate
 
