@@ -194,7 +194,7 @@ def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
 
 
 def plot_tasks_vs_kv(report: Report, path: Path) -> None:
-    """Each task's headline score against KV bytes per token, one line per task through the models."""
+    """Each task's headline score for each model against its KV bytes per token (models named beside)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,26 +203,24 @@ def plot_tasks_vs_kv(report: Report, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     per_model = [headline(_scores(m)) for m in report.models]
     for task, first in per_model[0].items():
-        models = enumerate(zip(report.models, per_model, strict=True))
-        points = sorted(((m.kv_cache_bytes_per_token, found[task], i) for i, (m, found) in models if task in found),
-                        key=lambda p: p[0])  # fmt: skip
-        x = [p[0] for p in points]
-        y = [p[1].value for p in points]
-        errors = [p[1].stderr or 0.0 for p in points]
-        line = ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=f"{task} ({first.metric})")
-        for kv, score, i in points:
-            if i == 0:
-                ax.scatter([kv], [score.value], marker="*", s=160, color=line[0].get_color(), zorder=4)
-    for m in report.models:
-        ax.annotate(f"G={m.num_key_value_heads}", (m.kv_cache_bytes_per_token, 0), xycoords=("data", "axes fraction"),
-                    textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)  # fmt: skip
+        color = None
+        for i, (m, found) in enumerate(zip(report.models, per_model, strict=True)):
+            if task not in found:
+                continue
+            score, kv = found[task], m.kv_cache_bytes_per_token
+            drawn = ax.errorbar([kv], [score.value], yerr=[score.stderr or 0.0], marker="*" if i == 0 else "o",
+                                markersize=12 if i == 0 else 6, capsize=3, linestyle="none", color=color,
+                                label=f"{task} ({first.metric})" if i == 0 else None)  # fmt: skip
+            color = drawn[0].get_color()
+            ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (kv, score.value),
+                        textcoords="offset points", xytext=(7, -3), fontsize=7)  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("KV cache bytes per token")
     ax.set_ylabel("score")
     ax.set_title("Task scores vs KV cache (★ parent)")
-    ax.margins(x=0.2, y=0.15)
+    ax.margins(x=0.6, y=0.15)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
