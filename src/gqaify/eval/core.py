@@ -55,7 +55,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     device = _device(s.device)
     request = s.task_request()
     configs, budget = _check(models, s, stride, Path(out), request)
-    harness = Harness(request) if request else None  # the tasks' datasets are read here, before any model
+    harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
     prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
     text = load_text(data, s.split, s.text_column)
     report = Report(
@@ -166,14 +166,9 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
 # -- input -------------------------------------------------------------------------------------------------
 
 
-def _check(models: list[str], s: EvalSettings, stride: int, out: Path, request: TaskRequest | None) -> tuple[list, int]:
+def _check(models: list[str], s: EvalSettings, stride: int, out: Path, request: TaskRequest) -> tuple[list, int]:
     """Check settings and that every model exists; return their configs and the memory budget in bytes."""
-    problems = []
-    if request:
-        problems += request.problems({k: f"--{k.replace('_', '-')}" for k in ("limit", "num_fewshot", "include_path")})
-    else:
-        problems += [f"--{k.replace('_', '-')} applies to --tasks; add --tasks or leave it out"
-                     for k in ("num_fewshot", "limit", "include_path") if getattr(s, k) is not None]  # fmt: skip
+    problems = request.problems()
     if s.generate_tokens < 1:
         problems.append(f"--generate-tokens {s.generate_tokens} must be at least 1")
     if not models:

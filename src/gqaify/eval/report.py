@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from gqaify.eval.results import ModelReport, Report
@@ -59,9 +60,14 @@ def _scores(m: ModelReport) -> list[TaskScore]:
     return [TaskScore(**row) for row in m.tasks or []]
 
 
+def _headlines(report: Report) -> list[dict[str, TaskScore]]:
+    """Each model's headline score per task (`tasks.headline`), in the report's order of models."""
+    return [headline(_scores(m)) for m in report.models]
+
+
 def _headline_rows(report: Report) -> list[tuple[str, str, list[tuple[str, str]]]]:
     """(task, metric, [(model, value)]) for each task's headline metric, in the parent's order."""
-    per_model = [headline(_scores(m)) for m in report.models]
+    per_model = _headlines(report)
     rows = []
     for task, first in per_model[0].items():
         cells = [(Path(m.model).name, f"{found[task].value:.4f}" if task in found else "—")
@@ -170,89 +176,82 @@ def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
+@contextmanager
+def _figure(path: Path):
+    """The axes of one report plot (matplotlib's file-only backend, the report's size), saved to `path` after."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    for i, m in enumerate(report.models):
-        ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
-        ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (m.kv_cache_bytes_per_token, m.perplexity),
-                    textcoords="offset points", xytext=(6, 4), fontsize=8)  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV cache bytes per token")
-    ax.set_ylabel("perplexity")
-    ax.set_title("Perplexity vs KV cache (★ parent)")
-    ax.margins(x=0.2, y=0.15)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        yield ax
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
+    with _figure(path) as ax:
+        for i, m in enumerate(report.models):
+            ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
+            ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (m.kv_cache_bytes_per_token, m.perplexity),
+                        textcoords="offset points", xytext=(6, 4), fontsize=8)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("KV cache bytes per token")
+        ax.set_ylabel("perplexity")
+        ax.set_title("Perplexity vs KV cache (★ parent)")
+        ax.margins(x=0.2, y=0.15)
+        ax.grid(True, which="both", alpha=0.3)
 
 
 def plot_tasks_vs_kv(report: Report, path: Path) -> None:
     """Each task's headline score for each model against its KV bytes per token (models named beside)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    per_model = [headline(_scores(m)) for m in report.models]
-    for task, first in per_model[0].items():
-        color = None
-        for i, (m, found) in enumerate(zip(report.models, per_model, strict=True)):
-            if task not in found:
-                continue
-            score, kv = found[task], m.kv_cache_bytes_per_token
-            drawn = ax.errorbar([kv], [score.value], yerr=[score.stderr or 0.0], marker="*" if i == 0 else "o",
-                                markersize=12 if i == 0 else 6, capsize=3, linestyle="none", color=color,
-                                label=f"{task} ({first.metric})" if i == 0 else None)  # fmt: skip
-            color = drawn[0].get_color()
-            ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (kv, score.value),
-                        textcoords="offset points", xytext=(7, -3), fontsize=7)  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_xlabel("KV cache bytes per token")
-    ax.set_ylabel("score")
-    ax.set_title("Task scores vs KV cache (★ parent)")
-    ax.margins(x=0.6, y=0.15)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with _figure(path) as ax:
+        per_model = _headlines(report)
+        for task, first in per_model[0].items():
+            color = None
+            for i, (m, found) in enumerate(zip(report.models, per_model, strict=True)):
+                if task not in found:
+                    continue
+                score, kv = found[task], m.kv_cache_bytes_per_token
+                drawn = ax.errorbar([kv], [score.value], yerr=[score.stderr or 0.0], marker="*" if i == 0 else "o",
+                                    markersize=12 if i == 0 else 6, capsize=3, linestyle="none", color=color,
+                                    label=f"{task} ({first.metric})" if i == 0 else None)  # fmt: skip
+                color = drawn[0].get_color()
+                ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (kv, score.value),
+                            textcoords="offset points", xytext=(7, -3), fontsize=7)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("KV cache bytes per token")
+        ax.set_ylabel("score")
+        ax.set_title("Task scores vs KV cache (★ parent)")
+        ax.margins(x=0.6, y=0.15)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
 
 
 def plot_diagnostics(report: Report, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    drawn = False
-    for m in report.models[1:]:
-        if m.diagnostics:
-            errors = m.diagnostics["attention_relative_error"]
-            label = f"{Path(m.model).name} (KL {m.diagnostics['kl_nats_per_token']:.2f})"
-            ax.plot(range(len(errors)), errors, marker="o", markersize=3, label=label)
-            drawn = True
-    if drawn:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no converted model shares the parent's tokenizer and layers", ha="center",
-                va="center", transform=ax.transAxes)  # fmt: skip
-    ax.set_xlabel("layer")
-    ax.set_ylabel("attention output relative error vs parent")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Per-layer drift from the parent")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with _figure(path) as ax:
+        drawn = False
+        for m in report.models[1:]:
+            if m.diagnostics:
+                errors = m.diagnostics["attention_relative_error"]
+                label = f"{Path(m.model).name} (KL {m.diagnostics['kl_nats_per_token']:.2f})"
+                ax.plot(range(len(errors)), errors, marker="o", markersize=3, label=label)
+                drawn = True
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no converted model shares the parent's tokenizer and layers", ha="center",
+                    va="center", transform=ax.transAxes)  # fmt: skip
+        ax.set_xlabel("layer")
+        ax.set_ylabel("attention output relative error vs parent")
+        ax.set_ylim(bottom=0)
+        ax.set_title("Per-layer drift from the parent")
+        ax.grid(True, alpha=0.3)
 
 
 def write_report(report: Report, out: Path) -> None:

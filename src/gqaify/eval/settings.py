@@ -48,10 +48,8 @@ class EvalSettings:
     )
     progress: bool = setting(True, "show progress bars")
 
-    def task_request(self) -> TaskRequest | None:
-        """The lm-evaluation-harness tasks to score, or None."""
-        if not self.tasks:
-            return None
+    def task_request(self) -> TaskRequest:
+        """The lm-evaluation-harness tasks to score (no names: none)."""
         return TaskRequest.of(self.tasks, num_fewshot=self.num_fewshot, limit=self.limit,
                               include_path=self.include_path, batch_size=self.batch_size)  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Downstream task accuracy through EleutherAI's lm-evaluation-harness, on models gqaify has already loaded.
 
-    harness = Harness(TaskRequest(("hellaswag", "arc_easy"), limit=200))   # checks names and datasets
+    harness = Harness(TaskRequest(("hellaswag", "arc_easy"), limit=200))   # checks the names and datasets
     scores = harness.score(model, tokenizer)                                # one model: list of TaskScore
 
 The harness's own Hugging Face wrapper (`HFLM`) is put around the model object gqaify loaded, so a task sees
@@ -18,7 +18,7 @@ import difflib
 import fnmatch
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gqaify.errors import UserError
@@ -27,23 +27,32 @@ EXTRA = "pip install 'gqaify[tasks]'"
 _GLOB = set("*?[")
 
 
+# How `gqaify eval` names the request's parts; uptraining names them eval_tasks, eval_limit, ...
+EVAL_FLAGS = {"names": "--tasks", "num_fewshot": "--num-fewshot", "limit": "--limit", "include_path": "--include-path"}
+
+
 @dataclass(frozen=True)
 class TaskRequest:
     """Which tasks to score, and how: the harness's own knobs, under the harness's names."""
 
-    names: tuple[str, ...]  # registered names (tasks, groups, tags), glob patterns, or task YAML paths
+    names: tuple[str, ...]  # registered names (tasks, groups, tags), glob patterns, or task YAML paths; () for none
     num_fewshot: int | None = None  # None: each task's own default
     limit: float | None = None  # items per task (a fraction below 1); None: all
     include_path: str | None = None  # a folder of local task YAMLs
     batch_size: int = 1
+    flags: dict[str, str] = field(default_factory=lambda: dict(EVAL_FLAGS))  # how the user names each part
 
     @classmethod
     def of(cls, names: list[str], **knobs) -> TaskRequest:
         """A request from names as a user gives them: a list whose items may be comma-separated."""
         return cls(tuple(n.strip() for item in names for n in item.split(",") if n.strip()), **knobs)
 
-    def problems(self, flags: dict[str, str]) -> list[str]:
-        """What is wrong with the knobs, without importing the harness; `flags` names each knob for the user."""
+    def problems(self) -> list[str]:
+        """What is wrong with the knobs, without importing the harness: a knob set without tasks, or out of range."""
+        flags = self.flags
+        if not self.names:
+            knobs = [k for k in ("num_fewshot", "limit", "include_path") if getattr(self, k) is not None]
+            return [f"{flags[k]} applies to {flags['names']}; give {flags['names']} or leave it out" for k in knobs]
         problems = []
         if self.limit is not None and self.limit <= 0:
             problems.append(f"{flags['limit']} {self.limit:g} must be above 0 (items per task, or a fraction below 1)")
@@ -74,22 +83,19 @@ class TaskScore:
 class Harness:
     """The tasks of one request, checked, ready to score any number of models the same way."""
 
-    def __init__(self, request: TaskRequest, flag: str = "--tasks", include_flag: str = "--include-path"):
+    def __init__(self, request: TaskRequest):
         """
-        Args:
-            flag, include_flag: how the user named the tasks and the folder of local ones, for messages.
-
         Raises:
             UserError: lm-eval is not installed; no task named; a name the harness does not know (with the
                 nearest ones); a task whose dataset cannot be read (the hub unreachable, a broken local task).
         """
+        self.request, self.flag, self.include_flag = request, request.flags["names"], request.flags["include_path"]
         try:
             from lm_eval.tasks import TaskManager
         except ImportError as exc:
-            raise UserError(f"{flag} needs lm-evaluation-harness, which is not installed; {EXTRA}") from exc
+            raise UserError(f"{self.flag} needs lm-evaluation-harness, which is not installed; {EXTRA}") from exc
         if not request.names:
-            raise UserError(f"{flag} names no task; give task names, e.g. {flag} hellaswag,arc_easy")
-        self.request, self.flag, self.include_flag = request, flag, include_flag
+            raise UserError(f"{self.flag} names no task; give task names, e.g. {self.flag} hellaswag,arc_easy")
         with _quiet_harness():
             include = str(Path(request.include_path).expanduser()) if request.include_path else None
             self.manager = TaskManager(include_path=include)

@@ -21,6 +21,8 @@ from gqaify.settings import Stage, read_config, setting, type_problems
 from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
+TASK_FLAGS = {"names": "eval_tasks", "num_fewshot": "eval_num_fewshot", "limit": "eval_limit",
+              "include_path": "eval_include_path"}  # fmt: skip
 
 
 @dataclass
@@ -104,12 +106,10 @@ class UptrainSettings:
     def tokens_per_step_per_process(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
-    def task_request(self) -> TaskRequest | None:
-        """The lm-evaluation-harness tasks scored at each evaluation, or None."""
-        if not self.eval_tasks:
-            return None
+    def task_request(self) -> TaskRequest:
+        """The lm-evaluation-harness tasks scored at each evaluation (no names: none)."""
         return TaskRequest.of(self.eval_tasks, num_fewshot=self.eval_num_fewshot, limit=self.eval_limit,
-                              include_path=self.eval_include_path)  # fmt: skip
+                              include_path=self.eval_include_path, flags=TASK_FLAGS)  # fmt: skip
 
     def budget(self) -> int:
         """The token budget: max_tokens, else budget_fraction × pretraining_tokens."""
@@ -194,11 +194,7 @@ def check(s: UptrainSettings) -> None:
         problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
     if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub, "push_to_hub")):
         problems.append(problem)
-    if request := s.task_request():
-        problems += request.problems({k: f"eval_{k}" for k in ("limit", "num_fewshot", "include_path")})
-    else:
-        knobs = [k for k in ("eval_num_fewshot", "eval_limit", "eval_include_path") if getattr(s, k) is not None]
-        problems += [f"{k} applies to eval_tasks; set eval_tasks or leave it out" for k in knobs]
+    problems += s.task_request().problems()
     unknown = [t for t in s.log_to if t not in TRACKERS]
     if unknown:
         problems.append(f"log_to {unknown[0]!r} is not a tracker gqaify knows; use {', '.join(TRACKERS)}")

@@ -93,7 +93,7 @@ def run(settings: UptrainSettings) -> UptrainResult:
     loader, steps = _data(s, tokenizer, accelerator)
     eval_ids = _eval_ids(s, tokenizer)
     request = s.task_request()
-    harness = Harness(request, "eval_tasks", "eval_include_path") if request else None  # reads the datasets
+    harness = Harness(request) if request.names else None  # reads the tasks' datasets
     existed = out.exists()
     run = claim_output_dir(out, s, accelerator.num_processes, accelerator)
     if run.get("completed") and (out / "final").is_dir():
