@@ -4,6 +4,11 @@ gqaify.json and report.json rerun what made them; --help lists every field; bad 
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+import threading
+import time
+import types
 
 import pytest
 import yaml
@@ -14,6 +19,7 @@ from gqaify.cli import main
 from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
 from gqaify.eval.settings import EVAL
 from gqaify.settings import parse
+from gqaify.summary import format_uptrain_summary
 from gqaify.uptrain.settings import UPTRAIN
 from test_errors import run_cli
 
@@ -152,3 +158,161 @@ def test_python_keywords_are_the_settings_fields(source, tmp_path):
     assert record["settings"]["dtype"] == "float16"
     with pytest.raises(TypeError, match="calibration"):
         gqaify.convert(source, tmp_path / "other", 2, calibration="text.txt")
+
+
+# -- a --config file from anyone: bounded in size, aliases and nesting; messages that say what is wrong
+
+
+def alias_bomb(key: str) -> str:
+    """Nine levels of nine aliases under `key`: 400 bytes that stand for 9**9 strings."""
+    levels = ["  - &a0 [lol]"] + [f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    return f"{key}:\n" + "\n".join(levels) + "\nout: o\nkv_heads: 1\n"
+
+
+@pytest.mark.parametrize("key", ["src", "unknown"])
+def test_a_yaml_alias_bomb_is_refused_at_once_in_bounded_memory(tmp_path, key):
+    """It grew by 25 MB/s under a known key (a type error's repr expanded every alias) until killed."""
+    (tmp_path / "bomb.yaml").write_text(alias_bomb(key))
+    limited = "import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n" \
+              "from gqaify.cli import main\nsys.exit(main(sys.argv[1:]))"  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", limited, "convert", "--config", "bomb.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert time.monotonic() - started < 20
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--config bomb.yaml uses a YAML alias (*name) (line 3); write the value itself" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.yaml"]
+
+
+def test_any_yaml_alias_is_refused(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("src: &s a\nout: *s\nkv_heads: 1\n")
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "c.yaml")
+    assert code == 2 and err.count("\n") == 1 and "uses a YAML alias (*name) (line 2)" in err, err
+
+
+def test_a_large_config_file_is_refused_before_it_is_parsed(capsys, tmp_path):
+    """50 MB of YAML parsed for 51 s before it was refused."""
+    (tmp_path / "big.yaml").write_text("src: a\nout: b\nkv_heads: 1\n" + "# padding\n" * 110_000)
+    started = time.monotonic()
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "big.yaml")
+    assert time.monotonic() - started < 2
+    assert code == 2 and err.count("\n") == 1, err
+    assert "big.yaml is larger than 1 MiB of YAML; settings files are a few hundred bytes" in err
+
+
+def test_a_huge_json_file_is_refused_before_it_is_read_whole(capsys, tmp_path):
+    (tmp_path / "big.json").write_text('{"src": "' + "a" * (17 << 20) + '"}')
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "big.json")
+    assert code == 2 and err.count("\n") == 1 and "big.json is larger than 16 MiB" in err, err
+
+
+@pytest.mark.parametrize(("text", "expect"), [
+    ("src: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests values more than 32 deep (line 1)"),
+    ('{"src": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests values too deeply"),
+])  # fmt: skip
+def test_deep_nesting_is_refused_in_one_line(capsys, tmp_path, text, expect):
+    """A RecursionError, reported as an internal error."""
+    (tmp_path / "deep.yaml").write_text(text)
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "deep.yaml")
+    assert code == 2 and err.count("\n") == 1 and expect in err, err
+
+
+def test_a_message_shows_only_the_start_of_a_long_value(capsys, tmp_path):
+    values = {"src": ["x" * 1000] * 10_000, "out": "o", "kv_heads": 1, "method": "y" * 100_000}
+    (tmp_path / "c.json").write_text(json.dumps(values))
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "c.json")
+    assert code == 2 and err.count("\n") == 1 and len(err) < 800, err
+    assert "src ['xxxx" in err and "...] is not text or empty" in err and "method 'yyyy" in err
+
+
+def test_many_unknown_keys_are_named_five_at_a_time(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("".join(f"key{i}: 1\n" for i in range(40)))
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "c.yaml")
+    assert code == 2 and err.count("\n") == 1 and err.count("unknown key '") == 5, err
+    assert err.count("c.yaml") == 1 and err.rstrip().endswith("'key4'; and 35 more unknown keys")
+
+
+def test_a_folder_is_not_said_not_to_exist(capsys, tmp_path):
+    code, err = run_cli(capsys, "convert", "--config", tmp_path)
+    assert code == 2 and err.count("\n") == 1 and f"--config {tmp_path} is a folder, not a settings file" in err
+    (tmp_path / "gqaify.json").write_text("{}")
+    code, err = run_cli(capsys, "convert", "--config", tmp_path)
+    assert code == 2 and f"is a folder, not a settings file; did you mean {tmp_path / 'gqaify.json'}?" in err
+
+
+def test_a_device_is_not_said_not_to_exist(capsys):
+    code, err = run_cli(capsys, "convert", "--config", "/dev/zero")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--config /dev/zero is a device, not a settings file; name the YAML file" in err
+
+
+def test_a_pipe_is_read(tmp_path):
+    """`--config <(...)`: the shell passes a pipe."""
+    os.mkfifo(tmp_path / "pipe")
+    writer = threading.Thread(target=(tmp_path / "pipe").write_text, args=("src: a\nout: b\nkv_heads: 1\n",))
+    writer.start()
+    assert parse(CONVERT, ["--config", str(tmp_path / "pipe")]).src == "a"
+    writer.join()
+
+
+@pytest.mark.parametrize(("stage", "key"), [(CONVERT, "config"), (UPTRAIN, "recipe"), (UPTRAIN, "config")])
+def test_a_file_naming_another_file_is_told_so(capsys, tmp_path, stage, key):
+    """It was told "unknown key 'config' (did you mean config?)"."""
+    (tmp_path / "c.yaml").write_text(f"{key}: other.yaml\n")
+    code, err = run_cli(capsys, stage.command, "--config", tmp_path / "c.yaml")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"a settings file cannot name another ({key}: ...); gqaify reads one" in err and "did you mean" not in err
+
+
+@pytest.fixture(scope="module")
+def records(source, tmp_path_factory):
+    """A real gqaify.json and report.json."""
+    folder = tmp_path_factory.mktemp("records")
+    (folder / "text.txt").write_text(CORPUS)
+    assert main(["convert", str(source), str(folder / "converted"), "--kv-heads", "1", "-q"]) == 0
+    assert main(["eval", str(folder / "converted"), "--data", str(folder / "text.txt"), "--out",
+                 str(folder / "report"), "--seq-len", "32", "--no-speed", "-q"]) == 0  # fmt: skip
+    return folder / "converted" / "gqaify.json", folder / "report" / "report.json"
+
+
+def test_another_commands_record_is_named_with_its_command(capsys, records):
+    """Each was told of its 23 unknown keys, in 1,675 characters."""
+    conversion, report = records
+    code, err = run_cli(capsys, "convert", "--config", report)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == f"gqaify: error: --config {report} is an eval report, not convert's; use `gqaify eval --config " \
+                  f"{report}`\n"  # fmt: skip
+    code, err = run_cli(capsys, "eval", "--config", conversion)
+    assert code == 2 and f"is a conversion record, not eval's; use `gqaify convert --config {conversion}`" in err
+    code, err = run_cli(capsys, "uptrain", "--recipe", conversion)
+    assert code == 2 and "--recipe" in err and f"use `gqaify convert --config {conversion}`" in err
+
+
+def test_another_commands_settings_file_is_named_with_its_command(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("src: a\nout: b\nkv_heads: 1\nmethod: lsq\n")
+    code, err = run_cli(capsys, "eval", "--config", tmp_path / "c.yaml")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "holds gqaify convert's settings, not eval's; use `gqaify convert --config" in err
+
+
+@pytest.mark.parametrize("given", [["--max-new-tokens", "5"], ["--max_new_tokens", "5"]])
+def test_max_new_tokens_is_answered_with_generate_tokens(capsys, given):
+    """It was told "did you mean --max-tokens", a different setting (the text evaluated)."""
+    code, err = run_cli(capsys, "eval", "m", *given)
+    dashed = given[0][2:].count("-") > 0
+    expect = "--generate-tokens" if dashed else "--generate_tokens"
+    assert code == 2 and err.count("\n") == 1 and f"unknown option {given[0]} (did you mean {expect}?)" in err, err
+
+
+def test_a_path_with_a_newline_stays_on_one_summary_line(capsys, source, tmp_path):
+    out = tmp_path / "new\nline"
+    assert main(["convert", str(source), str(out), "--kv-heads", "1", "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert f"  saved to        {str(out)!r}\n" in printed and "\nline" not in printed
+
+
+def test_uptrain_summary_paths_stay_on_one_line():
+    result = types.SimpleNamespace(steps=1, tokens=10, loss=1.0, eval_perplexity=None, final="a\nb",
+                                   metrics="m\tx.csv", plot="p\n.png")  # fmt: skip
+    lines = format_uptrain_summary(result).splitlines()
+    assert lines[1:] == ["  model           'a\\nb'", "  metrics         'm\\tx.csv', plot 'p\\n.png'"]

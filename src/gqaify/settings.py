@@ -6,12 +6,16 @@
 
 Each stage (`ConvertSettings`, `EvalSettings`, `UptrainSettings`) is one dataclass. Every field is a key of a
 --config file (YAML, or a JSON record gqaify wrote: its "settings"), a `--field value` option (`--field-name`
-and `--field_name` alike) and a keyword argument in Python. transformers' HfArgumentParser builds the options
-and --help from the fields; a positional argument (convert's SRC OUT, eval's MODEL...) is a second way to give
-one field. argparse checks what is typed on the command line; a file's values are checked against their fields'
+and `--field_name` alike) and a keyword argument in Python. `build_parser` turns the fields into options and
+--help, as transformers' HfArgumentParser would, in a few lines of our own (importing transformers for it took
+most of --help's time); a positional argument (convert's SRC OUT, eval's MODEL...) is a second way to give one
+field. argparse checks what is typed on the command line; a file's values are checked against their fields'
 types here. Unknown keys and options are refused with the nearest name.
 
-Only the standard library and PyYAML are imported at the top; transformers' parser when a command is parsed.
+A --config file is read with care, as it may come from anyone: at most 1 MiB of YAML (a JSON record, 16 MiB),
+no YAML aliases, no deep nesting, and no message shows more than the start of a value.
+
+Only the standard library and PyYAML are imported.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
+import os
+import reprlib
+import shlex
+import stat
 import types
 import typing
 from dataclasses import dataclass
@@ -131,33 +140,16 @@ def required_problems(stage: Stage, settings) -> list[str]:
 
 
 def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
-    """transformers' HfArgumentParser over the stage's dataclass, with --config, positionals and switches."""
-    from transformers.hf_argparser import HfArgumentParser, string_to_bool
-
-    class Parser(HfArgumentParser):
-        def error(self, message: str):  # one line, status 2
-            self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-        def add_argument(self, *args, **kwargs):
-            # --kv-heads before --kv_heads: the form errors and --help show first
-            if len(args) > 1 and all(a.startswith("--") for a in args):
-                args = sorted(args, key=lambda a: "_" in a)
-            # A boolean field is a plain flag (`--force`), not HfArgumentParser's optional value, which would
-            # take the next argument (`--force SRC`) for its value; files give true/false.
-            if kwargs.get("type") is string_to_bool and kwargs.get("nargs") == "?":
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("type", "nargs")}
-                kwargs["action"] = "store_const"
-            if kwargs.pop(_EMPTY_LIST, False):
-                kwargs["nargs"] = "*"
-            return super().add_argument(*args, **kwargs)
-
-    parser = Parser(
-        stage.settings,
+    """An option per field of the stage's dataclass (`add_field_option`), with --config, positionals and switches."""
+    parser = _Parser(
         prog=prog or f"gqaify {stage.command}",
         description=stage.description,
         allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
         formatter_class=_Formatter,
     )
+    hints = typing.get_type_hints(stage.settings)
+    for f in dataclasses.fields(stage.settings):
+        add_field_option(parser, f, hints[f.name])
     for p in stage.positionals:
         parser.add_argument(f"positional {p.field}", nargs=p.nargs, metavar=p.metavar, default=None,
                             help=f"the same as --{p.field.replace('_', '-')}")  # fmt: skip
@@ -169,8 +161,62 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def add_field_option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint) -> None:
+    """`--field-name` (and `--field_name`) for one settings field, as transformers' HfArgumentParser adds it.
+
+    `X | None` is read as X; a Literal gives the choices; a list takes one value or more (`nargs="+"`; "*" for
+    `setting(..., empty_list=True)`); a boolean is a plain flag (`--force`, not HfArgumentParser's optional value,
+    which would take the next argument, `--force SRC`, for its value; files give true/false), and a boolean
+    that defaults to true also gets `--no-field`.
+    """
+    flags = _flags(f.name)
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+    hint = _without_none(hint)
+    if hint is bool:
+        parser.add_argument(*flags, action="store_const", const=True, **kwargs)
+        if default is True:
+            parser.add_argument(*_flags(f"no_{f.name}"), action="store_false", dest=f.name,
+                                default=argparse.SUPPRESS, help=f"the opposite of {flags[0]}")  # fmt: skip
+    elif typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        by_text = {str(c): c for c in choices}  # a choice typed on the command line is text
+        parser.add_argument(*flags, choices=choices, type=lambda text: by_text.get(text, text), **kwargs)
+    elif typing.get_origin(hint) is list:
+        nargs = "*" if f.metadata.get(_EMPTY_LIST) else "+"
+        parser.add_argument(*flags, nargs=nargs, type=typing.get_args(hint)[0], **kwargs)
+    else:
+        parser.add_argument(*flags, type=hint, **kwargs)
+
+
+def _flags(name: str) -> list[str]:
+    """["--kv-heads", "--kv_heads"]: the dashed form first, as errors and --help show it."""
+    return list(dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name}"]))
+
+
+def _without_none(hint):
+    """X for `X | None` (the option takes an X; None is its default)."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else hint
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, status 2
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written (it holds example commands); each option's default after its help."""
+
+
+# A settings file is a few hundred bytes; a record gqaify wrote, a few KB (tens for a large model's per-layer fits).
+# Larger files are refused before they are parsed: PyYAML reads about 1 MB a second, so 50 MB took 51 s.
+MAX_YAML_BYTES = 1 << 20
+MAX_JSON_BYTES = 16 << 20  # json parses in C, 100 times faster: a record may be larger
+MAX_DEPTH = 32  # of YAML (PyYAML composes nodes recursively); settings are values and lists of values
+_RECORD_KINDS = {"convert": "a conversion record", "eval": "an eval report", "uptrain": "an uptraining run's record"}
 
 
 def read_config(stage: Stage, path: str | Path) -> dict:
@@ -180,29 +226,142 @@ def read_config(stage: Stage, path: str | Path) -> dict:
     report.json), whose "settings" are taken.
 
     Raises:
-        UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
+        UserError: no such file, or not a file; too large, not YAML, not a mapping; a YAML alias, deep nesting;
+            an unknown key (named with the nearest valid one), or another command's settings (named).
     """
     path = Path(path).expanduser()
-    flag = stage.config_flags[0]
-    if not path.is_file():
-        raise UserError(f"{flag} {path} does not exist; check the path")
+    where = f"{stage.config_flags[0]} {path}"
+    values, record = _settings_in(_parse(_read_text(path, where), where), where)
+    _check_keys(stage, values, record, where, path)
+    return _numbers_from_text(values, stage, where)
+
+
+def _read_text(path: Path, where: str) -> str:
+    """The text of a settings file (a regular file, or a pipe such as `<(...)`), read only up to the cap."""
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}  # JSON is YAML too
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        where = getattr(exc, "problem_mark", None)
-        raise UserError(
-            f"{flag} {path} is not valid YAML{f' (line {where.line + 1})' if where else ''}; fix it"
-        ) from exc
-    if isinstance(values, dict) and values.get("tool") == "gqaify" and "settings" in values:
-        values = values["settings"]  # a record gqaify wrote
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UserError(f"{where} does not exist; check the path") from None
+    except OSError as exc:
+        raise UserError(f"{where} cannot be read ({exc.strerror}); check the path") from None
+    if stat.S_ISDIR(mode):
+        inside = [path / n for n in ("gqaify.json", "report.json") if (path / n).is_file()]
+        hint = f"did you mean {inside[0]}?" if inside else "name the YAML file, or the gqaify.json or report.json"
+        raise UserError(f"{where} is a folder, not a settings file; {hint}")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise UserError(f"{where} is a device, not a settings file; name the YAML file")
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_JSON_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"{where} cannot be read ({exc.strerror}); check the path") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise UserError(f"{where} is larger than {MAX_JSON_BYTES >> 20} MiB; settings files are a few hundred "
+                        "bytes: name the settings file")  # fmt: skip
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{where} is not UTF-8 text; name the YAML settings file") from None
+
+
+def _parse(text: str, where: str):
+    """The data in `text`: JSON (a record gqaify wrote), else YAML (at most MAX_YAML_BYTES, without aliases)."""
+    try:
+        return json.loads(text)
+    except RecursionError:  # json's own bound on nesting
+        raise UserError(f"{where} nests values too deeply; write values and lists of values") from None
+    except ValueError:  # not JSON: YAML
+        pass
+    if len(text.encode("utf-8")) > MAX_YAML_BYTES:
+        raise UserError(f"{where} is larger than {MAX_YAML_BYTES >> 20} MiB of YAML; settings files are a few "
+                        "hundred bytes: name the settings file")  # fmt: skip
+    try:
+        return yaml.load(text, Loader=_SettingsLoader) or {}
+    except _Refused as exc:
+        raise UserError(f"{where} {exc.problem} (line {exc.problem_mark.line + 1}); {exc.fix}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise UserError(f"{where} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}; fix it") from None
+
+
+class _Refused(yaml.YAMLError):
+    def __init__(self, problem: str, fix: str, mark):
+        super().__init__(problem)
+        self.problem, self.fix, self.problem_mark = problem, fix, mark
+
+
+class _SettingsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, without aliases and at most MAX_DEPTH deep.
+
+    An alias (`*name`) repeats a whole subtree by reference: nine levels of nine aliases are 81 aliases in a few
+    hundred bytes, but 9**9 values to any code that walks them (a message's repr ran out of memory). Counting
+    aliases would not catch that, and a settings file has no need for them, so every alias is refused.
+    """
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        if self.check_event(yaml.AliasEvent):
+            raise _Refused("uses a YAML alias (*name)", "write the value itself: settings files allow no aliases",
+                           mark)  # fmt: skip
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(f"nests values more than {MAX_DEPTH} deep", "write values and lists of values", mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _settings_in(values, where: str) -> tuple[dict, bool]:
+    """The settings mapping in a file's data (a record's "settings"), and whether it was a record gqaify wrote."""
+    record = isinstance(values, dict) and values.get("tool") == "gqaify" and "settings" in values
+    if record:
+        values = values["settings"]
         if not isinstance(values, dict):
-            raise UserError(f"{flag} {path} has no settings gqaify can read; check the file")
+            raise UserError(f"{where} has no settings gqaify can read; check the file")
     if not isinstance(values, dict):
-        raise UserError(f"{flag} {path} must be a mapping of setting: value; see --help for the settings")
+        raise UserError(f"{where} must be a mapping of setting: value; see --help for the settings")
+    return values, record
+
+
+def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path) -> None:
+    """Refuse a key that names another settings file, another command's settings, or unknown keys (5 named)."""
+    flags = {f.lstrip("-").replace("-", "_") for f in stage.config_flags}
+    nested = [key for key in values if key in flags]
+    if nested:
+        raise UserError(f"{where}: a settings file cannot name another ({nested[0]}: ...); gqaify reads one, "
+                        "so copy that file's settings into this one")  # fmt: skip
     known = set(stage.field_names())
-    raise_if_problems([f"{flag} {path}: unknown key {key!r}{nearest(stage, str(key))}"
-                       for key in values if key not in known])  # fmt: skip
-    return _numbers_from_text(values, stage, f"{flag} {path}")
+    unknown = [key for key in values if key not in known]
+    if not unknown:
+        return
+    owner = _owner(stage, list(values))
+    if owner is not None:
+        what = f"is {_RECORD_KINDS[owner.command]}" if record else f"holds gqaify {owner.command}'s settings"
+        readable = set(values) <= set(owner.field_names())  # else only the other command's own run reads it
+        fix = (f"use `gqaify {owner.command} {owner.config_flags[0]} {shlex.quote(str(path))}`" if readable
+               else f"name {stage.command}'s settings file instead")  # fmt: skip
+        raise UserError(f"{where} {what}, not {stage.command}'s; {fix}")
+    problems = [f"unknown key {shown(key)}{nearest(stage, str(key))}" for key in unknown[:5]]
+    more = [f"and {len(unknown) - 5} more unknown keys"] if len(unknown) > 5 else []
+    raise UserError(f"{where}: " + "; ".join(problems + more))
+
+
+def _owner(stage: Stage, keys: list) -> Stage | None:
+    """The other command whose settings `keys` are: it knows 3/4 of them or more, and more than `stage` does."""
+    from gqaify.conversion.options import CONVERT
+    from gqaify.eval.settings import EVAL
+    from gqaify.uptrain.settings import UPTRAIN
+
+    def known(s: Stage) -> int:
+        return len(set(keys) & set(s.field_names()))
+
+    best = max((CONVERT, EVAL, UPTRAIN), key=known)
+    if best.command != stage.command and known(best) > known(stage) and known(best) >= 0.75 * len(keys):
+        return best
+    return None
 
 
 def _numbers_from_text(values: dict, stage: Stage, where: str) -> dict:
@@ -217,7 +376,7 @@ def _numbers_from_text(values: dict, stage: Stage, where: str) -> dict:
         try:
             converted[key] = number(value)
         except ValueError:
-            problems.append(f"{where}: {key} {value!r} is not {_describe(hints[key])}; fix the file")
+            problems.append(f"{where}: {key} {shown(value)} is not {_describe(hints[key])}; fix the file")
     raise_if_problems(problems)
     return converted
 
@@ -229,27 +388,40 @@ def type_problems(settings) -> list[str]:
     for f in dataclasses.fields(settings):
         value, hint = getattr(settings, f.name), hints[f.name]
         if not _is_a(value, hint):
-            problems.append(f"{f.name} {value!r} is not {_describe(hint)}; fix the file, option or argument")
+            problems.append(f"{f.name} {shown(value)} is not {_describe(hint)}; fix the file, option or argument")
     return problems
 
 
 def nearest(stage: Stage, key: str, prefix: str = "") -> str:
     """ " (did you mean lr?)": ours for another tool's name, else the closest field name; "" when none is close.
 
-    A key written with dashes (`kv-head`) is answered with dashes (`kv-heads`).
+    A key written with dashes (`kv-head`) is answered with dashes (`kv-heads`); an option (prefix "--") may also
+    be the stage's --config flag, a file's key may not.
     """
     dashed = "-" in key
     key = key.replace("-", "_")
     if key in stage.foreign_names:
         name, note = stage.foreign_names[key]
     else:
-        names = stage.field_names() + [f.lstrip("-") for f in stage.config_flags]
-        close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+        names = stage.field_names() + ([f.lstrip("-") for f in stage.config_flags] if prefix else [])
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.5) if len(key) <= 100 else []
         if not close:
             return ""
         name, note = close[0], ""
     name = name.replace("_", "-") if dashed else name
     return f" (did you mean {prefix}{name}?{' ' + note if note else ''})"
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxdict = 6
+_SHORT.maxlevel = 3
+
+
+def shown(value) -> str:
+    """`repr(value)`, cut short (a string's middle, a list's tail, deep levels): messages show what a value is,
+    never all of it."""
+    return _SHORT.repr(value)
 
 
 def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:

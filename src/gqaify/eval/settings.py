@@ -54,6 +54,23 @@ class EvalSettings:
                               include_path=self.include_path, batch_size=self.batch_size)  # fmt: skip
 
 
+# Names users bring from lm-evaluation-harness, transformers' generate and perplexity guides, and what gqaify calls
+# them: an unknown key or option that is one of these is answered with its gqaify name, not the nearest spelling
+# (--max-new-tokens is not --max-tokens).
+FOREIGN_NAMES = {
+    "max_new_tokens": ("generate_tokens", ""),
+    "prompt": ("generate", "--generate PROMPT..."),
+    "prompts": ("generate", "--generate PROMPT..."),
+    "model": ("models", "or MODEL... as arguments"),
+    "model_name_or_path": ("models", ""),
+    "dataset": ("data", ""),
+    "dataset_name": ("data", ""),
+    "output_path": ("out", ""),
+    "output_dir": ("out", ""),
+    "max_length": ("seq_len", "the window length"),
+    "torch_dtype": ("dtype", ""),
+}
+
 EVAL = Stage(
     command="eval",
     settings=EvalSettings,
@@ -66,4 +83,5 @@ EVAL = Stage(
     required=("models", "data", "out"),
     positionals=(Positional("models", "MODEL", nargs="*"),),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same as --no-progress)"),),
+    foreign_names=FOREIGN_NAMES,
 )
