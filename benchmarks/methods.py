@@ -136,7 +136,7 @@ def zero_training(out: Path, model: str, src: str, source_kv: int, kv_heads: int
         converted.append(str(path))
         print(f"   {measured[str(path)]['seconds']:.1f} s, peak RSS {measured[str(path)]['peak_rss'] / 2**30:.2f} GiB",
               flush=True)  # fmt: skip
-    settings = EvalSettings(seq_len=seq_len, max_tokens=tokens, speed=False, progress=False)
+    settings = EvalSettings(seq_len=seq_len, max_tokens=tokens, speed=False, progress=False, force=True)
     report = evaluate([src, *converted], str(EVAL_TEXT), out / "eval" / f"{model}-G{kv_heads}", settings)
     parent = report.models[0].perplexity
     rows = []

@@ -117,7 +117,7 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     root, parent, data = lm_pair
     report = gqaify.evaluate([str(parent), str(root / "gqa2"), str(root / "same")], str(data), tmp_path / "r", FAST)
     files = {p.name: p for p in (tmp_path / "r").iterdir()}
-    assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png"}
+    assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "gqaify.json"}
     for png in ("perplexity_vs_kv.png", "diagnostics.png"):
         assert files[png].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and files[png].stat().st_size > 5000
     loaded = json.loads(files["report.json"].read_text())
@@ -151,8 +151,9 @@ def test_report_files_follow_the_umask(lm_pair, tmp_path):
     finally:
         os.umask(previous)
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == dict.fromkeys(
-        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png"], 0o644
+        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "gqaify.json"], 0o644
     )
+    assert (tmp_path / "r").stat().st_mode & 0o777 == 0o755
 
 
 def test_word_and_byte_normalisation(lm_pair, tmp_path):
@@ -187,6 +188,52 @@ def test_bad_input(lm_pair, tmp_path, capsys, args, expect):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expect in err, err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def no_model_loaded(monkeypatch):
+    """Fails the command if eval loads a model: a refusal comes before any work."""
+    from gqaify.eval import core
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(core, "load_model", load_model)
+
+
+def test_every_problem_is_reported_at_once(lm_pair, tmp_path, capsys, no_model_loaded):
+    """eval used to report only its first problem when several settings were bad, unlike convert."""
+    root, parent, data = lm_pair
+    (tmp_path / "r").write_text("mine")
+    bad = ["--seq-len", "4096", "--memory-budget", "lots", "--decode-tokens", "0", "--device", "tpu"]
+    models = [str(parent), str(tmp_path / "missing")]
+    code = main(["eval", *models, "--data", str(data), "--out", str(tmp_path / "r"), *bad])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    for expect in ("--seq-len 4096 exceeds the 128 positions", "--memory-budget 'lots' is not a size",
+                   "--decode-tokens 0 must be at least 1", "unknown --device 'tpu'", "MODEL not found: ",
+                   f"{tmp_path / 'r'} exists and is not a folder"):  # fmt: skip
+        assert expect in err, expect
+    assert (tmp_path / "r").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--generate", "word " * 200], "--generate prompt 1 is "),
+        (["--generate", "Hello", "word " * 10, "--generate-tokens", "100"], "lower --generate-tokens to "),
+        (["--generate", "--generate-tokens", "1000000000"], "--generate-tokens 1,000,000,000 after the "),
+    ],
+)
+def test_generation_must_fit_in_the_models_positions(lm_pair, tmp_path, capsys, no_model_loaded, args, expect):
+    """A 50,000-token prompt for a 512-position model was accepted and ran for minutes (a stop took 18 s: the
+    prompt is one forward pass, and Python acts on a signal only between torch's operations); --generate-tokens
+    1000000000 generated past the positions. Both are refused from the tokenizer alone, before any model."""
+    root, parent, data = lm_pair
+    code = main(["eval", str(parent), "--data", str(data), "--out", str(tmp_path / "r"), "--seq-len", "32", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and expect in err and "positions of " in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")

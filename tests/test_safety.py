@@ -1,11 +1,12 @@
-"""Nothing lost, ever: what --force may replace, clean kills and leftovers, races, a full disk, and bad input
-that used to end in a traceback or be accepted silently. Each case: the exit status, one line, and the files
-that exist (or not) afterwards."""
+"""Nothing lost, ever: what --force may replace, clean kills and leftovers, races, a full disk, eval's --out under
+the same rules, stops that say what is left, and bad input that used to end in a traceback or be accepted
+silently. Each case: the exit status, one line, and the files that exist (or not) afterwards."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gqaify
-from conftest import CORPUS, build_model, save, save_with_tokenizer, tree_hashes
+from conftest import ASSETS, CORPUS, MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
 
 
@@ -302,6 +303,181 @@ def test_real_full_disk(capsys, big_source, tiny_disk, monkeypatch):
     code, err = run_cli(capsys, "convert", small, tiny_disk / "out", "--kv-heads", "2")
     assert code == 1 and "no space left on tmpfs" in one_line(err)
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["someone-else"]
+
+
+# -- eval's --out: the rules of convert's OUT ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(CORPUS)
+    return path
+
+
+def run_eval(capsys, source: Path, text: Path, out: Path, *extra) -> tuple[int, str]:
+    return run_cli(capsys, "eval", source, "--data", text, "--out", out, "--seq-len", "32", "--no-speed", "-q", *extra)
+
+
+@pytest.fixture
+def no_model_loaded(monkeypatch):
+    """Fails the command if eval loads a model: a refusal comes before any work."""
+    from gqaify.eval import core
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(core, "load_model", load_model)
+
+
+def test_eval_never_replaces_a_report_it_did_not_write(capsys, source, text, tmp_path, no_model_loaded):
+    """`eval --out DIR` used to overwrite the user's report.json and report.md without a word."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "report.json").write_text('{"mine": true}\n')
+    (out / "report.md").write_text("# my notes\n")
+    before = tree_hashes(tmp_path)
+    code, err = run_eval(capsys, source, text, out)
+    assert code == 2 and f"{out} already exists; pass --force to replace it, or choose another --out" in one_line(err)
+    code, err = run_eval(capsys, source, text, out, "--force")
+    line = one_line(err)
+    assert code == 2 and "--force replaces only a folder gqaify wrote" in line and "report.json and 1 more" in line
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
+def test_eval_force_replaces_only_a_report_gqaify_wrote(capsys, source, text, tmp_path):
+    out = tmp_path / "report"
+    assert run_eval(capsys, source, text, out)[0] == 0
+    record = json.loads((out / "gqaify.json").read_text())
+    assert record["command"] == "eval" and set(record["files"]) == {p.name for p in out.iterdir()} - {"gqaify.json"}
+    before = tree_hashes(out)
+    code, err = run_eval(capsys, source, text, out, "--seq-len", "16")
+    assert code == 2 and "already exists; pass --force to replace it" in one_line(err) and tree_hashes(out) == before
+    assert run_eval(capsys, source, text, out, "--seq-len", "16", "--force")[0] == 0
+    settings = json.loads((out / "report.json").read_text())["settings"]
+    assert settings["seq_len"] == 16 and "force" not in settings  # a rerun from the report does not force
+    (out / "notes.txt").write_text("mine")
+    before = tree_hashes(out)
+    code, err = run_eval(capsys, source, text, out, "--force")
+    assert code == 2 and "also holds notes.txt; move it out, or choose another --out" in one_line(err)
+    assert tree_hashes(out) == before and leftovers(tmp_path) == []
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """An empty read-only folder: a tmpfs mounted read-only for root (who may write anywhere else), else mode 555."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize(("where", "extra", "expect"), [
+    ("ro/sub", [], "cannot write {out}: its parent is not a writable folder; choose another --out"),
+    ("ro", [], "{out} is read-only; choose another --out"),
+    ("ro", ["--force"], "{out} is read-only; choose another --out"),
+])  # fmt: skip
+def test_eval_into_a_read_only_folder_is_refused_before_any_work(capsys, source, text, read_only, no_model_loaded,
+                                                                 where, extra, expect):  # fmt: skip
+    """It used to run the whole evaluation, then end in a traceback (exit 1)."""
+    out = read_only.parent / where
+    code, err = run_eval(capsys, source, text, out, *extra)
+    assert code == 2 and expect.format(out=out) in one_line(err)
+    assert list(read_only.iterdir()) == [] and leftovers(read_only.parent) == []
+
+
+def test_eval_on_a_full_disk(capsys, source, text, tiny_disk, monkeypatch):
+    """It used to end in a 48-line ENOSPC traceback from plotting, and leave an empty folder. A disk too full for
+    the report is refused before the evaluation; one that fills up meanwhile gets convert's one line."""
+    filler = tiny_disk / "someone-else"
+    filler.write_bytes(b"x" * (shutil.disk_usage(tiny_disk).free - 4096))
+    code, err = run_eval(capsys, source, text, tiny_disk / "report")
+    assert code == 2 and "not enough disk space for" in one_line(err) and "tmpfs" in err
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["someone-else"]
+
+    filler.unlink()
+    from gqaify.eval import core
+
+    perplexity = core.perplexity
+
+    def perplexity_on_a_filling_disk(*args, **kwargs):
+        filler.write_bytes(b"x" * (shutil.disk_usage(tiny_disk).free - 16384))  # room for report.json, not a plot
+        return perplexity(*args, **kwargs)
+
+    monkeypatch.setattr(core, "perplexity", perplexity_on_a_filling_disk)
+    code, err = run_eval(capsys, source, text, tiny_disk / "report")
+    line = one_line(err)
+    assert code == 1 and line.startswith("gqaify: error: no space left on tmpfs") and "Traceback" not in err
+    assert "nothing was left behind" in line and sorted(p.name for p in tiny_disk.iterdir()) == ["someone-else"]
+
+
+# -- stops that say what is left --------------------------------------------------------------------------------
+
+
+def _cli_with(patch: str, *argv) -> subprocess.Popen:
+    """`gqaify ARGV` in a process of its own, after the Python lines `patch` ran (to observe or slow a step)."""
+    script = f"import sys\n{patch}\nfrom gqaify.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@needs_assets
+def test_sigterm_while_generating_stops_at_once(tmp_path):
+    """It took 18 s: the 50,000-token prompt it was given (now refused, as past the model's positions) is one
+    forward pass, and Python acts on a signal only between torch's operations. A prompt that fits stops at once."""
+    said = """
+import gqaify.eval.core as core
+continuations = core.continuations
+def said(*args):
+    print("generating", flush=True)
+    return continuations(*args)
+core.continuations = said
+"""
+    process = _cli_with(said, "eval", MODELS / "stories260K", "--data", ASSETS / "text" / "tinyshakespeare.txt",
+                        "--out", tmp_path / "r", "--seq-len", "256", "--max-tokens", "512", "--no-speed", "-q",
+                        "--generate", "Once upon a time " * 20, "--generate-tokens", "400")  # fmt: skip
+    assert process.stdout.readline() == "generating\n", process.communicate()
+    time.sleep(1)
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    said = next(line for line in process.stderr if line.startswith("gqaify"))
+    answered = time.monotonic() - sent  # then the interpreter winds torch down, as after any run
+    assert said == "gqaify: stopped by SIGTERM; nothing was written\n" and answered < 2, (said, answered)
+    process.communicate(timeout=60)
+    assert process.returncode == 143 and list(tmp_path.iterdir()) == []
+
+
+def test_a_stopped_demo_says_what_it_completed(source, tmp_path):
+    """Stopped during its lsq conversion, it said "nothing was written" beside the complete mean conversion."""
+    slow_lsq = """
+import time
+import gqaify.conversion.core as core
+convert = core.convert
+def slow_lsq(src, out, **settings):
+    if settings.get("method") == "lsq":
+        time.sleep(120)  # stopped here
+    return convert(src, out, **settings)
+core.convert = slow_lsq
+"""
+    work = tmp_path / "demo"
+    process = _cli_with(slow_lsq, "demo", "--model", source, "--workdir", work)
+    _wait_for("model-mqa-mean/gqaify.json", work, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    mean = work / "model-mqa-mean"
+    assert process.returncode == 143, err
+    said = err.strip().splitlines()[-1]
+    assert said == (f"gqaify: stopped by SIGTERM; this run of the demo completed, and kept, {mean}; the step it was "
+                    "on left nothing; gqaify demo runs every step again")  # fmt: skip
+    assert sorted(p.name for p in work.iterdir()) == ["model-mqa-mean"] and (mean / "gqaify.json").is_file()
 
 
 # -- bad input that used to be a traceback or accepted ----------------------------------------------------------

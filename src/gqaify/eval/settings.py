@@ -17,6 +17,7 @@ class EvalSettings:
     models: list[str] = setting([], "the parent first, then the models to compare (hub ids, folders, .gguf files)")
     data: str | None = setting(None, "text file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
     out: str | None = setting(None, "folder for the report")
+    force: bool = setting(False, "replace --out if it is empty or a report gqaify wrote (nothing else)")
     split: str = setting("test", "dataset split of data")
     text_column: str = setting("text", "column holding the text")
     seq_len: int = setting(2048, "window length in tokens")
