@@ -4,8 +4,10 @@ import json
 
 import pytest
 
+from conftest import build_model, save_with_tokenizer
 from gqaify.data import load_text
 from gqaify.errors import UserError
+from test_hub import hub_unreachable, one_line_refusal  # noqa: F401 (a fixture)
 
 
 def test_text_file_is_read_verbatim(tmp_path):
@@ -54,3 +56,40 @@ def test_mixed_folder_is_refused(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"text": "y"}')
     with pytest.raises(UserError, match="use files of one kind"):
         load_text(str(tmp_path))
+
+
+# -- the hub unreachable: one line at once, nothing written (the hub made unreachable by `hub_unreachable`) ---
+
+NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
+
+
+@pytest.fixture
+def model(tmp_path):
+    return save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300), tmp_path / "m")
+
+
+def test_a_hub_dataset_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):  # noqa: F811
+    out = tmp_path / "report"
+    err = one_line_refusal(capsys, "eval", model, "--data", NOT_CACHED, "--out", out, "--no-speed", "--seq-len", "32")
+    assert f"--data {NOT_CACHED} is not a local path and the Hugging Face hub could not be reached (" in err
+    assert not out.exists()
+
+
+def test_calibration_data_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):  # noqa: F811
+    out = tmp_path / "out"
+    err = one_line_refusal(capsys, "convert", model, out, "--kv-heads", "2", "--method", "lsq", "--calib-data",
+                           NOT_CACHED)  # fmt: skip
+    assert f"--calib-data {NOT_CACHED} is not a local path and the Hugging Face hub could not be reached (" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing written beside the model
+
+
+def test_a_cached_hub_dataset_is_read_offline_when_the_hub_does_not_answer(monkeypatch, hub_unreachable):  # noqa: F811
+    import datasets
+
+    def from_cache_only(name, config=None, split=None, **kwargs):
+        assert datasets.config.HF_HUB_OFFLINE  # datasets reads its cache, with no request and no retry
+        return datasets.Dataset.from_dict({"text": ["cached"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", from_cache_only)
+    assert load_text("someone/corpus").text == "cached"
+    assert not datasets.config.HF_HUB_OFFLINE  # and only for that call

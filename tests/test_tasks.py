@@ -7,6 +7,7 @@ the harness must see the same logits as the perplexity path.
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from gqaify.eval.tasks import TaskRequest, harness_model
 from gqaify.models import load_model
 from gqaify.settings import parse
 from test_errors import run_cli
+from test_hub import QUICK, hub_unreachable  # noqa: F401 (a fixture)
 
 TASKS = REPO / "tests" / "tasks"
 TEXT = ASSETS / "text" / "tinystories-valid-head.txt"
@@ -168,19 +170,56 @@ def test_unknown_task_is_answered_with_the_nearest(capsys, tmp_path):
     assert "unknown task 'story_ending' (nearest: story_endings" in err
 
 
-def test_a_task_whose_dataset_needs_the_hub_is_refused_offline(capsys, tmp_path):
+def test_a_task_whose_dataset_needs_the_hub_is_refused_at_once(capsys, tmp_path, hub_unreachable, monkeypatch):  # noqa: F811
+    """Loading the task (where its dataset is fetched) is quick: not half a minute of retries. (Indexing the
+    harness's thousands of task files, the same with or without a network, is left out of the time.)"""
+    from lm_eval.tasks import TaskManager
+
+    spent, load = [], TaskManager.load
+
+    def timed(self, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            spent.append(time.monotonic() - start)
+
+    monkeypatch.setattr(TaskManager, "load", timed)
     err = refused(capsys, tmp_path, "--tasks", "hellaswag")
-    assert "task hellaswag needs Rowan/hellaswag from the Hugging Face hub" in err and "--include-path" in err
+    assert spent and sum(spent) < QUICK, spent
+    assert "task hellaswag needs Rowan/hellaswag from the Hugging Face hub, which could not be reached (" in err
+    assert "--include-path" in err
+
+
+def test_a_task_file_that_does_not_parse_is_named_with_its_error(capsys, tmp_path):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "badtask.yaml").write_text("task: badtask\ndataset_path: x\n  doc_to_text: [oops\n")
+    err = refused(capsys, tmp_path, "--tasks", "badtask", "--include-path", tmp_path / "tasks")
+    assert f"unknown task 'badtask'; {tmp_path / 'tasks' / 'badtask.yaml'} in --include-path could not be read " \
+           "(line 3, column 14: mapping values are not allowed" in err, err  # fmt: skip
 
 
 @pytest.mark.parametrize("options, expect", [
     (["--tasks", "story_endings", "--limit", "0"], "--limit 0 must be above 0"),
+    (["--tasks", "story_endings", "--limit", "nan"], "--limit nan must be above 0"),
+    (["--tasks", "story_endings", "--limit", "1.5"], "--limit 1.5 is neither a whole number of items per task nor"),
+    (["--tasks", "story_endings", "--limit", "inf"], "--limit inf is neither a whole number"),
     (["--tasks", "story_endings", "--include-path", "nowhere"], "--include-path nowhere is not a folder"),
     (["--limit", "5"], "--limit applies to --tasks"),
     (["--generate", "--generate-tokens", "0"], "--generate-tokens 0 must be at least 1"),
 ])  # fmt: skip
 def test_bad_task_settings_are_refused(capsys, tmp_path, options, expect):
     assert expect in refused(capsys, tmp_path, *options)
+
+
+def test_uptrain_eval_limit_follows_the_same_rule(capsys, tmp_path):
+    model = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=300), tmp_path / "m")
+    (tmp_path / "t.txt").write_text(CORPUS)
+    out = tmp_path / "run"
+    code, err = run_cli(capsys, "uptrain", "--model", model, "--data", tmp_path / "t.txt", "--output_dir", out,
+                        "--eval_tasks", "story_endings", "--eval_limit", "2.5")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "eval_limit 2.5 is neither a whole number" in err, err
+    assert not out.exists()
 
 
 def test_tasks_without_the_harness_name_the_extra(capsys, tmp_path, monkeypatch):

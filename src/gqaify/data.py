@@ -3,7 +3,8 @@
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
 written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
 ("\\n\\n"), the usual perplexity setup. A plain text file is one row, its text kept verbatim (datasets'
-default of a row per line would double every newline once joined).
+default of a row per line would double every newline once joined). Where the hub does not answer, a hub
+dataset comes from `datasets`' cache alone, or is refused at once (`gqaify.hub.offline_unless_reachable`).
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ def load_rows(
         elif path.suffix in _BUILDERS or data.startswith((".", "/", "~")):
             raise UserError(f"{option} {data}: no such file or folder; check the path")
         else:
-            name, _, config = data.partition(":")
-            dataset = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+            dataset = _load_hub(data, split, streaming, option)
     except UserError:
         raise
     except DatasetGenerationError as exc:  # a file its builder cannot parse
@@ -75,6 +75,34 @@ def load_rows(
     if columns is not None and text_column not in columns:
         raise UserError(f"{option} {data} has no column {text_column!r}; pass --text-column with one of {columns}")
     return dataset
+
+
+def _load_hub(data: str, split: str, streaming: bool, option: str):
+    """The hub dataset `name[:config]`: from the hub, or from `datasets`' cache where the hub does not answer.
+
+    Raises:
+        UserError: the hub does not answer and the dataset is not in the cache (a streamed one never is).
+    """
+    import datasets
+
+    from gqaify.hub import offline_unless_reachable
+
+    name, _, config = data.partition(":")
+    with offline_unless_reachable() as why:
+        if why is not None and streaming:
+            raise _unreachable(data, option, why)
+        try:
+            return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+        except ConnectionError as exc:  # offline: datasets' "Couldn't reach ... on the Hub"
+            raise _unreachable(data, option, why or _cause(exc)) from exc
+
+
+def _unreachable(data: str, option: str, why: str) -> UserError:
+    return UserError(
+        f"{option} {data} is not a local path and the Hugging Face hub could not be reached ({why}); check the "
+        f"network (or HF_ENDPOINT, HF_HUB_OFFLINE), or give a local file; a dataset loaded once is kept in "
+        f"datasets' cache"
+    )
 
 
 def load_text(
@@ -137,7 +165,9 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None, what: str = "-
 
 
 def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:
-    files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
+    # a folder's data files; gqaify.json is the record gqaify writes beside a corpus (`gqaify generate`), not data
+    data_files = (p for p in path.rglob("*") if p.suffix in _BUILDERS and p.name != "gqaify.json")
+    files = sorted(data_files) if path.is_dir() else [path]
     if not files:
         raise UserError(f"{option} {path} holds no {', '.join(sorted(_BUILDERS))} files; point it at text data")
     builders = {_BUILDERS.get(f.suffix) for f in files}

@@ -6,7 +6,9 @@
 The harness's own Hugging Face wrapper (`HFLM`) is put around the model object gqaify loaded, so a task sees
 the same weights, device and dtype, and the same logits, as `gqaify eval`'s perplexity. Any task the harness
 knows works (its registry, or task YAMLs in `include_path`). Every task is loaded once up front, so that an
-unknown name or a dataset the hub cannot give is refused before any model is evaluated.
+unknown name or a dataset the hub cannot give is refused before any model is evaluated. Where the hub does not
+answer, datasets come from `datasets`' cache alone (`gqaify.hub.offline_unless_reachable`): one line at once,
+not retries. A task YAML that does not parse, which the harness skips without a word, is named.
 
 lm-eval is an optional extra (`pip install 'gqaify[tasks]'`): it is imported here, when tasks are asked for.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gqaify.errors import UserError
+from gqaify.hub import offline_unless_reachable
 
 EXTRA = "pip install 'gqaify[tasks]'"
 _GLOB = set("*?[")
@@ -54,8 +57,11 @@ class TaskRequest:
             knobs = [k for k in ("num_fewshot", "limit", "include_path") if getattr(self, k) is not None]
             return [f"{flags[k]} applies to {flags['names']}; give {flags['names']} or leave it out" for k in knobs]
         problems = []
-        if self.limit is not None and self.limit <= 0:
+        if self.limit is not None and not self.limit > 0:  # nan too
             problems.append(f"{flags['limit']} {self.limit:g} must be above 0 (items per task, or a fraction below 1)")
+        elif self.limit is not None and self.limit >= 1 and not float(self.limit).is_integer():
+            problems.append(f"{flags['limit']} {self.limit:g} is neither a whole number of items per task nor a "
+                            "fraction below 1; give e.g. 200 (items) or 0.5 (half of each task)")  # fmt: skip
         if self.num_fewshot is not None and self.num_fewshot < 0:
             problems.append(f"{flags['num_fewshot']} {self.num_fewshot} must be 0 or more")
         if self.include_path and not Path(self.include_path).expanduser().is_dir():
@@ -96,7 +102,7 @@ class Harness:
             raise UserError(f"{self.flag} needs lm-evaluation-harness, which is not installed; {EXTRA}") from exc
         if not request.names:
             raise UserError(f"{self.flag} names no task; give task names, e.g. {self.flag} hellaswag,arc_easy")
-        with _quiet_harness():
+        with _quiet_harness(), offline_unless_reachable() as self.unreachable:
             include = str(Path(request.include_path).expanduser()) if request.include_path else None
             self.manager = TaskManager(include_path=include)
             self.names = self._resolve(request.names)
@@ -114,13 +120,24 @@ class Harness:
             else:
                 unknown.append(name)
         if unknown:
-            name = unknown[0]
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-            nearest = f" (nearest: {', '.join(close)})" if close else ""
-            where = f"; give a local task's folder with {self.include_flag}" if not self.request.include_path else ""
-            raise UserError(f"{self.flag}: unknown task {name!r}{nearest}; `lm-eval ls tasks` lists the "
-                            f"harness's tasks{where}")  # fmt: skip
+            raise self._unknown(unknown[0], known)
         return list(dict.fromkeys(resolved))
+
+    def _unknown(self, name: str, known: list[str]) -> UserError:
+        """The error for a task name the harness does not know: a task file that could not be read where the
+        include path has one (the file named like the task first), else the nearest known names."""
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        nearest = f" (nearest: {', '.join(close)})" if close else ""
+        if broken := _broken_task_files(self.request.include_path):
+            path = next((p for p in broken if p.stem == name), next(iter(broken)))
+            others = f" (and {len(broken) - 1} other file(s))" if len(broken) > 1 else ""
+            return UserError(
+                f"{self.flag}: unknown task {name!r}{'' if path.stem == name else nearest}; {path} in "
+                f"{self.include_flag} could not be read ({broken[path]}){others}, so the harness skipped it: fix it"
+            )
+        where = f"; give a local task's folder with {self.include_flag}" if not self.request.include_path else ""
+        return UserError(f"{self.flag}: unknown task {name!r}{nearest}; `lm-eval ls tasks` lists the harness's "
+                         f"tasks{where}")  # fmt: skip
 
     def _load(self, name: str) -> None:
         """Build the task once: it reads its dataset, which is where a missing dataset shows."""
@@ -129,9 +146,10 @@ class Harness:
         except ConnectionError as exc:  # datasets' "Couldn't reach ... on the Hub", offline or not
             dataset = self.manager.task_index.get(name)
             dataset = (dataset.cfg or {}).get("dataset_path", "its dataset") if dataset else "its dataset"
+            why = f" ({self.unreachable})" if self.unreachable else ""
             raise UserError(
-                f"{self.flag}: task {name} needs {dataset} from the Hugging Face hub, which could not be reached; "
-                f"run it once where the hub is reachable (datasets keeps a copy), or give a local task with "
+                f"{self.flag}: task {name} needs {dataset} from the Hugging Face hub, which could not be reached"
+                f"{why}; run it once where the hub is reachable (datasets keeps a copy), or give a local task with "
                 f"{self.include_flag} DIR"
             ) from exc
         except Exception as exc:  # a task YAML or its dataset loader is the user's input, not gqaify's
@@ -145,7 +163,7 @@ class Harness:
 
         was_training = model.training
         try:
-            with _quiet_harness():
+            with _quiet_harness(), offline_unless_reachable():  # the tasks read their datasets again
                 results = simple_evaluate(
                     model=harness_model(model, tokenizer, self.request.batch_size),
                     tasks=self.names,
@@ -170,6 +188,36 @@ def harness_model(model, tokenizer, batch_size: int = 1):
 
     with _quiet_harness():
         return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size)
+
+
+def _broken_task_files(include_path: str | None) -> dict[Path, str]:
+    """The task YAMLs under `include_path` that cannot be read (the harness skips them without a word), each
+    with its problem on one line."""
+    if not include_path:
+        return {}
+    import yaml
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    broken = {}
+    for path in sorted(Path(include_path).expanduser().glob("**/*.yaml")):  # the files the harness reads
+        if "__pycache__" in path.parts or ".ipynb_checkpoints" in path.parts:
+            continue
+        try:
+            load_yaml(path, resolve_func=False)
+        except (yaml.YAMLError, ValueError, OSError) as exc:
+            broken[path] = _yaml_problem(exc)
+    return broken
+
+
+def _yaml_problem(exc: BaseException) -> str:
+    """ "line 3, column 7: mapping values are not allowed here": where and what, on one line."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def scores_of(results: dict) -> list[TaskScore]:

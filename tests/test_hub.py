@@ -1,0 +1,119 @@
+"""The hub unreachable: a push, a hub dataset or a task's dataset is one line at once (exit 2), nothing lost.
+
+Each test makes the hub unreachable itself (`hub_unreachable`: HF_ENDPOINT on a closed local port), so the
+tests do not depend on whether the machine running them has a network.
+"""
+
+import time
+
+import httpx2
+import pytest
+import requests
+from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
+
+from conftest import build_model, load, save_with_tokenizer, tree_hashes
+from gqaify import hub
+from gqaify.uptrain import parse
+from gqaify.uptrain import run as uptrain
+from test_errors import run_cli
+from test_uptrain import args, tiny  # noqa: F401 (a fixture)
+
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
+QUICK = 10.0  # seconds for a refusal that needs the hub; huggingface_hub's five retries alone wait 23 s
+
+
+@pytest.fixture
+def hub_unreachable(monkeypatch):
+    """huggingface_hub (HfApi, gqaify's probe) and datasets pointed at a closed port, offline mode off."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED)
+    monkeypatch.setattr(constants, "ENDPOINT", CLOSED)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", CLOSED)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "_probed", {})
+    return CLOSED
+
+
+def one_line_refusal(capsys, *argv, within: float = QUICK) -> str:
+    """Run the CLI; it must exit 2 with one line on stderr, within `within` seconds."""
+    start = time.monotonic()
+    code, err = run_cli(capsys, *argv)
+    elapsed = time.monotonic() - start
+    assert code == 2 and err.count("\n") == 1 and err.startswith("gqaify: error: "), err
+    assert elapsed < within, f"{elapsed:.1f} s: {err}"
+    return err
+
+
+@pytest.fixture
+def source(tmp_path):
+    return save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300), tmp_path / "src")
+
+
+def test_push_without_network_keeps_the_folder_and_says_how_to_push_it(capsys, tmp_path, source, hub_unreachable):
+    out = tmp_path / "out"
+    err = one_line_refusal(capsys, "convert", source, out, "--kv-heads", "2", "--push-to-hub", "you/x", "-q")
+    assert "the push to you/x failed (ConnectError" in err and f"hf upload you/x {out.resolve()}" in err
+    assert load(out).config.num_key_value_heads == 2  # complete, loadable
+    assert not list(tmp_path.glob(".out.gqaify-*"))
+
+
+def raising(exc: Exception):
+    class Failing:
+        def create_repo(self, repo_id, **kwargs):
+            raise exc
+
+    return Failing
+
+
+PUSH_FAILURES = {
+    "connect": httpx2.ConnectError("[Errno -2] Name or service not known"),
+    "timeout": httpx2.ReadTimeout("The read operation timed out"),
+    "offline": OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled."),
+    "requests": requests.ConnectionError("Max retries exceeded"),
+    "no token": LocalTokenNotFoundError("Token is required, but no token found."),
+    "os timeout": TimeoutError("timed out"),
+}
+
+
+@pytest.mark.parametrize("exc", PUSH_FAILURES.values(), ids=PUSH_FAILURES.keys())
+def test_any_failure_to_reach_the_hub_is_one_line(capsys, tmp_path, source, monkeypatch, exc):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", raising(exc))
+    out = tmp_path / "out"
+    err = one_line_refusal(capsys, "convert", source, out, "--kv-heads", "2", "--push-to-hub", "you/x", "-q")
+    assert f"({type(exc).__name__}: " in err and "hf upload you/x" in err
+    assert load(out).config.num_key_value_heads == 2
+
+
+def test_a_bug_in_the_push_is_still_a_bug(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", raising(KeyError("repo")))
+    with pytest.raises(KeyError):
+        hub.push_folder(tmp_path, "you/x", "message")
+
+
+def test_uptrain_push_without_network_keeps_the_finished_run(capsys, tmp_path, tiny, hub_unreachable):  # noqa: F811
+    out = tmp_path / "run"
+    uptrain(parse(args(tiny, out)))
+    before = tree_hashes(out)
+    err = one_line_refusal(capsys, "uptrain", *args(tiny, out, "--push_to_hub", "you/x"))
+    assert "the push to you/x failed (ConnectError" in err and f"hf upload you/x {out / 'final'}" in err
+    assert tree_hashes(out) == before
+
+
+def test_the_probe_is_asked_once_and_offline_mode_is_undone(hub_unreachable, monkeypatch):
+    import datasets.config
+    from huggingface_hub import constants
+
+    with hub.offline_unless_reachable() as why:
+        assert "ConnectError" in why and constants.is_offline_mode() and datasets.config.HF_HUB_OFFLINE
+    assert not constants.is_offline_mode() and not datasets.config.HF_HUB_OFFLINE
+    monkeypatch.setattr(httpx2.Client, "head", lambda *a, **k: pytest.fail("asked twice"))
+    assert hub.unreachable() == why  # remembered
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE" in hub.unreachable()
