@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command, summary, run in (
         ("convert", "rewrite a checkpoint's K/V heads from H to G", _run_convert),
         ("eval", "perplexity, KV cache and decode speed of models beside the first (the parent)", _run_eval),
+        ("generate", "sample a corpus from a model (the parent's own text) for calibration and uptraining",
+         _run_generate),
         ("uptrain", "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain "
                     "for more)", _run_uptrain),
     ):  # fmt: skip
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
 
 
 def _stopped(stop: Interrupted) -> int:
+    """One line: how the run was stopped, and what it left (the stop's message; none: nothing, as every output
+    appears whole or not at all; a run that leaves something, uptrain's checkpoints, the demo's finished steps,
+    says so)."""
     what = "stopped by SIGTERM" if stop.signum == signal.SIGTERM else "interrupted"
     print(f"gqaify: {what}; {str(stop) or 'nothing was written'}", file=sys.stderr)
     return stop.exit_status
@@ -156,6 +161,20 @@ def _run_eval(args) -> None:
     report = evaluate(settings.models, settings.data, settings.out, settings)
     print(format_table(report))
     print(f"report: {settings.out}/report.md, report.json; plots: {settings.out}/*.png")
+
+
+def _run_generate(args) -> None:
+    from gqaify.generation.settings import GENERATE
+    from gqaify.settings import parse
+
+    settings = parse(GENERATE, args.rest, prog=args.prog)
+    if not settings.progress:
+        _quiet_transformers()
+
+    from gqaify.generation.corpus import generate_corpus
+    from gqaify.summary import format_corpus_summary
+
+    print(format_corpus_summary(generate_corpus(settings)))
 
 
 def _quiet_transformers() -> None:

@@ -216,7 +216,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 MAX_YAML_BYTES = 1 << 20
 MAX_JSON_BYTES = 16 << 20  # json parses in C, 100 times faster: a record may be larger
 MAX_DEPTH = 32  # of YAML (PyYAML composes nodes recursively); settings are values and lists of values
-_RECORD_KINDS = {"convert": "a conversion record", "eval": "an eval report", "uptrain": "an uptraining run's record"}
+_RECORD_KINDS = {"convert": "a conversion record", "eval": "an eval report", "uptrain": "an uptraining run's record",
+                 "generate": "a generated corpus's record"}
 
 
 def read_config(stage: Stage, path: str | Path) -> dict:
@@ -353,12 +354,13 @@ def _owner(stage: Stage, keys: list) -> Stage | None:
     """The other command whose settings `keys` are: it knows 3/4 of them or more, and more than `stage` does."""
     from gqaify.conversion.options import CONVERT
     from gqaify.eval.settings import EVAL
+    from gqaify.generation.settings import GENERATE
     from gqaify.uptrain.settings import UPTRAIN
 
     def known(s: Stage) -> int:
         return len(set(keys) & set(s.field_names()))
 
-    best = max((CONVERT, EVAL, UPTRAIN), key=known)
+    best = max((CONVERT, EVAL, UPTRAIN, GENERATE), key=known)
     if best.command != stage.command and known(best) > known(stage) and known(best) >= 0.75 * len(keys):
         return best
     return None

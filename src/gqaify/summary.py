@@ -18,7 +18,7 @@ def format_summary(result) -> str:
             *_fit_lines(result),
             f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
             f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
-            f"  saved to        {result.out}",
+            f"  saved to        {printable(result.out)}",
         ]
     )
 
@@ -57,11 +57,31 @@ def format_uptrain_summary(result) -> str:
     if result.eval_perplexity is not None:
         parent = f" (parent {result.parent_perplexity:.2f})" if result.parent_perplexity is not None else ""
         lines.append(f"  eval perplexity {result.eval_perplexity:.2f}{parent}")
-    lines.append(f"  model           {result.final}")
-    lines.append(f"  metrics         {result.metrics}" + (f", plot {result.plot}" if result.plot else ""))
+    lines.append(f"  model           {printable(result.final)}")
+    plot = f", plot {printable(result.plot)}" if result.plot else ""
+    lines.append(f"  metrics         {printable(result.metrics)}{plot}")
     return "\n".join(lines)
 
 
 def _groups(groups: list[list[int]]) -> str:
     shown = ["[" + ",".join(map(str, g)) + "]" for g in groups[:4]]
     return " ".join(shown) + (" ..." if len(groups) > 4 else "")
+
+
+def format_corpus_summary(corpus) -> str:
+    """A few lines saying what `gqaify generate` wrote."""
+    resumed = f" (resumed after shard {corpus.resumed_from})" if corpus.resumed_from else ""
+    return "\n".join(
+        [
+            f"sampled {corpus.tokens:,} tokens in {corpus.samples:,} samples, {corpus.shards} shard(s){resumed}",
+            f"  saved to        {printable(corpus.out)}",
+            "  use it as       --calib-data OUT, uptrain's data: OUT, gqaify eval --data OUT, datasets.load_dataset",
+        ]
+    )
+
+
+def printable(path) -> str:
+    """`path` as text on one line: as it is, or quoted with escapes where it holds a newline or another control
+    character (a path may hold any character but / and NUL; a summary line must stay one line)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)

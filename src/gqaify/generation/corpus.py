@@ -1,0 +1,278 @@
+"""A corpus sampled from the parent, written shard by shard into a dataset folder, resumable after any stop.
+
+    OUT/
+        gqaify.json                what wrote it: the parent, the settings, the seed, shards, samples, tokens
+        data/train-00000.jsonl     one generate call of batch_size samples: {"text", "prompt", "tokens"} rows
+        data/train-00001.jsonl     ...
+
+`datasets.load_dataset(OUT)` reads it (split "train"), and so does every gqaify DATA (`--calib-data OUT`,
+uptrain's `data: OUT`, `gqaify eval --data OUT`).
+
+Shard k is a function of (settings, k) alone: its prompts are the k-th batch_size of the prompt order, and
+its random numbers come from a seed derived from (seed, k). So a corpus is the same tokens on every run with
+the same settings (on the same device), and a stopped one resumes at its first missing shard and ends as an
+uninterrupted one would. Each shard is written to a temporary name and renamed, so a shard is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from gqaify.errors import UserError, as_interrupt, raise_if_problems
+from gqaify.generation.settings import GenerateSettings
+from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out
+from gqaify.settings import type_problems
+
+LOG = logging.getLogger(__name__)
+
+SHARDS = "data"
+KIND = "corpus"  # gqaify.json's "kind": tells a corpus from a conversion or a report
+
+
+@dataclass(frozen=True)
+class Corpus:
+    out: Path
+    shards: int
+    samples: int
+    tokens: int  # the parent's new tokens, prompts not counted
+    resumed_from: int  # shards found on disk when this run started
+
+
+def generate_corpus(settings: GenerateSettings) -> Corpus:
+    """Sample the corpus `settings` describe into `settings.out`, or finish one a stopped run began.
+
+    Raises:
+        UserError: bad settings, prompts or model; OUT holds something else. Nothing is written.
+        Interrupted: Ctrl-C or SIGTERM; the message says how much is on disk and how to go on.
+    """
+    from gqaify import __version__
+
+    s = settings
+    raise_if_problems(type_problems(s) + s.problems())
+    if Path(s.model).expanduser().exists():  # recorded as an absolute path: a rerun may start elsewhere
+        s = replace(s, model=str(resolve_out(s.model)))
+    out = resolve_out(s.out)
+    record = _record_to_continue(out, s)
+    model, tokenizer, device = _load(s)
+    prompts = _prompts(s, tokenizer)
+    _check_positions(s, model, prompts)
+    done = _shards_on_disk(out)
+    found = sum(_shard_tokens(p) for p in done)
+    record = record or {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
+    shard = len(done)
+    bar = tqdm(total=s.tokens, initial=min(found, s.tokens), unit="tok", desc="generate",
+               disable=not s.progress or None)  # fmt: skip
+    total, samples = found, len(done) * s.batch_size
+    out.joinpath(SHARDS).mkdir(parents=True, exist_ok=True)
+    _write_record(out, record, s, shard, samples, total, complete=False)
+    try:
+        while total < s.tokens:
+            rows = _sample_shard(model, tokenizer, prompts, s, shard, device)
+            _write_shard(out, shard, rows)
+            shard += 1
+            samples += len(rows)
+            written = sum(r["tokens"] for r in rows)
+            total += written
+            bar.update(min(written, max(s.tokens - bar.n, 0)))
+            _write_record(out, record, s, shard, samples, total, complete=False)
+    except BaseException as exc:
+        stop = as_interrupt(exc)
+        if stop is not None:
+            raise stop.with_message(
+                f"{out} holds {shard} whole shard(s), {total:,} of {s.tokens:,} tokens; rerun the same command to "
+                "go on from there"
+            ) from None
+        raise
+    finally:
+        bar.close()
+    _write_record(out, record, s, shard, samples, total, complete=True)
+    return Corpus(out, shard, samples, total, len(done))
+
+
+# -- the folder -------------------------------------------------------------------------------------------------
+
+
+def _record_to_continue(out: Path, s: GenerateSettings) -> dict | None:
+    """The record of the corpus this run continues (None: a new one); refuses an OUT that holds anything else."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        raise_if_problems(destination_problems(out, force=True))
+        return None
+    if not out.is_dir():
+        raise UserError(f"{out} exists and is not a folder; choose another OUT")
+    try:
+        record = json.loads((out / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or record.get("kind") != KIND:
+        raise UserError(
+            f"{out} already exists and is not a corpus gqaify generate wrote; choose another OUT (nothing is replaced)"
+        )
+    theirs = {k: v for k, v in record.get("settings", {}).items() if k in s.identity()}
+    changed = sorted(k for k, v in s.identity().items() if theirs.get(k) != v)
+    if changed:
+        was = ", ".join(f"{k} {theirs.get(k)!r} -> {getattr(s, k)!r}" for k in changed)
+        raise UserError(
+            f"{out} holds a corpus sampled with other settings ({was}); rerun with its settings "
+            f"(--config {out / PROVENANCE_FILE}) to go on, or choose another OUT"
+        )
+    if not os.access(out, os.W_OK):
+        raise UserError(f"cannot write {out}: it is not writable; choose another OUT")
+    return record
+
+
+def _write_record(out: Path, record: dict, s: GenerateSettings, shards: int, samples: int, tokens: int,
+                  complete: bool) -> None:  # fmt: skip
+    from gqaify.settings import recorded
+
+    files = sorted(p.name for p in out.iterdir() if p.name != PROVENANCE_FILE)
+    value = {**record, "settings": recorded(s), "shards": shards, "samples": samples, "tokens": tokens,
+             "complete": complete, "files": files}  # fmt: skip
+    _write_atomic(out / PROVENANCE_FILE, json.dumps(value, indent=2) + "\n")
+
+
+def _shards_on_disk(out: Path) -> list[Path]:
+    """The whole shards in OUT, 0..n-1 (a temporary left by a kill is removed)."""
+    folder = out / SHARDS
+    if not folder.is_dir():
+        return []
+    for partial in folder.glob(".*.tmp"):
+        partial.unlink()
+    shards = []
+    while (path := folder / _shard_name(len(shards))).is_file():
+        shards.append(path)
+    return shards
+
+
+def _shard_name(index: int) -> str:
+    return f"train-{index:05d}.jsonl"
+
+
+def _shard_tokens(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(json.loads(line)["tokens"] for line in f if line.strip())
+
+
+def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    _write_atomic(out / SHARDS / _shard_name(index), lines)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+# -- the model and its prompts ----------------------------------------------------------------------------------
+
+
+def _load(s: GenerateSettings):
+    from gqaify.eval.core import _device
+    from gqaify.models import load_model
+
+    device = _device(s.device)
+    model, tokenizer = load_model(s.model, s.dtype, device, trust_remote_code=s.trust_remote_code)
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig()  # the checkpoint's sampling defaults must not change the parent's
+    return model, tokenizer, device
+
+
+def _prompts(s: GenerateSettings, tokenizer) -> list[list[int]] | None:
+    """The token ids of each prompt in --prompts (None: every sample starts as --start says).
+
+    Raises:
+        UserError: the file is missing, unreadable or holds no prompt; --chat and the model has no chat template.
+    """
+    if s.prompts is None:
+        if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
+            raise UserError(f"{s.model} has no beginning- or end-of-text token to start from; give --prompts FILE")
+        return None
+    path = Path(s.prompts).expanduser()
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--prompts {path} cannot be read ({type(exc).__name__}); give a UTF-8 text file") from exc
+    lines = [line for line in lines if line]
+    if not lines:
+        raise UserError(f"--prompts {path} holds no prompt; write one per line")
+    if s.chat and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"--chat: {s.model} has no chat template; drop --chat to use the prompts as plain text")
+    if s.chat:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in lines]  # fmt: skip
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer(p)["input_ids"] for p in lines]
+
+
+def _check_positions(s: GenerateSettings, model, prompts: list[list[int]] | None) -> None:
+    positions = getattr(model.config, "max_position_embeddings", None)
+    longest = max((len(p) for p in prompts), default=0) if prompts else 2
+    if positions and longest + s.length > positions:
+        raise UserError(
+            f"the longest prompt ({longest} tokens) plus --length {s.length} exceeds the {positions} positions of "
+            f"{s.model}; lower --length or shorten the prompts"
+        )
+
+
+def _start_ids(s: GenerateSettings, tokenizer, index: int, generator: torch.Generator, prompts) -> list[int]:
+    """The prompt of sample `index`."""
+    if prompts is not None:
+        return prompts[index % len(prompts)]
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if s.start == "bos":
+        return [start]
+    special = set(tokenizer.all_special_ids)
+    while (token := int(torch.randint(len(tokenizer), (1,), generator=generator))) in special:
+        pass
+    return [start, token] if tokenizer.bos_token_id is not None else [token]
+
+
+# -- sampling ---------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _sample_shard(model, tokenizer, prompts, s: GenerateSettings, shard: int, device) -> list[dict]:
+    """The rows of shard `shard`: batch_size samples, seeded by (seed, shard)."""
+    from transformers import GenerationConfig
+
+    seed = s.seed * 1_000_003 + shard
+    generator = torch.Generator().manual_seed(seed)
+    starts = [_start_ids(s, tokenizer, shard * s.batch_size + i, generator, prompts) for i in range(s.batch_size)]
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(p) for p in starts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in starts], device=device)  # (batch, width), left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in starts], device=device)
+    common = {"pad_token_id": pad, "eos_token_id": eos}
+    if s.greedy_tokens:
+        ids, mask = _generate(model, ids, mask, GenerationConfig(max_new_tokens=s.greedy_tokens, do_sample=False,
+                                                                 **common))  # fmt: skip
+    torch.manual_seed(seed)
+    sampled = GenerationConfig(max_new_tokens=s.length - s.greedy_tokens, do_sample=True, temperature=s.temperature,
+                               top_p=s.top_p, top_k=0, **common)  # fmt: skip
+    ids, _ = _generate(model, ids, mask, sampled)
+    return [_row(tokenizer, start, ids[i, width:].tolist(), s.chat) for i, start in enumerate(starts)]
+
+
+def _generate(model, ids: torch.Tensor, mask: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids with the new tokens appended, the attention mask extended over them)."""
+    out = model.generate(ids, attention_mask=mask, generation_config=config)  # (batch, width + new)
+    grown = torch.ones(out.shape[0], out.shape[1] - ids.shape[1], dtype=mask.dtype, device=mask.device)
+    return out, torch.cat([mask, grown], dim=1)
+
+
+def _row(tokenizer, start: list[int], new: list[int], chat: bool) -> dict:
+    """One sample as a row: the new tokens up to the first end-of-text, and the text of prompt and sample."""
+    eos = tokenizer.eos_token_id
+    new = new[: new.index(eos)] if eos in new else new
+    prompt = tokenizer.decode(start, skip_special_tokens=not chat)
+    text = tokenizer.decode(start + new, skip_special_tokens=not chat)
+    return {"text": text, "prompt": prompt, "tokens": len(new)}
