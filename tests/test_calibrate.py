@@ -4,7 +4,14 @@ parent; what it records; its bad input."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -24,6 +31,7 @@ from conftest import (
     needs_assets,
     sample_ids,  # fmt: skip
     save_with_tokenizer,
+    tree_hashes,
 )
 from gqaify.archs import ARCHITECTURES
 from gqaify.conversion import walk
@@ -219,6 +227,11 @@ def test_converted_config_drives_the_converted_skeleton(tmp_path):
     [(["--calib-mode", "parallel", "--refine-steps", "5"], "use --calib-mode sequential"),
      (["--refine-steps", "-1"], "--refine-steps -1 must be a whole number, 0 or more"),
      (["--refine-lr", "0"], "--refine-lr 0.0 must be a positive number"),
+     (["--refine-steps", "1000000000"], "--refine-steps 1000000000 is more than the 1,000,000 allowed"),
+     (["--refine-lr", "nan"], "--refine-lr nan is not a finite number; give a positive one"),
+     (["--refine-lr", "inf"], "--refine-lr inf is not a finite number; give a positive one"),
+     (["--refine-lr=-inf"], "--refine-lr -inf is not a finite number; give a positive one"),
+     (["--calib-sha256", "abc"], "--calib-sha256 'abc' is not a SHA-256 (64 hex digits)"),
      (["--calib-mode", "backwards"], "argument --calib-mode/--calib_mode: invalid choice")],
 )  # fmt: skip
 def test_bad_calibration_options(capsys, calibration, tmp_path, args, expect):
@@ -227,3 +240,86 @@ def test_bad_calibration_options(capsys, calibration, tmp_path, args, expect):
                         "--calib-data", calibration["calib_data"], *args)  # fmt: skip
     assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf"])
+def test_a_refine_lr_that_is_not_finite_is_refused_from_a_config_file(capsys, calibration, tmp_path, value):
+    """--refine-lr nan ended in a traceback after 16 s of calibration; inf ran and undid every refinement."""
+    _, src = _tiny("llama", tmp_path / "src")
+    (tmp_path / "c.yaml").write_text(f"refine_lr: {value}\nrefine_steps: 5\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
+                        "--calib-data", calibration["calib_data"], "--config", tmp_path / "c.yaml")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "is not a finite number; give a positive one" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# The command line under a cap of 3 GiB of address space beyond what the libraries it loads take (Linux).
+_CAPPED = """
+import resource, sys
+import datasets, torch, transformers
+from gqaify.cli import main
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmPeak")) << 10
+resource.setrlimit(resource.RLIMIT_AS, (peak + (3 << 30), peak + (3 << 30)))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_sigterm_during_refinement_is_answered_at_once_in_bounded_memory(calibration, tmp_path):
+    """--refine-steps 1000000000 drew an 8.3 GB permutation for over a minute, deaf to SIGTERM, before the first
+    step. Now the most steps allowed run within 3 GiB more address space than the libraries take, and SIGTERM
+    mid-refinement is answered in well under 3 s, with nothing left behind."""
+    from gqaify.conversion.options import REFINE_STEPS_MAX
+
+    _, src = _tiny("llama", tmp_path / "src")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # on the CPU: a CUDA context reserves address space
+    argv = [sys.executable, "-c", _CAPPED, "-v", "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
+            "--calib-data", calibration["calib_data"], "--calib-tokens", "1024", "--calib-seq-len", "48",
+            "--refine-steps", str(REFINE_STEPS_MAX), "-q"]  # fmt: skip
+    process = subprocess.Popen([str(a) for a in argv], stderr=subprocess.PIPE, text=True, env=env)
+    lines = []  # (when, line) of stderr
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in process.stderr))
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any("layer 0: refining" in line for _, line in lines):
+        assert process.poll() is None and time.monotonic() < deadline, lines
+        time.sleep(0.01)
+    time.sleep(1)  # in the steps
+    assert process.poll() is None, lines  # still refining: the cap held
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert process.wait(timeout=60) == 143
+    reader.join()
+    answered, line = lines[-1]
+    assert "stopped by SIGTERM; nothing was written" in line and answered - sent < 3, (answered - sent, line)
+    assert [line for _, line in lines if line.startswith("gqaify")] == [line]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "src"]
+
+
+def test_a_rerun_refuses_calibration_text_that_changed_unless_forced(capsys, calibration, tmp_path):
+    """gqaify.json records the SHA-256 of the calibration text read (a text file's own); a rerun from it after a
+    line was added to the file used to write other weights without a word."""
+    _, src = _tiny("llama", tmp_path / "src")
+    calib = tmp_path / "calib.txt"
+    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calib, "--calib-tokens", "1024", "--calib-seq-len",
+            "48", "-q")  # fmt: skip
+    assert run_cli(capsys, "convert", src, tmp_path / "first", *args)[0] == 0
+    record = json.loads((tmp_path / "first" / "gqaify.json").read_text())
+    digest = hashlib.sha256(calib.read_bytes()).hexdigest()
+    assert record["settings"]["calib_sha256"] == record["calibration"]["sha256"] == digest
+
+    calib.write_text(calib.read_text() + "One more line.\n")
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
+                        tmp_path / "second", "-q")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--calib-data {calib}: the text changed since the recorded conversion" in err
+    assert "pass --force to convert with the text as it is now" in err
+    assert tree_hashes(tmp_path) == before and not (tmp_path / "second").exists()
+
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
+                        tmp_path / "second", "-q", "--force")  # fmt: skip
+    assert code == 0, err
+    again = json.loads((tmp_path / "second" / "gqaify.json").read_text())
+    assert again["settings"]["calib_sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest() != digest

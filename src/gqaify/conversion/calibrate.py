@@ -25,6 +25,7 @@ Calibrate on text other than the text you evaluate on; the benchmarks here do.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import platform
 import time
@@ -44,25 +45,39 @@ from gqaify.conversion.options import Calibration
 from gqaify.conversion.repair import refine, repair_output
 from gqaify.conversion.source import Source
 from gqaify.data import load_text, tokenize
-from gqaify.errors import UserError, raise_if_problems
+from gqaify.errors import UserError
 
 LOG = logging.getLogger(__name__)
 
 _CHARS_PER_TOKEN = 12  # read at most this many characters per wanted token (English BPE needs about 4)
 
 
-def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:
-    """The first `calibration.tokens` token ids of the calibration text (fewer, with a warning, if short).
+@dataclass(frozen=True)
+class CalibrationText:
+    ids: torch.Tensor  # (N,) the first `calibration.tokens` token ids of the text
+    sha256: str  # of the text read (UTF-8; rows joined as `load_text` joins them): a text file's own SHA-256
+    seconds: float  # spent reading and tokenizing it
+
+
+def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
+    """The first `calibration.tokens` token ids of the calibration text (fewer, with a warning, if short), and
+    the SHA-256 of the text they were read from.
 
     Raises:
         UserError: the data cannot be read or gives fewer than 2 tokens.
     """
-    c = calibration
+    c, start = calibration, time.perf_counter()
     text = load_text(c.data, c.split, c.text_column, "--calib-data", max_chars=c.tokens * _CHARS_PER_TOKEN).text
     ids = tokenize(tokenizer, text, c.tokens, f"--calib-data {c.data}").ids
     if len(ids) < c.tokens:
         LOG.warning("--calib-data %s holds %d tokens, fewer than --calib-tokens %d", c.data, len(ids), c.tokens)
-    return ids
+    sha256 = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return CalibrationText(ids, sha256, time.perf_counter() - start)
+
+
+def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:
+    """The token ids of `read_calibration`."""
+    return read_calibration(calibration, tokenizer).ids
 
 
 class SecondMoment:
@@ -101,21 +116,19 @@ class CalibratedLayers:
         return load_file(self.folder / _layer_file(layer))
 
 
-def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: Calibration, method: Method,
-              kv_heads: int, grouping: str, ctx: MethodContext, keys_measurable: bool, folder: Path,
+def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: Calibration, text: CalibrationText,
+              method: Method, kv_heads: int, grouping: str, ctx: MethodContext, keys_measurable: bool, folder: Path,
               progress: bool = True) -> CalibratedLayers:  # fmt: skip
-    """Fit every layer of `source` to `kv_heads` K/V heads on the calibration text; write the fits to `folder`.
+    """Fit every layer of `source` to `kv_heads` K/V heads on `text` (read by `read_calibration` and checked
+    against the model's size); write the fits to `folder`.
 
     Raises:
-        UserError: the calibration text is unreadable or too short for the model; a layer's weights are not
-            finite, or do not match transformers' class for the model.
+        UserError: a layer's weights are not finite, or do not match transformers' class for the model.
     """
-    c = calibration
+    c, ids = calibration, text.ids
     _map_large_allocations()
     seconds = dict.fromkeys(("capture", "fit", "repair", "refine", "run"), 0.0)
-    start = time.perf_counter()
-    ids = calibration_ids(c, source.load_tokenizer())
-    raise_if_problems([p for p in [c.size_problem(len(ids), geometry.hidden_size)] if p])
+    start = time.perf_counter() - text.seconds  # reading the text counts as capture
     if warning := c.size_warning(len(ids), geometry.hidden_size):
         LOG.warning(warning)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,6 +224,7 @@ def _repair_and_run(block, attention_path: str, spec: ArchSpec, c: Calibration, 
                         attention_error=[round(result.error_before, 6), round(result.error_after, 6)])  # fmt: skip
         seconds["repair"] += time.perf_counter() - tick
     if c.refine_steps:
+        LOG.info("layer %d: refining, %d steps", layer, c.refine_steps)
         tick = time.perf_counter()
         parameters = dict(block.named_parameters())
         trainable = [parameters[n] for n in (name.removeprefix(prefix) for name in tensors) if n in parameters]

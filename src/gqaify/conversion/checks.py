@@ -75,6 +75,13 @@ def config_problems(config: dict, kv_heads, calibration: Calibration | None):
     return problems, spec, geometry
 
 
+def text_problems(calibration: Calibration, text, hidden_size: int, force: bool) -> list[str]:
+    """Problems with the calibration text read (a `calibrate.CalibrationText`): too few tokens for the model, or
+    not the text that calib_sha256 records (unless `force`)."""
+    problems = [calibration.size_problem(len(text.ids), hidden_size), calibration.text_problem(text.sha256, force)]
+    return [p for p in problems if p]
+
+
 def _quantization_problem(config: dict) -> str | None:
     """A quantized checkpoint (GPTQ, AWQ, FP8, bitsandbytes, ...): its K/V weights are not plain matrices to pool.
 

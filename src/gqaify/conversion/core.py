@@ -1,7 +1,8 @@
 """Convert a checkpoint's attention from KV to G key/value heads, streaming, into a new folder: the steps in order.
 
 check   every problem with the request at once, before anything is read: the options, OUT, SRC, and
-        config.json (value types, G against the K/V heads, calibration size against the hidden size) (`checks`)
+        config.json (value types, G against the K/V heads, calibration size against the hidden size); then
+        the calibration text: enough tokens, and the text calib_sha256 records, if any (`checks`)
 plan    read every tensor's name, shape and dtype; list the output tensors, their shards and headers (`stream`)
 fit     with calibration text only: walk the parent layer by layer and fit each converted layer (`calibrate`)
 stream  take tensors in source order: copy unchanged ones through as bytes; hold a layer's head-indexed
@@ -23,7 +24,7 @@ import torch
 
 from gqaify import __version__
 from gqaify.archs import attention_kind, rotary_dim
-from gqaify.conversion.calibrate import calibrate
+from gqaify.conversion.calibrate import calibrate, read_calibration
 from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.checks import (
@@ -32,6 +33,7 @@ from gqaify.conversion.checks import (
     overlap_problems,
     read_config_or_empty,
     request_problems,
+    text_problems,
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
@@ -117,6 +119,10 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         plan = plan_output(source, spec, geometry, layouts, kv_heads, torch_dtype(s.dtype))
         qk_norms = spec.shared_norms_in(source.config) or layouts[0].has_qk_norms(plan.layer_inputs[0])
         check_method(METHODS[method], method, model_name, qk_norms)
+        text = None
+        if calibration is not None:  # read before anything is written: too short, or not the recorded text
+            text = read_calibration(calibration, source.load_tokenizer())
+            raise_if_problems(text_problems(calibration, text, geometry.hidden_size, s.force))
 
         remove_leftovers(out_path)
         size = sum(meta.nbytes for meta in plan.tensors.values()) + _SPACE_MARGIN
@@ -131,8 +137,8 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
             calibrated = None
             if calibration is not None:
                 ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, source.config, geometry.head_dim))
-                calibrated = calibrate(source, spec, geometry, calibration, METHODS[method], kv_heads, s.grouping, ctx,
-                                       not qk_norms, staging / _FITS, s.progress)  # fmt: skip
+                calibrated = calibrate(source, spec, geometry, calibration, text, METHODS[method], kv_heads,
+                                       s.grouping, ctx, not qk_norms, staging / _FITS, s.progress)  # fmt: skip
             converter = LayerConverter(METHODS[method], kv_heads, ctx, calibrated)
             with ShardWriter(staging, plan.tensors, parse_size(s.max_shard_size)) as writer:
                 stream_tensors(source, plan, writer, converter, hasher, s.allow_nonfinite, s.progress)
@@ -140,11 +146,12 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
             write_config_and_side_files(source, spec, staging, kv_heads, s.dtype)
             record = provenance(source, spec, geometry, kv_heads, method, s.dtype, s.seed,
                                 hasher.results(source.tensors.files))  # fmt: skip
-            record.update(grouping=s.grouping, calibration=None, settings=resolved_record(s, source, out_path))
+            settings = resolved_record(s, source, out_path, text.sha256 if text is not None else None)
+            record.update(grouping=s.grouping, calibration=None, settings=settings)
             if calibrated is not None:
                 shutil.rmtree(calibrated.folder)
                 record.update(
-                    calibration={**calibration.record(calibrated.tokens), "device": calibrated.device,
+                    calibration={**calibration.record(calibrated.tokens, text.sha256), "device": calibrated.device,
                                  "seconds": calibrated.seconds},  # fmt: skip
                     rotary_dim=ctx.rotary_dim,
                     permutations=calibrated.orders,
@@ -181,13 +188,15 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
     )
 
 
-def resolved_record(s: ConvertSettings, source: Source, out: Path) -> dict:
-    """The settings as gqaify.json records them: paths absolute, a hub source pinned to the commit read, so that
-    `gqaify convert --config OUT/gqaify.json` reruns the conversion from anywhere (what went how, not what was
-    made, is left out: `NOT_RECORDED`)."""
+def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256: str | None) -> dict:
+    """The settings as gqaify.json records them: paths absolute, a hub source pinned to the commit read, the
+    calibration text pinned to the SHA-256 of the text read, so that `gqaify convert --config OUT/gqaify.json`
+    reruns the conversion from anywhere, or refuses text that changed (what went how, not what was made, is left
+    out: `NOT_RECORDED`)."""
     calib_data = s.calib_data
     if calib_data is not None and Path(calib_data).expanduser().exists():
         calib_data = str(Path(calib_data).expanduser().resolve())
     src = source.name if source.kind == "hub" else str(Path(source.name).expanduser().resolve())
-    resolved = replace(s, src=src, out=str(out), revision=source.revision, calib_data=calib_data)
+    resolved = replace(s, src=src, out=str(out), revision=source.revision, calib_data=calib_data,
+                       calib_sha256=calib_sha256)  # fmt: skip
     return recorded(resolved, NOT_RECORDED)

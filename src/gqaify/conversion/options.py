@@ -6,6 +6,7 @@ is loaded. The methods' computations live in `methods.py`, registered under the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -59,6 +60,9 @@ def method_problems(method: MethodName, grouping: GroupingName, calibrated: bool
 # SmolLM2 (hidden 576), 8 for a 7B (hidden 4,096).
 CALIB_TOKENS_REQUIRED = 2
 CALIB_TOKENS_ADVISED = 8
+# Refinement orders its steps with one permutation of them all (`repair.refine`): 8 MB at this bound, where
+# --refine-steps 1000000000 drew 8.3 GB, for over a minute, before the first step. README's runs take 64.
+REFINE_STEPS_MAX = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class Calibration:
     refine_steps: int  # Adam steps per layer (sequential only), one calibration window each
     refine_lr: float
     repair: bool  # refit o_proj against the parent's attention output (sequential only)
+    sha256: str | None = None  # the SHA-256 the text read must have (`text_problem`); None: any text
 
     def problems(self) -> list[str]:
         """Values out of range (their types are checked with the settings)."""
@@ -95,11 +100,29 @@ class Calibration:
             problems.append(f"--calib-seq-len {self.seq_len} must be at least 2")
         if self.refine_steps < 0:
             problems.append(f"--refine-steps {self.refine_steps} must be a whole number, 0 or more")
+        elif self.refine_steps > REFINE_STEPS_MAX:
+            problems.append(f"--refine-steps {self.refine_steps} is more than the {REFINE_STEPS_MAX:,} allowed "
+                            "(each step is one window through one layer; tens to thousands are typical); lower it")
         elif self.refine_steps and self.mode != "sequential":
             problems.append("--refine-steps refines each layer on the converted stream; use --calib-mode sequential")
-        if self.refine_lr <= 0:
+        if not math.isfinite(self.refine_lr):
+            problems.append(f"--refine-lr {self.refine_lr} is not a finite number; give a positive one (e.g. 1e-3)")
+        elif self.refine_lr <= 0:
             problems.append(f"--refine-lr {self.refine_lr} must be a positive number")
+        if self.sha256 is not None and not _is_sha256(self.sha256):
+            problems.append(f"--calib-sha256 {self.sha256!r} is not a SHA-256 (64 hex digits); copy it from the "
+                            "gqaify.json that recorded it, or leave it unset")  # fmt: skip
         return problems
+
+    def text_problem(self, sha256: str, force: bool) -> str | None:
+        """A problem if the text read (its SHA-256 `sha256`) is not the text `self.sha256` expects, unless `force`."""
+        if self.sha256 is None or sha256 == self.sha256.lower() or force:
+            return None
+        return (
+            f"--calib-data {self.data}: the text changed since the recorded conversion (SHA-256 {sha256[:12]}, "
+            f"calib_sha256 {self.sha256[:12]}), so the weights would differ; restore the text, or pass --force to "
+            "convert with the text as it is now"
+        )
 
     def size_problem(self, tokens: int, hidden_size: int) -> str | None:
         """A problem if `tokens` calibration tokens are too few to determine a fit of `hidden_size` inputs."""
@@ -122,8 +145,13 @@ class Calibration:
             f"{advised:,} or more are advised"
         )
 
-    def record(self, tokens_read: int) -> dict:
-        return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read}
+    def record(self, tokens_read: int, sha256: str) -> dict:
+        """What gqaify.json's "calibration" says: these fields, the tokens read and the SHA-256 of the text read."""
+        return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read, "sha256": sha256}
+
+
+def _is_sha256(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
 
 
 @dataclass(frozen=True)
@@ -156,6 +184,10 @@ class ConvertSettings:
     calib_split: str = setting("train", "split of calib_data")
     calib_text_column: str = setting("text", "column of calib_data holding the text")
     calib_seq_len: int = setting(1024, "calibration window length in tokens")
+    calib_sha256: str | None = setting(
+        None, "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
+        "text that changed since); --force converts with other text"
+    )  # fmt: skip
     calib_mode: CalibMode = setting(
         "sequential", "sequential: layer by layer on the converted model's own activations, each layer repaired "
         "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)"
@@ -176,7 +208,7 @@ class ConvertSettings:
             return None
         return Calibration(self.calib_data, self.calib_tokens, self.calib_split, self.calib_text_column,
                            self.calib_seq_len, self.calib_mode, self.refine_steps, self.refine_lr,
-                           self.repair)  # fmt: skip
+                           self.repair, self.calib_sha256)  # fmt: skip
 
 
 # What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.

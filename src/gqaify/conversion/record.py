@@ -6,7 +6,8 @@
                   class with K/V heads, registered in config.json's `auto_map` for `trust_remote_code=True`
     README.md     the model card (`card.py`)
     gqaify.json   provenance: source (name, revision, SHA-256 of every weight file), method, groups, grouping,
-                  calibration and fit error, tool version, and every file written (what --force may replace)
+                  calibration (with the SHA-256 of its text) and fit error, tool version, the settings (a rerun),
+                  and every file written (what --force may replace)
 """
 
 from __future__ import annotations

@@ -132,6 +132,7 @@ def refine(layer: torch.nn.Module, trainable: list[torch.nn.Parameter], hidden: 
     for p in trainable:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(trainable, lr=lr)
+    # one permutation of every step, read modulo the windows: at most REFINE_STEPS_MAX + windows entries (options.py)
     order = torch.randperm(len(train) * -(-steps // len(train)), generator=torch.Generator().manual_seed(seed))
     try:
         with torch.enable_grad():
