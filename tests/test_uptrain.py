@@ -23,9 +23,9 @@ from gqaify.errors import UserError
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.data import EpochSampler, packed_blocks
+from gqaify.uptrain.distill import distillation_kl
 from gqaify.uptrain.report import read_metrics
 from gqaify.uptrain.settings import load_recipe
-from gqaify.uptrain.train import distillation_kl
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -214,10 +214,11 @@ def test_push_to_hub_uploads_final_once_complete(tiny, tmp_path, monkeypatch):
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path):
+@pytest.mark.parametrize("trainable", [[], ["--trainable", "lora", "--lora_rank", "4"]], ids=["all", "lora"])
+def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     """Kill the run with SIGKILL after its first checkpoint, rerun the same command: same losses, same weights."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    settings = ("--max_tokens", "16000", "--save_every", "25")  # 250 steps
+    settings = ("--max_tokens", "16000", "--save_every", "25", *trainable)  # 250 steps
     assert run_cli(args(tiny, whole, *settings)).returncode == 0
     process = subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *args(tiny, cut, *settings)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -536,6 +537,23 @@ def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
     assert sorted(p.name for p in out.rglob("*")) == before
 
 
+def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_path):
+    """run.json records the SHA-256 of the training tokens; a rerun on data edited since used to resume the run on
+    other text without a word."""
+    out, data = tmp_path / "run", tmp_path / "train.txt"
+    data.write_text(CORPUS * 3)
+    argv = [str(data) if a == str(tiny["train"]) else a for a in args(tiny, out, "--save_every", "10")]
+    uptrain(parse(argv))
+    recorded = json.loads((out / "run.json").read_text())["data_sha256"]
+    assert json.loads((out / "final" / "gqaify.json").read_text())["uptrain"]["data_sha256"] == recorded
+    data.write_text("One more line.\n" + CORPUS * 3)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    line = one_line_error(run_cli(argv))
+    assert f"data {data} changed since the run in output_dir {out} began" in line
+    assert f"SHA-256 was {recorded[:12]}" in line and "use a new output_dir to train on it as it is now" in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
@@ -577,3 +595,31 @@ def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
     record = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())
     assert (record["method"], record["grouping"], record["kv_heads"]) == ("lsq", "similarity", 2)
     assert record["calibration"]["data"] == str(tiny["train"]) and record["calibration"]["tokens"] <= 1024
+
+
+def test_lora_trains_only_attention_and_its_merged_model_equals_the_adapted_one(tiny, tmp_path):
+    """The adapters change only attention projections, and final/ (merged, plain) computes what the peft model does."""
+    from peft import PeftModel
+
+    from gqaify.uptrain.lora import merged, with_adapters
+
+    result = uptrain(parse(args(tiny, tmp_path / "lora", "--trainable", "lora", "--lora_rank", "4")))
+    before, after = load_file(tiny["converted"] / "model.safetensors"), load_file(result.final / "model.safetensors")
+    assert set(before) == set(after)  # no adapter tensors: a plain checkpoint
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("self_attn." in k and k.endswith("proj.weight") for k in changed)
+
+    base = AutoModelForCausalLM.from_pretrained(tiny["converted"]).eval()
+    adapted = with_adapters(base, 4, 8.0)
+    for name, param in adapted.named_parameters():  # B = 0 at the start: give the adapters weights to merge
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        expected = adapted(ids).logits
+        assert isinstance(adapted, PeftModel)
+        plain = merged(adapted)
+        assert not isinstance(plain, PeftModel) and type(plain) is type(base)
+        torch.testing.assert_close(plain(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(expected, AutoModelForCausalLM.from_pretrained(tiny["converted"])(ids).logits)
+

@@ -1,7 +1,8 @@
 """An uptraining run's folder: what makes it this run, its checkpoints, and its final model.
 
     output_dir/
-        run.json               the settings that define the run (a rerun must match them to resume)
+        run.json               the settings that define the run and the SHA-256 of its data's tokens (a rerun
+                               must match both to resume)
         checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position (progress.json)
         final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
 
@@ -62,11 +63,15 @@ def _identity(s: UptrainSettings, processes: int) -> dict:
     return {**values, "processes": processes}
 
 
-def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator) -> dict:
+def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator, data_sha256: str) -> dict:
     """run.json of `out`, written if new; refuses a folder that holds another run or other files.
 
+    Args:
+        data_sha256: the SHA-256 of the training data's tokens (`train._data`); a run recorded before run.json
+            held it is not compared.
+
     Raises:
-        UserError: `out` holds another run's checkpoints (with different settings) or unrelated files.
+        UserError: `out` holds another run's checkpoints (with different settings or data) or unrelated files.
     """
     from gqaify import __version__
 
@@ -75,22 +80,29 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator)
     if run_file.exists():
         run = json.loads(run_file.read_text())
         differs = [k for k in identity if run["settings"].get(k) != identity[k]]
-        if differs and "started" not in run and not checkpoints(out / CHECKPOINTS):
+        recorded = run.get("data_sha256", data_sha256)
+        if (differs or recorded != data_sha256) and "started" not in run and not checkpoints(out / CHECKPOINTS):
             # a run that was stopped before it trained (killed while converting): nothing of it to keep
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 undo_claim(out, existed=True)
-            return claim_output_dir(out, s, processes, accelerator)
+            return claim_output_dir(out, s, processes, accelerator, data_sha256)
         if differs:
             k = differs[0]
             raise UserError(
                 f"output_dir {out} holds another run's checkpoints (it had {k}={run['settings'].get(k)!r}, now "
                 f"{identity[k]!r}); use a new output_dir, or delete this one to start over"
             )
+        if recorded != data_sha256:
+            raise UserError(
+                f"data {s.data} changed since the run in output_dir {out} began (its tokens' SHA-256 was "
+                f"{recorded[:12]}, now {data_sha256[:12]}); restore the data to go on with this run, or use a new "
+                "output_dir to train on it as it is now"
+            )
         return run
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
-    run = {"tool": "gqaify", "version": __version__, "settings": identity}
+    run = {"tool": "gqaify", "version": __version__, "settings": identity, "data_sha256": data_sha256}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +181,8 @@ def save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype,
     provenance_file = Path(model_path) / PROVENANCE_FILE
     provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
     provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
-                             "tokens": progress.tokens, "settings": asdict(s)}  # fmt: skip
+                             "tokens": progress.tokens, "settings": asdict(s),
+                             "data_sha256": run.get("data_sha256")}  # fmt: skip
     if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
         _, perplexities = eval_curve(read_metrics(out / METRICS))
         uptrained = {

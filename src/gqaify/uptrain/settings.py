@@ -67,7 +67,11 @@ class UptrainSettings:
         None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward")
-    trainable: Literal["all", "attention", "kv-only"] = setting("all", "which weights train")
+    trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
+        "all", "which weights train (lora: low-rank adapters on the attention projections, merged at the end)"
+    )
+    lora_rank: int = setting(16, "rank of the adapters, for trainable lora")
+    lora_alpha: float = setting(32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora")
     # -- distillation
     distill_from: str | None = setting(None, "teacher (the parent): adds KL to its next-token distribution")
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL")
@@ -186,6 +190,8 @@ def check(s: UptrainSettings) -> None:
             )
         if not s.pretraining_tokens or s.pretraining_tokens <= 0:
             problems.append("budget_fraction needs pretraining_tokens, the parent's pre-training token count")
+    if s.lora_rank < 1 or not 0 < s.lora_alpha < math.inf:
+        problems.append(f"lora_rank must be >= 1 and lora_alpha > 0, got {s.lora_rank}, {s.lora_alpha}; fix it")
     if s.lr <= 0 or s.warmup < 0 or s.weight_decay < 0 or s.max_grad_norm < 0:
         problems.append("lr must be > 0 and warmup, weight_decay, max_grad_norm >= 0; fix the negative value")
     if not 0 <= s.distill_weight <= 1 or s.temperature <= 0:

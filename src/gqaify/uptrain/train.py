@@ -13,6 +13,7 @@ as an uninterrupted run would.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -24,7 +25,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, HEAD, LAYER
@@ -34,6 +34,8 @@ from gqaify.eval.perplexity import perplexity
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
 from gqaify.uptrain.data import EpochSampler, packed_blocks
+from gqaify.uptrain.distill import distillation_kl, kl_to_parent
+from gqaify.uptrain.lora import merged, with_adapters
 from gqaify.uptrain.report import (
     METRICS,
     METRICS_CSV,
@@ -90,12 +92,12 @@ def run(settings: UptrainSettings) -> UptrainResult:
     s = replace(s, mixed_precision=accelerator.mixed_precision)
     # Everything that can be wrong with the data is found before output_dir is touched.
     tokenizer = load_tokenizer(s.model, option="model")
-    loader, steps = _data(s, tokenizer, accelerator)
+    loader, steps, data_sha256 = _data(s, tokenizer, accelerator)
     eval_ids = _eval_ids(s, tokenizer)
     request = s.task_request()
     harness = Harness(request) if request.names else None  # reads the tasks' datasets
     existed = out.exists()
-    run = claim_output_dir(out, s, accelerator.num_processes, accelerator)
+    run = claim_output_dir(out, s, accelerator.num_processes, accelerator, data_sha256)
     if run.get("completed") and (out / "final").is_dir():
         return _pushed(s, _result_of_finished_run(out, run), accelerator)
     try:
@@ -143,7 +145,7 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     model.train()
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = _select_trainable(model, s.trainable)
+    model, params = _trainable(model, s)
     optimizer, scheduler = _optimizer(s, params, steps, accelerator)
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
@@ -171,7 +173,8 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
 
     if accelerator.is_main_process:
         _plot(out, run, s)
-    save_final(accelerator, model, tokenizer, model_path, out, saved_dtype, s, progress, run)
+    final = merged(accelerator.unwrap_model(model)) if s.trainable == "lora" else model  # a plain checkpoint
+    save_final(accelerator, final, tokenizer, model_path, out, saved_dtype, s, progress, run)
     if accelerator.is_main_process:
         run["completed"] = True
         write_json(out / RUN_FILE, run)
@@ -262,6 +265,10 @@ def _accelerator(s: UptrainSettings, out: Path):
         # the other processes wait while the main one converts the model: give them longer than torch's default
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=s.dist_timeout))],
     )
+    from accelerate.utils import DistributedType
+
+    if s.trainable == "lora" and accelerator.distributed_type == DistributedType.FSDP:
+        raise UserError("trainable lora trains a few adapters, which FSDP has no need to shard; launch without FSDP")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise UserError(
@@ -273,7 +280,8 @@ def _accelerator(s: UptrainSettings, out: Path):
 
 
 def _data(s: UptrainSettings, tokenizer, accelerator):
-    """(DataLoader of packed blocks, optimizer steps in the budget).
+    """(DataLoader of packed blocks, optimizer steps in the budget, SHA-256 of the blocks' tokens: all of them, or
+    when streaming the first step's, which are all that is read before training).
 
     Raises:
         UserError: the budget is less than one step, or the data packs into fewer blocks than one step needs.
@@ -291,20 +299,30 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
         )
     blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
     if s.streaming:  # the size is unknown: read as far as one step needs
-        if (found := sum(1 for _ in itertools.islice(blocks, blocks_per_step))) < blocks_per_step:
+        head = [block["input_ids"] for block in itertools.islice(blocks, blocks_per_step)]
+        if (found := len(head)) < blocks_per_step:
             raise UserError(
                 f"data {s.data} packs into {found} blocks of {s.seq_len} tokens, fewer than one step's "
                 f"{blocks_per_step}; give more text, or lower seq_len or the batch"
             )
         shuffled = blocks.shuffle(seed=s.seed, buffer_size=10_000)
-        return DataLoader(shuffled, batch_size=s.micro_batch_size, drop_last=True), steps
+        return DataLoader(shuffled, batch_size=s.micro_batch_size, drop_last=True), steps, _tokens_sha256(head)
     if len(blocks) < blocks_per_step:
         raise UserError(
             f"data {s.data} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
             f"{blocks_per_step}; give more text, or lower seq_len or the batch"
         )
     sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
-    return DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True), steps
+    loader = DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True)
+    return loader, steps, _tokens_sha256(batch["input_ids"] for batch in blocks.iter(batch_size=1024))
+
+
+def _tokens_sha256(ids) -> str:
+    """SHA-256 of token ids (tensors of them, in order, as int64): what run.json records of the data."""
+    digest = hashlib.sha256()
+    for t in ids:
+        digest.update(t.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _optimizer(s: UptrainSettings, params: list[torch.nn.Parameter], steps: int, accelerator):
@@ -363,6 +381,8 @@ def _evaluator(s, ids, harness, tokenizer, teacher, model, accelerator, run: dic
         model.eval()
         if ids is not None:
             row["eval_perplexity"] = perplexity(model, ids, seq_len, seq_len, progress=False).perplexity
+            if teacher is not None:  # how far from the parent's next-token distribution, in nats per token
+                row["eval_kl"] = kl_to_parent(model, teacher, ids, seq_len)
         if harness is not None:
             row |= {score.name: score.value for score in harness.score(accelerator.unwrap_model(model), tokenizer)}
         model.train()
@@ -383,13 +403,12 @@ def _loss(model, teacher, ids: torch.Tensor, s: UptrainSettings, accelerator) ->
     return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
 
 
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) per token, averaged over tokens, of the temperature-softened next-token
-    distributions, times temperature² (Hinton et al.) so its gradients keep their scale as T changes."""
-    vocab = student_logits.shape[-1]
-    student = F.log_softmax(student_logits.float().reshape(-1, vocab) / temperature, dim=-1)  # (tokens, vocab)
-    teacher = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / temperature, dim=-1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+def _trainable(model, s: UptrainSettings) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """(the model to train: with LoRA adapters for trainable lora, else `model`; the parameters that train)."""
+    if s.trainable != "lora":
+        return model, _select_trainable(model, s.trainable)
+    model = with_adapters(model, s.lora_rank, s.lora_alpha)
+    return model, [p for p in model.parameters() if p.requires_grad]
 
 
 def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
