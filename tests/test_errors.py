@@ -147,6 +147,16 @@ def test_output_inside_source_is_refused(capsys, source, tmp_path):
     assert_refused(capsys, src, src / "converted", "--kv-heads", "2", expect="overlaps the source folder")
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_output_that_is_the_source_is_named_as_the_source(capsys, source, tmp_path, force):
+    src = tmp_path / "copy"
+    shutil.copytree(source, src)
+    before = tree_hashes(src)
+    code, err = run_cli(capsys, "convert", src, src, "--kv-heads", "2", *force)
+    assert code == 2 and err.count("\n") == 1 and "is the source folder itself" in err and "--force" not in err
+    assert tree_hashes(src) == before
+
+
 def test_internal_error_exits_1(capsys, source, tmp_path, monkeypatch):
     from gqaify.conversion import methods
 

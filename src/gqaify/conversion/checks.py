@@ -32,7 +32,12 @@ def request_problems(s: ConvertSettings, calibration: Calibration | None) -> lis
         problems.append(f"--max-shard-size {s.max_shard_size!r} is not a size; write it like 5GB, 500MB or 2GiB")
     if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub)):
         problems.append(problem)
-    problems += destination_problems(s.out, s.force)
+    source_dir = Path(s.src or "").expanduser()
+    if s.src and s.out and source_dir.is_dir() and _overlap(source_dir, Path(s.out).expanduser()):
+        # OUT would be refused as existing; the real reason is that it is (or holds, or is held by) the source
+        problems.append(_overlap(source_dir, Path(s.out).expanduser()))
+    else:
+        problems += destination_problems(s.out, s.force)
     try:
         locate(s.src, "SRC")
     except UserError as exc:
@@ -115,10 +120,18 @@ def _kv_heads_problems(spec: ArchSpec, g: Geometry, kv_heads: int, model_name: s
 def overlap_problems(source: Source, out: Path) -> list[str]:
     if source.kind == "gguf":  # its folder is a temporary export
         return []
-    src, dst = source.directory.resolve(), out.resolve()
-    if dst == src or src in dst.parents or dst in src.parents:
-        return [f"OUT {out} overlaps the source folder {src}; write the conversion somewhere else"]
-    return []
+    problem = _overlap(source.directory, out)
+    return [problem] if problem else []
+
+
+def _overlap(source_dir: Path, out: Path) -> str | None:
+    """Why OUT may not be written where it is: it is the source folder, inside it, or holds it; else None."""
+    src, dst = source_dir.resolve(), out.resolve()
+    if dst == src:
+        return f"OUT {out} is the source folder itself; the source is never modified: write the conversion elsewhere"
+    if src in dst.parents or dst in src.parents:
+        return f"OUT {out} overlaps the source folder {src}; write the conversion somewhere else"
+    return None
 
 
 def check_method(method: Method, name: str, model_name: str, qk_norms: bool) -> None:
