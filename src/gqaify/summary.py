@@ -70,7 +70,10 @@ def _groups(groups: list[list[int]]) -> str:
 
 def format_corpus_summary(corpus) -> str:
     """A few lines saying what `gqaify generate` wrote."""
-    resumed = f" (resumed after shard {corpus.resumed_from})" if corpus.resumed_from else ""
+    if corpus.resumed_from == corpus.shards:
+        resumed = " (all on disk already)"
+    else:
+        resumed = f" (resumed after shard {corpus.resumed_from})" if corpus.resumed_from else ""
     return "\n".join(
         [
             f"sampled {corpus.tokens:,} tokens in {corpus.samples:,} samples, {corpus.shards} shard(s){resumed}",

@@ -60,13 +60,16 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
         s = replace(s, model=str(resolve_out(s.model)))
     out = resolve_out(s.out)
     record = _record_to_continue(out, s)
+    done = _shards_on_disk(out)
+    found = sum(_shard_tokens(p) for p in done)
+    shard = len(done)
+    if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
+        _write_record(out, record, s, shard, shard * s.batch_size, found, complete=True)
+        return Corpus(out, shard, shard * s.batch_size, found, shard)
     model, tokenizer, device = _load(s)
     prompts = _prompts(s, tokenizer)
     _check_positions(s, model, prompts)
-    done = _shards_on_disk(out)
-    found = sum(_shard_tokens(p) for p in done)
     record = record or {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
-    shard = len(done)
     bar = tqdm(total=s.tokens, initial=min(found, s.tokens), unit="tok", desc="generate",
                disable=not s.progress or None)  # fmt: skip
     total, samples = found, len(done) * s.batch_size
