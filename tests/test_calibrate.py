@@ -297,7 +297,7 @@ def test_sigterm_during_refinement_is_answered_at_once_in_bounded_memory(calibra
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "src"]
 
 
-def test_a_rerun_refuses_calibration_text_that_changed_unless_forced(capsys, calibration, tmp_path):
+def test_a_rerun_refuses_calibration_text_that_changed_unless_told_to_accept_it(capsys, calibration, tmp_path):
     """gqaify.json records the SHA-256 of the calibration text read (a text file's own); a rerun from it after a
     line was added to the file used to write other weights without a word."""
     _, src = _tiny("llama", tmp_path / "src")
@@ -315,11 +315,14 @@ def test_a_rerun_refuses_calibration_text_that_changed_unless_forced(capsys, cal
                         tmp_path / "second", "-q")  # fmt: skip
     assert code == 2 and err.count("\n") == 1, err
     assert f"--calib-data {calib}: the text changed since the recorded conversion" in err
-    assert "pass --force to convert with the text as it is now" in err
+    assert "pass --calib-sha256 '' to convert with the text as it is now" in err
     assert tree_hashes(tmp_path) == before and not (tmp_path / "second").exists()
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
+                        tmp_path / "first", "-q", "--force")  # fmt: skip
+    assert code == 2 and "the text changed" in err, err  # --force replaces OUT; it does not accept other text
 
     code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
-                        tmp_path / "second", "-q", "--force")  # fmt: skip
+                        tmp_path / "second", "-q", "--calib-sha256", "")  # fmt: skip
     assert code == 0, err
     again = json.loads((tmp_path / "second" / "gqaify.json").read_text())
     assert again["settings"]["calib_sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest() != digest

@@ -122,7 +122,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         text = None
         if calibration is not None:  # read before anything is written: too short, or not the recorded text
             text = read_calibration(calibration, source.load_tokenizer())
-            raise_if_problems(text_problems(calibration, text, geometry.hidden_size, s.force))
+            raise_if_problems(text_problems(calibration, text, geometry.hidden_size))
 
         remove_leftovers(out_path)
         size = sum(meta.nbytes for meta in plan.tensors.values()) + _SPACE_MARGIN

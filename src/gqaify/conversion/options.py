@@ -114,14 +114,17 @@ class Calibration:
                             "gqaify.json that recorded it, or leave it unset")  # fmt: skip
         return problems
 
-    def text_problem(self, sha256: str, force: bool) -> str | None:
-        """A problem if the text read (its SHA-256 `sha256`) is not the text `self.sha256` expects, unless `force`."""
-        if self.sha256 is None or sha256 == self.sha256.lower() or force:
+    def text_problem(self, sha256: str) -> str | None:
+        """A problem if the text read (its SHA-256 `sha256`) is not the text `self.sha256` expects.
+
+        Not waived by --force, which says OUT may be replaced: accepting other weights is said on its own.
+        """
+        if self.sha256 is None or sha256 == self.sha256.lower():
             return None
         return (
             f"--calib-data {self.data}: the text changed since the recorded conversion (SHA-256 {sha256[:12]}, "
-            f"calib_sha256 {self.sha256[:12]}), so the weights would differ; restore the text, or pass --force to "
-            "convert with the text as it is now"
+            f"calib_sha256 {self.sha256[:12]}), so the weights would differ; restore the text, or pass "
+            "--calib-sha256 '' to convert with the text as it is now"
         )
 
     def size_problem(self, tokens: int, hidden_size: int) -> str | None:
@@ -195,7 +198,7 @@ class ConvertSettings:
     calib_seq_len: int = setting(1024, "calibration window length in tokens")
     calib_sha256: str | None = setting(
         None, "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
-        "text that changed since); --force converts with other text"
+        "text that changed since); '' accepts any text"
     )  # fmt: skip
     calib_mode: CalibMode = setting(
         "sequential", "sequential: layer by layer on the converted model's own activations, each layer repaired "
@@ -217,7 +220,7 @@ class ConvertSettings:
             return None
         return Calibration(self.calib_data, self.calib_tokens, self.calib_split, self.calib_text_column,
                            self.calib_seq_len, self.calib_mode, self.refine_steps, self.refine_lr,
-                           self.repair, self.calib_sha256)  # fmt: skip
+                           self.repair, self.calib_sha256 or None)  # fmt: skip
 
 
 # What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.
