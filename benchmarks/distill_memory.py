@@ -7,7 +7,7 @@ Each variant runs in a fresh process: both models' logits (float32, the student'
 the loss and its backward pass; the figure is the process's peak resident memory above what it held once the
 logits existed, so it is what the loss itself adds. "whole" is the loss as gqaify computed it before: a float32
 log-softmax of each model's logits over all tokens at once, and kl_div over them. "chunked" is
-`gqaify.uptrain.distill.distillation_kl` (1,024 tokens per checkpointed chunk). Both give the same value.
+`gqaify.uptrain.distill.distillation_kl` (1,024 tokens at a time in both passes). Both give the same value.
 """
 
 from __future__ import annotations

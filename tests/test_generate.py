@@ -87,6 +87,16 @@ def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
     assert tree_hashes(tmp_path / "c") == before
 
 
+@needs_assets
+def test_a_run_killed_before_its_first_record_is_started_afresh(tmp_path):
+    out = tmp_path / "c"
+    (out / "data").mkdir(parents=True)
+    (out / ".gqaify.json.tmp").write_text("{")  # what a kill inside the first write of gqaify.json leaves
+    assert generate(out) == 0 and generate(tmp_path / "whole") == 0
+    assert shards(out) == shards(tmp_path / "whole")
+    assert json.loads((out / "gqaify.json").read_text())["settings"]["device"] == "cpu"  # resolved, not "auto"
+
+
 def test_a_folder_gqaify_did_not_write_is_refused(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
@@ -103,6 +113,8 @@ def test_a_folder_gqaify_did_not_write_is_refused(tmp_path, capsys):
         (["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
         (["--greedy-tokens", "300"], "--greedy-tokens 300 must be 0 or more and below --length 256"),
         (["--chat"], "--chat wraps prompts in the chat template"),
+        (["--device", "gpu"], "unknown --device 'gpu'; choose auto, cpu, cuda or cuda:N"),
+        (["--prompts", "no/such/prompts.txt"], "--prompts no/such/prompts.txt cannot be read"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line_before_any_work(tmp_path, capsys, option, said):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from gqaify.dtypes import torch_dtype
@@ -92,3 +94,22 @@ def load_tokenizer(name: str, option: str = "MODEL"):
     except (OSError, ValueError, KeyError) as exc:
         problem = f"{option} {name} has no tokenizer that could be loaded ({type(exc).__name__})"
         raise UserError(f"{problem}; check its files") from exc
+
+
+def device_problem(name: str) -> str | None:
+    """Why `name` (auto, cpu, cuda, cuda:N) cannot be used here, or None."""
+    if name != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        return f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {name}, but no CUDA GPU is available; use --device cpu"
+    count = torch.cuda.device_count() if name.startswith("cuda:") else 0
+    if count and int(name[5:]) >= count:
+        return f"--device {name}, but this machine has {count} CUDA GPU(s); choose cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `name` stands for (auto: the GPU when there is one); check it with `device_problem` first."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

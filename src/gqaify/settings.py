@@ -51,7 +51,7 @@ def setting(default, help: str, empty_list: bool = False):
     return dataclasses.field(default=default, metadata=metadata)
 
 
-_EMPTY_LIST = "gqaify_empty_list"  # a field's metadata reach add_argument as keywords: this one is ours
+_EMPTY_LIST = "gqaify_empty_list"  # a field's metadata key: its list option may be given with no values
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import hashlib
 import logging
 import math
 import os
-import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness, TaskRequest
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
-from gqaify.models import load_config, load_model, load_tokenizer
+from gqaify.models import device_problem, load_config, load_model, load_tokenizer, resolve_device
 from gqaify.outputs import destination_problems, remove_leftovers, resolve_out, space_problem
 from gqaify.settings import recorded, type_problems
 from gqaify.sizes import parse_size
@@ -185,7 +184,7 @@ def _check(s: EvalSettings, stride: int, request: TaskRequest) -> tuple[list, in
             configs.append(None)
     problems += _position_problems(s, configs)
     raise_if_problems(problems)
-    return configs, parse_size(s.memory_budget), _device(s.device)
+    return configs, parse_size(s.memory_budget), resolve_device(s.device)
 
 
 def _setting_problems(s: EvalSettings, stride: int) -> list[str]:
@@ -204,7 +203,7 @@ def _setting_problems(s: EvalSettings, stride: int) -> list[str]:
             problems.append(f"--{key.replace('_', '-')} {getattr(s, key)} must be at least 1")
     if parse_size(s.memory_budget) is None:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
-    return problems + [p for p in [_device_problem(s.device)] if p]
+    return problems + [p for p in [device_problem(s.device)] if p]
 
 
 def _out_problems(out: str, force: bool) -> list[str]:
@@ -237,23 +236,6 @@ def _generation_problems(s: EvalSettings, name: str, positions: int) -> list[str
         return [str(exc)]
     problem = length_problem(tokenizer, list(s.generate or DEFAULT_PROMPTS), s.generate_tokens, positions, name)
     return [problem] if problem else []
-
-
-def _device_problem(name: str) -> str | None:
-    if name != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        return f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        return f"--device {name}, but no CUDA GPU is available; use --device cpu"
-    count = torch.cuda.device_count() if name.startswith("cuda:") else 0
-    if count and int(name[5:]) >= count:
-        return f"--device {name}, but this machine has {count} CUDA GPU(s); choose cuda:0 to cuda:{count - 1}"
-    return None
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _fingerprint(tokenizer) -> str:

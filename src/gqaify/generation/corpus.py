@@ -16,6 +16,7 @@ uninterrupted one would. Each shard is written to a temporary name and renamed, 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -25,8 +26,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.errors import UserError, as_interrupt, raise_if_problems
+from gqaify.errors import ResourceError, UserError, as_interrupt, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
+from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out
 from gqaify.settings import type_problems
 
@@ -45,42 +47,65 @@ class Corpus:
     resumed_from: int  # shards found on disk when this run started
 
 
+@dataclass(frozen=True)
+class Parent:
+    """The model that writes the corpus, and what sampling needs to know about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    ends: tuple[int, ...]  # the tokens that end a sample: the checkpoint's end-of-text tokens and the tokenizer's
+    pad: int
+
+
 def generate_corpus(settings: GenerateSettings) -> Corpus:
     """Sample the corpus `settings` describe into `settings.out`, or finish one a stopped run began.
 
     Raises:
         UserError: bad settings, prompts or model; OUT holds something else. Nothing is written.
+        ResourceError: the disk filled up; the whole shards written so far are kept.
         Interrupted: Ctrl-C or SIGTERM; the message says how much is on disk and how to go on.
     """
     from gqaify import __version__
 
     s = settings
-    raise_if_problems(type_problems(s) + s.problems())
-    if Path(s.model).expanduser().exists():  # recorded as an absolute path: a rerun may start elsewhere
-        s = replace(s, model=str(resolve_out(s.model)))
+    problems = type_problems(s) + s.problems()
+    raise_if_problems(problems or [p for p in [device_problem(s.device)] if p])
+    # recorded as they resolve: an absolute path (a rerun may start elsewhere), and the device, whose random
+    # numbers are its own, so that a corpus is never resumed on another kind of device
+    model = str(resolve_out(s.model)) if Path(s.model).expanduser().exists() else s.model
+    s = replace(s, model=model, device=resolve_device(s.device).type)
     out = resolve_out(s.out)
+    lines = _prompt_lines(s)
     record = _record_to_continue(out, s)
     done = _shards_on_disk(out)
     found = sum(_shard_tokens(p) for p in done)
-    shard = len(done)
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
-        _write_record(out, record, s, shard, shard * s.batch_size, found, complete=True)
-        return Corpus(out, shard, shard * s.batch_size, found, shard)
-    model, tokenizer, device = _load(s)
-    prompts = _prompts(s, tokenizer)
-    _check_positions(s, model, prompts)
+        _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=True)
+        return Corpus(out, len(done), len(done) * s.batch_size, found, len(done))
+    parent = _load(s)
+    prompts = _prompt_ids(s, parent.tokenizer, lines)
+    _check_positions(s, parent.model, prompts)
     record = record or {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
-    bar = tqdm(total=s.tokens, initial=min(found, s.tokens), unit="tok", desc="generate",
+    out.mkdir(parents=True, exist_ok=True)
+    _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=False)  # before any shard
+    (out / SHARDS).mkdir(exist_ok=True)
+    shards, samples, tokens = _sample_into(out, record, parent, prompts, s, len(done), found)
+    _write_record(out, record, s, shards, samples, tokens, complete=True)
+    return Corpus(out, shards, samples, tokens, len(done))
+
+
+def _sample_into(out: Path, record: dict, parent: Parent, prompts, s: GenerateSettings, shard: int,
+                 total: int) -> tuple[int, int, int]:  # fmt: skip
+    """Sample shards from `shard` on until `s.tokens` are written; (shards, samples, tokens) in OUT."""
+    samples = shard * s.batch_size
+    bar = tqdm(total=s.tokens, initial=min(total, s.tokens), unit="tok", desc="generate",
                disable=not s.progress or None)  # fmt: skip
-    total, samples = found, len(done) * s.batch_size
-    out.joinpath(SHARDS).mkdir(parents=True, exist_ok=True)
-    _write_record(out, record, s, shard, samples, total, complete=False)
     try:
         while total < s.tokens:
-            rows = _sample_shard(model, tokenizer, prompts, s, shard, device)
+            rows = _sample_shard(parent, prompts, s, shard)
             _write_shard(out, shard, rows)
-            shard += 1
-            samples += len(rows)
+            shard, samples = shard + 1, samples + len(rows)
             written = sum(r["tokens"] for r in rows)
             total += written
             bar.update(min(written, max(s.tokens - bar.n, 0)))
@@ -95,8 +120,7 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
         raise
     finally:
         bar.close()
-    _write_record(out, record, s, shard, samples, total, complete=True)
-    return Corpus(out, shard, samples, total, len(done))
+    return shard, samples, total
 
 
 # -- the folder -------------------------------------------------------------------------------------------------
@@ -104,6 +128,9 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
 
 def _record_to_continue(out: Path, s: GenerateSettings) -> dict | None:
     """The record of the corpus this run continues (None: a new one); refuses an OUT that holds anything else."""
+    if out.is_dir() and all(_leftover(p) for p in out.iterdir()):
+        for path in out.iterdir():  # what a run killed before its first record left: nothing of its corpus
+            path.rmdir() if path.is_dir() else path.unlink()
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         raise_if_problems(destination_problems(out, force=True))
         return None
@@ -140,6 +167,14 @@ def _write_record(out: Path, record: dict, s: GenerateSettings, shards: int, sam
     _write_atomic(out / PROVENANCE_FILE, json.dumps(value, indent=2) + "\n")
 
 
+def _leftover(path: Path) -> bool:
+    """Whether `path` in OUT is what a run killed before its first record leaves: a half-written record, an
+    empty shard folder."""
+    if path.name == SHARDS and path.is_dir() and not path.is_symlink():
+        return not any(path.iterdir())
+    return path.name == f".{PROVENANCE_FILE}.tmp" and path.is_file()
+
+
 def _shards_on_disk(out: Path) -> list[Path]:
     """The whole shards in OUT, 0..n-1 (a temporary left by a kill is removed)."""
     folder = out / SHARDS
@@ -168,35 +203,50 @@ def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all.
+
+    Raises:
+        ResourceError: the disk is full; what was whole before stays.
+    """
     partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise ResourceError(
+                f"no space left while writing {path}; the whole shards written so far are kept: free some space "
+                "and rerun the same command to go on"
+            ) from exc
+        raise
 
 
 # -- the model and its prompts ----------------------------------------------------------------------------------
 
 
-def _load(s: GenerateSettings):
-    from gqaify.eval.core import _device
-    from gqaify.models import load_model
-
-    device = _device(s.device)
-    model, tokenizer = load_model(s.model, s.dtype, device, trust_remote_code=s.trust_remote_code)
+def _load(s: GenerateSettings) -> Parent:
     from transformers import GenerationConfig
 
+    from gqaify.models import load_model
+
+    device = resolve_device(s.device)
+    model, tokenizer = load_model(s.model, s.dtype, device, trust_remote_code=s.trust_remote_code)
+    configured = model.generation_config.eos_token_id
+    ends = [*(configured if isinstance(configured, list) else [configured]), tokenizer.eos_token_id]
+    ends = tuple(dict.fromkeys(e for e in ends if e is not None))
     model.generation_config = GenerationConfig()  # the checkpoint's sampling defaults must not change the parent's
-    return model, tokenizer, device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends or (0,))[0]  # masked out anyway
+    return Parent(model, tokenizer, device, ends, pad)
 
 
-def _prompts(s: GenerateSettings, tokenizer) -> list[list[int]] | None:
-    """The token ids of each prompt in --prompts (None: every sample starts as --start says).
+def _prompt_lines(s: GenerateSettings) -> list[str] | None:
+    """The prompts of --prompts, one per non-empty line (None: every sample starts as --start says).
 
     Raises:
-        UserError: the file is missing, unreadable or holds no prompt; --chat and the model has no chat template.
+        UserError: the file is missing, unreadable or holds no prompt.
     """
     if s.prompts is None:
-        if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
-            raise UserError(f"{s.model} has no beginning- or end-of-text token to start from; give --prompts FILE")
         return None
     path = Path(s.prompts).expanduser()
     try:
@@ -206,6 +256,19 @@ def _prompts(s: GenerateSettings, tokenizer) -> list[list[int]] | None:
     lines = [line for line in lines if line]
     if not lines:
         raise UserError(f"--prompts {path} holds no prompt; write one per line")
+    return lines
+
+
+def _prompt_ids(s: GenerateSettings, tokenizer, lines: list[str] | None) -> list[list[int]] | None:
+    """The token ids of each prompt (None: every sample starts as --start says).
+
+    Raises:
+        UserError: no start token and no prompts; --chat and the model has no chat template.
+    """
+    if lines is None:
+        if tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
+            raise UserError(f"{s.model} has no beginning- or end-of-text token to start from; give --prompts FILE")
+        return None
     if s.chat and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"--chat: {s.model} has no chat template; drop --chat to use the prompts as plain text")
     if s.chat:
@@ -242,19 +305,18 @@ def _start_ids(s: GenerateSettings, tokenizer, index: int, generator: torch.Gene
 
 
 @torch.inference_mode()
-def _sample_shard(model, tokenizer, prompts, s: GenerateSettings, shard: int, device) -> list[dict]:
+def _sample_shard(parent: Parent, prompts, s: GenerateSettings, shard: int) -> list[dict]:
     """The rows of shard `shard`: batch_size samples, seeded by (seed, shard)."""
     from transformers import GenerationConfig
 
+    model, tokenizer, device, pad = parent.model, parent.tokenizer, parent.device, parent.pad
     seed = s.seed * 1_000_003 + shard
     generator = torch.Generator().manual_seed(seed)
     starts = [_start_ids(s, tokenizer, shard * s.batch_size + i, generator, prompts) for i in range(s.batch_size)]
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     width = max(len(p) for p in starts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in starts], device=device)  # (batch, width), left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in starts], device=device)
-    common = {"pad_token_id": pad, "eos_token_id": eos}
+    common = {"pad_token_id": pad, "eos_token_id": list(parent.ends) or None}
     if s.greedy_tokens:
         ids, mask = _generate(model, ids, mask, GenerationConfig(max_new_tokens=s.greedy_tokens, do_sample=False,
                                                                  **common))  # fmt: skip
@@ -262,7 +324,7 @@ def _sample_shard(model, tokenizer, prompts, s: GenerateSettings, shard: int, de
     sampled = GenerationConfig(max_new_tokens=s.length - s.greedy_tokens, do_sample=True, temperature=s.temperature,
                                top_p=s.top_p, top_k=0, **common)  # fmt: skip
     ids, _ = _generate(model, ids, mask, sampled)
-    return [_row(tokenizer, start, ids[i, width:].tolist(), s.chat) for i, start in enumerate(starts)]
+    return [_row(tokenizer, start, ids[i, width:].tolist(), parent.ends, s.chat) for i, start in enumerate(starts)]
 
 
 def _generate(model, ids: torch.Tensor, mask: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,10 +334,9 @@ def _generate(model, ids: torch.Tensor, mask: torch.Tensor, config) -> tuple[tor
     return out, torch.cat([mask, grown], dim=1)
 
 
-def _row(tokenizer, start: list[int], new: list[int], chat: bool) -> dict:
+def _row(tokenizer, start: list[int], new: list[int], ends: tuple[int, ...], chat: bool) -> dict:
     """One sample as a row: the new tokens up to the first end-of-text, and the text of prompt and sample."""
-    eos = tokenizer.eos_token_id
-    new = new[: new.index(eos)] if eos in new else new
+    new = new[: next((i for i, token in enumerate(new) if token in ends), len(new))]
     prompt = tokenizer.decode(start, skip_special_tokens=not chat)
     text = tokenizer.decode(start + new, skip_special_tokens=not chat)
     return {"text": text, "prompt": prompt, "tokens": len(new)}

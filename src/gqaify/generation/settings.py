@@ -10,9 +10,9 @@ from gqaify.dtypes import DtypeName
 from gqaify.settings import Positional, Stage, Switch, setting
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
-# each shard holds (a larger `tokens` extends a complete corpus). The device is the user's to change, though
-# the GPU's random numbers are not the CPU's: a corpus resumed on another device is another sample.
-RESUMABLE_CHANGES = frozenset({"out", "progress", "device", "tokens"})
+# each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
+# to and may not change: a GPU's random numbers are not the CPU's.
+RESUMABLE_CHANGES = frozenset({"out", "progress", "tokens"})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Every field is a recipe key and a `--key value` option, read as every stage's se
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,8 @@ def check(s: UptrainSettings) -> None:
             )
         if not s.pretraining_tokens or s.pretraining_tokens <= 0:
             problems.append("budget_fraction needs pretraining_tokens, the parent's pre-training token count")
+    if s.trainable == "lora" and importlib.util.find_spec("peft") is None:
+        problems.append("trainable lora needs peft; pip install 'gqaify[lora]'")
     if s.lora_rank < 1 or not 0 < s.lora_alpha < math.inf:
         problems.append(f"lora_rank must be >= 1 and lora_alpha > 0, got {s.lora_rank}, {s.lora_alpha}; fix it")
     if s.lr <= 0 or s.warmup < 0 or s.weight_decay < 0 or s.max_grad_norm < 0:

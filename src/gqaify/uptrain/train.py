@@ -486,7 +486,11 @@ def _check_inputs(s: UptrainSettings) -> None:
                 configs[key] = load_config(value, option=key, trust_remote_code=s.trust_remote_code)
             except UserError as exc:
                 problems.append(str(exc))
-    spec = ARCHITECTURES.get(getattr(configs.get("model"), "model_type", None))
+    model_type = getattr(configs.get("model"), "model_type", None)
+    spec = ARCHITECTURES.get(model_type)
+    if s.trainable != "all" and model_type is not None and spec is None:  # before the model is loaded
+        problems.append(f"trainable {s.trainable}: gqaify does not know where attention lives in {model_type}; "
+                        "use trainable all")  # fmt: skip
     if s.kv_heads is not None and spec is not None and spec.shipped_class and not s.trust_remote_code:
         problems.append(untrusted_problem(f"model {s.model} converted to {s.kv_heads} K/V heads is a class that"))
     positions = getattr(configs.get("model"), "max_position_embeddings", None)
