@@ -41,6 +41,7 @@ VARIANTS = {
     "WikiText-2, KL": ("wiki-kl", "wikitext", 1.0, []),
     "parent-written, KL": ("parent-kl", "parent", 1.0, []),
     "parent-written, half KL": ("parent-half", "parent", 0.5, []),
+    "parent-written, KL, attention": ("parent-kl-attention", "parent", 1.0, ["--trainable", "attention"]),
     # adapters learn from zero: LoRA's usual higher rate
     "parent-written, KL, LoRA r16 (lr 1e-3)": ("parent-kl-lora", "parent", 1.0,
                                                ["--trainable", "lora", "--lr", "1e-3"]),
