@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, one_line
+from gqaify.outputs import PROVENANCE_FILE
 
 if TYPE_CHECKING:
     import torch
@@ -166,7 +167,7 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None, what: str = "-
 
 def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:
     # a folder's data files; gqaify.json is the record gqaify writes beside a corpus (`gqaify generate`), not data
-    data_files = (p for p in path.rglob("*") if p.suffix in _BUILDERS and p.name != "gqaify.json")
+    data_files = (p for p in path.rglob("*") if p.suffix in _BUILDERS and p.name != PROVENANCE_FILE)
     files = sorted(data_files) if path.is_dir() else [path]
     if not files:
         raise UserError(f"{option} {path} holds no {', '.join(sorted(_BUILDERS))} files; point it at text data")
@@ -210,4 +211,4 @@ def _cause(exc: BaseException) -> str:
     """The innermost message of an exception chain (datasets wraps the parser's error)."""
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return one_line(exc)

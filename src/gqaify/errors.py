@@ -69,6 +69,12 @@ def as_interrupt(exc: BaseException) -> Interrupted | None:
     return None
 
 
+def one_line(exc: BaseException) -> str:
+    """ "ConnectError: [Errno -2] Name or service not known": an exception's type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def raise_if_problems(problems: list[str]) -> None:
     """Raise one `UserError` carrying every problem found, so the user fixes them all in one go."""
     if problems:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, one_line
 
 LOG = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def unreachable() -> str | None:
         get_session().head(endpoint, timeout=PROBE_TIMEOUT)
         why = None
     except Exception as exc:  # noqa: BLE001 (DNS, refused, timeout, TLS, proxy: all mean no answer)
-        why = _one_line(exc)
+        why = one_line(exc)
     _probed[endpoint] = (time.monotonic(), why)
     return why
 
@@ -72,15 +72,24 @@ def offline_unless_reachable() -> Iterator[str | None]:
 
     why = unreachable()
     offline = (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE)
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)
     if why is not None:
         constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     try:
-        yield why
+        with _retry_warnings_muted():
+            yield why
     finally:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = offline
+
+
+@contextlib.contextmanager
+def _retry_warnings_muted() -> Iterator[None]:
+    """huggingface_hub's warnings (a retry per failed request) silenced within; its errors still raised."""
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
         hub_log.setLevel(level)
 
 
@@ -94,21 +103,18 @@ def push_folder(folder: Path, repo_id: str, message: str, private: bool | None =
     from huggingface_hub import HfApi
 
     api = HfApi()
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)  # its retry warnings; the failure itself is the one line below
     try:
-        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", commit_message=message)
+        with _retry_warnings_muted():  # the failure itself is the one line below
+            api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+                                       commit_message=message)  # fmt: skip
     except Exception as exc:
         if not isinstance(exc, _hub_errors()):
             raise
         raise UserError(
-            f"the push to {repo_id} failed ({_one_line(exc)}); {folder} is complete: check the network and "
+            f"the push to {repo_id} failed ({one_line(exc)}); {folder} is complete: check the network and "
             f"your login (`hf auth login`), then push it with `hf upload {repo_id} {folder}`"
         ) from exc
-    finally:
-        hub_log.setLevel(level)
     LOG.info("pushed %s to %s", folder, repo_id)
     return str(getattr(commit, "commit_url", commit))
 
@@ -124,7 +130,3 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _one_line(exc: BaseException) -> str:
-    """ "ConnectError: [Errno -2] Name or service not known": the type and the first line of the message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, one_line
 from gqaify.hub import offline_unless_reachable
 
 EXTRA = "pip install 'gqaify[tasks]'"
@@ -216,8 +216,7 @@ def _yaml_problem(exc: BaseException) -> str:
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         mark = exc.problem_mark
         return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return one_line(exc)
 
 
 def scores_of(results: dict) -> list[TaskScore]:
