@@ -162,11 +162,11 @@ def test_similarity_permutation_alone_preserves_the_function_exactly():
 
 def _moments(src, spec, geometry):
     """Each layer's E[[x; 1][x; 1]ᵀ] of the attention input, from hooks on the whole model (independent of gqaify)."""
-    from gqaify.conversion.calibrate import calibration_ids
+    from gqaify.conversion.calibrate import read_calibration
     from gqaify.conversion.options import ConvertSettings
 
     calibration = ConvertSettings(calib_data=str(TEXT / "tinyshakespeare.txt"), calib_tokens=2048).calibration()
-    ids = calibration_ids(calibration, AutoTokenizer.from_pretrained(src))
+    ids = read_calibration(calibration, AutoTokenizer.from_pretrained(src)).ids
     model = load(src)
     sums = [torch.zeros(geometry.hidden_size + 1, geometry.hidden_size + 1, dtype=torch.float64)
             for _ in range(geometry.num_layers)]  # fmt: skip

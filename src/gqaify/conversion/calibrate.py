@@ -75,11 +75,6 @@ def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
     return CalibrationText(ids, sha256, time.perf_counter() - start)
 
 
-def calibration_ids(calibration: Calibration, tokenizer) -> torch.Tensor:
-    """The token ids of `read_calibration`."""
-    return read_calibration(calibration, tokenizer).ids
-
-
 class SecondMoment:
     """Σ [x; 1][x; 1]ᵀ over the tokens added, in float64; `mean()` is E[[x; 1][x; 1]ᵀ], (n + 1)²."""
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gqaify.eval.perplexity import sliding_windows
+
 KL_CHUNK_TOKENS = 1024  # tokens per chunk: 1,024 x 49,152 x 4 bytes = 0.2 GB of float32 per intermediate
 
 
@@ -88,10 +90,8 @@ def kl_to_parent(model, parent, ids: torch.Tensor, seq_len: int) -> float:
     """Mean KL(parent || model) in nats per token over `ids` (1-D) cut into windows of `seq_len` tokens: how far the
     model's next-token distribution is from its parent's on held-out text (0: the parent's own)."""
     total, tokens = 0.0, 0
-    for begin in range(0, len(ids) - 1, seq_len):
-        window = ids[begin : begin + seq_len].unsqueeze(0)
-        if window.shape[1] < 2:
-            break
+    for w in sliding_windows(len(ids), seq_len, seq_len):  # perplexity's windows, so both read the same text
+        window = ids[w.begin : w.end].unsqueeze(0)
         student = model(input_ids=window.to(model.device), use_cache=False).logits
         teacher = parent(input_ids=window.to(parent.device), use_cache=False).logits.to(student.device)
         total += distillation_kl(student, teacher).item() * window.shape[1]
