@@ -19,19 +19,13 @@ import threading
 import traceback
 
 from gqaify.errors import Interrupted, ResourceError, UserError, as_interrupt, forget_stop_signals, record_stop_signal
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports a usage error on one line, exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+from gqaify.settings import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
+    parser = OneLineParser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     # convert, eval and uptrain read their settings dataclass (`gqaify.settings`): options, --config and --help
     # are its parser's, built when the command runs

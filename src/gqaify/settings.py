@@ -85,6 +85,7 @@ class Stage:
     switches: tuple[Switch, ...] = ()
     foreign_names: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # theirs: (ours, note)
     config_flags: tuple[str, ...] = ("--config",)
+    record_kind: str = "a record"  # what its gqaify.json is called, e.g. "an eval report"
 
     def field_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings)]
@@ -141,7 +142,7 @@ def required_problems(stage: Stage, settings) -> list[str]:
 
 def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
     """An option per field of the stage's dataclass (`add_field_option`), with --config, positionals and switches."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog=prog or f"gqaify {stage.command}",
         description=stage.description,
         allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
@@ -202,8 +203,10 @@ def _without_none(hint):
     return args[0] if len(args) == 1 else hint
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, status 2
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a usage error on one line, exit status 2 (the `gqaify` command's and every stage's parser)."""
+
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
@@ -216,8 +219,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 MAX_YAML_BYTES = 1 << 20
 MAX_JSON_BYTES = 16 << 20  # json parses in C, 100 times faster: a record may be larger
 MAX_DEPTH = 32  # of YAML (PyYAML composes nodes recursively); settings are values and lists of values
-_RECORD_KINDS = {"convert": "a conversion record", "eval": "an eval report", "uptrain": "an uptraining run's record",
-                 "generate": "a generated corpus's record"}
 
 
 def read_config(stage: Stage, path: str | Path) -> dict:
@@ -340,7 +341,7 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
         return
     owner = _owner(stage, list(values))
     if owner is not None:
-        what = f"is {_RECORD_KINDS[owner.command]}" if record else f"holds gqaify {owner.command}'s settings"
+        what = f"is {owner.record_kind}" if record else f"holds gqaify {owner.command}'s settings"
         readable = set(values) <= set(owner.field_names())  # else only the other command's own run reads it
         fix = (f"use `gqaify {owner.command} {owner.config_flags[0]} {shlex.quote(str(path))}`" if readable
                else f"name {stage.command}'s settings file instead")  # fmt: skip

@@ -237,4 +237,5 @@ CONVERT = Stage(
     required=("src", "out", "kv_heads"),
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
+    record_kind="a conversion record",
 )

@@ -85,4 +85,5 @@ EVAL = Stage(
     positionals=(Positional("models", "MODEL", nargs="*"),),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same as --no-progress)"),),
     foreign_names=FOREIGN_NAMES,
+    record_kind="an eval report",
 )

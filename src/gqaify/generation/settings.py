@@ -79,4 +79,5 @@ GENERATE = Stage(
     required=("model", "out"),
     positionals=(Positional("model", "MODEL"), Positional("out", "OUT")),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
+    record_kind="a generated corpus's record",
 )

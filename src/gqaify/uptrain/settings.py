@@ -219,6 +219,7 @@ UPTRAIN = Stage(
     "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)",
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
+    record_kind="an uptraining run's record",
 )
 
 
