@@ -355,6 +355,20 @@ class Geometry:
         return self.num_heads // self.num_kv_heads
 
 
+def attention_pattern(model_type: str, wanted: str) -> str:
+    """A regular expression matching every layer's attention module path of `model_type` (`model.layers.3.self_attn`).
+
+    Raises:
+        UserError: the architecture is not in the table; `wanted` (e.g. "trainable lora") says what needed it.
+    """
+    from gqaify.errors import UserError
+
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        raise UserError(f"{wanted}: gqaify does not know where attention lives in {model_type}; use trainable all")
+    return re.escape(spec.attention).replace(re.escape(LAYER), r"\d+")
+
+
 def attention_kind(num_kv_heads: int) -> str:
     """What a model with `num_kv_heads` K/V heads is called in the summaries and the card: "MQA" or "GQA-G"."""
     return "MQA" if num_kv_heads == 1 else f"GQA-{num_kv_heads}"

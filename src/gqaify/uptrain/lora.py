@@ -14,8 +14,7 @@ import re
 
 import torch
 
-from gqaify.archs import ARCHITECTURES, LAYER
-from gqaify.errors import UserError
+from gqaify.archs import ARCHITECTURES, attention_pattern
 
 
 def target_pattern(model_type: str) -> str:
@@ -24,12 +23,8 @@ def target_pattern(model_type: str) -> str:
     Raises:
         UserError: the architecture is not in gqaify's table (where its attention lives is unknown).
     """
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None:
-        raise UserError(
-            f"trainable lora: gqaify does not know where attention lives in {model_type}; use trainable all"
-        )
-    attention = re.escape(spec.attention).replace(re.escape(LAYER), r"\d+")
+    attention = attention_pattern(model_type, "trainable lora")
+    spec = ARCHITECTURES[model_type]
     names = [n for n in (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj, spec.qkv_proj) if n]
     return rf"(.*\.)?{attention}\.({'|'.join(re.escape(n) for n in names)})"
 

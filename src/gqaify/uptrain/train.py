@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.archs import ARCHITECTURES, HEAD, LAYER
+from gqaify.archs import ARCHITECTURES, HEAD, attention_pattern
 from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
@@ -420,13 +420,8 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
     """
     names = {n for n, _ in model.named_parameters()}
     if trainable != "all":
-        spec = ARCHITECTURES.get(model.config.model_type)
-        if spec is None:
-            raise UserError(
-                f"trainable {trainable}: gqaify does not know where attention lives in "
-                f"{model.config.model_type}; use trainable all"
-            )
-        attention = re.escape(spec.attention).replace(re.escape(LAYER), r"\d+")
+        attention = attention_pattern(model.config.model_type, f"trainable {trainable}")
+        spec = ARCHITECTURES[model.config.model_type]
         if trainable == "attention":
             pattern = rf"{attention}\."
         else:
@@ -488,9 +483,11 @@ def _check_inputs(s: UptrainSettings) -> None:
                 problems.append(str(exc))
     model_type = getattr(configs.get("model"), "model_type", None)
     spec = ARCHITECTURES.get(model_type)
-    if s.trainable != "all" and model_type is not None and spec is None:  # before the model is loaded
-        problems.append(f"trainable {s.trainable}: gqaify does not know where attention lives in {model_type}; "
-                        "use trainable all")  # fmt: skip
+    if s.trainable != "all" and model_type is not None:  # before the model is loaded
+        try:
+            attention_pattern(model_type, f"trainable {s.trainable}")
+        except UserError as exc:
+            problems.append(str(exc))
     if s.kv_heads is not None and spec is not None and spec.shipped_class and not s.trust_remote_code:
         problems.append(untrusted_problem(f"model {s.model} converted to {s.kv_heads} K/V heads is a class that"))
     positions = getattr(configs.get("model"), "max_position_embeddings", None)
