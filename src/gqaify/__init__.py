@@ -18,13 +18,9 @@ and the command line's `--help` do not load torch.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-try:
-    __version__ = version("gqaify")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0+unknown"
+from gqaify._version import __version__
 
 # public name -> the module that defines it
 _EXPORTS = {

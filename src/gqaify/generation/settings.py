@@ -13,6 +13,9 @@ from gqaify.settings import Positional, Stage, Switch, setting
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
 # to and may not change: a GPU's random numbers are not the CPU's.
 RESUMABLE_CHANGES = frozenset({"out", "progress", "tokens"})
+# Stored log-probabilities cost 8 bytes (id and value) per kept token at every position, as JSON text more:
+# beyond a few hundred the file outweighs the teacher it replaces.
+TOP_LOGPROBS_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class GenerateSettings:
     )
     prompts: str | None = setting(None, "text file of prompts, one per line, used in turn (instead of start)")
     chat: bool = setting(False, "wrap each prompt as a user turn in the model's chat template (instruct models)")
+    top_logprobs: int = setting(
+        0, "store the parent's K most likely next tokens and their log-probabilities at every position of each "
+        "sample, so that uptrain's distill_from_data needs no teacher (0: text only)"
+    )  # fmt: skip
     seed: int = setting(0, "seed: the same seed and settings write the same tokens")
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's; a .gguf: float32)")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
@@ -48,6 +55,8 @@ class GenerateSettings:
         for key in ("tokens", "length", "batch_size"):
             if getattr(self, key) < 1:
                 problems.append(f"--{key.replace('_', '-')} {getattr(self, key)} must be at least 1")
+        if not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
+            problems.append(f"--top-logprobs {self.top_logprobs} must be 0 (none) to {TOP_LOGPROBS_MAX}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             problems.append(f"--temperature {self.temperature} must be a positive number; 1 samples the parent as is")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):

@@ -75,6 +75,10 @@ class UptrainSettings:
     lora_alpha: float = setting(32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora")
     # -- distillation
     distill_from: str | None = setting(None, "teacher (the parent): adds KL to its next-token distribution")
+    distill_from_data: bool = setting(
+        False, "distil from the parent's top-k log-probabilities stored with `data` (gqaify generate "
+        "--top-logprobs K) instead of running distill_from: no teacher in memory"
+    )  # fmt: skip
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL")
     temperature: float = setting(1.0, "softmax temperature of the KL term")
     # -- evaluation, checkpoints, logging
@@ -199,7 +203,10 @@ def check(s: UptrainSettings) -> None:
         problems.append("lr must be > 0 and warmup, weight_decay, max_grad_norm >= 0; fix the negative value")
     if not 0 <= s.distill_weight <= 1 or s.temperature <= 0:
         problems.append(f"need 0 <= distill_weight <= 1 and temperature > 0, got {s.distill_weight}, {s.temperature}")
-    if s.distill_from is None and s.distill_weight > 0 and s.distill_weight != UptrainSettings.distill_weight:
+    if s.distill_from_data and s.distill_from:
+        problems.append("distill_from_data and distill_from name two teachers; keep one")
+    elif (s.distill_from is None and not s.distill_from_data and s.distill_weight > 0
+          and s.distill_weight != UptrainSettings.distill_weight):  # fmt: skip
         problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
     if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub, "push_to_hub")):
         problems.append(problem)
