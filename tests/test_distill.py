@@ -1,11 +1,12 @@
-"""The distillation loss: the KL to the parent, in chunks, against the definition computed independently."""
+"""The distillation loss: the KL to the parent, in chunks, and from stored top-k log-probabilities, against the
+definitions computed independently."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gqaify.uptrain.distill import distillation_kl
+from gqaify.uptrain.distill import distillation_kl, stored_kl
 
 
 def reference_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -33,3 +34,50 @@ def test_kl_of_a_distribution_with_itself_is_zero_and_positive_otherwise():
     logits = torch.randn(3, 5, 17)
     assert distillation_kl(logits, logits).item() == pytest.approx(0, abs=1e-6)
     assert distillation_kl(torch.randn(3, 5, 17), logits).item() > 0.01
+
+
+def reference_coarsened_kl(student: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL between the parent and student distributions over k + 1 outcomes (each stored token, and all others
+    together), built outcome by outcome in float64 from the definition."""
+    q = torch.softmax(student.double(), -1)
+    q_kept = q.gather(-1, ids)
+    p_kept = logprobs.double().exp()
+    p = torch.cat([p_kept, (1 - p_kept.sum(-1, keepdim=True)).clamp_min(0)], -1)
+    q = torch.cat([q_kept, 1 - q_kept.sum(-1, keepdim=True)], -1)
+    return torch.special.xlogy(p, p).sub(torch.special.xlogy(p, q)).sum(-1).mean()
+
+
+def teacher_top(teacher: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs, ids = torch.log_softmax(teacher.double(), -1).topk(k, dim=-1)
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_stored_kl_with_the_whole_vocabulary_equals_the_full_kl(chunk):
+    generator = torch.Generator().manual_seed(1)
+    student = torch.randn(3, 8, 29, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(3, 8, 29, generator=generator, dtype=torch.float64)
+    ids, logprobs = teacher_top(teacher, 29)
+    reference = reference_kl(student, teacher, 1.0)
+    (expected_grad,) = torch.autograd.grad(reference, student)
+    stored = stored_kl(student, ids, logprobs, chunk=chunk)
+    (grad,) = torch.autograd.grad(stored, student)
+    assert stored.item() == pytest.approx(reference.item(), abs=1e-6)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("k", [1, 4, 28])
+def test_stored_kl_of_the_top_k_and_its_gradient_equal_the_coarsened_kl(k):
+    generator = torch.Generator().manual_seed(2)
+    student = torch.randn(2, 9, 29, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher = 3 * torch.randn(2, 9, 29, generator=generator, dtype=torch.float64)
+    ids, logprobs = teacher_top(teacher, k)
+    reference = reference_coarsened_kl(student, ids, logprobs)
+    (expected_grad,) = torch.autograd.grad(reference, student)
+    stored = stored_kl(student, ids, logprobs, chunk=5)
+    (grad,) = torch.autograd.grad(stored, student)
+    assert stored.item() == pytest.approx(reference.item(), abs=1e-9)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-12, rtol=1e-9)
+    full = reference_kl(student, teacher, 1.0).item()
+    assert 0 < stored.item() <= full + 1e-12  # never more than the full KL; equal when one token is left out
+    assert (stored.item() < full - 1e-3) == (k < 28)

@@ -164,3 +164,31 @@ def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
     assert len(kl) == 2 and kl[-1] < 0.8 * kl[0]
     config = json.loads((tmp_path / "up" / "final" / "config.json").read_text())
     assert config["num_key_value_heads"] == 1
+
+
+@needs_assets
+def test_stored_top_logprobs_are_the_parents_at_every_position_of_the_sample(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert generate(tmp_path / "k", "--top-logprobs", "5") == 0
+    rows = [json.loads(line) for line in (tmp_path / "k" / "data" / "train-00000.jsonl").read_text().splitlines()]
+    parent = AutoModelForCausalLM.from_pretrained(STORIES).eval()
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    for row in rows:
+        ids = row["input_ids"]
+        assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(ids, skip_special_tokens=True) == row["text"]
+        assert len(row["top_ids"]) == len(row["top_logprobs"]) == len(ids) and len(row["top_ids"][0]) == 5
+        with torch.no_grad():
+            expected = torch.log_softmax(parent(torch.tensor([ids])).logits[0].double(), -1)
+        stored = torch.tensor(row["top_logprobs"], dtype=torch.float64)
+        torch.testing.assert_close(stored, expected.gather(-1, torch.tensor(row["top_ids"])), atol=2e-5, rtol=0)
+        assert torch.all(stored[:, 0] >= expected.max(-1).values - 2e-5)  # the most likely tokens, in order
+        assert torch.all(stored[:, :-1] >= stored[:, 1:])
+
+
+@needs_assets
+def test_more_top_logprobs_than_the_vocabulary_is_refused(tmp_path):
+    assert generate(tmp_path / "k", "--top-logprobs", "513") == 2  # stories260K has 512 tokens
+    assert not (tmp_path / "k").exists()

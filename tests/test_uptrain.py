@@ -277,6 +277,54 @@ def test_distillation_lowers_kl_to_the_parent(tiny, tmp_path):
     assert kl(distilled.final) < 0.8 * kl(tiny["converted"]) and kl(distilled.final) < kl(plain.final)
 
 
+def test_distillation_from_stored_top_k_needs_no_teacher_and_does_as_well_as_one(tiny, tmp_path):
+    from gqaify.cli import main
+
+    corpus = tmp_path / "corpus"
+    assert main(["generate", str(tiny["parent"]), str(corpus), "--tokens", "4000", "--length", "40",
+                 "--top-logprobs", "16", "-q"]) == 0  # fmt: skip
+    parent = AutoModelForCausalLM.from_pretrained(tiny["parent"]).eval()
+    rows = [json.loads(line) for line in (corpus / "data" / "train-00000.jsonl").read_text().splitlines()]
+    ids = torch.tensor([[i for row in rows for i in row["input_ids"]][:256]])  # text the parent wrote
+
+    def kl(model_dir) -> float:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            return distillation_kl(model(ids).logits, parent(ids).logits, 1.0).item()
+
+    def run(name: str, *teacher: str):
+        extra = ["--data", str(corpus), "--max_tokens", "4000", "--distill_weight", "1", *teacher]
+        return uptrain(parse([*args(tiny, tmp_path / name), *extra]))
+
+    stored = run("stored", "--distill_from_data")
+    live = run("live", "--distill_from", str(tiny["parent"]))
+    assert kl(stored.final) < 0.9 * kl(tiny["converted"]) and kl(stored.final) < kl(live.final)
+
+
+def test_stored_blocks_pack_ids_and_top_k_side_by_side(tmp_path):
+    from gqaify.uptrain.data import packed_stored_blocks
+
+    rows = [{"text": "", "input_ids": list(range(n)), "top_ids": [[i, i + 1] for i in range(n)],
+             "top_logprobs": [[-0.1 * i, -1.0 - i] for i in range(n)]} for n in (5, 9, 7)]  # fmt: skip
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    blocks = packed_stored_blocks(str(tmp_path / "c.jsonl"), "train", seq_len=4)
+    stream = [i for n in (5, 9, 7) for i in range(n)]
+    assert len(blocks) == len(stream) // 4
+    for b, block in enumerate(blocks):
+        expected = torch.tensor(stream[4 * b : 4 * b + 4])
+        assert torch.equal(block["input_ids"], expected)
+        assert torch.equal(block["top_ids"], torch.stack([expected, expected + 1], -1))
+        torch.testing.assert_close(block["top_logprobs"][:, 1], -1.0 - expected.float())
+
+
+def test_distill_from_data_needs_stored_log_probabilities(tiny, tmp_path):
+    done = run_cli(args(tiny, tmp_path / "run", "--distill_from_data", "--distill_weight", "1"))
+    assert done.returncode == 2 and "--top-logprobs" in one_line_error(done)
+    assert not (tmp_path / "run" / "final").exists()
+    both = run_cli(args(tiny, tmp_path / "two", "--distill_from_data", "--distill_from", str(tiny["parent"])))
+    assert both.returncode == 2 and "two teachers" in one_line_error(both)
+
+
 def test_distillation_kl_is_the_kl_divergence():
     student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     p, q = F.softmax(teacher / 2, -1), F.softmax(student / 2, -1)

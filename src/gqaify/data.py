@@ -33,9 +33,9 @@ class TextData:
 
 
 def load_rows(
-    data: str, split: str = "test", text_column: str = "text", streaming: bool = False, option: str = "--data"
+    data: str, split: str = "test", text_column: str | None = "text", streaming: bool = False, option: str = "--data"
 ):
-    """The `datasets` dataset behind `data`, checked to have a `text_column`.
+    """The `datasets` dataset behind `data`, checked to have a `text_column` (None: any columns).
 
     Args:
         streaming: return an `IterableDataset` that reads lazily (for sets larger than memory or disk).
@@ -73,7 +73,7 @@ def load_rows(
         problem = f"{type(exc).__name__}: {exc}"
         raise UserError(f"{option} {data} could not be loaded ({problem}); check the name or path") from exc
     columns = dataset.column_names  # None for some streamed sets: then a missing column shows on first read
-    if columns is not None and text_column not in columns:
+    if columns is not None and text_column is not None and text_column not in columns:
         raise UserError(f"{option} {data} has no column {text_column!r}; pass --text-column with one of {columns}")
     return dataset
 

@@ -2,7 +2,8 @@
 
     OUT/
         gqaify.json                what wrote it: the parent, the settings, the seed, shards, samples, tokens
-        data/train-00000.jsonl     one generate call of batch_size samples: {"text", "prompt", "tokens"} rows
+        data/train-00000.jsonl     one generate call of batch_size samples: {"text", "prompt", "tokens"} rows,
+                                   with --top-logprobs K also {"input_ids", "top_ids", "top_logprobs"}
         data/train-00001.jsonl     ...
 
 `datasets.load_dataset(OUT)` reads it (split "train"), and so does every gqaify DATA (`--calib-data OUT`,
@@ -36,6 +37,7 @@ LOG = logging.getLogger(__name__)
 
 SHARDS = "data"
 KIND = "corpus"  # gqaify.json's "kind": tells a corpus from a conversion or a report
+LOGPROB_DIGITS = 5  # decimals of a stored log-probability: 1e-5 nats, far below what training resolves
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     parent = _load(s)
     prompts = _prompt_ids(s, parent.tokenizer, lines)
     _check_positions(s, parent.model, prompts)
+    if s.top_logprobs > (vocab := parent.model.config.vocab_size):
+        raise UserError(f"--top-logprobs {s.top_logprobs} is more than the {vocab:,} tokens of {s.model}'s "
+                        f"vocabulary; give {vocab:,} or fewer")  # fmt: skip
     record = record or {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
     out.mkdir(parents=True, exist_ok=True)
     _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=False)  # before any shard
@@ -324,7 +329,10 @@ def _sample_shard(parent: Parent, prompts, s: GenerateSettings, shard: int) -> l
     sampled = GenerationConfig(max_new_tokens=s.length - s.greedy_tokens, do_sample=True, temperature=s.temperature,
                                top_p=s.top_p, top_k=0, **common)  # fmt: skip
     ids, _ = _generate(model, ids, mask, sampled)
-    return [_row(tokenizer, start, ids[i, width:].tolist(), parent.ends, s.chat) for i, start in enumerate(starts)]
+    rows = [_row(tokenizer, start, ids[i, width:].tolist(), parent.ends, s.chat) for i, start in enumerate(starts)]
+    if s.top_logprobs:
+        return [_with_top_logprobs(parent, row, s.top_logprobs) for row in rows]
+    return [{k: v for k, v in row.items() if k != "ids"} for row in rows]
 
 
 def _generate(model, ids: torch.Tensor, mask: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +344,21 @@ def _generate(model, ids: torch.Tensor, mask: torch.Tensor, config) -> tuple[tor
 
 def _row(tokenizer, start: list[int], new: list[int], ends: tuple[int, ...], chat: bool) -> dict:
     """One sample as a row: the new tokens up to the first end-of-text, and the text of prompt and sample."""
-    new = new[: next((i for i, token in enumerate(new) if token in ends), len(new))]
+    new = new[: next((i for i, token in enumerate(new) if token in ends), len(new) - 1) + 1]  # the end kept
+    kept = new[:-1] if new and new[-1] in ends else new
     prompt = tokenizer.decode(start, skip_special_tokens=not chat)
-    text = tokenizer.decode(start + new, skip_special_tokens=not chat)
-    return {"text": text, "prompt": prompt, "tokens": len(new)}
+    text = tokenizer.decode(start + kept, skip_special_tokens=not chat)
+    return {"text": text, "prompt": prompt, "tokens": len(kept), "ids": start + new}
+
+
+def _with_top_logprobs(parent: Parent, row: dict, k: int) -> dict:
+    """`row` with the sample's token ids as uptrain packs a document (prompt, new tokens, the end token the parent
+    wrote or the tokenizer's EOS where it wrote none) and, at each of those positions, the parent's k most likely
+    next tokens and their log-probabilities: "input_ids", "top_ids", "top_logprobs" (one list of k a position)."""
+    ids, eos = row.pop("ids"), parent.tokenizer.eos_token_id
+    if eos is not None and ids[-1] != eos:
+        ids.append(eos)
+    logits = parent.model(input_ids=torch.tensor([ids], device=parent.device), use_cache=False).logits[0]
+    logprobs, top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # (positions, k) each
+    rounded = [[round(v, LOGPROB_DIGITS) for v in position] for position in logprobs.tolist()]
+    return {**row, "input_ids": ids, "top_ids": top.tolist(), "top_logprobs": rounded}

@@ -59,6 +59,38 @@ def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: i
     return blocks.with_format("torch")
 
 
+STORED = ("input_ids", "top_ids", "top_logprobs")  # a corpus's columns with the parent's top-k (generate)
+
+
+def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = False):
+    """`datasets` dataset of {"input_ids": (seq_len,), "top_ids": (seq_len, k), "top_logprobs": (seq_len, k)}
+    blocks from a corpus written by `gqaify generate --top-logprobs K`: its token ids as the parent sampled them
+    (each document already ends with EOS) and the parent's top-k at every position, packed as `packed_blocks`
+    packs text. At a document's last position the stored top-k is the parent's guess past the end (it read that
+    document alone), where a teacher running on the block would read the next document's first token.
+
+    Raises:
+        UserError: the data holds no stored log-probabilities, or (not streaming) less than one block.
+    """
+    rows = load_rows(data, split, None, streaming=streaming, option="data")
+    columns = rows.column_names
+    if columns is not None and not set(STORED) <= set(columns):
+        raise UserError(
+            f"data {data} holds no stored log-probabilities (columns {', '.join(columns)}); write it with "
+            "gqaify generate --top-logprobs K, or drop distill_from_data and name the teacher with distill_from"
+        )
+
+    def pack(batch: dict) -> dict:
+        streams = {key: [value for row in batch[key] for value in row] for key in STORED}
+        whole = len(streams["input_ids"]) // seq_len * seq_len
+        return {key: [stream[i : i + seq_len] for i in range(0, whole, seq_len)] for key, stream in streams.items()}
+
+    blocks = rows.map(pack, batched=True, batch_size=DOCUMENTS_PER_MAP, remove_columns=columns)
+    if not streaming and len(blocks) == 0:
+        raise UserError(f"data {data} holds less than one block of seq_len {seq_len}; generate more or lower seq_len")
+    return blocks.with_format("torch")
+
+
 class EpochSampler(Sampler[int]):
     """A permutation of `num_blocks` blocks drawn from (seed, epoch), cut to a multiple of `multiple`.
 

@@ -33,8 +33,8 @@ from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
-from gqaify.uptrain.data import EpochSampler, packed_blocks
-from gqaify.uptrain.distill import distillation_kl, kl_to_parent
+from gqaify.uptrain.data import EpochSampler, packed_blocks, packed_stored_blocks
+from gqaify.uptrain.distill import distillation_kl, kl_to_parent, stored_kl
 from gqaify.uptrain.lora import merged, with_adapters
 from gqaify.uptrain.report import (
     METRICS,
@@ -197,7 +197,7 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
         skip = progress.batches_in_epoch  # batches a resumed run already consumed in this epoch
         for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
             with accelerator.accumulate(model):
-                loss, lm_loss = _loss(model, teacher, batch["input_ids"], s, accelerator)
+                loss, lm_loss = _loss(model, teacher, batch, s, accelerator)
                 accelerator.backward(loss)
                 step_loss += torch.stack([loss.detach(), lm_loss])
                 window += 1
@@ -289,7 +289,10 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
     from torch.utils.data import DataLoader
 
     with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
-        blocks = packed_blocks(s.data, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
+        if s.distill_from_data:
+            blocks = packed_stored_blocks(s.data, s.split, s.seq_len, s.streaming)
+        else:
+            blocks = packed_blocks(s.data, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
     steps = s.budget() // tokens_per_step
     if steps < 1:
@@ -391,15 +394,19 @@ def _evaluator(s, ids, harness, tokenizer, teacher, model, accelerator, run: dic
     return evaluate
 
 
-def _loss(model, teacher, ids: torch.Tensor, s: UptrainSettings, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss(model, teacher, batch: dict, s: UptrainSettings, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to train on, the LM loss alone): transformers' LM loss over every next token, mixed with the
-    KL to the teacher if there is one."""
+    KL to the parent: the teacher's, or from the top-k stored with the data (distill_from_data)."""
+    ids = batch["input_ids"]
     out = model(input_ids=ids, labels=ids, use_cache=False)
-    if teacher is None or s.distill_weight == 0:
+    if s.distill_weight == 0 or (teacher is None and not s.distill_from_data):
         return out.loss, out.loss.detach()
-    with torch.no_grad(), accelerator.autocast():
-        target = teacher(input_ids=ids, use_cache=False).logits
-    kl = distillation_kl(out.logits, target, s.temperature)
+    if s.distill_from_data:
+        kl = stored_kl(out.logits, batch["top_ids"], batch["top_logprobs"])
+    else:
+        with torch.no_grad(), accelerator.autocast():
+            target = teacher(input_ids=ids, use_cache=False).logits
+        kl = distillation_kl(out.logits, target, s.temperature)
     return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
 
 
