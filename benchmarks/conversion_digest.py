@@ -51,7 +51,6 @@ def cases(tmp: Path):
     """(label, source folder, convert keyword arguments) for every conversion covered."""
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import ARCH_CONFIGS, QK_NORMS, build_model, save, save_with_tokenizer
-
     from gqaify.conversion.methods import METHOD_INFO
 
     calib = tmp / "calib.txt"
@@ -76,7 +75,8 @@ def cases(tmp: Path):
             print(f"skipping {name}: {folder} is absent", file=sys.stderr)
             continue
         for method, info in METHOD_INFO.items():
-            yield f"{name}/{method}", folder, dict(kv_heads=kv, method=method, **(calibrated if info.calibrated else {}))
+            calibration = calibrated if info.calibrated else {}
+            yield f"{name}/{method}", folder, dict(kv_heads=kv, method=method, **calibration)
         yield f"{name}/lsq-refined", folder, dict(kv_heads=1, method="lsq", refine_steps=4, **calibrated)
         yield f"{name}/lsq-parallel", folder, dict(kv_heads=1, method="lsq", calib_mode="parallel", **calibrated)
         yield f"{name}/lsq-norepair", folder, dict(kv_heads=1, method="lsq", repair=False, **calibrated)

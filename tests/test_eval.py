@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageStat
 
 import gqaify
 from conftest import CORPUS, build_model, sample_ids, save_with_tokenizer, transformers_doc_loop
@@ -119,7 +120,10 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     files = {p.name: p for p in (tmp_path / "r").iterdir()}
     assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "gqaify.json"}
     for png in ("perplexity_vs_kv.png", "diagnostics.png"):
-        assert files[png].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and files[png].stat().st_size > 5000
+        with Image.open(files[png]) as image:
+            image.load()  # decodes every pixel: a truncated or corrupt file raises here
+            assert (image.format, image.size) == ("PNG", (768, 528))  # 6.4 x 4.4 inches at 120 dpi
+            assert ImageStat.Stat(image.convert("L")).stddev[0] > 10, f"{png} is blank"
     loaded = json.loads(files["report.json"].read_text())
     assert {"data", "settings", "models"} <= set(loaded)
     keys = {"model", "num_key_value_heads", "perplexity", "nll", "tokens_scored", "kv_cache_bytes_per_token",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageStat
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,7 +154,11 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 21))
     assert [r["step"] for r in rows if "eval_perplexity" in r] == [0, 5, 10, 15, 20]
     assert result.eval_perplexity < rows[0]["eval_perplexity"]  # it learned something
-    assert result.parent_perplexity is not None and (out / "recovery.png").stat().st_size > 0
+    assert result.parent_perplexity is not None
+    with Image.open(out / "recovery.png") as image:
+        image.load()  # decodes every pixel: a truncated or corrupt file raises here
+        assert (image.format, image.size) == ("PNG", (840, 540))  # 7 x 4.5 inches at 120 dpi
+        assert ImageStat.Stat(image.convert("L")).stddev[0] > 10, "recovery.png is blank"
     assert (out / "metrics.csv").read_text().splitlines()[0] == "step,tokens,loss,lr,eval_perplexity"
     provenance = json.loads((out / "final" / "gqaify.json").read_text())
     assert provenance["kv_heads"] == 2 and provenance["uptrain"]["tokens"] == 1280
@@ -163,7 +168,8 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     card = ModelCard.load(out / "final" / "README.md")  # the conversion's card, with the uptraining added
     assert card.data.tags == ["gqaify", "gqa"] and "## Uptraining" in card.text
     assert f"{rows[0]['eval_perplexity']:.2f} before, **{result.eval_perplexity:.2f} after**" in card.text
-    assert "(recovery.png)" in card.text and (out / "final" / "recovery.png").is_file()
+    assert "(recovery.png)" in card.text
+    assert (out / "final" / "recovery.png").read_bytes() == (out / "recovery.png").read_bytes()
 
 
 @needs_assets

@@ -1,8 +1,4 @@
-"""The `gqaify` command: parses arguments and calls the library.
-
-Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr naming the problem and the fix,
-nothing written); 1 the machine ran out of something (one line, e.g. disk space) or an internal error (a bug:
-the traceback is printed); 130 interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left).
+"""The `gqaify` command: parses arguments and runs the command they name (exit status: `gqaify.command`).
 
 Only argparse and gqaify's light modules are imported here, so that `--help` and usage errors answer before
 torch is loaded; each command imports what it needs when it runs.
@@ -11,14 +7,9 @@ torch is loaded; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import signal
 import sys
-import threading
-import traceback
 
-from gqaify.errors import Interrupted, ResourceError, UserError, as_interrupt, forget_stop_signals, record_stop_signal
+from gqaify.command import quiet_transformers, run_command
 from gqaify.settings import OneLineParser
 
 
@@ -52,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
-    """Run the command line `argv` (default: sys.argv) and return its exit status."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
     parser = build_parser()
     try:
         args, rest = parser.parse_known_args(argv)
@@ -61,70 +52,8 @@ def main(argv: list[str] | None = None, prog: str = "gqaify") -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help, or a usage error already reported on one line
         return int(exc.code or 0)
-    args.rest = rest
-    args.prog = prog if prog != "gqaify" else f"gqaify {args.command}"
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    with _sigterm_as_interrupt():
-        try:
-            args.run(args)
-        except SystemExit as exc:  # a subcommand's own parser: --help, or a usage error reported on one line
-            return int(exc.code or 0)
-        except UserError as exc:
-            print(f"gqaify: error: {exc}", file=sys.stderr)
-            return 2
-        except ResourceError as exc:
-            print(f"gqaify: error: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
-            return _stopped(as_interrupt(exc))
-        except Exception as exc:
-            stop = as_interrupt(exc)  # a stop signal that a library turned into an error of its own
-            if stop is not None:
-                return _stopped(stop)
-            traceback.print_exc()
-            print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
-            return 1
-    return 0
-
-
-def _stopped(stop: Interrupted) -> int:
-    """One line: how the run was stopped, and what it left (the stop's message; none: nothing, as every output
-    appears whole or not at all; a run that leaves something, uptrain's checkpoints, the demo's finished steps,
-    says so)."""
-    what = "stopped by SIGTERM" if stop.signum == signal.SIGTERM else "interrupted"
-    print(f"gqaify: {what}; {str(stop) or 'nothing was written'}", file=sys.stderr)
-    return stop.exit_status
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """While the block runs, SIGTERM raises `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so that the
-    same cleanup runs; a second SIGTERM is ignored until the cleanup is done. Both signals are recorded
-    (`errors.record_stop_signal`), so that a library turning the exception into its own is still a stop."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def terminate(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        record_stop_signal(signal.SIGTERM)
-        raise Interrupted(signum=signal.SIGTERM)
-
-    def interrupt(signum, frame):
-        record_stop_signal(signal.SIGINT)
-        raise KeyboardInterrupt
-
-    forget_stop_signals()
-    previous = signal.signal(signal.SIGTERM, terminate)
-    # Ctrl-C only where Python's own handler is in place (a background job starts with SIGINT ignored)
-    previous_int = signal.getsignal(signal.SIGINT)
-    if previous_int is signal.default_int_handler:
-        signal.signal(signal.SIGINT, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+    args.rest, args.prog = rest, f"gqaify {args.command}"
+    return run_command(lambda: args.run(args), verbose=args.verbose)
 
 
 def _run_convert(args) -> None:
@@ -133,7 +62,7 @@ def _run_convert(args) -> None:
 
     settings = parse(CONVERT, args.rest, prog=args.prog)  # --help and bad options answer before torch is loaded
     if not settings.progress:  # transformers' own loading bars too (calibration loads the model)
-        _quiet_transformers()
+        quiet_transformers()
 
     from gqaify.conversion.core import convert_with
     from gqaify.summary import format_summary
@@ -147,7 +76,7 @@ def _run_eval(args) -> None:
 
     settings = parse(EVAL, args.rest, prog=args.prog)
     if not settings.progress:
-        _quiet_transformers()
+        quiet_transformers()
 
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
@@ -163,7 +92,7 @@ def _run_generate(args) -> None:
 
     settings = parse(GENERATE, args.rest, prog=args.prog)
     if not settings.progress:
-        _quiet_transformers()
+        quiet_transformers()
 
     from gqaify.generation.corpus import generate_corpus
     from gqaify.summary import format_corpus_summary
@@ -171,26 +100,10 @@ def _run_generate(args) -> None:
     print(format_corpus_summary(generate_corpus(settings)))
 
 
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-
-
 def _run_uptrain(args) -> None:
-    from gqaify.uptrain.settings import parse
+    from gqaify.uptrain.__main__ import command_line
 
-    settings = parse(args.rest, prog=args.prog)  # --help and bad settings answer before torch is loaded
-
-    from accelerate import PartialState
-
-    from gqaify.summary import format_uptrain_summary
-    from gqaify.uptrain.train import run
-
-    _quiet_transformers()  # loading and saving bars between the training bar's updates
-    result = run(settings)
-    if PartialState().is_main_process:  # one summary per launch
-        print(format_uptrain_summary(result))
+    command_line(args.rest, args.prog)
 
 
 def _run_demo(args) -> None:

@@ -15,6 +15,10 @@ file it did not write.
 
     checks      `destination_problems` finds all of the above before any work: a refusal costs nothing.
 
+    files       a file or folder that a run rewrites in a folder of its own (a corpus's shards and gqaify.json,
+                uptrain's run.json, checkpoints and final model) is written under a hidden name beside it,
+                .NAME.tmp, and renamed over it when complete (`written_whole`): it too is whole or absent.
+
     leftovers   a run killed with SIGKILL cannot clean up after itself. The next run writing beside the same
                 OUT removes the staging folders whose owner process is gone (and puts back an old OUT that a
                 killed replacement had set aside), and says so; it leaves alone those of live processes, of
@@ -34,6 +38,7 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gqaify.errors import ResourceError, UserError
@@ -139,11 +144,69 @@ def space_problem(out: Path, needed: int, option: str = "OUT") -> str | None:
     )
 
 
+# -- written whole --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def written_whole(path: Path, full_disk: str | None = None, main_process: bool = True) -> Iterator[Path]:
+    """A hidden name beside `path` (.NAME.tmp) to write a file or a folder into, renamed over `path` when the block
+    completes and removed if it does not: readers find the old `path` or the new one, never a part. What a killed
+    run left under that name is removed first. (`staged` is this for a command's OUT, with OUT's rules.)
+
+    Args:
+        full_disk: the message of the `ResourceError` a full disk raises (None: the OSError itself).
+        main_process: False in the other processes of a distributed run, which write into the same name and
+            leave removing it and renaming it to the main process.
+
+    Raises:
+        ResourceError: the disk filled up (with `full_disk`); `path` is as it was.
+    """
+    partial = path.with_name(f".{path.name}.tmp")
+    if not main_process:
+        yield partial
+        return
+    _remove(partial)
+    message = None if full_disk is None else lambda: full_disk
+    with _put_in_place_when_whole(partial, lambda: _replace(partial, path), message):
+        yield partial
+
+
+@contextlib.contextmanager
+def _put_in_place_when_whole(partial: Path, put_in_place: Callable[[], None],
+                             full_disk: Callable[[], str] | None) -> Iterator[None]:  # fmt: skip
+    """Call `put_in_place` when the block completes; if the block or it fails, remove `partial`, and turn a full
+    disk into a `ResourceError` with the message `full_disk()` (where given)."""
+    try:
+        yield
+        put_in_place()
+    except BaseException as exc:
+        _remove(partial)
+        if full_disk is not None and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise ResourceError(full_disk()) from exc
+        raise
+
+
+def _replace(partial: Path, path: Path) -> None:
+    """Rename `partial` to `path`, replacing the file or folder there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)  # a rename replaces a file or an empty folder, not a full one
+    os.replace(partial, path)
+
+
+def _remove(path: Path) -> None:
+    """Remove the file or folder at `path`, if there is one."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
 # -- staging ---------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def staged(out: Path, force: bool, size: int = 0, option: str = "OUT"):
+def staged(out: Path, force: bool, size: int = 0, option: str = "OUT") -> Iterator[Path]:
     """A hidden folder beside `out`, renamed to `out` when the block completes and removed if it does not.
 
     Args:
@@ -166,18 +229,22 @@ def staged(out: Path, force: bool, size: int = 0, option: str = "OUT"):
     except OSError as exc:
         _remove_created(created)
         raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another {option}") from exc
-    try:
-        yield staging
+
+    def put_in_place() -> None:
         _apply_umask(staging)
         _swap_into_place(staging, out, force, option)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    def full_disk() -> str:
+        return (
+            f"no space left on {_filesystem(out.parent)} while writing {out}: it needs {size:,} bytes and "
+            f"{free:,} were free when it started (something else is filling the disk?); nothing was left behind"
+        )
+
+    try:
+        with _put_in_place_when_whole(staging, put_in_place, full_disk):
+            yield staging
+    except BaseException:
         _remove_created(created)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise ResourceError(
-                f"no space left on {_filesystem(out.parent)} while writing {out}: it needs {size:,} bytes and "
-                f"{free:,} were free when it started (something else is filling the disk?); nothing was left behind"
-            ) from exc
         raise
 
 
@@ -336,3 +403,15 @@ def _some(paths: list[Path]) -> str:
 
 def _tree_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@contextlib.contextmanager
+def work_folder(out: Path) -> Iterator[Path]:
+    """A hidden folder beside `out` for intermediate files, removed when the block ends, and named as a staging
+    folder is, so that `remove_leftovers(out)` removes it once a killed run's process is gone."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

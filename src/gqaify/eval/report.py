@@ -4,17 +4,18 @@ one folder that appears whole (`outputs.staged`), as a conversion's OUT does."""
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
-from gqaify import __version__
+from gqaify._version import __version__
 from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.tasks import TaskScore, headline
+from gqaify.figures import figure
 from gqaify.outputs import staged, write_provenance
 
 PLOT_KV = "perplexity_vs_kv.png"
 PLOT_DIAGNOSTICS = "diagnostics.png"
 PLOT_TASKS = "tasks_vs_kv.png"
+PLOT_SIZE = (6.4, 4.4)  # inches, at figures.figure's 120 dpi
 REPORT_BYTES = 1 << 20  # room the report needs, checked before the evaluation: its files are a few hundred KB
 
 COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context (bound)", "decode tok/s"]
@@ -177,41 +178,30 @@ def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-@contextmanager
-def _figure(path: Path):
-    """The axes of one report plot (matplotlib's file-only backend, the report's size), saved to `path` after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    try:
-        yield ax
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
+def _against_kv(ax, ylabel: str, title: str, x_margin: float) -> None:
+    """Label axes that plot each model against its KV cache bytes per token (log scale), the parent starred, with
+    `x_margin` of room for the models' names beside their points."""
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache bytes per token")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title} vs KV cache (★ parent)")
+    ax.margins(x=x_margin, y=0.15)
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
-    with _figure(path) as ax:
+    with figure(path, PLOT_SIZE) as ax:
         for i, m in enumerate(report.models):
             ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
             ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (m.kv_cache_bytes_per_token, m.perplexity),
                         textcoords="offset points", xytext=(6, 4), fontsize=8)  # fmt: skip
-        ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("KV cache bytes per token")
-        ax.set_ylabel("perplexity")
-        ax.set_title("Perplexity vs KV cache (★ parent)")
-        ax.margins(x=0.2, y=0.15)
-        ax.grid(True, which="both", alpha=0.3)
+        _against_kv(ax, "perplexity", "Perplexity", x_margin=0.2)
 
 
 def plot_tasks_vs_kv(report: Report, path: Path) -> None:
     """Each task's headline score for each model against its KV bytes per token (models named beside)."""
-    with _figure(path) as ax:
+    with figure(path, PLOT_SIZE) as ax:
         per_model = _headlines(report)
         for task, first in per_model[0].items():
             color = None
@@ -225,17 +215,12 @@ def plot_tasks_vs_kv(report: Report, path: Path) -> None:
                 color = drawn[0].get_color()
                 ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (kv, score.value),
                             textcoords="offset points", xytext=(7, -3), fontsize=7)  # fmt: skip
-        ax.set_xscale("log")
-        ax.set_xlabel("KV cache bytes per token")
-        ax.set_ylabel("score")
-        ax.set_title("Task scores vs KV cache (★ parent)")
-        ax.margins(x=0.6, y=0.15)
-        ax.grid(True, which="both", alpha=0.3)
+        _against_kv(ax, "score", "Task scores", x_margin=0.6)
         ax.legend(fontsize=8, loc="lower right")
 
 
 def plot_diagnostics(report: Report, path: Path) -> None:
-    with _figure(path) as ax:
+    with figure(path, PLOT_SIZE) as ax:
         drawn = False
         for m in report.models[1:]:
             if m.diagnostics:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from gqaify import __version__
+from gqaify._version import __version__
 
 
 @dataclass

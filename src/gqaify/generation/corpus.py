@@ -17,7 +17,6 @@ uninterrupted one would. Each shard is written to a temporary name and renamed, 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -27,10 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.errors import ResourceError, UserError, as_interrupt, raise_if_problems
+from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out
+from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out, written_whole
 from gqaify.settings import type_problems
 
 LOG = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
         ResourceError: the disk filled up; the whole shards written so far are kept.
         Interrupted: Ctrl-C or SIGTERM; the message says how much is on disk and how to go on.
     """
-    from gqaify import __version__
+    from gqaify._version import __version__
 
     s = settings
     problems = type_problems(s) + s.problems()
@@ -208,23 +207,17 @@ def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all.
+    """Write `path` whole or not at all (`outputs.written_whole`).
 
     Raises:
         ResourceError: the disk is full; what was whole before stays.
     """
-    partial = path.with_name(f".{path.name}.tmp")
-    try:
+    full_disk = (
+        f"no space left while writing {path}; the whole shards written so far are kept: free some space and rerun "
+        "the same command to go on"
+    )
+    with written_whole(path, full_disk=full_disk) as partial:
         partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise ResourceError(
-                f"no space left while writing {path}; the whole shards written so far are kept: free some space "
-                "and rerun the same command to go on"
-            ) from exc
-        raise
 
 
 # -- the model and its prompts ----------------------------------------------------------------------------------

@@ -1,8 +1,36 @@
-"""`accelerate launch -m gqaify.uptrain --recipe FILE [--key value ...]` (or `python -m gqaify.uptrain`)."""
+"""`accelerate launch -m gqaify.uptrain --recipe FILE [--key value ...]` (or `python -m gqaify.uptrain`): the
+uptrain stage's own entry, whose `command_line` `gqaify uptrain` runs too."""
+
+from __future__ import annotations
 
 import sys
 
-from gqaify.cli import main
+from gqaify.command import quiet_transformers, run_command
+
+PROG = "python -m gqaify.uptrain"
+
+
+def command_line(argv: list[str], prog: str = PROG) -> None:
+    """Uptrain as the command line `argv` says, and print the summary (once per launch)."""
+    from gqaify.uptrain.settings import parse
+
+    settings = parse(argv, prog=prog)  # --help and bad settings answer before torch is loaded
+
+    from accelerate import PartialState
+
+    from gqaify.summary import format_uptrain_summary
+    from gqaify.uptrain.train import run
+
+    quiet_transformers()  # loading and saving bars between the training bar's updates
+    result = run(settings)
+    if PartialState().is_main_process:  # one summary per launch
+        print(format_uptrain_summary(result))
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
+    return run_command(lambda: command_line(sys.argv[1:] if argv is None else argv, prog))
+
 
 if __name__ == "__main__":
-    sys.exit(main(["uptrain", *sys.argv[1:]], prog="python -m gqaify.uptrain"))
+    sys.exit(main())

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker, on_main_process
 
+from gqaify.figures import figure
+
 METRICS = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 
@@ -92,22 +94,14 @@ def eval_curve(rows: list[dict]) -> tuple[list[int], list[float]]:
 
 def plot_recovery(curves: dict[str, tuple[list[int], list[float]]], parent: float | None, path, title: str) -> None:
     """Eval perplexity (log scale) against training tokens, one line per curve, the parent dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, (tokens, ppl) in curves.items():
-        ax.plot(tokens, ppl, marker="o", markersize=3, label=label)
-    if parent is not None:
-        ax.axhline(parent, color="black", linestyle="--", linewidth=1, label=f"parent ({parent:.1f})")
-    ax.set_yscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("eval perplexity")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, size=(7, 4.5), dpi=100, save_dpi=120) as ax:  # laid out at 100 dpi, as it always was
+        for label, (tokens, ppl) in curves.items():
+            ax.plot(tokens, ppl, marker="o", markersize=3, label=label)
+        if parent is not None:
+            ax.axhline(parent, color="black", linestyle="--", linewidth=1, label=f"parent ({parent:.1f})")
+        ax.set_yscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("eval perplexity")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()

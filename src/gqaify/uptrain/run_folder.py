@@ -6,21 +6,22 @@
         checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position (progress.json)
         final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
 
-Everything here is written to a hidden name and renamed into place when complete, so a run killed at any
-moment leaves only complete checkpoints; a run that never trained leaves the folder as it was found.
+Everything here is written to a hidden name and renamed into place when complete (`outputs.written_whole`), so
+a run killed at any moment leaves only complete checkpoints; a run that never trained leaves the folder as it
+was found.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gqaify._version import __version__
 from gqaify.errors import UserError
-from gqaify.outputs import PROVENANCE_FILE, write_provenance
+from gqaify.outputs import PROVENANCE_FILE, write_provenance, written_whole
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 
@@ -73,8 +74,6 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     Raises:
         UserError: `out` holds another run's checkpoints (with different settings or data) or unrelated files.
     """
-    from gqaify import __version__
-
     identity = _identity(s, processes)
     run_file = out / RUN_FILE
     if run_file.exists():
@@ -125,7 +124,7 @@ def undo_claim(out: Path, existed: bool) -> None:
 
 
 def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints under `root` (renamed out of `.partial-*`), oldest first by their recorded step."""
+    """The complete checkpoints under `root` (renamed out of `.step-N.tmp`), oldest first by their recorded step."""
     found = []
     for path in root.glob("step-*"):
         with contextlib.suppress(OSError, ValueError, KeyError):
@@ -140,18 +139,14 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> None:
     """accelerate's save_state into a hidden folder, renamed into place when every process has written."""
-    partial = root / f".partial-step-{progress.step:07d}"
-    if accelerator.is_main_process and partial.exists():
-        shutil.rmtree(partial)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_json(partial / PROGRESS_FILE, progress.state_dict())
-        target = root / f"step-{progress.step:07d}"
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(partial, target)
+    main = accelerator.is_main_process
+    with written_whole(root / f"step-{progress.step:07d}", main_process=main) as partial:
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(partial))
+        accelerator.wait_for_everyone()
+        if main:
+            write_json(partial / PROGRESS_FILE, progress.state_dict())
+    if main:
         for old in checkpoints(root)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -161,48 +156,45 @@ def save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype,
                 run: dict) -> None:  # fmt: skip
     """output_dir/final: a plain checkpoint in the converted model's dtype, gqaify.json provenance, and the model
     card with what uptraining measured (and the recovery plot)."""
-    from gqaify import __version__
-    from gqaify.conversion.card import model_card
-
-    final = out / "final"
-
     state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
     unwrapped = accelerator.unwrap_model(model)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    partial = final.with_name(".partial-final")
-    if partial.exists():
-        shutil.rmtree(partial)
-    unwrapped.config.dtype = dtype
-    unwrapped.save_pretrained(partial, state_dict=state)
-    tokenizer.save_pretrained(partial)
-    provenance_file = Path(model_path) / PROVENANCE_FILE
-    provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
-    provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
-                             "tokens": progress.tokens, "settings": asdict(s),
-                             "data_sha256": run.get("data_sha256")}  # fmt: skip
-    if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
-        _, perplexities = eval_curve(read_metrics(out / METRICS))
-        uptrained = {
-            "tokens": progress.tokens, "steps": progress.step, "data": s.data, "eval_data": s.eval_data,
-            "distill_from": s.distill_from if s.distill_weight > 0 else None,
-            "perplexity_before": perplexities[0] if perplexities else None,
-            "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
-            "parent_perplexity": run.get("parent_perplexity"),
-        }  # fmt: skip
-        if (out / "recovery.png").is_file():
-            shutil.copyfile(out / "recovery.png", partial / "recovery.png")
-            uptrained["plot"] = "recovery.png"
-        model_card(provenance, uptrained).save(partial / "README.md")
-    write_provenance(partial, {"tool": "gqaify", **provenance})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    with written_whole(out / "final") as partial:
+        unwrapped.config.dtype = dtype
+        unwrapped.save_pretrained(partial, state_dict=state)
+        tokenizer.save_pretrained(partial)
+        provenance_file = Path(model_path) / PROVENANCE_FILE
+        provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
+        provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
+                                 "tokens": progress.tokens, "settings": asdict(s),
+                                 "data_sha256": run.get("data_sha256")}  # fmt: skip
+        if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
+            _save_card(partial, provenance, out, s, progress, run)
+        write_provenance(partial, {"tool": "gqaify", **provenance})
+
+
+def _save_card(folder: Path, provenance: dict, out: Path, s, progress: Progress, run: dict) -> None:
+    """folder/README.md: the conversion's model card with what uptraining measured, and the recovery plot."""
+    from gqaify.conversion.card import model_card
+
+    _, perplexities = eval_curve(read_metrics(out / METRICS))
+    uptrained = {
+        "tokens": progress.tokens, "steps": progress.step, "data": s.data, "eval_data": s.eval_data,
+        "distill_from": s.distill_from if s.distill_weight > 0 else None,
+        "perplexity_before": perplexities[0] if perplexities else None,
+        "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
+        "parent_perplexity": run.get("parent_perplexity"),
+    }  # fmt: skip
+    if (out / "recovery.png").is_file():
+        shutil.copyfile(out / "recovery.png", folder / "recovery.png")
+        uptrained["plot"] = "recovery.png"
+    model_card(provenance, uptrained).save(folder / "README.md")
 
 
 def write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    """`value` as the JSON file `path`, written whole."""
+    with written_whole(path) as partial:
+        partial.write_text(json.dumps(value, indent=2, default=str) + "\n")

@@ -123,7 +123,7 @@ def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainRe
         UserError: the hub refused; final/ is complete and the message says how to push it.
     """
     if s.push_to_hub is not None and accelerator.is_main_process:
-        from gqaify import __version__
+        from gqaify._version import __version__
         from gqaify.hub import push_folder
 
         after = f", eval perplexity {result.eval_perplexity:.2f}" if result.eval_perplexity is not None else ""
@@ -469,9 +469,6 @@ def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float
     ppl = perplexity(model, eval_ids, seq_len, seq_len, progress=False).perplexity
     del model
     return ppl
-
-
-# -- the output folder ---------------------------------------------------------------------------------------
 
 
 def _check_inputs(s: UptrainSettings) -> None:

@@ -1,0 +1,89 @@
+"""How a command runs, whichever entry started it (`gqaify`, `python -m gqaify.uptrain`): its exit status, its
+one-line errors, and stop signals.
+
+Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr naming the problem and the fix,
+nothing written); 1 the machine ran out of something (one line, e.g. disk space) or an internal error (a bug:
+the traceback is printed); 130 interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+
+from gqaify.errors import Interrupted, ResourceError, UserError, as_interrupt, forget_stop_signals, record_stop_signal
+
+
+def run_command(command: Callable[[], object], verbose: bool = False) -> int:
+    """Run `command` (a stage: it parses its settings, runs, prints what it did) and return its exit status."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    with _sigterm_as_interrupt():
+        try:
+            command()
+        except SystemExit as exc:  # a settings parser: --help, or a usage error reported on one line
+            return int(exc.code or 0)
+        except (UserError, ResourceError) as exc:
+            print(f"gqaify: error: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, UserError) else 1
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
+            return _stopped(as_interrupt(exc))
+        except Exception as exc:
+            stop = as_interrupt(exc)  # a stop signal that a library turned into an error of its own
+            if stop is not None:
+                return _stopped(stop)
+            traceback.print_exc()
+            print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
+            return 1
+    return 0
+
+
+def quiet_transformers() -> None:
+    """Turn off transformers' own progress bars (loading and saving a model), which would cut into gqaify's."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
+def _stopped(stop: Interrupted) -> int:
+    """One line: how the run was stopped, and what it left (the stop's message; none: nothing, as every output
+    appears whole or not at all; a run that leaves something, uptrain's checkpoints, the demo's finished steps,
+    says so)."""
+    what = "stopped by SIGTERM" if stop.signum == signal.SIGTERM else "interrupted"
+    print(f"gqaify: {what}; {str(stop) or 'nothing was written'}", file=sys.stderr)
+    return stop.exit_status
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While the block runs, SIGTERM raises `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so that the
+    same cleanup runs; a second SIGTERM is ignored until the cleanup is done. Both signals are recorded
+    (`errors.record_stop_signal`), so that a library turning the exception into its own is still a stop."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        record_stop_signal(signal.SIGTERM)
+        raise Interrupted(signum=signal.SIGTERM)
+
+    def interrupt(signum, frame):
+        record_stop_signal(signal.SIGINT)
+        raise KeyboardInterrupt
+
+    forget_stop_signals()
+    previous = signal.signal(signal.SIGTERM, terminate)
+    # Ctrl-C only where Python's own handler is in place (a background job starts with SIGINT ignored)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
