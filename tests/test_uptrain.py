@@ -329,6 +329,9 @@ def test_distill_from_data_needs_stored_log_probabilities(tiny, tmp_path):
     assert not (tmp_path / "run" / "final").exists()
     both = run_cli(args(tiny, tmp_path / "two", "--distill_from_data", "--distill_from", str(tiny["parent"])))
     assert both.returncode == 2 and "two teachers" in one_line_error(both)
+    warmer = run_cli(args(tiny, tmp_path / "warm", "--distill_from_data", "--temperature", "2"))
+    assert warmer.returncode == 2 and "temperature 2.0 with distill_from_data" in one_line_error(warmer)
+    assert not any(tmp_path.iterdir())
 
 
 def test_distillation_kl_is_the_kl_divergence():

@@ -205,6 +205,9 @@ def check(s: UptrainSettings) -> None:
         problems.append(f"need 0 <= distill_weight <= 1 and temperature > 0, got {s.distill_weight}, {s.temperature}")
     if s.distill_from_data and s.distill_from:
         problems.append("distill_from_data and distill_from name two teachers; keep one")
+    elif s.distill_from_data and s.temperature != 1:
+        problems.append(f"temperature {s.temperature} with distill_from_data: the stored log-probabilities are the "
+                        "parent's at temperature 1 and cannot be rescaled; drop temperature")  # fmt: skip
     elif (s.distill_from is None and not s.distill_from_data and s.distill_weight > 0
           and s.distill_weight != UptrainSettings.distill_weight):  # fmt: skip
         problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
