@@ -42,7 +42,7 @@ from gqaify.conversion.record import kv_groups, provenance, write_config_and_sid
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, SourceHasher, plan_output, stream_tensors
 from gqaify.dtypes import torch_dtype
-from gqaify.errors import raise_if_problems
+from gqaify.errors import UserError, raise_if_problems
 from gqaify.hub import push_folder
 from gqaify.kvcache import kv_cache_bytes_per_token
 from gqaify.outputs import remove_leftovers, resolve_out, space_problem, staged, write_provenance
@@ -96,6 +96,13 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, **set
 
 def convert_with(settings: ConvertSettings) -> ConversionResult:
     """The conversion `settings` describe (see `convert`); what `gqaify convert` runs."""
+    from gqaify.conversion.to_gguf import convert_to_gguf, is_gguf_out
+
+    if is_gguf_out(settings.out):
+        return convert_to_gguf(settings)
+    if settings.gguf_type is not None:
+        raise UserError(f"--gguf-type {settings.gguf_type} is the type of a GGUF file's matrices; name OUT with "
+                        ".gguf to write one, or drop --gguf-type")  # fmt: skip
     start = time.perf_counter()
     raise_if_problems(type_problems(settings) + required_problems(CONVERT, settings))
     s = settings

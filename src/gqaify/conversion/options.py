@@ -186,6 +186,10 @@ class ConvertSettings:
     )  # fmt: skip
     dtype: DtypeName = setting("auto", "output dtype of floating-point tensors (auto: keep each tensor's)")
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
+    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(
+        None, "with OUT ending in .gguf (one file llama.cpp serves): the type of its matrices (default f16; norms "
+        "stay f32)"
+    )  # fmt: skip
     revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
     seed: int = setting(0, "seed for --method random")
     calib_data: str | None = setting(

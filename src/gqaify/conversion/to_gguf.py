@@ -1,0 +1,346 @@
+"""A converted checkpoint as one GGUF file that llama.cpp serves, written tensor by tensor.
+
+    converted folder (safetensors, Hugging Face names)          OUT.gguf (llama.cpp's names and metadata)
+        model.layers.3.self_attn.k_proj.weight   (G*d, hidden)  ->  blk.3.attn_k.weight   head_count_kv = G
+        model.embed_tokens.weight                (vocab, hidden) -> token_embd.weight
+        tokenizer.json / the source GGUF's tokenizer            ->  tokenizer.ggml.*
+
+The tensor index (names, shapes, types) is written first from the safetensors headers; then each tensor is read,
+re-laid out where llama.cpp wants it (its rotary embedding pairs a head's dimensions i and i + d/2 as neighbours,
+so Q and K rows are permuted within each head, exactly as llama.cpp's own converter does), cast or quantized,
+and written: memory holds one tensor at a time. The file is written beside OUT and renamed into place whole.
+
+What llama.cpp needs to know per architecture is data (`GGUF_ARCHITECTURES`); an architecture without an entry,
+a vocabulary llama.cpp would read wrongly, and a rotary scaling it would not reproduce are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from gqaify.errors import UserError, raise_if_problems
+from gqaify.outputs import PROVENANCE_FILE
+
+if TYPE_CHECKING:
+    from gqaify.conversion.core import ConversionResult
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """How llama.cpp knows an architecture: its name there, and whether Q/K rows are permuted for its rotary."""
+
+    name: str  # gguf.MODEL_ARCH member
+    permute_qk: bool
+
+
+# model_type -> llama.cpp's architecture; only those whose output is tested in llama.cpp (tests/test_gguf.py)
+GGUF_ARCHITECTURES = {"llama": GgufArchitecture("LLAMA", permute_qk=True)}
+
+OUT_TYPES = ("f32", "f16", "bf16", "q8_0")  # the types llama.cpp's converter writes, by their names there
+
+
+RECORD_KEY = "gqaify.record"  # the conversion's record (gqaify.json) inside the file: its provenance
+
+
+def is_gguf_out(out: str | os.PathLike | None) -> bool:
+    """Whether OUT names a GGUF file (what `gqaify convert SRC OUT.gguf` writes) rather than a folder."""
+    return out is not None and os.fspath(out).lower().endswith(".gguf")
+
+
+def convert_to_gguf(settings) -> ConversionResult:
+    """The conversion `settings` describe, written as the GGUF file `settings.out`: converted as usual into a
+    work folder beside OUT, written from there as GGUF, renamed into place whole; the work folder is removed
+    (after a kill, by the next run's clean-up of leftovers).
+
+    Raises:
+        UserError: bad input (see `convert`), an architecture or vocabulary llama.cpp's format cannot carry here,
+            or OUT exists and is not a GGUF gqaify wrote (with --force) or --force is not given.
+        ResourceError: the disk filled up; nothing is left behind.
+    """
+    from gqaify.conversion.checks import request_problems
+    from gqaify.conversion.core import convert_with
+    from gqaify.conversion.options import CONVERT
+    from gqaify.conversion.source import open_source
+    from gqaify.outputs import remove_leftovers, resolve_out, work_folder, written_whole
+    from gqaify.settings import required_problems, type_problems
+
+    s = settings
+    raise_if_problems(type_problems(s) + required_problems(CONVERT, s))  # SRC and OUT, read below
+    out = resolve_out(s.out)
+    # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
+    work = replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))
+    problems = request_problems(work, work.calibration())
+    problems += [p for p in (_destination_problem(out, s.force), _type_problem(s.gguf_type)) if p]
+    if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:
+        problems.append(f"OUT {out} is the source; name another file to write")
+    if s.push_to_hub is not None:
+        problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
+                        f"`huggingface-cli upload {s.push_to_hub} {out}`")  # fmt: skip
+    raise_if_problems(problems)
+    with open_source(s.src, s.revision) as source:  # refused before any work: what GGUF cannot carry here
+        if problem := gguf_problem(source.config):
+            raise UserError(problem)
+        tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
+    remove_leftovers(out)
+    with work_folder(out) as work:
+        result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))
+        record = (result.out / PROVENANCE_FILE).read_text()
+        with written_whole(out, f"no space left while writing {out}; nothing was left behind") as partial:
+            write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
+    return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
+
+
+def _destination_problem(out: Path, force: bool) -> str | None:
+    if not out.exists() and not out.is_symlink():
+        writable = os.access(_existing_parent(out), os.W_OK)
+        return None if writable else f"cannot write {out}: its folder is not writable; choose another OUT"
+    if not out.is_file():
+        return f"OUT {out} exists and is not a file; name a new .gguf file"
+    if not force:
+        return f"OUT {out} already exists; pass --force to replace it (only a GGUF gqaify wrote), or choose another"
+    if not _written_by_gqaify(out):
+        return f"OUT {out} is not a GGUF gqaify wrote, so --force does not replace it; choose another OUT"
+    return None
+
+
+def _existing_parent(path: Path) -> Path:
+    return next(p for p in path.parents if p.exists())
+
+
+def _written_by_gqaify(path: Path) -> bool:
+    import gguf
+
+    try:
+        return RECORD_KEY in gguf.GGUFReader(path).fields
+    except (OSError, ValueError):
+        return False
+
+
+def _type_problem(out_type: str | None) -> str | None:
+    if out_type is None or out_type in OUT_TYPES:
+        return None
+    return f"--gguf-type {out_type} is not one of {', '.join(OUT_TYPES)}"
+
+
+def gguf_problem(config: dict) -> str | None:
+    """Why a checkpoint with `config` cannot be written as GGUF, or None."""
+    model_type = config.get("model_type")
+    if model_type not in GGUF_ARCHITECTURES:
+        return (f"GGUF output is written for {', '.join(sorted(GGUF_ARCHITECTURES))} models, not {model_type}; "
+                "write safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        return (f"GGUF output writes the plain rotary embedding, and this model's is {rope['rope_type']}; write "
+                "safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
+    return None
+
+
+def write_gguf(folder: Path, out: Path, out_type: str = "f16", tokenizer_gguf: Path | None = None,
+               record: str | None = None) -> None:  # fmt: skip
+    """Write the converted checkpoint in `folder` as the GGUF file `out` (`convert_to_gguf` gives it a temporary
+    name, renamed into place when whole).
+
+    Args:
+        out_type: f32, f16, bf16 or q8_0 for the matrices (norms stay f32, as llama.cpp's converter keeps them;
+            a matrix whose rows are not whole q8_0 blocks of 32 is written f16, as there too).
+        tokenizer_gguf: a GGUF file whose tokenizer is copied (the source, when it was one); else the tokenizer
+            is written from `folder`'s tokenizer.json, as llama.cpp's converter writes a Llama one.
+        record: the conversion's gqaify.json, kept in the file under `RECORD_KEY`.
+
+    Raises:
+        UserError: the architecture, rotary scaling or vocabulary is one this writer cannot express.
+    """
+    import gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    if problem := gguf_problem(config):
+        raise UserError(problem)
+    arch = GGUF_ARCHITECTURES[config["model_type"]]
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.name]])
+    _write_hyperparameters(writer, config, out.stem, out_type)
+    if record is not None:
+        writer.add_string(RECORD_KEY, record)
+    if tokenizer_gguf is not None:
+        _copy_tokenizer(writer, tokenizer_gguf)
+    else:
+        _write_tokenizer(writer, folder)
+    layout = _Layout(config, arch, gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.name], config["num_hidden_layers"]))
+    plan = [(shard, name, _qtype(shape, out_type)) for shard, name, shape in _tensors(folder)]
+    for (_, name, qtype), (_, _, shape) in zip(plan, _tensors(folder), strict=True):
+        nbytes, stored = _stored_shape(shape, qtype)
+        writer.add_tensor_info(layout.gguf_name(name), stored, _numpy_dtype(qtype), nbytes, raw_dtype=qtype)
+    writer.write_header_to_file(out)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    _write_data(writer, folder, plan, layout)
+    writer.close()
+
+
+# -- metadata -------------------------------------------------------------------------------------------------
+
+
+def _write_hyperparameters(writer, config: dict, name: str, out_type: str) -> None:
+    import gguf
+
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    rope = config.get("rope_parameters") or {}
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[out_type]
+    writer.add_file_type(gguf.LlamaFileType[file_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _copy_tokenizer(writer, source: Path) -> None:
+    """Every tokenizer.* key of the GGUF file `source`, as it is there."""
+    import gguf
+
+    for key, field in gguf.GGUFReader(source).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+
+
+def _write_tokenizer(writer, folder: Path) -> None:
+    """A Llama vocabulary as llama.cpp's converter writes it: from the SentencePiece model (tokenizer.model) where
+    there is one, whose scores order the merges; else from tokenizer.json, a byte-fallback BPE one.
+
+    Raises:
+        UserError: another kind of vocabulary: llama.cpp reads a byte-level BPE one only with a pre-tokenizer it
+            recognises by a hash of how it splits text, a table only llama.cpp's converter keeps; or
+            tokenizer.model without the sentencepiece package.
+    """
+    import gguf
+
+    try:
+        vocab = gguf.SentencePieceVocab(folder) if (folder / "tokenizer.model").is_file() else gguf.LlamaHfVocab(folder)
+    except RuntimeError as exc:  # gguf's words for "sentencepiece is not installed"
+        raise UserError(
+            f"{folder}'s vocabulary is a SentencePiece model, which needs the sentencepiece package to write: "
+            "pip install 'gqaify[serving]'"
+        ) from exc
+    except (FileNotFoundError, TypeError) as exc:
+        raise UserError(
+            f"{folder}'s vocabulary is not a Llama (SentencePiece-style) one, and llama.cpp reads a byte-level BPE "
+            "vocabulary only with a pre-tokenizer it recognises; write safetensors (OUT without .gguf) and use "
+            "llama.cpp's convert_hf_to_gguf.py, which knows them"
+        ) from exc
+    tokens, scores, types = zip(*vocab.all_tokens(), strict=True)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(list(tokens))
+    writer.add_token_scores(list(scores))
+    writer.add_token_types(list(types))
+    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+
+
+# -- tensors --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    config: dict
+    arch: GgufArchitecture
+    names: object  # gguf.TensorNameMap
+
+    def gguf_name(self, name: str) -> str:
+        mapped = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise UserError(f"{name} has no place in llama.cpp's {self.arch.name.lower()} layout; nothing written")
+        return mapped
+
+    def prepared(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` laid out as llama.cpp reads it: Q and K rows paired for its rotary embedding."""
+        if not self.arch.permute_qk:
+            return tensor
+        heads = self.config["num_attention_heads"]
+        if name.endswith("q_proj.weight"):
+            return _permute(tensor, heads)
+        if name.endswith("k_proj.weight"):
+            return _permute(tensor, self.config.get("num_key_value_heads", heads))
+        return tensor
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of each head reordered from (first halves, second halves) to interleaved pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _tensors(folder: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(shard file, tensor name, shape) of every tensor, shard by shard, in the order the shards list them."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]  # fmt: skip
+    listed = []
+    for shard in shards:
+        with safe_open(folder / shard, "pt") as f:
+            listed += [(shard, name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]  # noqa: SIM118
+    return listed
+
+
+def _qtype(shape: tuple[int, ...], out_type: str):
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    if len(shape) == 1 or out_type == "f32":
+        return types.F32
+    if out_type == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[types.Q8_0][0]:
+        return types.F16
+    return {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[out_type]
+
+
+def _stored_shape(shape: tuple[int, ...], qtype) -> tuple[int, tuple[int, ...]]:
+    """(bytes, the shape the writer is given) of a tensor of `shape` stored as `qtype`."""
+    import gguf
+
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return int(np.prod(shape)) * (4 if qtype == gguf.GGMLQuantizationType.F32 else 2), shape
+    stored = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+    return int(np.prod(stored)), stored
+
+
+def _numpy_dtype(qtype):
+    import gguf
+
+    return {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}.get(qtype, np.uint8)
+
+
+def _write_data(writer, folder: Path, plan, layout: _Layout) -> None:
+    import gguf
+    from safetensors import safe_open
+
+    for shard, tensors in itertools.groupby(plan, key=lambda entry: entry[0]):  # the plan lists shard by shard
+        with safe_open(folder / shard, "pt") as f:
+            for _, name, qtype in tensors:
+                values = layout.prepared(name, f.get_tensor(name)).float().numpy()
+                if qtype == gguf.GGMLQuantizationType.F32:
+                    writer.write_tensor_data(values)
+                elif qtype == gguf.GGMLQuantizationType.F16:
+                    writer.write_tensor_data(values.astype(np.float16))
+                else:
+                    writer.write_tensor_data(gguf.quants.quantize(values, qtype))

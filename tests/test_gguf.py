@@ -1,0 +1,277 @@
+"""GGUF output: the file's metadata and tensors against the safetensors it was written from, and llama.cpp serving
+it (greedy tokens equal to transformers', its own KV cache H/G smaller) where llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import MODELS, needs_assets
+from gqaify.cli import main
+
+STORIES_MHA = MODELS / "stories260K-mha"
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is absent: pip install 'gqaify[serving]'"
+)
+
+
+@pytest.fixture(scope="module")
+def stories_gguf(tmp_path_factory) -> dict[str, Path]:
+    """stories260K's MHA twin converted to GQA-2 and MQA, as safetensors and as f32 GGUF, and GQA-2 in the others."""
+    if not STORIES_MHA.is_dir():
+        pytest.skip(f"needs {STORIES_MHA}")
+    root = tmp_path_factory.mktemp("gguf")
+    made = {}
+    for name, kv in (("gqa2", "2"), ("mqa", "1")):
+        assert main(["convert", str(STORIES_MHA), str(root / name), "--kv-heads", kv, "-q"]) == 0
+        assert main(["convert", str(STORIES_MHA), str(root / f"{name}.gguf"), "--kv-heads", kv, "--gguf-type",
+                     "f32", "-q"]) == 0  # fmt: skip
+        made[name], made[f"{name}.gguf"] = root / name, root / f"{name}.gguf"
+    for out_type in ("f16", "bf16", "q8_0"):
+        path = root / f"gqa2-{out_type}.gguf"
+        assert main(["convert", str(STORIES_MHA), str(path), "--kv-heads", "2", "--gguf-type", out_type, "-q"]) == 0
+        made[f"gqa2-{out_type}.gguf"] = path
+    return made
+
+
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's interleaved rotary pairs back to Hugging Face's halves (written independently of gqaify's)."""
+    d = weight.shape[0] // heads
+    out = np.empty_like(weight)
+    for h in range(heads):
+        rows = weight[h * d : (h + 1) * d]
+        out[h * d : h * d + d // 2] = rows[0::2]
+        out[h * d + d // 2 : (h + 1) * d] = rows[1::2]
+    return out
+
+
+@needs_assets
+@pytest.mark.parametrize("name", ["gqa2", "mqa"])
+def test_gguf_holds_the_converted_tensors_under_llama_cpp_names(stories_gguf, name):
+    import gguf
+
+    reader = gguf.GGUFReader(stories_gguf[f"{name}.gguf"])
+    config = json.loads((stories_gguf[name] / "config.json").read_text())
+    kv = config["num_key_value_heads"]
+    assert reader.fields["llama.attention.head_count_kv"].contents() == kv
+    assert reader.fields["llama.attention.head_count"].contents() == 8
+    assert reader.fields["tokenizer.ggml.model"].contents() == "llama"
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    weights = {k: v.numpy() for k, v in load_file(stories_gguf[name] / "model.safetensors").items()}
+    assert len(tensors) == len(weights)
+    for layer in range(config["num_hidden_layers"]):
+        hf, blk = f"model.layers.{layer}.self_attn.", f"blk.{layer}.attn_"
+        np.testing.assert_array_equal(unpermute(tensors[blk + "q.weight"], 8), weights[hf + "q_proj.weight"])
+        np.testing.assert_array_equal(unpermute(tensors[blk + "k.weight"], kv), weights[hf + "k_proj.weight"])
+        np.testing.assert_array_equal(tensors[blk + "v.weight"], weights[hf + "v_proj.weight"])
+        assert tensors[blk + "k.weight"].shape == (kv * 8, 64)
+    np.testing.assert_array_equal(tensors["token_embd.weight"], weights["model.embed_tokens.weight"])
+
+
+@needs_assets
+def test_a_grouped_folder_at_its_own_kv_heads_becomes_the_same_gguf(stories_gguf, tmp_path):
+    """How uptrain's final/ (a folder already at G heads) is served: converted at its own G, the identity."""
+    import gguf
+
+    again = tmp_path / "final.gguf"
+    assert main(["convert", str(stories_gguf["mqa"]), str(again), "--kv-heads", "1", "--gguf-type", "f32", "-q"]) == 0
+    first, second = (gguf.GGUFReader(path) for path in (stories_gguf["mqa.gguf"], again))
+    assert [t.name for t in first.tensors] == [t.name for t in second.tensors]
+    for a, b in zip(first.tensors, second.tensors, strict=True):
+        np.testing.assert_array_equal(np.array(a.data), np.array(b.data), err_msg=a.name)
+
+
+@needs_assets
+@pytest.mark.parametrize(("out_type", "tolerance"), [("f16", 1e-3), ("bf16", 1e-2), ("q8_0", 2e-2)])
+def test_gguf_types_hold_the_values_to_their_precision(stories_gguf, out_type, tolerance):
+    import gguf
+
+    f32 = {t.name: np.array(t.data) for t in gguf.GGUFReader(stories_gguf["gqa2.gguf"]).tensors}
+    for t in gguf.GGUFReader(stories_gguf[f"gqa2-{out_type}.gguf"]).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(f32[t.name].shape)
+        scale = np.abs(f32[t.name]).max()
+        assert np.abs(values - f32[t.name]).max() <= tolerance * scale, t.name
+        expected = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[out_type]
+        if t.name.endswith("norm.weight"):
+            assert t.tensor_type.name == "F32"  # norms stay f32, as llama.cpp's converter keeps them
+        elif out_type != "q8_0" or t.shape[0] % 32 == 0:
+            assert t.tensor_type.name == expected, t.name
+
+
+def test_a_vocabulary_llama_cpp_would_misread_is_refused_and_nothing_written(tmp_path):
+    if not (MODELS / "ref-mha-6L").is_dir():
+        pytest.skip("needs ../shared/assets/models/ref-mha-6L")
+    out = tmp_path / "ref.gguf"
+    done = subprocess.run([sys.executable, "-m", "gqaify", "convert", str(MODELS / "ref-mha-6L"), str(out),
+                           "--kv-heads", "2", "-q"], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "convert_hf_to_gguf.py" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- in llama.cpp ---------------------------------------------------------------------------------------------
+
+
+def llama_cpp_greedy(path: Path, prompt_ids: list[int], tokens: int) -> list[int]:
+    """Up to `tokens` new tokens by top-1 in llama.cpp, the end-of-text token included where it comes."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    out = []
+    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
+        out.append(int(token))
+        if len(out) == tokens or token == llm.token_eos():
+            return out
+    return out
+
+
+def transformers_greedy(folder: Path, prompt_ids: list[int], tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = model.generate(torch.tensor([prompt_ids]), max_new_tokens=tokens, do_sample=False)
+    return ids[0, len(prompt_ids) :].tolist()
+
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
+
+
+@needs_assets
+@needs_llama_cpp
+@pytest.mark.parametrize("name", ["gqa2", "mqa"])
+def test_llama_cpp_decodes_the_gguf_as_transformers_decodes_the_safetensors(stories_gguf, name):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stories_gguf[name])
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = transformers_greedy(stories_gguf[name], ids, 32)
+        assert llama_cpp_greedy(stories_gguf[f"{name}.gguf"], ids, 32) == expected
+
+
+def engine_kv_cache_mib(path: Path, cells: int = 32768) -> float:
+    """The size of llama.cpp's KV cache for `cells` tokens, as the engine reports it when it allocates it."""
+    code = ("import sys; from llama_cpp import Llama; "
+            "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(path), str(cells)], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    match = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells", done.stderr)
+    assert match is not None and int(match[2]) == cells, done.stderr[-2000:]
+    return float(match[1])
+
+
+@needs_assets
+@needs_llama_cpp
+def test_llama_cpp_kv_cache_is_h_over_g_smaller(stories_gguf, tmp_path):
+    mha = tmp_path / "mha.gguf"  # the parent itself, 8 K/V heads
+    assert main(["convert", str(STORIES_MHA), str(mha), "--kv-heads", "8", "--gguf-type", "f32", "-q"]) == 0
+    sizes = {name: engine_kv_cache_mib(path) for name, path in
+             (("mha", mha), ("gqa2", stories_gguf["gqa2.gguf"]), ("mqa", stories_gguf["mqa.gguf"]))}  # fmt: skip
+    assert sizes["mha"] == 4 * sizes["gqa2"] == 8 * sizes["mqa"] > 0
+
+
+@needs_assets
+def test_eval_reads_the_gguf_as_the_safetensors(stories_gguf, tmp_path):
+    from gqaify.eval.perplexity import perplexity
+    from gqaify.models import load_model
+
+    text = (MODELS.parent / "text" / "tinystories-valid-head.txt").read_text()[:6000]
+    scores = []
+    for model_path in (stories_gguf["gqa2"], stories_gguf["gqa2.gguf"]):
+        model, tokenizer = load_model(str(model_path), "float32")
+        ids = tokenizer(text, return_tensors="pt").input_ids[0, :1024]
+        scores.append((ids, perplexity(model, ids, 256, 256, progress=False).perplexity))
+    assert torch.equal(scores[0][0], scores[1][0])  # the same tokens, read from the GGUF's own vocabulary
+    assert scores[1][1] == pytest.approx(scores[0][1], rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_smollm2_mqa_gguf_decodes_in_llama_cpp_as_in_transformers(smollm2_gguf, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder, gguf_out = tmp_path / "mqa", tmp_path / "mqa.gguf"
+    assert main(["convert", str(smollm2_gguf), str(folder), "--kv-heads", "1", "--dtype", "float32", "-q"]) == 0
+    assert main(["convert", str(smollm2_gguf), str(gguf_out), "--kv-heads", "1", "--gguf-type", "f32", "-q"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for prompt in ["The capital of France is", "def fibonacci(n):"]:
+        ids = tokenizer(prompt)["input_ids"]
+        assert llama_cpp_greedy(gguf_out, ids, 32) == transformers_greedy(folder, ids, 32)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_converter() -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py, from the source distribution of the llama-cpp-python installed
+    (fetched from PyPI once into the gqaify cache)."""
+    import tarfile
+
+    import llama_cpp
+
+    cache = Path.home() / ".cache" / "gqaify" / f"llama-cpp-python-{llama_cpp.__version__}"
+    script = cache / "llama.cpp" / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                                  f"llama-cpp-python=={llama_cpp.__version__}", "-d", str(cache)],
+                                 capture_output=True, text=True)  # fmt: skip
+        if fetched.returncode != 0:
+            pytest.skip(f"llama.cpp's converter could not be fetched: {fetched.stderr.strip()[-300:]}")
+        (sdist,) = cache.glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+            members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
+                       and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(keep)]  # fmt: skip
+            for member in members:
+                member.name = "llama.cpp/" + member.name.split("/vendor/llama.cpp/", 1)[1]
+            tar.extractall(cache, members=members, filter="data")
+        sdist.unlink()
+    return script
+
+
+@needs_assets
+@needs_llama_cpp
+def test_llama_cpp_converter_makes_the_same_gguf_from_the_safetensors(stories_gguf, llama_cpp_converter, tmp_path):
+    import gguf
+
+    theirs = tmp_path / "theirs.gguf"
+    subprocess.run([sys.executable, str(llama_cpp_converter), str(stories_gguf["mqa"]), "--outfile", str(theirs),
+                    "--outtype", "f32"], check=True, capture_output=True)  # fmt: skip
+    ours, reference = gguf.GGUFReader(stories_gguf["mqa.gguf"]), gguf.GGUFReader(theirs)
+    assert {t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in ours.tensors} == {
+        t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in reference.tensors
+    }
+    for key in [k for k in reference.fields if k.startswith(("llama.", "tokenizer."))]:
+        assert ours.fields[key].contents() == reference.fields[key].contents(), key
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(stories_gguf["mqa"])("Once upon a time")["input_ids"]
+    assert llama_cpp_greedy(theirs, ids, 32) == llama_cpp_greedy(stories_gguf["mqa.gguf"], ids, 32)
+
+
+@needs_assets
+def test_an_existing_file_is_replaced_only_with_force_and_only_if_gqaify_wrote_it(stories_gguf, tmp_path):
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(b"a user's file")
+    argv = ["convert", str(STORIES_MHA), str(mine), "--kv-heads", "2", "-q"]
+    assert main(argv) == 2 and main([*argv, "--force"]) == 2
+    assert mine.read_bytes() == b"a user's file"
+    ours = tmp_path / "ours.gguf"
+    ours.write_bytes(stories_gguf["mqa.gguf"].read_bytes())  # a GGUF gqaify wrote (MQA, f32)
+    assert main(["convert", str(STORIES_MHA), str(ours), "--kv-heads", "2", "--force", "-q"]) == 0
+    assert ours.read_bytes() != stories_gguf["mqa.gguf"].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.gguf", "ours.gguf"]  # no work folder left
+
+
+@needs_assets
+def test_gguf_type_without_a_gguf_out_is_refused(tmp_path):
+    assert main(["convert", str(STORIES_MHA), str(tmp_path / "folder"), "--kv-heads", "2", "--gguf-type", "q8_0"]) == 2
+    assert list(tmp_path.iterdir()) == []
