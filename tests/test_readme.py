@@ -1,6 +1,9 @@
-"""README's Python snippets run as written, from a folder laid out like the repository root (recipes/ beside it,
-../shared/assets above it), and print what their comments say."""
+"""The Python snippets of README and the docs pages run as written, from a folder laid out like the repository root
+(recipes/ beside it, ../shared/assets above it), and print what their comments say; the docs site builds with
+every link and anchor found."""
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -9,7 +12,9 @@ import pytest
 
 from conftest import ASSETS, REPO, needs_assets
 
-SNIPPETS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SNIPPETS = {f"{page.stem}-{i}": code for page in PAGES
+            for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))}  # fmt: skip
 
 
 def expected_output(code: str) -> list[str]:
@@ -17,13 +22,15 @@ def expected_output(code: str) -> list[str]:
     return [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(") and "#" in line]
 
 
-def test_readme_has_python_snippets_with_their_output():
-    assert len(SNIPPETS) >= 2 and all(expected_output(code) for code in SNIPPETS)
+def test_snippets_say_what_they_print():
+    assert "README-0" in SNIPPETS and len(SNIPPETS) >= 4
+    silent = [name for name, code in SNIPPETS.items() if not expected_output(code)]
+    assert not silent, silent
 
 
 @needs_assets
-@pytest.mark.parametrize("code", SNIPPETS, ids=[f"snippet-{i}" for i in range(len(SNIPPETS))])
-def test_readme_snippet_runs_and_prints_what_it_says(code, tmp_path):
+@pytest.mark.parametrize("code", SNIPPETS.values(), ids=SNIPPETS.keys())
+def test_snippet_runs_and_prints_what_it_says(code, tmp_path):
     root = tmp_path / "checkout"
     root.mkdir()
     (root / "recipes").symlink_to(REPO / "recipes")
@@ -32,3 +39,14 @@ def test_readme_snippet_runs_and_prints_what_it_says(code, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     expected = expected_output(code)
     assert done.stdout.strip().splitlines()[-len(expected) :] == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is absent: pip install 'gqaify[docs]'")
+def test_docs_site_builds_strictly(tmp_path):
+    """mkdocs.yml's strict mode and link validation turn a broken link or anchor, or a page left out of the
+    navigation, into a failure."""
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    quiet = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=quiet)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "serve" / "index.html").is_file()

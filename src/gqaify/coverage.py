@@ -5,7 +5,9 @@ directly or on its text config) and places each one: native (an entry of `archs.
 a checkpoint of transformers' own class), refused (an entry of `archs.REFUSED`, with its reason), or
 unaccounted for, which the test suite does not allow. The entries for types without K/V heads in transformers
 are listed too: "shipped code" (the output carries gqaify's modeling file) or refused.
-README's architecture table is `markdown()`, printed by `python -m gqaify.coverage` (a test keeps the two equal).
+The architecture table of the docs (docs/architectures.md, between its `TABLE_START` and `TABLE_END` lines) is
+`markdown()`: `python -m gqaify.coverage --write docs/architectures.md` writes it there, `python -m gqaify.coverage`
+prints it (a test keeps the page and the table equal).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from gqaify.archs import ARCHITECTURES, REFUSED, ArchSpec
 from gqaify.conversion.options import METHOD_INFO
@@ -107,17 +110,35 @@ def methods(spec: ArchSpec) -> str:
     return "all"
 
 
+TABLE_START = "<!-- the table is written by: python -m gqaify.coverage --write docs/architectures.md -->\n"
+TABLE_END = "<!-- end of the table -->\n"
+
+
 def markdown() -> str:
-    """README's architecture table."""
+    """The architecture table of the docs, a Markdown table."""
     lines = ["| `model_type` | status | K/V-indexed tensors rewritten, or why not | methods |", "|---|---|---|---|"]
     lines += [f"| {r.model_type} | {r.status} | {r.detail} | {r.methods} |" for r in audit()]
     return "\n".join(lines) + "\n"
 
 
+def write_into(page: Path) -> None:
+    """Replace what lies between `page`'s TABLE_START and TABLE_END lines with `markdown()`."""
+    text = page.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit(f"{page} has no {TABLE_START.strip()} ... {TABLE_END.strip()} lines to write between")
+    before, rest = text.split(TABLE_START, 1)
+    after = rest.split(TABLE_END, 1)[1]
+    page.write_text(f"{before}{TABLE_START}\n{markdown()}\n{TABLE_END}{after}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gqaify.coverage", description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
-    print(markdown(), end="")
+    parser.add_argument("--write", type=Path, metavar="PAGE", help="write the table into PAGE instead of printing it")
+    args = parser.parse_args(argv)
+    if args.write:
+        write_into(args.write)
+    else:
+        print(markdown(), end="")
 
 
 if __name__ == "__main__":
