@@ -4,13 +4,24 @@
     gqaify convert --config convert.yaml --kv-heads 1        the file's values; the command line wins
     gqaify convert --config OUT/gqaify.json --out OUT2       rerun a conversion from its own record
 
-Each stage (`ConvertSettings`, `EvalSettings`, `UptrainSettings`) is one dataclass. Every field is a key of a
---config file (YAML, or a JSON record gqaify wrote: its "settings"), a `--field value` option (`--field-name`
-and `--field_name` alike) and a keyword argument in Python. `build_parser` turns the fields into options and
---help, as transformers' HfArgumentParser would, in a few lines of our own (importing transformers for it took
-most of --help's time); a positional argument (convert's SRC OUT, eval's MODEL...) is a second way to give one
-field. argparse checks what is typed on the command line; a file's values are checked against their fields'
-types here. Unknown keys and options are refused with the nearest name.
+Each stage (`ConvertSettings`, `EvalSettings`, `UptrainSettings`, `GenerateSettings`) is one dataclass. Every field
+is a key of a --config file (YAML, or a JSON record gqaify wrote: its "settings"), a `--field value` option
+(`--field-name` and `--field_name` alike) and a keyword argument in Python. `build_parser` turns the fields into
+options and --help, as transformers' HfArgumentParser would, in a few lines of our own (importing transformers for
+it took most of --help's time); a positional argument (convert's SRC OUT, eval's MODEL...) is a second way to give
+one field. Unknown keys and options are refused with the nearest name.
+
+A field declares what its values may be beside it, in `setting(...)`: its type (a Literal gives the choices),
+whether it is `required`, and the rules a value must meet (`Range`, `Limit`, `Finite`, `Needs`, `Excludes`, or a
+function). Two checks, each reporting every problem at once:
+
+    types       when a settings object is made (`Settings.__post_init__`): an object always holds values of its
+                fields' types, whether the command line, a file or a Python caller gave them
+    problems()  each stage's one list of what is wrong with the values: required fields unset, and every rule
+                its fields declare (`Stage.declared_problems`), with the few that read better as code. `parse`
+                asks it, so that the command line answers before torch is loaded; each stage asks it again for
+                a Python caller, with what only the files can tell (is SRC there, can OUT be written), and keeps
+                what those checks parse (a size in bytes, where SRC is) for the work that follows.
 
 A --config file is read with care, as it may come from anyone: at most 1 MiB of YAML (a JSON record, 16 MiB),
 no YAML aliases, no deep nesting, and no message shows more than the start of a value.
@@ -23,13 +34,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
+import inspect
 import json
+import math
 import os
 import reprlib
 import shlex
 import stat
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -39,19 +54,187 @@ import yaml
 from gqaify.errors import UserError, raise_if_problems
 
 
-def setting(default, help: str, empty_list: bool = False):
-    """A settings field: its default and the help line shown by --help (a list default is copied per object).
+def setting(default, help: str, *, required: bool = False, check=(), empty_list: bool = False):
+    """A settings field: its default, the help line --help shows, and what its values may be.
 
     Args:
+        required: the field must be given (by a file, an option or a positional): not None, empty text or an
+            empty list.
+        check: a rule, or a tuple of rules, that a value must meet (None, unset, is not checked): `Range`,
+            `Limit`, `Finite`, `Needs`, `Excludes`, or a function `(value, name) -> problem | None`, `name` being
+            how the stage names the field. The first rule a value breaks is reported.
         empty_list: a list option may be given with no values (`--generate` alone: an empty list, not None).
     """
-    metadata = {"help": help, **({_EMPTY_LIST: True} if empty_list else {})}
+    rules = check if isinstance(check, tuple) else (check,)
+    metadata = {"help": help, _REQUIRED: required, _RULES: rules, _EMPTY_LIST: empty_list}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
-_EMPTY_LIST = "gqaify_empty_list"  # a field's metadata key: its list option may be given with no values
+# a field's metadata keys, beside "help" (HfArgumentParser's name for it)
+_REQUIRED = "gqaify_required"
+_RULES = "gqaify_rules"
+_EMPTY_LIST = "gqaify_empty_list"  # its list option may be given with no values
+
+
+class Settings:
+    """The base of every stage's settings dataclass.
+
+    Its fields hold values of their types, or it is not made: `__post_init__` refuses every wrong type at once, as
+    peft's configs check themselves in theirs (which raise at the first problem, and for value ranges too). Values
+    are left to `problems()`: an object may be incomplete while it is built up (`EvalSettings(seq_len=1024)` is
+    given its models later), and a range is reported with the problems found in the files, all in one message.
+    """
+
+    def __post_init__(self) -> None:
+        raise_if_problems(type_problems(self))
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the values, at once; the stage's own (see `Stage.declared_problems`)."""
+        raise NotImplementedError
+
+
+# -- rules a field's values must meet ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rule reads beside the value it checks: the other fields, and how the stage names them."""
+
+    stage: Stage
+    settings: Settings
+
+    def name(self, field: str) -> str:
+        return self.stage.named(field)
+
+    def value(self, field: str):
+        return getattr(self.settings, field)
+
+    def said(self, field: str, value=dataclasses.MISSING) -> str:
+        """A field with its value, as a command line gives it: "--seq-len 32"."""
+        return f"{self.name(field)} {shown(self.value(field) if value is dataclasses.MISSING else value)}"
+
+    def ask(self, field: str, value=None) -> str:
+        """How to set `field` (to `value`): "pass --calib-data", "use --calib-mode sequential"; by keys, "set ..."."""
+        if self.stage.named_by == "keys":
+            return f"set {field}" if value is None else f"set {field}: {value}"
+        return f"pass {self.name(field)}" if value is None else f"use {self.name(field)} {value}"
+
+    def requirement(self, field: str, value, requirement: str, fix: str | None) -> str:
+        """ "--seq-len 1 must be at least 2"; by keys, the key first and what it holds after: "seq_len must be at
+        least 2, got 1" (a recipe is read key by key)."""
+        if self.stage.named_by == "keys":
+            said = f"{self.name(field)} {requirement}, got {shown(value)}"
+        else:
+            said = f"{self.said(field, value)} {requirement}"
+        return f"{said}; {fix}" if fix else said
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number from `low` (above it, with `low_open`) to `high` (below it, with `high_open`); a bound may name
+    another field, and is then that field's value. NaN and the infinities are in no range.
+
+    Reported as "--seq-len 1 must be at least 2" (`says` words the range where the default would not say enough,
+    `fix` adds what to do).
+    """
+
+    low: float | str | None = None
+    high: float | str | None = None
+    low_open: bool = False
+    high_open: bool = False
+    says: str | None = None
+    fix: str | None = None
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        low, high = (ctx.value(b) if isinstance(b, str) else b for b in (self.low, self.high))
+        above_low = low is None or (value > low if self.low_open else value >= low)
+        below_high = high is None or (value < high if self.high_open else value <= high)
+        if math.isfinite(value) and above_low and below_high:
+            return None
+        return ctx.requirement(field, value, f"must be {self.says or self.words(ctx)}", self.fix)
+
+    def words(self, ctx: Context) -> str:
+        """ "at least 2", "between 1 and --seq-len 2048", "in (0, 1]", "0 or more and below --length 256"."""
+        low, high = (ctx.said(b) if isinstance(b, str) else _number(b) for b in (self.low, self.high))
+        if self.low is not None and self.high is not None:
+            if not (self.low_open or self.high_open):
+                return f"between {low} and {high}"
+            if not (isinstance(self.low, str) or isinstance(self.high, str)):
+                return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        said = []
+        if self.low is not None:
+            zero = self.low == 0
+            said.append(("a positive number" if zero else f"above {low}") if self.low_open
+                        else ("0 or more" if zero else f"at least {low}"))  # fmt: skip
+        if self.high is not None:
+            said.append(f"below {high}" if self.high_open else f"at most {high}")
+        return " and ".join(said)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A cap on what a number costs (memory, time, disk) rather than a bound on what it means: "--refine-steps
+    2000000 is more than the 1,000,000 allowed (why); lower it"."""
+
+    most: int
+    why: str
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        if value <= self.most:
+            return None
+        return f"{ctx.said(field, value)} is more than the {self.most:,} allowed ({self.why}); lower it"
+
+
+@dataclass(frozen=True)
+class Finite:
+    """A finite number: "--refine-lr nan is not a finite number; give a positive one"."""
+
+    fix: str
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        return None if math.isfinite(value) else f"{ctx.said(field, value)} is not a finite number; {self.fix}"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """When this field's value meets `when` (by default: it is true), another `field` must be set, or with
+    `value`, set to it: "--chat wraps prompts in the chat template; pass --prompts"."""
+
+    field: str
+    why: str
+    when: Callable[[object], bool] = bool
+    value: object = None  # None: any value but None
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        other = ctx.value(self.field)
+        if not self.when(value) or (other is not None if self.value is None else other == self.value):
+            return None
+        subject = ctx.name(field) if value is True else f"{ctx.name(field)} {value}"
+        return f"{subject} {self.why}; {ctx.ask(self.field, self.value)}"
+
+
+@dataclass(frozen=True)
+class Excludes:
+    """When this field's value meets `when` (by default: it is true), another `field` must be unset (None), the
+    two being two ways to ask for one thing: "--start and --prompts both choose how a sample begins; keep one"."""
+
+    field: str
+    why: str
+    when: Callable[[object], bool] = bool
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        if not self.when(value) or ctx.value(self.field) is None:
+            return None
+        return f"{ctx.name(field)} and {ctx.name(self.field)} {self.why}; keep one"
+
+
+def _number(bound: float | None) -> str:
+    return f"{bound:,}" if isinstance(bound, int) else f"{bound:g}"
+
+
+# -- stages --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -75,35 +258,82 @@ class Switch:
 
 @dataclass(frozen=True)
 class Stage:
-    """How one command reads its settings."""
+    """How one command reads its settings, and names them in what it says about them."""
 
     command: str  # "convert"
-    settings: type  # the dataclass
+    settings: type[Settings]  # the dataclass
     description: str
-    required: tuple[str, ...] = ()  # fields that must be set, by a file, an option or a positional
     positionals: tuple[Positional, ...] = ()
     switches: tuple[Switch, ...] = ()
     foreign_names: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # theirs: (ours, note)
     config_flags: tuple[str, ...] = ("--config",)
     record_kind: str = "a record"  # what its gqaify.json is called, e.g. "an eval report"
+    # how messages name a field: its positional's metavar or its option ("--seq-len"), or, for a stage set up
+    # by a recipe file, its key ("seq_len")
+    named_by: Literal["options", "keys"] = "options"
 
     def field_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings)]
 
     def named(self, field: str) -> str:
-        """How a user gives `field`: its positional's metavar or its option."""
+        """How a user gives `field`: its positional's metavar, its option, or (named by keys) its key."""
         for p in self.positionals:
             if p.field == field:
                 return p.metavar
-        return f"--{field.replace('_', '-')}"
+        return field if self.named_by == "keys" else f"--{field.replace('_', '-')}"
+
+    def declared_problems(self, settings: Settings, leave_out: frozenset[str] = frozenset()) -> list[str]:
+        """What the fields' declarations say is wrong with `settings` (but the fields in `leave_out`): each
+        required field that is unset, and the first rule each set value breaks, in the order of the fields."""
+        ctx, problems = Context(self, settings), []
+        for f in dataclasses.fields(settings):
+            if f.name in leave_out:
+                continue
+            value = getattr(settings, f.name)
+            if f.metadata.get(_REQUIRED) and _unset(value):
+                problems.append(self._required_problem(f.name, value))
+            elif value is not None and (problem := _first_problem(f, value, ctx)):
+                problems.append(problem)
+        return problems
+
+    def _required_problem(self, field: str, value) -> str:
+        missing = "is empty" if isinstance(value, str) else "is required"
+        return f"{self.named(field)} {missing}; give it on the command line or as {field}: in the " \
+               f"{self.config_flags[0]} file"  # fmt: skip
+
+
+def _unset(value) -> bool:
+    return value is None or value == [] or (isinstance(value, str) and not value.strip())
+
+
+def _first_problem(f: dataclasses.Field, value, ctx: Context) -> str | None:
+    """The problem with `value` that the first rule of `f` it breaks reports: a rule object's, or a function's
+    `(value, name)`."""
+    for rule in f.metadata.get(_RULES, ()):
+        problem = rule.problem(f.name, value, ctx) if hasattr(rule, "problem") else rule(value, ctx.name(f.name))
+        if problem:
+            return problem
+    return None
+
+
+def required_problems(stage: Stage, settings: Settings) -> list[str]:
+    """The required fields of `settings` that are not given (the first of `Stage.declared_problems`, alone: for
+    a caller that needs them set before it checks anything else)."""
+    return [stage._required_problem(f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)
+            if f.metadata.get(_REQUIRED) and _unset(getattr(settings, f.name))]  # fmt: skip
+
+
+# -- the command line ----------------------------------------------------------------------------------------
 
 
 def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
-    """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`.
+    """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`,
+    checked (`problems()`), so that the command line answers before anything heavy is loaded.
 
     Raises:
         UserError: the file is missing, not a mapping, or has unknown keys; an option is unknown; a value has
-            the wrong type; a required field is unset. Every problem at once.
+            the wrong type (each of these, every problem at once); a positional and its option are both given,
+            and every problem `problems()` finds, at once.
         SystemExit: --help (status 0), or a malformed option value (argparse's one-line error, status 2).
     """
     parser = build_parser(stage, prog)
@@ -129,28 +359,24 @@ def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
             problems.append(f"{p.metavar} and --{p.field.replace('_', '-')} both given; give one")
         values[p.field] = given
     settings = stage.settings(**{name: values[name] for name in stage.field_names()})
-    raise_if_problems(problems + type_problems(settings) + required_problems(stage, settings))
+    raise_if_problems(problems + settings.problems())
     return settings
 
 
-def required_problems(stage: Stage, settings) -> list[str]:
-    """The required fields that are not set (None, or an empty list)."""
-    flag = stage.config_flags[0]
-    return [f"{stage.named(name)} is required; give it on the command line or as {name}: in the {flag} file"
-            for name in stage.required if getattr(settings, name) in (None, [])]  # fmt: skip
-
-
 def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
-    """An option per field of the stage's dataclass (`add_field_option`), with --config, positionals and switches."""
+    """An option per field of the stage's dataclass (`add_field_option`), with --config, positionals and switches;
+    the fields a base class declares (uptrain's and convert's `MethodSettings`) under its docstring's first line."""
     parser = OneLineParser(
         prog=prog or f"gqaify {stage.command}",
         description=stage.description,
         allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
         formatter_class=_Formatter,
     )
-    hints = typing.get_type_hints(stage.settings)
-    for f in dataclasses.fields(stage.settings):
-        add_field_option(parser, f, hints[f.name])
+    hints = _hints(stage.settings)
+    for owner, fields in _by_declaring_class(stage.settings):
+        group = parser if owner is stage.settings else parser.add_argument_group(owner.__doc__.splitlines()[0])
+        for f in fields:
+            add_field_option(group, f, hints[f.name])
     for p in stage.positionals:
         parser.add_argument(f"positional {p.field}", nargs=p.nargs, metavar=p.metavar, default=None,
                             help=f"the same as --{p.field.replace('_', '-')}")  # fmt: skip
@@ -162,13 +388,26 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     return parser
 
 
-def add_field_option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint) -> None:
+def _by_declaring_class(settings: type) -> list[tuple[type, list[dataclasses.Field]]]:
+    """The fields of `settings` by the class that first declares each (one a subclass declares again, to change
+    its default, stays with its base): the class's own first, then each base's."""
+    declared_by = {}
+    for cls in reversed(settings.__mro__):
+        for name in inspect.get_annotations(cls):
+            declared_by.setdefault(name, cls)
+    groups: dict[type, list[dataclasses.Field]] = {settings: []}
+    for f in dataclasses.fields(settings):
+        groups.setdefault(declared_by[f.name], []).append(f)
+    return list(groups.items())
+
+
+def add_field_option(parser, f: dataclasses.Field, hint) -> None:
     """`--field-name` (and `--field_name`) for one settings field, as transformers' HfArgumentParser adds it.
 
     `X | None` is read as X; a Literal gives the choices; a list takes one value or more (`nargs="+"`; "*" for
-    `setting(..., empty_list=True)`); a boolean is a plain flag (`--force`, not HfArgumentParser's optional value,
-    which would take the next argument, `--force SRC`, for its value; files give true/false), and a boolean
-    that defaults to true also gets `--no-field`.
+    `setting(..., empty_list=True)`), each of its item type; a boolean is a plain flag (`--force`, not
+    HfArgumentParser's optional value, which would take the next argument, `--force SRC`, for its value; files
+    give true/false), and a boolean that defaults to true also gets `--no-field`.
     """
     flags = _flags(f.name)
     default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
@@ -179,15 +418,20 @@ def add_field_option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint
         if default is True:
             parser.add_argument(*_flags(f"no_{f.name}"), action="store_false", dest=f.name,
                                 default=argparse.SUPPRESS, help=f"the opposite of {flags[0]}")  # fmt: skip
-    elif typing.get_origin(hint) is Literal:
-        choices = typing.get_args(hint)
-        by_text = {str(c): c for c in choices}  # a choice typed on the command line is text
-        parser.add_argument(*flags, choices=choices, type=lambda text: by_text.get(text, text), **kwargs)
     elif typing.get_origin(hint) is list:
         nargs = "*" if f.metadata.get(_EMPTY_LIST) else "+"
-        parser.add_argument(*flags, nargs=nargs, type=typing.get_args(hint)[0], **kwargs)
+        parser.add_argument(*flags, nargs=nargs, **_typed(typing.get_args(hint)[0]), **kwargs)
     else:
-        parser.add_argument(*flags, type=hint, **kwargs)
+        parser.add_argument(*flags, **_typed(hint), **kwargs)
+
+
+def _typed(hint) -> dict:
+    """argparse's `type` (and `choices`, for a Literal) of an option's values."""
+    if typing.get_origin(hint) is not Literal:
+        return {"type": hint}
+    choices = typing.get_args(hint)
+    by_text = {str(c): c for c in choices}  # a choice typed on the command line is text
+    return {"choices": choices, "type": lambda text: by_text.get(text, text)}
 
 
 def _flags(name: str) -> list[str]:
@@ -370,7 +614,7 @@ def _owner(stage: Stage, keys: list) -> Stage | None:
 def _numbers_from_text(values: dict, stage: Stage, where: str) -> dict:
     """Numbers YAML read as text (`lr: 1e-4` lacks the dot YAML wants) as numbers, as argparse would convert them;
     text that is no number is refused here, naming the file, before argparse reports it as an option's."""
-    hints = typing.get_type_hints(stage.settings)
+    hints = _hints(stage.settings)
     converted, problems = dict(values), []
     for key, value in values.items():
         number = next((t for t in (int, float) if t in (hints[key], *typing.get_args(hints[key]))), None)
@@ -385,14 +629,21 @@ def _numbers_from_text(values: dict, stage: Stage, where: str) -> dict:
 
 
 def type_problems(settings) -> list[str]:
-    """Values of the wrong type or outside a field's choices."""
-    hints = typing.get_type_hints(type(settings))
+    """Values of the wrong type or outside a field's choices (`Settings.__post_init__` refuses them)."""
+    hints = _hints(type(settings))
     problems = []
     for f in dataclasses.fields(settings):
         value, hint = getattr(settings, f.name), hints[f.name]
         if not _is_a(value, hint):
             problems.append(f"{f.name} {shown(value)} is not {_describe(hint)}; fix the file, option or argument")
     return problems
+
+
+@functools.cache
+def _hints(settings: type) -> dict:
+    """The field types of a settings class (its annotations are text until read: `from __future__ import
+    annotations`), read once."""
+    return typing.get_type_hints(settings)
 
 
 def nearest(stage: Stage, key: str, prefix: str = "") -> str:

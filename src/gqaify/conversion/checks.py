@@ -1,55 +1,67 @@
 """Everything that can be wrong with a conversion request, found before anything is written.
 
-The options and OUT need no model; config.json adds the architecture, the value types, G against the K/V heads,
+The settings, OUT and where SRC is need no model (`check_request`, which keeps what it worked out: where SRC is,
+the shard size in bytes); config.json adds the architecture, the value types, G against the K/V heads,
 calibration against the hidden size; the opened source adds overlap with OUT and what the method may rewrite.
 Each function returns its problems (or raises one `UserError`), so that `convert_with` reports them at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for
 from gqaify.conversion.methods import Method
-from gqaify.conversion.options import Calibration, ConvertSettings, method_problems
+from gqaify.conversion.options import Calibration, ConvertSettings
 from gqaify.conversion.source import Source, read_config
 from gqaify.errors import UserError
-from gqaify.hub import repo_id_problem
-from gqaify.locations import locate
-from gqaify.outputs import destination_problems
+from gqaify.locations import Location, locate
+from gqaify.outputs import destination_problems, resolve_out
 from gqaify.sizes import parse_size
 
 
-def request_problems(s: ConvertSettings, calibration: Calibration | None) -> list[str]:
-    """Everything wrong with the request that needs no model: the options, OUT, and whether SRC can exist."""
-    problems = []
-    if s.kv_heads is None or s.kv_heads < 1:
-        problems.append(f"--kv-heads {s.kv_heads} must be a whole number of at least 1 (1 is MQA)")
-    problems += method_problems(s.method, s.grouping, calibrated=calibration is not None)
-    if calibration is not None:
-        problems += calibration.problems()
-    if parse_size(s.max_shard_size) is None:
+@dataclass(frozen=True)
+class Request:
+    """A conversion request as checked before anything is read: every problem found, and what the checks worked
+    out on the way, kept for the conversion rather than worked out again (the rest holds only without problems)."""
+
+    problems: list[str]
+    source: Location | None  # where SRC is
+    out: Path  # OUT, absolute
+    shard_bytes: int | None  # max_shard_size in bytes
+    calibration: Calibration | None
+
+
+def check_request(s: ConvertSettings) -> Request:
+    """Everything wrong with the request that needs no model, at once: the settings (`ConvertSettings.problems`),
+    max_shard_size, OUT, and whether SRC can exist; and, if anything is wrong, what SRC's config.json would add,
+    where reading it is free (a local folder)."""
+    problems = s.problems()
+    shard_bytes = parse_size(s.max_shard_size)
+    if shard_bytes is None:
         problems.append(f"--max-shard-size {s.max_shard_size!r} is not a size; write it like 5GB, 500MB or 2GiB")
-    if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub)):
-        problems.append(problem)
-    source_dir = Path(s.src or "").expanduser()
-    if s.src and s.out and source_dir.is_dir() and _overlap(source_dir, Path(s.out).expanduser()):
+    source = None
+    if _given(s.src):  # else a problem already
+        try:
+            source = locate(s.src, "SRC")
+        except UserError as exc:
+            problems.append(str(exc))
+    out = resolve_out(s.out) if _given(s.out) else Path()
+    if _given(s.out):
+        overlap = _overlap(source.path, Path(s.out).expanduser()) if source and source.kind == "local" else None
         # OUT would be refused as existing; the real reason is that it is (or holds, or is held by) the source
-        problems.append(_overlap(source_dir, Path(s.out).expanduser()))
-    else:
-        problems += destination_problems(s.out, s.force)
-    try:
-        locate(s.src, "SRC")
-    except UserError as exc:
-        problems.append(str(exc))
-    return problems
+        problems += [overlap] if overlap else destination_problems(s.out, s.force)
+    calibration = s.calibration()
+    if problems and source is not None and source.kind == "local" and (source.path / "config.json").is_file():
+        with contextlib.suppress(UserError):  # an unreadable config.json: reported when the source is opened
+            problems += config_problems(read_config(source.path), s.kv_heads, calibration)[0]
+    return Request(problems, source, out, shard_bytes, calibration)
 
 
-def read_config_or_empty(directory: Path) -> dict:
-    try:
-        return read_config(directory)
-    except UserError:
-        return {}  # reported when the source is opened
+def _given(text: str | None) -> bool:
+    return text is not None and bool(text.strip())
 
 
 def config_problems(config: dict, kv_heads, calibration: Calibration | None):

@@ -27,17 +27,10 @@ from gqaify.archs import attention_kind, rotary_dim
 from gqaify.conversion.calibrate import calibrate, read_calibration
 from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter
-from gqaify.conversion.checks import (
-    check_method,
-    config_problems,
-    overlap_problems,
-    read_config_or_empty,
-    request_problems,
-    text_problems,
-)
+from gqaify.conversion.checks import check_method, check_request, config_problems, overlap_problems, text_problems
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
+from gqaify.conversion.options import NOT_RECORDED, ConvertSettings
 from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, SourceHasher, plan_output, stream_tensors
@@ -45,9 +38,8 @@ from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.hub import push_folder
 from gqaify.kvcache import kv_cache_bytes_per_token
-from gqaify.outputs import remove_leftovers, resolve_out, space_problem, staged, write_provenance
-from gqaify.settings import recorded, required_problems, type_problems
-from gqaify.sizes import parse_size
+from gqaify.outputs import remove_leftovers, space_problem, staged, write_provenance
+from gqaify.settings import recorded
 
 LOG = logging.getLogger(__name__)
 
@@ -104,18 +96,12 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         raise UserError(f"--gguf-type {settings.gguf_type} is the type of a GGUF file's matrices; name OUT with "
                         ".gguf to write one, or drop --gguf-type")  # fmt: skip
     start = time.perf_counter()
-    raise_if_problems(type_problems(settings) + required_problems(CONVERT, settings))
     s = settings
-    src, out, kv_heads, method, calibration = s.src, s.out, s.kv_heads, s.method, s.calibration()
-    out_path = resolve_out(out) if out.strip() else Path()
-    problems = request_problems(s, calibration)
-    if problems:  # report what config.json would add too, where reading it is free (a local folder)
-        local = Path(src).expanduser()
-        if local.is_dir() and (local / "config.json").is_file():
-            problems += config_problems(read_config_or_empty(local), kv_heads, calibration)[0]
-        raise_if_problems(problems)
+    request = check_request(s)  # every problem with the settings, OUT and SRC, before anything is read
+    raise_if_problems(request.problems)
+    kv_heads, method, calibration, out_path = s.kv_heads, s.method, request.calibration, request.out
 
-    with open_source(src, s.revision) as source:
+    with open_source(request.source, s.revision) as source:
         problems, spec, geometry = config_problems(source.config, kv_heads, calibration)
         problems += overlap_problems(source, out_path)
         raise_if_problems(problems)
@@ -147,7 +133,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
                 calibrated = calibrate(source, spec, geometry, calibration, text, METHODS[method], kv_heads,
                                        s.grouping, ctx, not qk_norms, staging / _FITS, s.progress)  # fmt: skip
             converter = LayerConverter(METHODS[method], kv_heads, ctx, calibrated)
-            with ShardWriter(staging, plan.tensors, parse_size(s.max_shard_size)) as writer:
+            with ShardWriter(staging, plan.tensors, request.shard_bytes) as writer:
                 stream_tensors(source, plan, writer, converter, hasher, s.allow_nonfinite, s.progress)
                 writer.close()
             write_config_and_side_files(source, spec, staging, kv_heads, s.dtype)

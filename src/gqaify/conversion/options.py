@@ -1,4 +1,5 @@
-"""What a conversion can be asked to do, as data: the methods, the groupings, and `ConvertSettings`.
+"""What a conversion can be asked to do, as data: the methods, the groupings, `MethodSettings` (the method and its
+calibration, which uptrain shares) and `ConvertSettings`.
 
 This module imports nothing heavy, so that the command line can list the choices and check them before torch
 is loaded. The methods' computations live in `methods.py`, registered under the names listed here.
@@ -6,12 +7,12 @@ is loaded. The methods' computations live in `methods.py`, registered under the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from gqaify.dtypes import DtypeName
-from gqaify.settings import Positional, Stage, Switch, setting
+from gqaify.hub import repo_id_problem
+from gqaify.settings import Finite, Limit, Needs, Positional, Range, Settings, Stage, Switch, setting
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,14 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "first": MethodInfo("keep the first head of each group (the GQA paper's ablation)"),
     "random": MethodInfo("re-initialise the K/V projections, seeded by --seed (the GQA paper's ablation)"),
     "norm-mean": MethodInfo("mean-pool, then restore each pooled row's norm to the group's mean"),
-    "aligned": MethodInfo("rotate each head onto its group's first head, fold the rotation into its readers, average",
-                          calibrated=True, folds=True),  # fmt: skip
-    "lsq": MethodInfo("fit the shared K/V and each reader's compensation in closed form (least squares)",
-                      calibrated=True, folds=True),  # fmt: skip
+    "aligned": MethodInfo(
+        "rotate each head onto its group's first head, fold the rotation into its readers, average",
+        calibrated=True,
+        folds=True,
+    ),
+    "lsq": MethodInfo(
+        "fit the shared K/V and each reader's compensation in closed form (least squares)", calibrated=True, folds=True
+    ),
 }
 
 GROUPINGS = ("contiguous", "similarity")
@@ -38,19 +43,6 @@ CALIB_MODES = ("sequential", "parallel")
 MethodName = Literal[tuple(METHOD_INFO)]
 GroupingName = Literal[GROUPINGS]
 CalibMode = Literal[CALIB_MODES]
-
-
-def method_problems(method: MethodName, grouping: GroupingName, calibrated: bool) -> list[str]:
-    """Problems with a choice of method and grouping (names already checked), given whether calibration text is
-    set."""
-    problems = []
-    if METHOD_INFO[method].calibrated and not calibrated:
-        problems.append(
-            f"--method {method} is fitted on calibration text; pass --calib-data DATA (text other than your eval text)"
-        )
-    if grouping == "similarity" and not calibrated:
-        problems.append("--grouping similarity compares heads on calibration text; pass --calib-data DATA")
-    return problems
 
 
 # The fits solve for (hidden + 1)-wide rows from the second moment of the layer input: with fewer tokens than
@@ -75,7 +67,7 @@ class Calibration:
     steps against the parent layer's output. "parallel" fits every layer on the parent's activations, as
     one pass of the parent would: gqaify's first calibration, kept for comparison.
 
-    Built by `ConvertSettings.calibration()`, whose fields hold the defaults and whose types are checked first.
+    Built by `ConvertSettings.calibration()`, whose fields hold the defaults and declare the values' rules.
     """
 
     data: str  # a text file or folder, or a hub dataset name[:config], as `gqaify eval --data`
@@ -88,31 +80,6 @@ class Calibration:
     refine_lr: float
     repair: bool  # refit o_proj against the parent's attention output (sequential only)
     sha256: str | None = None  # the SHA-256 the text read must have (`text_problem`); None: any text
-
-    def problems(self) -> list[str]:
-        """Values out of range (their types are checked with the settings)."""
-        problems = []
-        if not self.data:
-            problems.append("--calib-data is empty; name a text file, folder or hub dataset")
-        if self.tokens < 2:
-            problems.append(f"--calib-tokens {self.tokens} must be at least 2 (tens of thousands are typical)")
-        if self.seq_len < 2:
-            problems.append(f"--calib-seq-len {self.seq_len} must be at least 2")
-        if self.refine_steps < 0:
-            problems.append(f"--refine-steps {self.refine_steps} must be a whole number, 0 or more")
-        elif self.refine_steps > REFINE_STEPS_MAX:
-            problems.append(f"--refine-steps {self.refine_steps} is more than the {REFINE_STEPS_MAX:,} allowed "
-                            "(each step is one window through one layer; tens to thousands are typical); lower it")
-        elif self.refine_steps and self.mode != "sequential":
-            problems.append("--refine-steps refines each layer on the converted stream; use --calib-mode sequential")
-        if not math.isfinite(self.refine_lr):
-            problems.append(f"--refine-lr {self.refine_lr} is not a finite number; give a positive one (e.g. 1e-3)")
-        elif self.refine_lr <= 0:
-            problems.append(f"--refine-lr {self.refine_lr} must be a positive number")
-        if self.sha256 is not None and not _is_sha256(self.sha256):
-            problems.append(f"--calib-sha256 {self.sha256!r} is not a SHA-256 (64 hex digits); copy it from the "
-                            "gqaify.json that recorded it, or leave it unset")  # fmt: skip
-        return problems
 
     def text_problem(self, sha256: str) -> str | None:
         """A problem if the text read (its SHA-256 `sha256`) is not the text `self.sha256` expects.
@@ -166,23 +133,88 @@ def _is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
 
 
-@dataclass(frozen=True)
-class ConvertSettings:
-    """Everything `gqaify convert` is asked to do: the command line's options, a --config file's keys, and the
-    keyword arguments of `gqaify.convert`. gqaify.json records them as resolved (see `resolved_record`)."""
+def _calibrated(method: str) -> bool:
+    return METHOD_INFO[method].calibrated
 
-    src: str | None = setting(None, "the model to convert: hub id, local model folder, or .gguf file (never modified)")
-    out: str | None = setting(None, "the folder to create; written beside it and renamed into place when complete")
-    kv_heads: int | None = setting(None, "G, the new number of K/V heads; must divide the source's; 1 = MQA")
+
+def _text_named(data: str, name: str) -> str | None:
+    return None if data.strip() else f"{name} is empty; name a text file, folder or hub dataset"
+
+
+def _sha256_problem(sha256: str, name: str) -> str | None:
+    if not sha256 or _is_sha256(sha256):  # '': any text
+        return None
+    return f"{name} {sha256!r} is not a SHA-256 (64 hex digits); copy it from the gqaify.json that recorded it, " \
+           "or leave it unset"  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MethodSettings(Settings):
+    """The conversion method and its calibration (uptrain's too, for the conversion it runs with kv_heads).
+
+    How each group of K/V heads becomes one: the method, which heads are grouped, and the calibration text and
+    steps the fitted methods learn from. `ConvertSettings` and `UptrainSettings` are both made of these fields
+    (--help lists them under the first line above), so that a recipe's conversion is one `gqaify convert`
+    would run, with the same keys, defaults and checks.
+    """
+
     method: MethodName = setting(
         "mean",
         "how each group of heads becomes one: "
         + "; ".join(f"{name}: {info.summary}" + (" [needs calib_data]" if info.calibrated else "")
                     for name, info in METHOD_INFO.items()),
+        check=Needs("calib_data", "is fitted on calibration text (text other than your eval text)", _calibrated),
     )  # fmt: skip
     grouping: GroupingName = setting(
         "contiguous", "which heads share a K/V head: neighbours as repeat_kv (contiguous), or the heads that agree "
-        "most on the calibration text (similarity; needs calib_data)"
+        "most on the calibration text (similarity; needs calib_data)",
+        check=Needs("calib_data", "compares heads on calibration text", "similarity".__eq__),
+    )  # fmt: skip
+    calib_data: str | None = setting(
+        None, "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
+        "per-layer fit error; use text other than your eval text", check=_text_named
+    )  # fmt: skip
+    calib_tokens: int = setting(
+        32768, "calibration tokens read from calib_data", check=Range(2, fix="tens of thousands are typical")
+    )
+    calib_split: str = setting("train", "split of calib_data")
+    calib_text_column: str = setting("text", "column of calib_data holding the text")
+    calib_seq_len: int = setting(1024, "calibration window length in tokens", check=Range(2))
+    calib_sha256: str | None = setting(
+        None, "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
+        "text that changed since); '' accepts any text", check=_sha256_problem
+    )  # fmt: skip
+    calib_mode: CalibMode = setting(
+        "sequential", "sequential: layer by layer on the converted model's own activations, each layer repaired "
+        "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)"
+    )  # fmt: skip
+    refine_steps: int = setting(
+        0, "Adam steps per layer refining its attention against the parent layer's output (sequential only)",
+        check=(Range(0, says="a whole number, 0 or more"),
+               Limit(REFINE_STEPS_MAX, "each step is one window through one layer; tens to thousands are typical"),
+               Needs("calib_mode", "refines each layer on the converted stream", value="sequential")),
+    )  # fmt: skip
+    refine_lr: float = setting(
+        1e-3, "learning rate of refine_steps",
+        check=(Finite("give a positive one (e.g. 1e-3)"), Range(0, low_open=True)),
+    )  # fmt: skip
+    repair: bool = setting(True, "refit each layer's o_proj against the parent's attention output (sequential)")
+
+
+@dataclass(frozen=True)
+class ConvertSettings(MethodSettings):
+    """Everything `gqaify convert` is asked to do: the command line's options, a --config file's keys, and the
+    keyword arguments of `gqaify.convert`. gqaify.json records them as resolved (see `resolved_record`)."""
+
+    src: str | None = setting(
+        None, "the model to convert: hub id, local model folder, or .gguf file (never modified)", required=True
+    )
+    out: str | None = setting(
+        None, "the folder to create; written beside it and renamed into place when complete", required=True
+    )
+    kv_heads: int | None = setting(
+        None, "G, the new number of K/V heads; must divide the source's; 1 = MQA", required=True,
+        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
     )  # fmt: skip
     dtype: DtypeName = setting("auto", "output dtype of floating-point tensors (auto: keep each tensor's)")
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
@@ -192,31 +224,17 @@ class ConvertSettings:
     )  # fmt: skip
     revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
     seed: int = setting(0, "seed for --method random")
-    calib_data: str | None = setting(
-        None, "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
-        "per-layer fit error; use text other than your eval text"
-    )  # fmt: skip
-    calib_tokens: int = setting(32768, "calibration tokens read from calib_data")
-    calib_split: str = setting("train", "split of calib_data")
-    calib_text_column: str = setting("text", "column of calib_data holding the text")
-    calib_seq_len: int = setting(1024, "calibration window length in tokens")
-    calib_sha256: str | None = setting(
-        None, "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
-        "text that changed since); '' accepts any text"
-    )  # fmt: skip
-    calib_mode: CalibMode = setting(
-        "sequential", "sequential: layer by layer on the converted model's own activations, each layer repaired "
-        "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)"
-    )  # fmt: skip
-    refine_steps: int = setting(
-        0, "Adam steps per layer refining its attention against the parent layer's output (sequential only)"
-    )
-    refine_lr: float = setting(1e-3, "learning rate of refine_steps")
-    repair: bool = setting(True, "refit each layer's o_proj against the parent's attention output (sequential)")
     allow_nonfinite: bool = setting(False, "convert K/V weights that hold NaN or Inf instead of refusing")
     force: bool = setting(False, "replace OUT if it is empty or a conversion gqaify wrote (nothing else)")
-    push_to_hub: str | None = setting(None, "upload OUT, once complete, to this hub repository (owner/name)")
+    push_to_hub: str | None = setting(
+        None, "upload OUT, once complete, to this hub repository (owner/name)", check=repo_id_problem
+    )
     progress: bool = setting(True, "show a progress bar")
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the values, at once (their declarations'); `checks.check_request` adds what the
+        files say (SRC, OUT, max_shard_size read as bytes)."""
+        return CONVERT.declared_problems(self)
 
     def calibration(self) -> Calibration | None:
         """The calibration these settings ask for, or None without calib_data."""
@@ -238,7 +256,6 @@ CONVERT = Stage(
     "  gqaify convert SRC OUT --kv-heads 2\n"
     "  gqaify convert --config convert.yaml --kv-heads 1     (the file's settings; options given here win)\n"
     "  gqaify convert --config OUT/gqaify.json --out OUT2    (rerun a conversion from its record)",
-    required=("src", "out", "kv_heads"),
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
     record_kind="a conversion record",

@@ -34,7 +34,7 @@ from gqaify.conversion.checkpoint import (
     open_checkpoint,
 )
 from gqaify.errors import UserError
-from gqaify.locations import locate
+from gqaify.locations import Location, locate
 
 LOG = logging.getLogger(__name__)
 
@@ -117,13 +117,15 @@ class Source:
 
 
 @contextlib.contextmanager
-def open_source(src: str | Path, revision: str | None = None) -> Iterator[Source]:
-    """Resolve `src` to its config and side files; temporary files (GGUF export) live as long as the context.
+def open_source(src: str | Path | Location, revision: str | None = None) -> Iterator[Source]:
+    """Resolve `src` (a name, or where `locate` found it) to its config and side files; temporary files (GGUF
+    export) live as long as the context.
 
     Raises:
         UserError: `src` does not exist, is not a model, or cannot be fetched.
     """
-    where = locate(src, "SRC")
+    where = src if isinstance(src, Location) else locate(src, "SRC")
+    src = where.name
     if where.kind != "hub" and revision is not None:
         raise UserError(f"--revision applies to hub ids, but {src} is a local path; drop --revision")
     if where.kind == "gguf":

@@ -65,19 +65,18 @@ def convert_to_gguf(settings) -> ConversionResult:
             or OUT exists and is not a GGUF gqaify wrote (with --force) or --force is not given.
         ResourceError: the disk filled up; nothing is left behind.
     """
-    from gqaify.conversion.checks import request_problems
+    from gqaify.conversion.checks import check_request
     from gqaify.conversion.core import convert_with
     from gqaify.conversion.options import CONVERT
     from gqaify.conversion.source import open_source
     from gqaify.outputs import remove_leftovers, resolve_out, work_folder, written_whole
-    from gqaify.settings import required_problems, type_problems
+    from gqaify.settings import required_problems
 
     s = settings
-    raise_if_problems(type_problems(s) + required_problems(CONVERT, s))  # SRC and OUT, read below
+    raise_if_problems(required_problems(CONVERT, s))  # SRC and OUT, read below
     out = resolve_out(s.out)
     # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
-    work = replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))
-    problems = request_problems(work, work.calibration())
+    problems = check_request(replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))).problems
     problems += [p for p in (_destination_problem(out, s.force), _type_problem(s.gguf_type)) if p]
     if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:
         problems.append(f"OUT {out} is the source; name another file to write")

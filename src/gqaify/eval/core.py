@@ -31,11 +31,11 @@ from gqaify.eval.report import REPORT_BYTES, write_report
 from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
-from gqaify.eval.tasks import Harness, TaskRequest
+from gqaify.eval.tasks import Harness
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.models import device_problem, load_config, load_model, load_tokenizer, resolve_device
 from gqaify.outputs import destination_problems, remove_leftovers, resolve_out, space_problem
-from gqaify.settings import recorded, type_problems
+from gqaify.settings import recorded
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
@@ -53,13 +53,12 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     """
     s = replace(settings or EvalSettings(), models=[os.fspath(m) for m in models], data=os.fspath(data),
                 out=os.fspath(out))  # fmt: skip
-    raise_if_problems(type_problems(s))
     models, data = s.models, s.data
     stride = s.seq_len if s.stride is None else s.stride
     request = s.task_request()
     if s.out.strip():
         remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
-    configs, budget, device = _check(s, stride, request)
+    configs, budget, device = _check(s)
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
     prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
     text = load_text(data, s.split, s.text_column)
@@ -171,10 +170,14 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
 # -- input -------------------------------------------------------------------------------------------------
 
 
-def _check(s: EvalSettings, stride: int, request: TaskRequest) -> tuple[list, int, torch.device]:
-    """Every problem with the settings, --out and the models, raised as one `UserError`; else the models' configs,
-    the memory budget in bytes and the device."""
-    problems = request.problems() + _setting_problems(s, stride) + _out_problems(s.out, s.force)
+def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
+    """Every problem with the settings, --out, --memory-budget, --device and the models, raised as one `UserError`;
+    else the models' configs, the memory budget in bytes and the device."""
+    problems = s.problems() + _out_problems(s.out, s.force)
+    budget = parse_size(s.memory_budget)
+    if budget is None:
+        problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
+    problems += [p for p in [device_problem(s.device)] if p]
     configs = []
     for name in s.models:
         try:
@@ -184,30 +187,13 @@ def _check(s: EvalSettings, stride: int, request: TaskRequest) -> tuple[list, in
             configs.append(None)
     problems += _position_problems(s, configs)
     raise_if_problems(problems)
-    return configs, parse_size(s.memory_budget), resolve_device(s.device)
-
-
-def _setting_problems(s: EvalSettings, stride: int) -> list[str]:
-    problems = []
-    if not s.models:
-        problems.append("name at least one MODEL (the first is the parent)")
-    if s.seq_len < 2:
-        problems.append(f"--seq-len {s.seq_len} must be at least 2")
-    if not 0 < stride <= max(s.seq_len, 1):
-        problems.append(f"--stride {stride} must be between 1 and --seq-len {s.seq_len}")
-    if s.max_tokens is not None and s.max_tokens < 2:
-        problems.append(f"--max-tokens {s.max_tokens} must be at least 2")
-    for key in ("batch_size", "decode_tokens", "decode_batch", "repeats", "decode_context", "diag_tokens",
-                "generate_tokens"):  # fmt: skip
-        if getattr(s, key) < 1:
-            problems.append(f"--{key.replace('_', '-')} {getattr(s, key)} must be at least 1")
-    if parse_size(s.memory_budget) is None:
-        problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
-    return problems + [p for p in [device_problem(s.device)] if p]
+    return configs, budget, resolve_device(s.device)
 
 
 def _out_problems(out: str, force: bool) -> list[str]:
     """--out: a folder that can be created (or, with --force, replaced: `outputs`), with room for the report."""
+    if not out.strip():
+        return []  # required: a problem already
     problems = destination_problems(out, force, "--out")
     return problems or [p for p in [space_problem(resolve_out(out), REPORT_BYTES, "--out")] if p]
 

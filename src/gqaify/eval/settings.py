@@ -6,32 +6,36 @@ from dataclasses import dataclass
 
 from gqaify.dtypes import DtypeName
 from gqaify.eval.tasks import TaskRequest
-from gqaify.settings import Positional, Stage, Switch, setting
+from gqaify.settings import Positional, Range, Settings, Stage, Switch, setting
 
 
 @dataclass(frozen=True)
-class EvalSettings:
+class EvalSettings(Settings):
     """What `gqaify eval` measures, and on what: the command line's options, a --config file's keys, and the
     fields of `gqaify.evaluate`'s `settings`. report.json records them."""
 
-    models: list[str] = setting([], "the parent first, then the models to compare (hub ids, folders, .gguf files)")
-    data: str | None = setting(None, "text file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
-    out: str | None = setting(None, "folder for the report")
+    models: list[str] = setting(
+        [], "the parent first, then the models to compare (hub ids, folders, .gguf files)", required=True
+    )
+    data: str | None = setting(None, "text file/folder (.txt .jsonl .parquet .csv) or hub name[:config]", required=True)
+    out: str | None = setting(None, "folder for the report", required=True)
     force: bool = setting(False, "replace --out if it is empty or a report gqaify wrote (nothing else)")
     split: str = setting("test", "dataset split of data")
     text_column: str = setting("text", "column holding the text")
-    seq_len: int = setting(2048, "window length in tokens")
-    stride: int | None = setting(None, "tokens between window starts (default: seq_len, no overlap)")
-    max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text")
-    batch_size: int = setting(1, "windows (and task requests) per forward pass")
+    seq_len: int = setting(2048, "window length in tokens", check=Range(2))
+    stride: int | None = setting(
+        None, "tokens between window starts (default: seq_len, no overlap)", check=Range(1, "seq_len")
+    )
+    max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text", check=Range(2))
+    batch_size: int = setting(1, "windows (and task requests) per forward pass", check=Range(1))
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's)")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     memory_budget: str = setting("80GB", "memory for weights + KV cache, for the context that fits")
-    decode_context: int = setting(512, "prefill tokens before decoding")
-    decode_tokens: int = setting(32, "greedy tokens decoded")
-    decode_batch: int = setting(8, "the larger decode batch")
-    repeats: int = setting(3, "timed runs, the median reported")
-    diag_tokens: int = setting(512, "tokens for the attention diagnostics")
+    decode_context: int = setting(512, "prefill tokens before decoding", check=Range(1))
+    decode_tokens: int = setting(32, "greedy tokens decoded", check=Range(1))
+    decode_batch: int = setting(8, "the larger decode batch", check=Range(1))
+    repeats: int = setting(3, "timed runs, the median reported", check=Range(1))
+    diag_tokens: int = setting(512, "tokens for the attention diagnostics", check=Range(1))
     speed: bool = setting(True, "measure decode speed")
     tasks: list[str] = setting(
         [], "lm-evaluation-harness tasks to score, comma- or space-separated (needs pip install 'gqaify[tasks]')"
@@ -40,14 +44,21 @@ class EvalSettings:
     limit: float | None = setting(None, "score only the first N items of each task (or a fraction below 1)")
     include_path: str | None = setting(None, "folder of local task YAMLs, for --tasks")
     generate: list[str] | None = setting(
-        None, "greedy continuations of PROMPT... side by side in report.md (--generate alone: two default prompts)",
+        None,
+        "greedy continuations of PROMPT... side by side in report.md (--generate alone: two default prompts)",
         empty_list=True,
     )
-    generate_tokens: int = setting(40, "tokens generated per prompt")
+    generate_tokens: int = setting(40, "tokens generated per prompt", check=Range(1))
     trust_remote_code: bool = setting(
         False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
     )
     progress: bool = setting(True, "show progress bars")
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the values, at once: their declarations', and the task knobs' (`TaskRequest`);
+        `evaluate` adds what the files and models say (--out, --memory-budget read as bytes, each model's
+        positions)."""
+        return EVAL.declared_problems(self) + self.task_request().problems()
 
     def task_request(self) -> TaskRequest:
         """The lm-evaluation-harness tasks to score (no names: none)."""
@@ -81,7 +92,6 @@ EVAL = Stage(
     "  gqaify eval PARENT CONVERTED --data wiki.txt --out report --tasks hellaswag,arc_easy --generate\n"
     "  gqaify eval --config eval.yaml --seq-len 1024          (the file's settings; options given here win)\n"
     "  gqaify eval --config report/report.json --out again    (rerun an evaluation from its report)",
-    required=("models", "data", "out"),
     positionals=(Positional("models", "MODEL", nargs="*"),),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same as --no-progress)"),),
     foreign_names=FOREIGN_NAMES,

@@ -30,7 +30,6 @@ from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out, written_whole
-from gqaify.settings import type_problems
 
 LOG = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     from gqaify._version import __version__
 
     s = settings
-    problems = type_problems(s) + s.problems()
+    problems = s.problems()
     raise_if_problems(problems or [p for p in [device_problem(s.device)] if p])
     # recorded as they resolve: an absolute path (a rerun may start elsewhere), and the device, whose random
     # numbers are its own, so that a corpus is never resumed on another kind of device

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 from gqaify.dtypes import DtypeName
-from gqaify.settings import Positional, Stage, Switch, setting
+from gqaify.settings import Excludes, Limit, Needs, Positional, Range, Settings, Stage, Switch, recorded, setting
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
@@ -19,28 +18,46 @@ TOP_LOGPROBS_MAX = 1024
 
 
 @dataclass(frozen=True)
-class GenerateSettings:
+class GenerateSettings(Settings):
     """What `gqaify generate` samples from the parent, and where it writes it. gqaify.json in OUT records them."""
 
-    model: str | None = setting(None, "the parent: a hub id, a folder or a .gguf file")
-    out: str | None = setting(None, "folder for the corpus (a dataset folder `datasets` and every gqaify DATA read)")
-    tokens: int = setting(100_000, "tokens to sample in all (the parent's new tokens; prompts not counted)")
-    length: int = setting(256, "new tokens per sample at most (a sample ends early at the end-of-text token)")
-    batch_size: int = setting(16, "samples per generate call (one shard of the corpus)")
-    temperature: float = setting(1.0, "softmax temperature (1: the parent's own distribution)")
-    top_p: float = setting(1.0, "nucleus sampling mass (1: the whole distribution)")
-    greedy_tokens: int = setting(
-        0, "the first N new tokens of each sample by top-1, the rest sampled (LLM-QAT's rule; 0: all sampled)"
+    model: str | None = setting(None, "the parent: a hub id, a folder or a .gguf file", required=True)
+    out: str | None = setting(
+        None, "folder for the corpus (a dataset folder `datasets` and every gqaify DATA read)", required=True
     )
+    tokens: int = setting(
+        100_000, "tokens to sample in all (the parent's new tokens; prompts not counted)", check=Range(1)
+    )
+    length: int = setting(
+        256, "new tokens per sample at most (a sample ends early at the end-of-text token)", check=Range(1)
+    )
+    batch_size: int = setting(16, "samples per generate call (one shard of the corpus)", check=Range(1))
+    temperature: float = setting(
+        1.0, "softmax temperature (1: the parent's own distribution)",
+        check=Range(0, low_open=True, fix="1 samples the parent as is"),
+    )  # fmt: skip
+    top_p: float = setting(
+        1.0, "nucleus sampling mass (1: the whole distribution)",
+        check=Range(0, 1, low_open=True, fix="1 keeps the whole distribution"),
+    )  # fmt: skip
+    greedy_tokens: int = setting(
+        0, "the first N new tokens of each sample by top-1, the rest sampled (LLM-QAT's rule; 0: all sampled)",
+        check=Range(0, "length", high_open=True),
+    )  # fmt: skip
     start: Literal["bos", "random-token"] = setting(
         "bos", "without prompts: each sample starts at the beginning-of-text token, or at a token drawn "
-        "uniformly from the vocabulary (LLM-QAT)"
-    )
+        "uniformly from the vocabulary (LLM-QAT)",
+        check=Excludes("prompts", "both choose how a sample begins", when="bos".__ne__),
+    )  # fmt: skip
     prompts: str | None = setting(None, "text file of prompts, one per line, used in turn (instead of start)")
-    chat: bool = setting(False, "wrap each prompt as a user turn in the model's chat template (instruct models)")
+    chat: bool = setting(
+        False, "wrap each prompt as a user turn in the model's chat template (instruct models)",
+        check=Needs("prompts", "wraps prompts in the chat template"),
+    )  # fmt: skip
     top_logprobs: int = setting(
         0, "store the parent's K most likely next tokens and their log-probabilities at every position of each "
-        "sample, so that uptrain's distill_from_data needs no teacher (0: text only)"
+        "sample, so that uptrain's distill_from_data needs no teacher (0: text only)",
+        check=(Range(0), Limit(TOP_LOGPROBS_MAX, "each kept costs 8 bytes or more at every position stored")),
     )  # fmt: skip
     seed: int = setting(0, "seed: the same seed and settings write the same tokens")
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's; a .gguf: float32)")
@@ -49,30 +66,12 @@ class GenerateSettings:
     progress: bool = setting(True, "show a progress bar")
 
     def problems(self) -> list[str]:
-        """Problems with the values (types are checked by the settings parser first)."""
-        problems = [f"{name} is required; name it" for name, value in (("MODEL", self.model), ("OUT", self.out))
-                    if not value]  # fmt: skip
-        for key in ("tokens", "length", "batch_size"):
-            if getattr(self, key) < 1:
-                problems.append(f"--{key.replace('_', '-')} {getattr(self, key)} must be at least 1")
-        if not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
-            problems.append(f"--top-logprobs {self.top_logprobs} must be 0 (none) to {TOP_LOGPROBS_MAX}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            problems.append(f"--temperature {self.temperature} must be a positive number; 1 samples the parent as is")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            problems.append(f"--top-p {self.top_p} must be in (0, 1]; 1 keeps the whole distribution")
-        if not 0 <= self.greedy_tokens < self.length:
-            problems.append(f"--greedy-tokens {self.greedy_tokens} must be 0 or more and below --length {self.length}")
-        if self.chat and not self.prompts:
-            problems.append("--chat wraps prompts in the chat template; give them with --prompts FILE")
-        if self.prompts and self.start != "bos":
-            problems.append("--start chooses the first token when there are no prompts; drop it or --prompts")
-        return problems
+        """Everything wrong with the values, at once (their declarations'); `generate_corpus` adds --device and
+        what OUT, the prompts and the model say."""
+        return GENERATE.declared_problems(self)
 
     def identity(self) -> dict:
         """The settings that decide the tokens written: a resumed corpus must have the same."""
-        from gqaify.settings import recorded
-
         return recorded(self, leave_out=RESUMABLE_CHANGES)
 
 
@@ -85,7 +84,6 @@ GENERATE = Stage(
     "  gqaify generate PARENT OUT --tokens 100000\n"
     "  gqaify generate PARENT OUT --prompts prompts.txt --chat      (an instruct model's answers to your prompts)\n"
     "  gqaify generate --config OUT/gqaify.json --out OUT2          (the same settings again)",
-    required=("model", "out"),
     positionals=(Positional("model", "MODEL"), Positional("out", "OUT")),
     switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
     record_kind="a generated corpus's record",

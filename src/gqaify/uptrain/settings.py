@@ -3,90 +3,115 @@
     accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4 --max_tokens 50000
 
 Every field is a recipe key and a `--key value` option, read as every stage's settings are (`gqaify.settings`);
-`--recipe` is uptrain's name for `--config`. The recipe sets defaults; the command line wins.
+`--recipe` is uptrain's name for `--config`. The recipe sets defaults; the command line wins. With kv_heads, the
+model is converted first, by the conversion's own fields (`MethodSettings`: method, grouping, calib_*, refine_*,
+repair), which uptrain's settings are made of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.options import METHOD_INFO, CalibMode, ConvertSettings, GroupingName, MethodName
-from gqaify.errors import raise_if_problems
+from gqaify.conversion.options import ConvertSettings, MethodSettings
 from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
-from gqaify.settings import Stage, read_config, setting, type_problems
+from gqaify.settings import Excludes, Needs, Range, Stage, read_config, setting
 from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
+Tracker = Literal[TRACKERS]
 TASK_FLAGS = {"names": "eval_tasks", "num_fewshot": "eval_num_fewshot", "limit": "eval_limit",
               "include_path": "eval_include_path"}  # fmt: skip
+POSITIVE = Range(1, says="a positive integer")
+# The fields of the conversion: checked only when there is one to run (kv_heads set)
+CONVERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(MethodSettings))
 
 
-@dataclass
-class UptrainSettings:
+def _peft_problem(trainable: str, name: str) -> str | None:
+    if trainable != "lora" or importlib.util.find_spec("peft") is not None:
+        return None
+    return f"{name} lora needs peft; pip install 'gqaify[lora]'"
+
+
+@dataclass(frozen=True)
+class UptrainSettings(MethodSettings):
+    """What an uptraining run trains, on what, for how long, and how it is watched: a recipe's keys, the command
+    line's options, and the fields of `gqaify.uptrain.run`'s settings. With kv_heads, `model` is converted first,
+    by the fields of `MethodSettings`."""
+
     # -- the model
-    model: str = setting("", "a converted checkpoint, or a source to convert when kv_heads is set")
-    kv_heads: int | None = setting(None, "convert `model` to this many K/V heads first")
-    method: MethodName = setting("mean", "conversion method when kv_heads is set")
-    grouping: GroupingName = setting(
-        "contiguous", "which heads share a K/V head; similarity needs calib_data"
+    model: str | None = setting(None, "a converted checkpoint, or a source to convert when kv_heads is set",
+                                required=True)  # fmt: skip
+    kv_heads: int | None = setting(
+        None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
     )
-    calib_data: str | None = setting(
-        None, "calibration text for the conversion (aligned, lsq, similarity); not eval text"
-    )
-    calib_tokens: int = setting(ConvertSettings.calib_tokens, "calibration tokens read from calib_data")
+    # calibration text is read as the training data is, unless these say otherwise
     calib_split: str | None = setting(None, "split of calib_data (default: split)")
-    calib_mode: CalibMode = setting(
-        "sequential", "calibration layer by layer (sequential) or on the parent's activations"
-    )
-    refine_steps: int = setting(0, "Adam steps refining each layer during calibration")
-    output_dir: str = setting("", "folder for checkpoints, metrics, plot and final/")
+    calib_text_column: str | None = setting(None, "column of calib_data holding the text (default: text_column)")
+    output_dir: str | None = setting(None, "folder for checkpoints, metrics, plot and final/", required=True)
     # -- the data
-    data: str = setting("", "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]")
+    data: str | None = setting(
+        None, "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]", required=True
+    )
     split: str = setting("train", "split of `data`")
     text_column: str = setting("text", "column holding the text (data and eval_data)")
     streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
-    seq_len: int = setting(256, "tokens per packed training block")
+    seq_len: int = setting(256, "tokens per packed training block", check=POSITIVE)
     # -- the budget and batch
-    max_tokens: int | None = setting(None, "training tokens in all (the budget)")
-    budget_fraction: float | None = setting(None, "budget as a fraction of pretraining_tokens (instead of max_tokens)")
-    pretraining_tokens: int | None = setting(None, "the parent's pre-training tokens, for budget_fraction")
-    micro_batch_size: int = setting(4, "blocks per forward pass, per process")
-    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    max_tokens: int | None = setting(
+        None, "training tokens in all (the budget)",
+        check=(Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
+               Excludes("budget_fraction", "both set the token budget")),
+    )  # fmt: skip
+    budget_fraction: float | None = setting(
+        None, "budget as a fraction of pretraining_tokens (instead of max_tokens)",
+        check=(Range(0, 1, low_open=True, fix="e.g. 0.05 as in the GQA paper"),
+               Needs("pretraining_tokens", "is a fraction of the parent's pre-training tokens")),
+    )  # fmt: skip
+    pretraining_tokens: int | None = setting(
+        None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
+    )
+    micro_batch_size: int = setting(4, "blocks per forward pass, per process", check=POSITIVE)
+    grad_accum: int = setting(1, "micro-batches per optimizer step", check=POSITIVE)
     # -- the optimizer
-    lr: float = setting(3e-4, "peak learning rate (AdamW)")
-    warmup: float = setting(0.05, "linear warm-up: a fraction of the steps if < 1, else steps")
+    lr: float = setting(3e-4, "peak learning rate (AdamW)", check=Range(0, low_open=True))
+    warmup: float = setting(0.05, "linear warm-up: a fraction of the steps if < 1, else steps", check=Range(0))
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "decay after warm-up")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    max_grad_norm: float = setting(1.0, "gradient clipping norm (0: none)")
+    weight_decay: float = setting(0.0, "AdamW weight decay", check=Range(0))
+    max_grad_norm: float = setting(1.0, "gradient clipping norm (0: none)", check=Range(0))
     seed: int = setting(0, "seed for the data order and the run")
     mixed_precision: Literal["no", "bf16", "fp16"] | None = setting(
         None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward")
     trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
-        "all", "which weights train (lora: low-rank adapters on the attention projections, merged at the end)"
+        "all", "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
+        check=_peft_problem,
+    )  # fmt: skip
+    lora_rank: int = setting(16, "rank of the adapters, for trainable lora", check=POSITIVE)
+    lora_alpha: float = setting(
+        32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora", check=Range(0, low_open=True)
     )
-    lora_rank: int = setting(16, "rank of the adapters, for trainable lora")
-    lora_alpha: float = setting(32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora")
     # -- distillation
     distill_from: str | None = setting(None, "teacher (the parent): adds KL to its next-token distribution")
     distill_from_data: bool = setting(
         False, "distil from the parent's top-k log-probabilities stored with `data` (gqaify generate "
-        "--top-logprobs K) instead of running distill_from: no teacher in memory"
+        "--top-logprobs K) instead of running distill_from: no teacher in memory",
+        check=Excludes("distill_from", "name two teachers"),
     )  # fmt: skip
-    distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL")
-    temperature: float = setting(1.0, "softmax temperature of the KL term")
+    distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
+    temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
     # -- evaluation, checkpoints, logging
     eval_data: str | None = setting(None, "held-out text for perplexity, same loaders as gqaify eval")
     eval_split: str = setting("test", "split of eval_data")
-    eval_tokens: int = setting(16384, "evaluate on the first N tokens of eval_data")
-    eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)")
-    eval_every: int = setting(0, "evaluate every N steps (0: at start and end only)")
+    eval_tokens: int = setting(16384, "evaluate on the first N tokens of eval_data", check=POSITIVE)
+    eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)", check=POSITIVE)
+    eval_every: int = setting(0, "evaluate every N steps (0: at start and end only)", check=Range(0))
     eval_tasks: list[str] = setting(
         [], "lm-evaluation-harness tasks scored at each evaluation, logged to metrics (needs gqaify[tasks])"
     )
@@ -96,11 +121,13 @@ class UptrainSettings:
     parent: str | None = setting(
         None, "model whose perplexity the plot shows as a line (default distill_from, or the converted source)"
     )
-    save_every: int = setting(100, "checkpoint every N steps (0: none; resume needs them)")
-    save_total_limit: int = setting(2, "checkpoints kept")
-    log_every: int = setting(1, "write metrics every N steps")
-    log_to: list[str] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
-    push_to_hub: str | None = setting(None, "upload final/, once complete, to this hub repository (owner/name)")
+    save_every: int = setting(100, "checkpoint every N steps (0: none; resume needs them)", check=Range(0))
+    save_total_limit: int = setting(2, "checkpoints kept", check=POSITIVE)
+    log_every: int = setting(1, "write metrics every N steps", check=POSITIVE)
+    log_to: list[Tracker] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
+    push_to_hub: str | None = setting(
+        None, "upload final/, once complete, to this hub repository (owner/name)", check=repo_id_problem
+    )
     progress: bool = setting(True, "show a progress bar")
     trust_remote_code: bool = setting(
         False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
@@ -109,7 +136,33 @@ class UptrainSettings:
         3600,
         "seconds processes wait for each other (the main one converts the model first; raise it for a large "
         "calibrated conversion, or convert beforehand with gqaify convert)",
+        check=POSITIVE,
     )
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the values, at once (files are checked where they are opened): the fields'
+        declarations (the conversion's only with kv_heads: there is none to run without), a token budget, a
+        teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
+        converts = self.kv_heads is not None
+        problems = UPTRAIN.declared_problems(self, leave_out=frozenset() if converts else CONVERSION_FIELDS)
+        if self.max_tokens is None and self.budget_fraction is None:
+            problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
+        if (self.distill_from is None and not self.distill_from_data and self.distill_weight > 0
+                and self.distill_weight != UptrainSettings.distill_weight):  # fmt: skip
+            problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
+        if self.distill_from_data and self.temperature != 1:
+            problems.append(f"temperature {self.temperature} with distill_from_data: the stored log-probabilities are "
+                            "the parent's at temperature 1 and cannot be rescaled; drop temperature")  # fmt: skip
+        return problems + self.task_request().problems()
+
+    def conversion(self, out: str | Path) -> ConvertSettings:
+        """The conversion of `model` to kv_heads into `out` that these settings ask for: the conversion's fields as
+        they are here, calibration text read as the training data is unless calib_split or calib_text_column say
+        otherwise (its dtype, seed and shards are the conversion's defaults)."""
+        method = {f.name: getattr(self, f.name) for f in dataclasses.fields(MethodSettings)}
+        method.update(calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column
+                      or self.text_column)  # fmt: skip
+        return ConvertSettings(src=self.model, out=str(out), kv_heads=self.kv_heads, progress=self.progress, **method)
 
     @property
     def tokens_per_step_per_process(self) -> int:
@@ -162,64 +215,6 @@ FOREIGN_NAMES = {
 }
 
 
-def check(s: UptrainSettings) -> None:
-    """Every problem with `s` in one `UserError` (values only; files are checked where they are opened)."""
-    problems = type_problems(s)
-    if problems:  # the value checks below assume the types are right
-        raise_if_problems(problems)
-    for key in ("model", "output_dir", "data"):
-        if not getattr(s, key):
-            problems.append(f"{key} is required; set it in the recipe or pass --{key}")
-    positive = ("seq_len", "micro_batch_size", "grad_accum", "eval_tokens", "log_every", "save_total_limit",
-                "dist_timeout")  # fmt: skip
-    problems += [f"{k} must be a positive integer, got {getattr(s, k)}; fix it" for k in positive if getattr(s, k) < 1]
-    problems += [
-        f"{k} must be >= 0, got {getattr(s, k)}; fix it" for k in ("eval_every", "save_every") if getattr(s, k) < 0
-    ]
-    if s.kv_heads is not None and not s.calib_data and (METHOD_INFO[s.method].calibrated or s.grouping == "similarity"):
-        problems.append(f"method {s.method} with grouping {s.grouping} fits on calibration text; set calib_data")
-    if s.refine_steps < 0 or (s.refine_steps and s.calib_mode != "sequential"):
-        problems.append(f"refine_steps {s.refine_steps} must be 0 or more, and needs calib_mode sequential")
-    if s.kv_heads is not None and s.kv_heads < 1:
-        problems.append(f"kv_heads must be a positive integer, got {s.kv_heads}; fix it")
-    if s.max_tokens is not None and s.budget_fraction is not None:
-        problems.append("give max_tokens or budget_fraction, not both")
-    elif s.max_tokens is None and s.budget_fraction is None:
-        problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
-    elif s.max_tokens is not None and s.max_tokens <= 0:
-        problems.append(f"max_tokens must be > 0, got {s.max_tokens}; give the number of training tokens")
-    elif s.budget_fraction is not None:
-        if not 0 < s.budget_fraction <= 1:
-            problems.append(
-                f"budget_fraction must be in (0, 1], got {s.budget_fraction}; e.g. 0.05 as in the GQA paper"
-            )
-        if not s.pretraining_tokens or s.pretraining_tokens <= 0:
-            problems.append("budget_fraction needs pretraining_tokens, the parent's pre-training token count")
-    if s.trainable == "lora" and importlib.util.find_spec("peft") is None:
-        problems.append("trainable lora needs peft; pip install 'gqaify[lora]'")
-    if s.lora_rank < 1 or not 0 < s.lora_alpha < math.inf:
-        problems.append(f"lora_rank must be >= 1 and lora_alpha > 0, got {s.lora_rank}, {s.lora_alpha}; fix it")
-    if s.lr <= 0 or s.warmup < 0 or s.weight_decay < 0 or s.max_grad_norm < 0:
-        problems.append("lr must be > 0 and warmup, weight_decay, max_grad_norm >= 0; fix the negative value")
-    if not 0 <= s.distill_weight <= 1 or s.temperature <= 0:
-        problems.append(f"need 0 <= distill_weight <= 1 and temperature > 0, got {s.distill_weight}, {s.temperature}")
-    if s.distill_from_data and s.distill_from:
-        problems.append("distill_from_data and distill_from name two teachers; keep one")
-    elif s.distill_from_data and s.temperature != 1:
-        problems.append(f"temperature {s.temperature} with distill_from_data: the stored log-probabilities are the "
-                        "parent's at temperature 1 and cannot be rescaled; drop temperature")  # fmt: skip
-    elif (s.distill_from is None and not s.distill_from_data and s.distill_weight > 0
-          and s.distill_weight != UptrainSettings.distill_weight):  # fmt: skip
-        problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
-    if s.push_to_hub is not None and (problem := repo_id_problem(s.push_to_hub, "push_to_hub")):
-        problems.append(problem)
-    problems += s.task_request().problems()
-    unknown = [t for t in s.log_to if t not in TRACKERS]
-    if unknown:
-        problems.append(f"log_to {unknown[0]!r} is not a tracker gqaify knows; use {', '.join(TRACKERS)}")
-    raise_if_problems(problems)
-
-
 UPTRAIN = Stage(
     command="uptrain",
     settings=UptrainSettings,
@@ -230,20 +225,19 @@ UPTRAIN = Stage(
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
     record_kind="an uptraining run's record",
+    named_by="keys",
 )
 
 
 def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> UptrainSettings:
-    """Settings from `--recipe FILE` and `--key value` overrides in `argv`.
+    """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`).
 
     Raises:
         UserError: the recipe is missing, is not a mapping, or has unknown keys; an override is unknown;
             a value is out of range.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    settings = parse_settings(UPTRAIN, argv, prog)
-    check(settings)
-    return settings
+    return parse_settings(UPTRAIN, argv, prog)
 
 
 def load_recipe(path: str | Path) -> dict:

@@ -58,7 +58,7 @@ from gqaify.uptrain.run_folder import (
     what_is_left,
     write_json,
 )
-from gqaify.uptrain.settings import UptrainSettings, check
+from gqaify.uptrain.settings import UptrainSettings
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
@@ -84,7 +84,6 @@ def run(settings: UptrainSettings) -> UptrainResult:
         Interrupted: Ctrl-C or SIGTERM; its message says what is on disk and how to go on.
     """
     s = settings
-    check(s)
     _check_inputs(s)
     out = Path(s.output_dir)
     accelerator = _accelerator(s, out)
@@ -472,10 +471,10 @@ def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float
 
 
 def _check_inputs(s: UptrainSettings) -> None:
-    """output_dir is a folder or absent; the models exist; the windows fit in the model's positions."""
-    out = Path(s.output_dir)
-    problems = []
-    if out.exists() and not out.is_dir():
+    """Every problem at once: the settings' (`UptrainSettings.problems`); output_dir is a folder or absent; the models
+    exist; the windows fit in the model's positions."""
+    problems = s.problems()
+    if s.output_dir and (out := Path(s.output_dir)).exists() and not out.is_dir():
         problems.append(f"output_dir {out} is a file; choose a folder")
     configs = {}
     for key in ("model", "distill_from", "parent"):
@@ -507,13 +506,9 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
         return s.model
     converted = out / "converted"
     if accelerator.is_main_process and not converted.is_dir():
-        from gqaify.conversion.core import convert
+        from gqaify.conversion.core import convert_with
 
-        convert(
-            s.model, converted, s.kv_heads, method=s.method, grouping=s.grouping, calib_data=s.calib_data or None,
-            calib_tokens=s.calib_tokens, calib_split=s.calib_split or s.split, calib_text_column=s.text_column,
-            calib_mode=s.calib_mode, refine_steps=s.refine_steps, progress=s.progress,
-        )  # fmt: skip
+        convert_with(s.conversion(converted))
     accelerator.wait_for_everyone()
     return str(converted)
 
