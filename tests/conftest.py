@@ -326,3 +326,45 @@ def save_with_tokenizer(model, directory: Path) -> Path:
     save(model, directory)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<s>").save_pretrained(directory)
     return directory
+
+
+# -- fixtures several test modules use --------------------------------------------------------------------
+
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
+
+
+@pytest.fixture
+def hub_unreachable(monkeypatch):
+    """huggingface_hub (HfApi, gqaify's probe) and datasets pointed at a closed port, offline mode off."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    from gqaify import hub
+
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED)
+    monkeypatch.setattr(constants, "ENDPOINT", CLOSED)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", CLOSED)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "_probed", {})
+    return CLOSED
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A tiny MHA parent (4 heads) with a tokenizer, its GQA-2 mean-pool, training and eval text."""
+    from gqaify.conversion.core import convert
+
+    root = tmp_path_factory.mktemp("uptrain")
+    parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")
+    converted = root / "gqa2"
+    convert(parent, converted, 2, progress=False)
+    (root / "train.txt").write_text(CORPUS * 3)
+    (root / "eval.txt").write_text(CORPUS[:600])
+    return {
+        "root": root,
+        "parent": parent,
+        "converted": converted,
+        "train": root / "train.txt",
+        "eval": root / "eval.txt",
+    }

@@ -37,7 +37,7 @@ from gqaify.archs import ARCHITECTURES
 from gqaify.conversion import walk
 from gqaify.conversion.source import open_source
 from gqaify.errors import UserError
-from test_errors import run_cli
+from helpers import run_cli
 
 TEXT = MODELS.parent / "text"
 SLIDING = {"mistral": {"sliding_window": 8}, "gemma2": {"sliding_window": 8}}  # windows of 48 tokens slide

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import types
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import gqaify
 from conftest import build_model, load, logits, sample_ids, save, tree_hashes
 from gqaify.conversion.layout import Attention
 from gqaify.conversion.methods import METHODS, MethodContext
+from helpers import FakeHub, run_cli
 
 
 def read_shard(path):
@@ -274,7 +274,6 @@ def test_shard_writer_round_trips_every_dtype(tmp_path, monkeypatch, refuse):
 
 
 def test_force_restores_the_old_output_if_the_swap_fails(mha_llama, tmp_path, monkeypatch):
-    from pathlib import Path
 
     _, src = mha_llama
     gqaify.convert(src, tmp_path / "out", kv_heads=2, progress=False)
@@ -318,25 +317,10 @@ def test_norm_mean_on_duplicated_heads_reproduces_the_gqa_model(model_type, tmp_
     assert torch.equal(logits(load(tmp_path / "same"), ids), logits(load(tmp_path / "mha"), ids))
 
 
-class FakeHub:
-    """huggingface_hub.HfApi, recording the calls and what the folder held when it was uploaded."""
-
-    calls: list = []
-
-    def create_repo(self, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id, kwargs.get("exist_ok")))
-
-    def upload_folder(self, repo_id, folder_path, **kwargs):
-        files = sorted(p.name for p in Path(folder_path).iterdir())
-        self.calls.append(("upload_folder", repo_id, str(folder_path), files, kwargs["commit_message"]))
-        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
-
-
 def test_push_to_hub_uploads_the_complete_folder_in_one_commit(mha_llama, tmp_path, monkeypatch, capsys):
     import huggingface_hub
     from huggingface_hub import ModelCard
 
-    from test_errors import run_cli
 
     FakeHub.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
@@ -362,7 +346,6 @@ def test_a_failed_push_keeps_the_complete_folder_and_says_how_to_push_it(mha_lla
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
 
-    from test_errors import run_cli
 
     class Refusing(FakeHub):
         def create_repo(self, repo_id, **kwargs):

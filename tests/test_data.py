@@ -7,7 +7,7 @@ import pytest
 from conftest import build_model, save_with_tokenizer
 from gqaify.data import load_text
 from gqaify.errors import UserError
-from test_hub import hub_unreachable, one_line_refusal  # noqa: F401 (a fixture)
+from helpers import one_line_refusal
 
 
 def test_text_file_is_read_verbatim(tmp_path):
@@ -68,14 +68,14 @@ def model(tmp_path):
     return save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300), tmp_path / "m")
 
 
-def test_a_hub_dataset_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):  # noqa: F811
+def test_a_hub_dataset_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):
     out = tmp_path / "report"
     err = one_line_refusal(capsys, "eval", model, "--data", NOT_CACHED, "--out", out, "--no-speed", "--seq-len", "32")
     assert f"--data {NOT_CACHED} is not a local path and the Hugging Face hub could not be reached (" in err
     assert not out.exists()
 
 
-def test_calibration_data_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):  # noqa: F811
+def test_calibration_data_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):
     out = tmp_path / "out"
     err = one_line_refusal(capsys, "convert", model, out, "--kv-heads", "2", "--method", "lsq", "--calib-data",
                            NOT_CACHED)  # fmt: skip
@@ -83,7 +83,7 @@ def test_calibration_data_without_the_hub_is_one_line_at_once(capsys, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing written beside the model
 
 
-def test_a_cached_hub_dataset_is_read_offline_when_the_hub_does_not_answer(monkeypatch, hub_unreachable):  # noqa: F811
+def test_a_cached_hub_dataset_is_read_offline_when_the_hub_does_not_answer(monkeypatch, hub_unreachable):
     import datasets
 
     def from_cache_only(name, config=None, split=None, **kwargs):

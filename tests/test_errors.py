@@ -13,7 +13,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 from conftest import build_model, save, tree_hashes
 from gqaify.archs import ARCHITECTURES
-from gqaify.cli import main
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +21,6 @@ def source(tmp_path_factory):
     """A GQA-4 llama (8 query heads) in several shards."""
     directory = tmp_path_factory.mktemp("src") / "model"
     return save(build_model("llama", num_kv_heads=4, num_attention_heads=8, head_dim=8), directory, "30KB")
-
-
-def run_cli(capsys, *argv):
-    capsys.readouterr()  # drop what the test itself printed
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
 
 
 def assert_refused(capsys, src, out, *args, expect):

@@ -4,7 +4,6 @@ Each test makes the hub unreachable itself (`hub_unreachable`: HF_ENDPOINT on a 
 tests do not depend on whether the machine running them has a network.
 """
 
-import time
 
 import httpx2
 import pytest
@@ -15,36 +14,8 @@ from conftest import build_model, load, save_with_tokenizer, tree_hashes
 from gqaify import hub
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from test_errors import run_cli
-from test_uptrain import args, tiny  # noqa: F401 (a fixture)
-
-CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
-QUICK = 10.0  # seconds for a refusal that needs the hub; huggingface_hub's five retries alone wait 23 s
-
-
-@pytest.fixture
-def hub_unreachable(monkeypatch):
-    """huggingface_hub (HfApi, gqaify's probe) and datasets pointed at a closed port, offline mode off."""
-    import datasets.config
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("HF_ENDPOINT", CLOSED)
-    monkeypatch.setattr(constants, "ENDPOINT", CLOSED)
-    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", CLOSED)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hub, "_probed", {})
-    return CLOSED
-
-
-def one_line_refusal(capsys, *argv, within: float = QUICK) -> str:
-    """Run the CLI; it must exit 2 with one line on stderr, within `within` seconds."""
-    start = time.monotonic()
-    code, err = run_cli(capsys, *argv)
-    elapsed = time.monotonic() - start
-    assert code == 2 and err.count("\n") == 1 and err.startswith("gqaify: error: "), err
-    assert elapsed < within, f"{elapsed:.1f} s: {err}"
-    return err
+from helpers import one_line_refusal
+from helpers import uptrain_args as args
 
 
 @pytest.fixture
@@ -97,7 +68,7 @@ def test_a_bug_in_the_push_is_still_a_bug(tmp_path, monkeypatch):
         hub.push_folder(tmp_path, "you/x", "message")
 
 
-def test_uptrain_push_without_network_keeps_the_finished_run(capsys, tmp_path, tiny, hub_unreachable):  # noqa: F811
+def test_uptrain_push_without_network_keeps_the_finished_run(capsys, tmp_path, tiny, hub_unreachable):
     out = tmp_path / "run"
     uptrain(parse(args(tiny, out)))
     before = tree_hashes(out)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import build_model, save
+from conftest import REPO, build_model, save
 
 HEAVY = ("torch", "transformers", "accelerate", "datasets", "matplotlib")
 
@@ -49,3 +49,70 @@ def test_a_mean_conversion_loads_only_torch(tmp_path):
     src = save(build_model("llama", num_kv_heads=4), tmp_path / "src")
     code = f"import gqaify\ngqaify.convert({str(src)!r}, {str(tmp_path / 'out')!r}, kv_heads=2, progress=False)"
     assert loaded_after(code) == ["torch"]
+
+
+# The layers of the package, lowest first: a module imports only from layers below its own (or its own package).
+LAYERS = [
+    {"_version", "errors", "dtypes", "sizes", "shipped", "logs"},
+    {"archs", "locations", "hub", "outputs", "settings", "command", "figures"},
+    {"kvcache", "summary", "data", "models"},
+    {"conversion", "eval", "generation"},
+    {"uptrain"},
+    {"coverage", "demo"},
+    {"cli", "gqaify"},
+    {"__main__"},
+]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every gqaify module and the gqaify modules it imports, at its top or inside a function, read from the source
+    (so that an import made only on some path counts as much as one made at load)."""
+    import ast
+
+    src = REPO / "src"
+    modules = {}
+    for path in src.rglob("*.py"):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def part(module: str) -> str:
+    """The top-level piece of gqaify a module belongs to: "conversion" for gqaify.conversion.core."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_imports_run_from_higher_layers_to_lower_ones():
+    layer = {piece: i for i, pieces in enumerate(LAYERS) for piece in pieces}
+    graph = import_graph()
+    assert {part(m) for m in graph} == set(layer), "place each new module in LAYERS"
+    upward = [f"{m} imports {t}" for m, targets in graph.items() for t in targets
+              if part(m) != part(t) and layer[part(t)] >= layer[part(m)]]  # fmt: skip
+    assert upward == []
+
+
+def test_no_module_imports_itself_through_others():
+    graph, seen, cycles = import_graph(), {}, []
+
+    def visit(module: str, path: list[str]) -> None:
+        seen[module] = "open"
+        for target in sorted(graph[module]):
+            if seen.get(target) == "open":
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in seen:
+                visit(target, [*path, target])
+        seen[module] = "done"
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module, [module])
+    assert cycles == []

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import gqaify
 from conftest import ASSETS, CORPUS, MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
+from helpers import one_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,6 @@ def big_source(tmp_path_factory) -> Path:
     for f in directory.glob("model*.safetensors*"):  # re-save in 2 MB shards
         f.unlink()
     return save(model, directory, max_shard_size="2MB")
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gqaify"), err
-    return lines[0]
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -152,7 +141,12 @@ def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, 
             raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from exc
 
     monkeypatch.setattr(cli, "_run_convert", a_library_call)
-    assert main(["convert", "src", "out", "--kv-heads", "1"]) == status
+    # as in a terminal: a job started in the background (CI's, say) begins with SIGINT ignored, and gqaify keeps that
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main(["convert", "src", "out", "--kv-heads", "1"]) == status
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert f"gqaify: {said}; nothing was written" in err and "internal error" not in err
 

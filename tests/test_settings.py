@@ -21,7 +21,7 @@ from gqaify.eval.settings import EVAL
 from gqaify.settings import parse
 from gqaify.summary import format_uptrain_summary
 from gqaify.uptrain.settings import UPTRAIN
-from test_errors import run_cli
+from helpers import run_cli
 
 STAGES = [CONVERT, EVAL, UPTRAIN]
 

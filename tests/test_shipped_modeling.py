@@ -15,7 +15,7 @@ import gqaify
 from conftest import CORPUS, build_model, duplicate_kv_heads, load, logits, sample_ids, save, save_with_tokenizer
 from gqaify.archs import ARCHITECTURES, Geometry
 from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
-from test_errors import run_cli
+from helpers import run_cli, run_uptrain
 
 SHIPPED = [t for t, spec in ARCHITECTURES.items() if spec.shipped_class]
 
@@ -152,7 +152,8 @@ def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):
     argv = ["--model", str(tmp_path / "mha"), "--kv_heads", "1", "--output_dir", str(tmp_path / "run"), "--data",
             str(tmp_path / "train.txt"), "--seq_len", "16", "--micro_batch_size", "2", "--max_tokens", "320",
             "--save_every", "0", "--no_progress"]  # fmt: skip
-    code, err = run_cli_uptrain(argv)
+    done = run_uptrain(argv)
+    code, err = done.returncode, done.stderr
     assert code == 2 and "--trust-remote-code" in err, err
     result = uptrain(parse([*argv, "--trust_remote_code"]))
     assert result.steps == 10
@@ -163,9 +164,3 @@ def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):
     assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 64 + 2 * 16)
 
 
-def run_cli_uptrain(argv: list[str]) -> tuple[int, str]:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "gqaify", "uptrain", *argv], capture_output=True, text=True)
-    return done.returncode, done.stderr

@@ -22,8 +22,7 @@ from gqaify.eval.settings import EVAL, EvalSettings
 from gqaify.eval.tasks import TaskRequest, harness_model
 from gqaify.models import load_model
 from gqaify.settings import parse
-from test_errors import run_cli
-from test_hub import QUICK, hub_unreachable  # noqa: F401 (a fixture)
+from helpers import QUICK, run_cli
 
 TASKS = REPO / "tests" / "tasks"
 TEXT = ASSETS / "text" / "tinystories-valid-head.txt"
@@ -170,7 +169,7 @@ def test_unknown_task_is_answered_with_the_nearest(capsys, tmp_path):
     assert "unknown task 'story_ending' (nearest: story_endings" in err
 
 
-def test_a_task_whose_dataset_needs_the_hub_is_refused_at_once(capsys, tmp_path, hub_unreachable, monkeypatch):  # noqa: F811
+def test_a_task_whose_dataset_needs_the_hub_is_refused_at_once(capsys, tmp_path, hub_unreachable, monkeypatch):
     """Loading the task (where its dataset is fetched) is quick: not half a minute of retries. (Indexing the
     harness's thousands of task files, the same with or without a network, is left out of the time.)"""
     from lm_eval.tasks import TaskManager

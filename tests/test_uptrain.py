@@ -27,40 +27,11 @@ from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.distill import distillation_kl
 from gqaify.uptrain.report import read_metrics
 from gqaify.uptrain.settings import load_recipe
+from helpers import FakeHub, run_uptrain
+from helpers import uptrain_args as args
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict[str, Path]:
-    """A tiny MHA parent (4 heads) with a tokenizer, its GQA-2 mean-pool, training and eval text."""
-    root = tmp_path_factory.mktemp("uptrain")
-    parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")
-    converted = root / "gqa2"
-    convert(parent, converted, 2, progress=False)
-    (root / "train.txt").write_text(CORPUS * 3)
-    (root / "eval.txt").write_text(CORPUS[:600])
-    return {
-        "root": root,
-        "parent": parent,
-        "converted": converted,
-        "train": root / "train.txt",
-        "eval": root / "eval.txt",
-    }
-
-
-def args(tiny, out: Path, *extra: str) -> list[str]:
-    """Command-line settings for a short run on the tiny model: 16-token blocks, 2 x 2 per step."""
-    return [
-        "--model", str(tiny["converted"]), "--output_dir", str(out), "--data", str(tiny["train"]),
-        "--seq_len", "16", "--micro_batch_size", "2", "--grad_accum", "2", "--max_tokens", "1280",
-        "--lr", "1e-3", "--save_every", "0", "--no_progress", *extra,
-    ]  # fmt: skip
-
-
-def run_cli(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gqaify", "uptrain", *argv], capture_output=True, text=True, **kwargs)
 
 
 def losses(out: Path) -> list[float]:
@@ -105,7 +76,7 @@ def test_command_line_overrides_the_recipe(tmp_path):
 def test_help_lists_every_field_with_its_default():
     import dataclasses
 
-    done = run_cli(["--help"])
+    done = run_uptrain(["--help"])
     assert done.returncode == 0
     for field in dataclasses.fields(UptrainSettings):
         assert f"--{field.name}" in done.stdout
@@ -198,7 +169,6 @@ def test_push_to_hub_uploads_final_once_complete(tiny, tmp_path, monkeypatch):
     anything is written; a finished run rerun with push_to_hub pushes without training again."""
     import huggingface_hub
 
-    from test_convert import FakeHub
 
     FakeHub.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
@@ -225,7 +195,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     """Kill the run with SIGKILL after its first checkpoint, rerun the same command: same losses, same weights."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     settings = ("--max_tokens", "16000", "--save_every", "25", *trainable)  # 250 steps
-    assert run_cli(args(tiny, whole, *settings)).returncode == 0
+    assert run_uptrain(args(tiny, whole, *settings)).returncode == 0
     process = subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *args(tiny, cut, *settings)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 120
@@ -235,7 +205,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     process.wait()
     assert not (cut / "final").exists(), "the run finished before it was killed; give it more steps"
     assert list((cut / "checkpoints").glob("step-*"))
-    resumed = run_cli(args(tiny, cut, *settings))
+    resumed = run_uptrain(args(tiny, cut, *settings))
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout
     assert losses(cut) == pytest.approx(losses(whole), abs=1e-6) and len(losses(cut)) == 250
     a, b = load_file(whole / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
@@ -263,7 +233,7 @@ def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
 
 def test_processes_that_do_not_join_one_group_are_refused(tiny, tmp_path):
     """What torchrun without ACCELERATE_USE_CPU gives on a CPU machine: each process alone, WORLD_SIZE 2."""
-    done = run_cli(args(tiny, tmp_path / "run"), env={**os.environ, "WORLD_SIZE": "2"})
+    done = run_uptrain(args(tiny, tmp_path / "run"), env={**os.environ, "WORLD_SIZE": "2"})
     assert done.returncode == 2 and "ACCELERATE_USE_CPU=1" in done.stderr
 
 
@@ -324,12 +294,12 @@ def test_stored_blocks_pack_ids_and_top_k_side_by_side(tmp_path):
 
 
 def test_distill_from_data_needs_stored_log_probabilities(tiny, tmp_path):
-    done = run_cli(args(tiny, tmp_path / "run", "--distill_from_data", "--distill_weight", "1"))
+    done = run_uptrain(args(tiny, tmp_path / "run", "--distill_from_data", "--distill_weight", "1"))
     assert done.returncode == 2 and "--top-logprobs" in one_line_error(done)
     assert not (tmp_path / "run" / "final").exists()
-    both = run_cli(args(tiny, tmp_path / "two", "--distill_from_data", "--distill_from", str(tiny["parent"])))
+    both = run_uptrain(args(tiny, tmp_path / "two", "--distill_from_data", "--distill_from", str(tiny["parent"])))
     assert both.returncode == 2 and "two teachers" in one_line_error(both)
-    warmer = run_cli(args(tiny, tmp_path / "warm", "--distill_from_data", "--temperature", "2"))
+    warmer = run_uptrain(args(tiny, tmp_path / "warm", "--distill_from_data", "--temperature", "2"))
     assert warmer.returncode == 2 and "temperature 2.0 with distill_from_data" in one_line_error(warmer)
     assert not any(tmp_path.iterdir())
 
@@ -375,12 +345,12 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
 
 
 def test_missing_recipe(tmp_path):
-    assert "recipe nope.yaml does not exist" in one_line_error(run_cli(["--recipe", "nope.yaml"], cwd=tmp_path))
+    assert "recipe nope.yaml does not exist" in one_line_error(run_uptrain(["--recipe", "nope.yaml"], cwd=tmp_path))
 
 
 def test_unknown_recipe_key_names_the_nearest(tmp_path):
     (tmp_path / "r.yaml").write_text("model: m\nlearnin_rat: 1e-3\nsaev_every: 5\n")
-    line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
+    line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
     assert "unknown key 'learnin_rat'" in line and "unknown key 'saev_every' (did you mean save_every?)" in line
 
 
@@ -392,21 +362,22 @@ def test_unknown_recipe_key_names_the_nearest(tmp_path):
 )  # fmt: skip
 def test_training_arguments_names_are_answered_with_ours(tmp_path, name, ours):
     (tmp_path / "r.yaml").write_text(f"model: m\n{name}: 1\n")
-    line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
+    line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
     assert f"unknown key {name!r} (did you mean {ours}" in line
-    line = one_line_error(run_cli([f"--{name}", "1"]))
+    line = one_line_error(run_uptrain([f"--{name}", "1"]))
     assert f"unknown option --{name} (did you mean --{ours}" in line
 
 
 def test_recipe_values_of_the_wrong_type(tmp_path):
     (tmp_path / "r.yaml").write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: [1, 2]\nmicro_batch_size: 2.5\n")
-    line = one_line_error(run_cli(["--recipe", str(tmp_path / "r.yaml")]))
+    line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
     assert "max_tokens [1, 2] is not a whole number or empty" in line
     assert "micro_batch_size 2.5 is not a whole number" in line
 
 
 def test_unknown_option_names_the_nearest():
-    assert "unknown option --max_token (did you mean --max_tokens?)" in one_line_error(run_cli(["--max_token", "5"]))
+    line = one_line_error(run_uptrain(["--max_token", "5"]))
+    assert "unknown option --max_token (did you mean --max_tokens?)" in line
 
 
 @pytest.mark.parametrize("options, expect", [
@@ -414,20 +385,20 @@ def test_unknown_option_names_the_nearest():
     (["--eval_tasks", "x", "--eval_limit", "-1"], "eval_limit -1 must be above 0"),
 ])  # fmt: skip
 def test_bad_eval_task_settings(tiny, tmp_path, options, expect):
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", *options)))
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", *options)))
     assert expect in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("budget", ["0", "-5"])
 def test_budget_must_be_positive(tiny, tmp_path, budget):
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--max_tokens", budget)))
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--max_tokens", budget)))
     assert "max_tokens must be > 0" in line and not (tmp_path / "run").exists()
 
 
 def test_data_smaller_than_one_block(tiny, tmp_path):
     (tmp_path / "short.txt").write_text("a few words")
     line = one_line_error(
-        run_cli(args(tiny, tmp_path / "run", "--data", str(tmp_path / "short.txt"), "--seq_len", "64"))
+        run_uptrain(args(tiny, tmp_path / "run", "--data", str(tmp_path / "short.txt"), "--seq_len", "64"))
     )
     assert "less than one block of seq_len 64" in line and not (tmp_path / "run").exists()
 
@@ -437,20 +408,22 @@ def test_empty_data_is_refused_and_nothing_is_written(tiny, tmp_path, convert_fi
     """Used to end in an IndexError, with converted/ and run.json left behind that refused the corrected rerun."""
     (tmp_path / "empty.txt").write_text("")
     extra = ("--model", str(tiny["parent"]), "--kv_heads", "2") if convert_first else ()
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", *extra, "--data", str(tmp_path / "empty.txt"))))
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", *extra, "--data", str(tmp_path / "empty.txt"))))
     assert "gives 0 tokens, less than one block" in line and not (tmp_path / "run").exists()
-    assert run_cli(args(tiny, tmp_path / "run", *extra)).returncode == 0  # the corrected rerun
+    assert run_uptrain(args(tiny, tmp_path / "run", *extra)).returncode == 0  # the corrected rerun
 
 
 def test_streaming_data_smaller_than_one_step(tiny, tmp_path):
     (tmp_path / "short.txt").write_text(CORPUS[:100])  # about 54 tokens: 3 blocks of 16, a step needs 4
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "short.txt"))))
+    streamed = args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "short.txt"))
+    line = one_line_error(run_uptrain(streamed))
     assert "fewer than one step's 4" in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("key", ["seq_len", "eval_seq_len"])
 def test_windows_longer_than_the_models_positions_are_refused(tiny, tmp_path, key):
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", f"--{key}", "128", "--eval_data", str(tiny["eval"]))))
+    long = args(tiny, tmp_path / "run", f"--{key}", "128", "--eval_data", str(tiny["eval"]))
+    line = one_line_error(run_uptrain(long))
     assert f"{key} 128 exceeds the 64 positions" in line and not (tmp_path / "run").exists()
 
 
@@ -460,7 +433,7 @@ def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, t
     out.mkdir()
     (out / "run.json").write_text(json.dumps({"tool": "gqaify", "settings": {"data": "old.txt"}}))
     (out / "converted").mkdir()
-    assert run_cli(args(tiny, out)).returncode == 0
+    assert run_uptrain(args(tiny, out)).returncode == 0
     assert not (out / "converted").exists() and (out / "final").is_dir()
 
 
@@ -487,7 +460,7 @@ def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, 
     line = err.strip().splitlines()[-1]
     assert "the last checkpoint is step" in line and "of 250" in line and "rerun the same command to resume" in line
     assert "nothing was written" not in err
-    resumed = run_cli(args(tiny, out, *settings))
+    resumed = run_uptrain(args(tiny, out, *settings))
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout
 
 
@@ -516,7 +489,7 @@ def test_calibration_inside_uptrain_reads_the_split_and_text_column(tiny, tmp_pa
     extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--data", str(tmp_path / "d.jsonl"),
              "--text_column", "body", "--split", "validation", "--calib_data", str(tmp_path / "d.jsonl"),
              "--calib_tokens", "1024", "--max_tokens", "320")  # fmt: skip
-    done = run_cli(args(tiny, tmp_path / "run", *extra))
+    done = run_uptrain(args(tiny, tmp_path / "run", *extra))
     assert done.returncode == 0, done.stderr
     calibration = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())["calibration"]
     assert (calibration["split"], calibration["text_column"]) == ("validation", "body")
@@ -581,7 +554,7 @@ def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(tiny, tmp
 
 def test_missing_eval_data_leaves_an_empty_output_dir_as_it_was(tiny, tmp_path):
     (tmp_path / "run").mkdir()
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--eval_data", str(tmp_path / "nope.txt"))))
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--eval_data", str(tmp_path / "nope.txt"))))
     assert "eval_data" in line and "no such file" in line and list((tmp_path / "run").iterdir()) == []
 
 
@@ -589,7 +562,7 @@ def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
     out = tmp_path / "run"
     uptrain(parse(args(tiny, out, "--save_every", "10")))
     before = sorted(p.name for p in out.rglob("*"))
-    line = one_line_error(run_cli(args(tiny, out, "--lr", "5e-4")))
+    line = one_line_error(run_uptrain(args(tiny, out, "--lr", "5e-4")))
     assert "holds another run's checkpoints (it had lr=0.001, now 0.0005)" in line
     assert sorted(p.name for p in out.rglob("*")) == before
 
@@ -605,7 +578,7 @@ def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_pat
     assert json.loads((out / "final" / "gqaify.json").read_text())["uptrain"]["data_sha256"] == recorded
     data.write_text("One more line.\n" + CORPUS * 3)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    line = one_line_error(run_cli(argv))
+    line = one_line_error(run_uptrain(argv))
     assert f"data {data} changed since the run in output_dir {out} began" in line
     assert f"SHA-256 was {recorded[:12]}" in line and "use a new output_dir to train on it as it is now" in line
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -614,11 +587,11 @@ def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_pat
 def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
-    assert "holds no gqaify run" in one_line_error(run_cli(args(tiny, tmp_path / "run")))
+    assert "holds no gqaify run" in one_line_error(run_uptrain(args(tiny, tmp_path / "run")))
 
 
 def test_missing_model_and_settings_are_reported_together(tmp_path):
-    line = one_line_error(run_cli(["--output_dir", str(tmp_path / "o"), "--seq_len", "0"]))
+    line = one_line_error(run_uptrain(["--output_dir", str(tmp_path / "o"), "--seq_len", "0"]))
     assert "model is required" in line and "data is required" in line and "seq_len must be a positive" in line
 
 
@@ -634,20 +607,20 @@ def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
 
     if importlib.util.find_spec("tensorboard") is not None:
         pytest.skip("tensorboard is installed here")
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", "--log_to", "tensorboard")))
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--log_to", "tensorboard")))
     assert "log_to tensorboard needs its package; pip install tensorboard" in line
 
 
 def test_calibrated_method_needs_calib_data(tiny, tmp_path):
     extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq")
-    line = one_line_error(run_cli(args(tiny, tmp_path / "run", *extra)))
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", *extra)))
     assert "set calib_data" in line and not (tmp_path / "run").exists()
 
 
 def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
     extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--grouping", "similarity",
              "--calib_data", str(tiny["train"]), "--calib_tokens", "1024", "--max_tokens", "320")  # fmt: skip
-    done = run_cli(args(tiny, tmp_path / "run", *extra))
+    done = run_uptrain(args(tiny, tmp_path / "run", *extra))
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())
     assert (record["method"], record["grouping"], record["kv_heads"]) == ("lsq", "similarity", 2)

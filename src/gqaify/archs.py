@@ -120,6 +120,13 @@ class ArchSpec:
             if per_head is not None and HEAD not in per_head:
                 raise ValueError(f"{self.model_type}: per-head norm paths need {HEAD}")
 
+    def kv_modules(self) -> list[str]:
+        """The modules, relative to `attention`, whose tensors are indexed by K/V head: the K and V projections
+        (or the fused one, which holds Q too) and the K norm (one per head: their container, `k_layernorm.norms`)."""
+        projections = [self.qkv_proj] if self.qkv_proj else [self.k_proj, self.v_proj]
+        norm = self.k_norm or (self.k_norm_per_head and self.k_norm_per_head.split(f".{HEAD}")[0])
+        return projections + ([norm] if norm else [])
+
     def shared_norms_in(self, config: dict) -> bool:
         """Whether a checkpoint with this config.json has Q/K norms over head_dim that every head shares."""
         flag = self.shared_head_norms

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gqaify.errors import UserError, one_line
+from gqaify.logs import muted
 
 LOG = logging.getLogger(__name__)
 
@@ -75,22 +76,10 @@ def offline_unless_reachable() -> Iterator[str | None]:
     if why is not None:
         constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     try:
-        with _retry_warnings_muted():
+        with muted("huggingface_hub"):  # its warnings: a retry per failed request
             yield why
     finally:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = offline
-
-
-@contextlib.contextmanager
-def _retry_warnings_muted() -> Iterator[None]:
-    """huggingface_hub's warnings (a retry per failed request) silenced within; its errors still raised."""
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        hub_log.setLevel(level)
 
 
 def push_folder(folder: Path, repo_id: str, message: str, private: bool | None = None) -> str:
@@ -104,7 +93,7 @@ def push_folder(folder: Path, repo_id: str, message: str, private: bool | None =
 
     api = HfApi()
     try:
-        with _retry_warnings_muted():  # the failure itself is the one line below
+        with muted("huggingface_hub"):  # a warning per retry; the failure itself is the one line below
             api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
             commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
                                        commit_message=message)  # fmt: skip

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
 import json
 import math
@@ -595,17 +596,27 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
     raise UserError(f"{where}: " + "; ".join(problems + more))
 
 
+# Where each command's `Stage` is defined, by name: this module is below them all, and reads them only to say
+# whose settings a file holds (`_owner`).
+STAGES = {
+    "convert": "gqaify.conversion.options:CONVERT",
+    "eval": "gqaify.eval.settings:EVAL",
+    "uptrain": "gqaify.uptrain.settings:UPTRAIN",
+    "generate": "gqaify.generation.settings:GENERATE",
+}
+
+
 def _owner(stage: Stage, keys: list) -> Stage | None:
     """The other command whose settings `keys` are: it knows 3/4 of them or more, and more than `stage` does."""
-    from gqaify.conversion.options import CONVERT
-    from gqaify.eval.settings import EVAL
-    from gqaify.generation.settings import GENERATE
-    from gqaify.uptrain.settings import UPTRAIN
+    stages = []
+    for where in STAGES.values():
+        module, name = where.split(":")
+        stages.append(getattr(importlib.import_module(module), name))
 
     def known(s: Stage) -> int:
         return len(set(keys) & set(s.field_names()))
 
-    best = max((CONVERT, EVAL, UPTRAIN, GENERATE), key=known)
+    best = max(stages, key=known)
     if best.command != stage.command and known(best) > known(stage) and known(best) >= 0.75 * len(keys):
         return best
     return None

@@ -25,10 +25,12 @@ Calibrate on text other than the text you evaluate on; the benchmarks here do.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion import walk
+from gqaify.conversion.checkpoint import first_nonfinite
 from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, fit_error
@@ -111,6 +114,39 @@ class CalibratedLayers:
         return load_file(self.folder / _layer_file(layer))
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 4 << 20
+MMAP_THRESHOLD_LEFT = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit machines
+
+
+def _large_allocations_mapped(function: Callable) -> Callable:
+    """While `function` runs, every allocation of 4 MB or more gets a memory mapping of its own, returned to the
+    system when freed.
+
+    The walk allocates and frees tensors of a few MB to a few hundred MB, layer after layer. glibc raises its
+    mmap threshold each time a mapped block is freed (up to 32 MB), so later tensors below it come from the
+    heap, whose pages stay with the process when they are freed: on a 4-layer, 1B-shaped model that was
+    0.23 GiB of a 1.59 GiB peak (1.36 GiB with the threshold at 4 MB; 16 MB kept 1.54 GiB; 1 MB saved no more
+    and made SmolLM2's refinement 30% slower, every mapping being faulted in anew). glibc can neither report its
+    threshold nor be given its adjustment back once it is set, so on leaving the threshold is set to 32 MB, where
+    its own adjustment would have taken it after the walk's frees. Other C libraries are left alone.
+    """
+
+    @functools.wraps(function)
+    def mapped(*args, **kwargs):
+        glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+        if glibc:
+            ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if glibc:
+                ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_LEFT)
+
+    return mapped
+
+
+@_large_allocations_mapped
 def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: Calibration, text: CalibrationText,
               method: Method, kv_heads: int, grouping: str, ctx: MethodContext, keys_measurable: bool, folder: Path,
               progress: bool = True) -> CalibratedLayers:  # fmt: skip
@@ -121,7 +157,6 @@ def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: C
         UserError: a layer's weights are not finite, or do not match transformers' class for the model.
     """
     c, ids = calibration, text.ids
-    _map_large_allocations()
     seconds = dict.fromkeys(("capture", "fit", "repair", "refine", "run"), 0.0)
     start = time.perf_counter() - text.seconds  # reading the text counts as capture
     if warning := c.size_warning(len(ids), geometry.hidden_size):
@@ -238,32 +273,13 @@ def _repair_and_run(block, attention_path: str, spec: ArchSpec, c: Calibration, 
     return ours, tensors, measured
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD = 4 << 20
-
-
-def _map_large_allocations() -> None:
-    """Give every allocation of 4 MB or more a memory mapping of its own, returned to the system when freed.
-
-    The walk allocates and frees tensors of a few MB to a few hundred MB, layer after layer. glibc raises its
-    mmap threshold each time a mapped block is freed (up to 32 MB), so later tensors below it come from the
-    heap, whose pages stay with the process when they are freed: on a 4-layer, 1B-shaped model that was
-    0.23 GiB of a 1.59 GiB peak (1.36 GiB with the threshold at 4 MB; 16 MB kept 1.54 GiB; 1 MB saved no more
-    and made SmolLM2's refinement 30% slower, every mapping being faulted in anew). Fixing the threshold also
-    stops glibc's adjustment for the rest of the process. Other C libraries are left alone.
-    """
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-
-
 def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    for name, t in tensors.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise UserError(
-                f"tensor {name!r} holds {int((~torch.isfinite(t)).sum()):,} NaN or Inf values: the checkpoint is "
-                "damaged (re-download it); calibration cannot fit it (convert without --calib-data and with "
-                "--allow-nonfinite to copy it as it is)"
-            )
+    if (found := first_nonfinite(tensors)) is not None:
+        name, bad = found
+        raise UserError(
+            f"tensor {name!r} holds {bad:,} NaN or Inf values: the checkpoint is damaged (re-download it); "
+            "calibration cannot fit it (convert without --calib-data and with --allow-nonfinite to copy it as it is)"
+        )
 
 
 def _layer_file(layer: int) -> str:

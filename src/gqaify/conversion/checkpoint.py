@@ -399,3 +399,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while n := f.readinto(buffer):
             digest.update(buffer[:n])
     return digest.hexdigest()
+
+
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """The first floating-point tensor holding NaN or Inf, with how many it holds; None if every one is finite."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            return name, int((~torch.isfinite(t)).sum())
+    return None

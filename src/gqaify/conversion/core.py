@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-from gqaify import __version__
+from gqaify._version import __version__
 from gqaify.archs import attention_kind, rotary_dim
+from gqaify.conversion import to_gguf
 from gqaify.conversion.calibrate import calibrate, read_calibration
 from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.checks import check_method, check_request, config_problems, overlap_problems, text_problems
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.options import NOT_RECORDED, ConvertSettings
+from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
 from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, SourceHasher, plan_output, stream_tensors
@@ -38,8 +39,17 @@ from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.hub import push_folder
 from gqaify.kvcache import kv_cache_bytes_per_token
-from gqaify.outputs import remove_leftovers, space_problem, staged, write_provenance
-from gqaify.settings import recorded
+from gqaify.outputs import (
+    PROVENANCE_FILE,
+    remove_leftovers,
+    resolve_out,
+    space_problem,
+    staged,
+    work_folder,
+    write_provenance,
+    written_whole,
+)
+from gqaify.settings import recorded, required_problems
 
 LOG = logging.getLogger(__name__)
 
@@ -88,10 +98,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, **set
 
 def convert_with(settings: ConvertSettings) -> ConversionResult:
     """The conversion `settings` describe (see `convert`); what `gqaify convert` runs."""
-    from gqaify.conversion.to_gguf import convert_to_gguf, is_gguf_out
-
-    if is_gguf_out(settings.out):
-        return convert_to_gguf(settings)
+    if to_gguf.is_gguf_out(settings.out):
+        return _convert_to_gguf(settings)
     if settings.gguf_type is not None:
         raise UserError(f"--gguf-type {settings.gguf_type} is the type of a GGUF file's matrices; name OUT with "
                         ".gguf to write one, or drop --gguf-type")  # fmt: skip
@@ -179,6 +187,41 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         fit_errors=calibrated.errors if calibrated else None,
         calibration_seconds=calibrated.seconds if calibrated else None,
     )
+
+
+def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
+    """The conversion `settings` describe, written as the GGUF file `settings.out`: converted as usual into a
+    work folder beside OUT, written from there as GGUF, renamed into place whole; the work folder is removed
+    (after a kill, by the next run's clean-up of leftovers).
+
+    Raises:
+        UserError: bad input (see `convert`), an architecture or vocabulary llama.cpp's format cannot carry here,
+            or OUT exists and is not a GGUF gqaify wrote (with --force) or --force is not given.
+        ResourceError: the disk filled up; nothing is left behind.
+    """
+    s = settings
+    raise_if_problems(required_problems(CONVERT, s))  # SRC and OUT, read below
+    out = resolve_out(s.out)
+    # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
+    problems = check_request(replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))).problems
+    problems += [p for p in (to_gguf.destination_problem(out, s.force), to_gguf.type_problem(s.gguf_type)) if p]
+    if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:
+        problems.append(f"OUT {out} is the source; name another file to write")
+    if s.push_to_hub is not None:
+        problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
+                        f"`huggingface-cli upload {s.push_to_hub} {out}`")  # fmt: skip
+    raise_if_problems(problems)
+    with open_source(s.src, s.revision) as source:  # refused before any work: what GGUF cannot carry here
+        if problem := to_gguf.gguf_problem(source.config):
+            raise UserError(problem)
+        tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
+    remove_leftovers(out)
+    with work_folder(out) as work:
+        result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))
+        record = (result.out / PROVENANCE_FILE).read_text()
+        with written_whole(out, f"no space left while writing {out}; nothing was left behind") as partial:
+            to_gguf.write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
+    return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
 
 
 def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256: str | None) -> dict:

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from gqaify import __version__
+from gqaify._version import __version__
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.card import source_metadata
 from gqaify.conversion.source import Source

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.conversion.walk import run_until, to_device
+from gqaify.conversion.walk import forward, run_until
 
 HOLDOUT_EVERY = 8  # window i is held out when i % 8 == 7 (the last window when there are fewer than 8)
 _SHRINKS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # ridge strengths tried, relative to the inputs' mean energy
@@ -124,7 +124,7 @@ def refine(layer: torch.nn.Module, trainable: list[torch.nn.Parameter], hidden: 
 
     def held_out_loss() -> float:
         with torch.no_grad():
-            errors = [_forward(layer, hidden[i], kwargs[i], device) - targets[i].to(device) for i in judge]
+            errors = [forward(layer, hidden[i], kwargs[i], device) - targets[i].to(device) for i in judge]
         return float(sum(e.pow(2).mean() for e in errors) / len(errors))
 
     before = held_out_loss()
@@ -138,7 +138,7 @@ def refine(layer: torch.nn.Module, trainable: list[torch.nn.Parameter], hidden: 
         with torch.enable_grad():
             for step in range(steps):
                 i = train[int(order[step]) % len(train)]
-                loss = (_forward(layer, hidden[i], kwargs[i], device) - targets[i].to(device)).pow(2).mean()
+                loss = (forward(layer, hidden[i], kwargs[i], device) - targets[i].to(device)).pow(2).mean()
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -153,7 +153,3 @@ def refine(layer: torch.nn.Module, trainable: list[torch.nn.Parameter], hidden: 
         for p, value in zip(trainable, start, strict=True):
             p.copy_(value)
     return RefineResult(0, before, before)
-
-
-def _forward(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, device: torch.device) -> torch.Tensor:
-    return layer(hidden.to(device), **to_device(kwargs, device))

@@ -54,7 +54,6 @@ class Source:
     provenance: dict = field(default_factory=dict)
     _open_tensors: object = None  # () -> TensorSource, called on first use of `tensors`
     _tensors: TensorSource | None = None
-    model: object | None = None  # the transformers model, where reading the source built it (GGUF)
 
     @property
     def tensors(self) -> TensorSource:
@@ -93,27 +92,6 @@ class Source:
                 f"calibration needs the tokenizer of {self.name}, which could not be loaded ({type(exc).__name__}); "
                 "add the tokenizer files to SRC, or convert without --calib-data"
             ) from exc
-
-    def load_model(self, device: str = "cpu"):
-        """The source as a float32 transformers model in eval mode on `device` (for calibration).
-
-        Raises:
-            UserError: transformers cannot build the model from the folder.
-        """
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.tensors  # noqa: B018 (a hub source fetches its weights, a GGUF dequantizes them)
-        if self.model is not None:  # already float32 (a GGUF, dequantized on reading)
-            return self.model.to(device).eval()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=torch.float32)
-        except (OSError, ValueError) as exc:
-            raise UserError(
-                f"calibration runs {self.name}, which transformers could not load ({type(exc).__name__}); "
-                "check its files, or convert without --calib-data"
-            ) from exc
-        return model.to(device).eval()
 
 
 @contextlib.contextmanager
@@ -255,5 +233,4 @@ def _dequantize(source: Source, path: Path) -> TensorSource:
     tokenizer.save_pretrained(source.directory)
     model.config.architectures = [type(model).__name__]
     source.config = _export_config(model.config, source.directory)  # now with the dtype it was read in
-    source.model = model
     return StateDictSource(model.state_dict(), files=[path])

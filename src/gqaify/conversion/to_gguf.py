@@ -19,18 +19,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from gqaify.errors import UserError, raise_if_problems
-from gqaify.outputs import PROVENANCE_FILE
-
-if TYPE_CHECKING:
-    from gqaify.conversion.core import ConversionResult
+from gqaify.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -55,49 +50,7 @@ def is_gguf_out(out: str | os.PathLike | None) -> bool:
     return out is not None and os.fspath(out).lower().endswith(".gguf")
 
 
-def convert_to_gguf(settings) -> ConversionResult:
-    """The conversion `settings` describe, written as the GGUF file `settings.out`: converted as usual into a
-    work folder beside OUT, written from there as GGUF, renamed into place whole; the work folder is removed
-    (after a kill, by the next run's clean-up of leftovers).
-
-    Raises:
-        UserError: bad input (see `convert`), an architecture or vocabulary llama.cpp's format cannot carry here,
-            or OUT exists and is not a GGUF gqaify wrote (with --force) or --force is not given.
-        ResourceError: the disk filled up; nothing is left behind.
-    """
-    from gqaify.conversion.checks import check_request
-    from gqaify.conversion.core import convert_with
-    from gqaify.conversion.options import CONVERT
-    from gqaify.conversion.source import open_source
-    from gqaify.outputs import remove_leftovers, resolve_out, work_folder, written_whole
-    from gqaify.settings import required_problems
-
-    s = settings
-    raise_if_problems(required_problems(CONVERT, s))  # SRC and OUT, read below
-    out = resolve_out(s.out)
-    # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
-    problems = check_request(replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))).problems
-    problems += [p for p in (_destination_problem(out, s.force), _type_problem(s.gguf_type)) if p]
-    if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:
-        problems.append(f"OUT {out} is the source; name another file to write")
-    if s.push_to_hub is not None:
-        problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
-                        f"`huggingface-cli upload {s.push_to_hub} {out}`")  # fmt: skip
-    raise_if_problems(problems)
-    with open_source(s.src, s.revision) as source:  # refused before any work: what GGUF cannot carry here
-        if problem := gguf_problem(source.config):
-            raise UserError(problem)
-        tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
-    remove_leftovers(out)
-    with work_folder(out) as work:
-        result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))
-        record = (result.out / PROVENANCE_FILE).read_text()
-        with written_whole(out, f"no space left while writing {out}; nothing was left behind") as partial:
-            write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
-    return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
-
-
-def _destination_problem(out: Path, force: bool) -> str | None:
+def destination_problem(out: Path, force: bool) -> str | None:
     if not out.exists() and not out.is_symlink():
         writable = os.access(_existing_parent(out), os.W_OK)
         return None if writable else f"cannot write {out}: its folder is not writable; choose another OUT"
@@ -123,7 +76,7 @@ def _written_by_gqaify(path: Path) -> bool:
         return False
 
 
-def _type_problem(out_type: str | None) -> str | None:
+def type_problem(out_type: str | None) -> str | None:
     if out_type is None or out_type in OUT_TYPES:
         return None
     return f"--gguf-type {out_type} is not one of {', '.join(OUT_TYPES)}"
@@ -144,7 +97,7 @@ def gguf_problem(config: dict) -> str | None:
 
 def write_gguf(folder: Path, out: Path, out_type: str = "f16", tokenizer_gguf: Path | None = None,
                record: str | None = None) -> None:  # fmt: skip
-    """Write the converted checkpoint in `folder` as the GGUF file `out` (`convert_to_gguf` gives it a temporary
+    """Write the converted checkpoint in `folder` as the GGUF file `out` (`core._convert_to_gguf` gives it a temporary
     name, renamed into place when whole).
 
     Args:

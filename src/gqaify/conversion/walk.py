@@ -146,38 +146,37 @@ def loaded(layer: torch.nn.Module, state: dict[str, torch.Tensor], device: torch
         layer.to("meta")
 
 
+def forward(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, device: torch.device) -> torch.Tensor:
+    """The layer's output for one window, on `device`, the window and its inputs moved there."""
+    return layer(hidden.to(device), **to_device(kwargs, device))
+
+
 def run(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, device: torch.device) -> torch.Tensor:
-    """The layer's output for one window (on the CPU), the window and its inputs moved to `device`."""
-    return layer(hidden.to(device), **to_device(kwargs, device)).cpu()
+    """The layer's output for one window, on the CPU (`forward`, brought back)."""
+    return forward(layer, hidden, kwargs, device).cpu()
 
 
 def run_until(layer: torch.nn.Module, module: torch.nn.Module, hidden: torch.Tensor, kwargs: dict,
               device: torch.device, output: bool = False) -> torch.Tensor:  # fmt: skip
     """What `module` (inside `layer`) receives (or, with `output`, returns) for one window; the rest of the
     layer is not run."""
-    got = {}
-
-    def seen(_module, args, result=None):
-        got["value"] = (result[0] if isinstance(result, tuple) else result) if output else args[0]
-        raise _StopForward
-
-    handle = module.register_forward_hook(seen) if output else module.register_forward_pre_hook(seen)
-    try:
-        layer(hidden.to(device), **to_device(kwargs, device))
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
-    return got["value"]
+    with watching(module, output, stop=True) as seen:
+        with contextlib.suppress(_StopForward):
+            forward(layer, hidden, kwargs, device)
+        return seen()
 
 
 @contextmanager
-def watching(module: torch.nn.Module, output: bool = False) -> Iterator[Callable[[], torch.Tensor]]:
-    """While the block runs, the last input (or output) of `module`: a function returning it."""
+def watching(module: torch.nn.Module, output: bool = False, stop: bool = False
+             ) -> Iterator[Callable[[], torch.Tensor]]:  # fmt: skip
+    """While the block runs, the last input (or output) of `module`: a function returning it. With `stop`, the
+    forward pass ends there (`_StopForward`, for the caller to catch)."""
     got = {}
 
     def seen(_module, args, result=None):
         got["value"] = (result[0] if isinstance(result, tuple) else result) if output else args[0]
+        if stop:
+            raise _StopForward
 
     handle = module.register_forward_hook(seen) if output else module.register_forward_pre_hook(seen)
     try:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import copy
 import difflib
 import fnmatch
-import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gqaify.errors import UserError, one_line
 from gqaify.hub import offline_unless_reachable
+from gqaify.logs import muted
 
 EXTRA = "pip install 'gqaify[tasks]'"
 _GLOB = set("*?[")
@@ -102,7 +101,8 @@ class Harness:
             raise UserError(f"{self.flag} needs lm-evaluation-harness, which is not installed; {EXTRA}") from exc
         if not request.names:
             raise UserError(f"{self.flag} names no task; give task names, e.g. {self.flag} hellaswag,arc_easy")
-        with _quiet_harness(), offline_unless_reachable() as self.unreachable:
+        # the harness's warnings are meant for its own command line; its errors still reach the user
+        with muted("lm_eval"), offline_unless_reachable() as self.unreachable:
             include = str(Path(request.include_path).expanduser()) if request.include_path else None
             self.manager = TaskManager(include_path=include)
             self.names = self._resolve(request.names)
@@ -163,7 +163,7 @@ class Harness:
 
         was_training = model.training
         try:
-            with _quiet_harness(), offline_unless_reachable():  # the tasks read their datasets again
+            with muted("lm_eval"), offline_unless_reachable():  # the tasks read their datasets again
                 results = simple_evaluate(
                     model=harness_model(model, tokenizer, self.request.batch_size),
                     tasks=self.names,
@@ -186,7 +186,7 @@ def harness_model(model, tokenizer, batch_size: int = 1):
     """
     from lm_eval.models.huggingface import HFLM
 
-    with _quiet_harness():
+    with muted("lm_eval"):
         return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=batch_size)
 
 
@@ -241,15 +241,3 @@ def headline(scores: list[TaskScore]) -> dict[str, TaskScore]:
         by_task.setdefault(s.task, []).append(s)
     order = {"acc_norm": 0, "acc": 1}
     return {task: min(rows, key=lambda s: order.get(s.metric, 2)) for task, rows in by_task.items()}
-
-
-@contextmanager
-def _quiet_harness():
-    """The harness's warnings, meant for its own command line, are not gqaify's to show; its errors are."""
-    logger = logging.getLogger("lm_eval")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.archs import ARCHITECTURES, HEAD, attention_pattern
+from gqaify.archs import ARCHITECTURES, attention_pattern
 from gqaify.data import load_text, tokenize
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
@@ -436,13 +436,7 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
                     f"trainable kv-only: {model.config.model_type} fuses Q, K and V in one tensor; "
                     "use trainable attention"
                 )
-            kv = [
-                spec.k_proj,
-                spec.v_proj,
-                spec.k_norm,
-                spec.k_norm_per_head and spec.k_norm_per_head.split(f".{HEAD}")[0],
-            ]
-            pattern = rf"{attention}\.({'|'.join(re.escape(k) for k in kv if k)})\."
+            pattern = rf"{attention}\.({'|'.join(re.escape(k) for k in spec.kv_modules())})\."
         names = {n for n in names if re.match(pattern, n)}
     for name, param in model.named_parameters():
         param.requires_grad_(name in names)
