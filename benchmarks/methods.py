@@ -56,7 +56,7 @@ args = json.loads(sys.argv[1])
 start = time.perf_counter()
 result = gqaify.convert(args["src"], args["out"], args["kv_heads"], method=args["method"], grouping=args["grouping"],
                         force=True, progress=False, **(args["calibration"] or {}))
-print(json.dumps({"seconds": time.perf_counter() - start, "fit_errors": result.fit_errors,
+print(json.dumps({"seconds": time.perf_counter() - start, "fit_errors": [fit.record() for fit in result.fits or []],
                   "calibration_seconds": result.calibration_seconds,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """

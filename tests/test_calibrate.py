@@ -92,7 +92,7 @@ def test_sequential_calibration_that_changes_nothing_reproduces_the_parent(model
                             **calibration, refine_steps=3)  # fmt: skip
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
-    assert all(e["out"] < 1e-5 and not e["repaired"] for e in result.fit_errors)
+    assert all(fit.out < 1e-5 and not fit.repaired for fit in result.fits)
 
 
 PER_EXPERT = sorted(t for t in ARCH_CONFIGS if ARCHITECTURES[t].no_calibration and not ARCHITECTURES[t].shipped_class)
@@ -175,18 +175,19 @@ def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(c
     _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
     plain = gqaify.convert(src, tmp_path / "parallel", kv_heads=1, method="lsq",
                            **calibration, calib_mode="parallel", progress=False)  # fmt: skip
-    assert all("out" not in e for e in plain.fit_errors)
+    assert all(fit.out is None for fit in plain.fits)
     repaired = gqaify.convert(src, tmp_path / "repaired", kv_heads=1, method="lsq", **calibration,
                               progress=False)  # fmt: skip
     refined = gqaify.convert(src, tmp_path / "refined", kv_heads=1, method="lsq", progress=False,
                              **calibration, refine_steps=40)  # fmt: skip
-    assert all(e["repaired"] for e in repaired.fit_errors)
-    assert all(e["refine_loss"][1] < e["refine_loss"][0] for e in refined.fit_errors)
-    assert refined.fit_errors[-1]["out"] < repaired.fit_errors[-1]["out"]
+    assert all(fit.repaired for fit in repaired.fits)
+    assert all(fit.refine_loss[1] < fit.refine_loss[0] for fit in refined.fits)
+    assert refined.fits[-1].out < repaired.fits[-1].out
     record = json.loads((tmp_path / "refined" / "gqaify.json").read_text())
     assert record["calibration"]["mode"] == "sequential" and record["calibration"]["refine_steps"] == 40
     assert set(record["calibration"]["seconds"]) == {"capture", "fit", "repair", "refine", "run", "total"}
-    assert record["fit_error"] == refined.fit_errors and ".gqaify-fits" not in record["files"]
+    assert [e["out"] for e in record["fit_error"]] == [fit.out for fit in refined.fits]
+    assert ".gqaify-fits" not in record["files"]
     assert sorted(p.name for p in (tmp_path / "refined").iterdir() if p.name.startswith(".")) == []
 
 

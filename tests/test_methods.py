@@ -54,7 +54,7 @@ def test_every_method_with_nothing_pooled_reproduces_the_parent(model_type, meth
     result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, **calibration, progress=False)
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
-    assert all(e["v"] < 1e-6 and e["k"] < 1e-6 for e in result.fit_errors)
+    assert all(fit.v < 1e-6 and fit.k < 1e-6 for fit in result.fits)
 
 
 @pytest.mark.parametrize("model_type", list(FOLDABLE))

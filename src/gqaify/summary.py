@@ -27,21 +27,21 @@ def _fit_lines(result) -> list[str]:
     lines = []
     if result.permutations is not None:
         lines.append(f"  grouping        similarity (layer 0 order {result.permutations[0]}; all in gqaify.json)")
-    if result.fit_errors:
+    if result.fits:
         parts = []
         for key, name in (("k", "scores"), ("v", "outputs")):
-            errors = [e[key] for e in result.fit_errors if e.get(key) is not None]
+            errors = [getattr(fit, key) for fit in result.fits if getattr(fit, key) is not None]
             if errors:
                 parts.append(f"{name} {sum(errors) / len(errors):.3f}")
         lines.append(
             f"  fit error       {', '.join(parts)} (mean relative, on calibration text; per layer in gqaify.json)"
         )
-        if result.fit_errors[-1].get("out") is not None:
-            repaired = sum(bool(e.get("repaired")) for e in result.fit_errors)
-            refined = result.fit_errors[-1].get("refined", 0)
+        last = result.fits[-1]
+        if last.out is not None:
+            repaired = sum(bool(fit.repaired) for fit in result.fits)
             lines.append(
-                f"  layer outputs   {result.fit_errors[-1]['out']:.3f} relative error after the last layer; "
-                f"{repaired} of {len(result.fit_errors)} layers repaired, {refined} refine steps each"
+                f"  layer outputs   {last.out:.3f} relative error after the last layer; "
+                f"{repaired} of {len(result.fits)} layers repaired, {last.refined} refine steps each"
             )
         seconds = result.calibration_seconds
         lines.append(

@@ -25,12 +25,14 @@ Calibrate on text other than the text you evaluate on; the benchmarks here do.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -97,13 +99,56 @@ class SecondMoment:
         return (self.sum / self.count).cpu()
 
 
+@dataclass(frozen=True)
+class LayerFit:
+    """What calibration measured of one layer: its entry in gqaify.json's `fit_error` (`record()`), and what the
+    summary and the model card report. Errors are relative (1 is what writing zeros would score)."""
+
+    k: float | None  # the fitted keys' attention scores (None: not measurable behind a Q/K norm)
+    v: float | None  # the fitted values' contribution to the attention output
+    # sequential calibration only:
+    repaired: bool | None = None  # the o_proj repair was kept (it is kept only where it helps)
+    refined: int | None = None  # refinement steps kept
+    repair_shrink: float | None = None  # the ridge the repair chose
+    attention_error: tuple[float, float] | None = None  # the attention output's error before and after the repair
+    refine_loss: tuple[float, float] | None = None  # the layer output's loss before and after refinement
+    out: float | None = None  # the converted stream against the parent's, after this layer
+
+    def record(self) -> dict:
+        """As gqaify.json holds it: k and v always, then what was measured, in the order of the fields."""
+        measured = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record = {name: value for name, value in measured.items() if name in ("k", "v") or value is not None}
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in record.items()}
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """How each layer is fitted: the method, to how many K/V heads, after which grouping, in which context."""
+
+    method: Method
+    kv_heads: int
+    grouping: str  # "contiguous" or "similarity"
+    ctx: MethodContext
+    keys_measurable: bool  # no Q/K norm between the keys and the scores (`fit_error`)
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """What the parent layer gives the converted one to match: its outputs per window, its attention's outputs
+    (for the repair), and the second moment of the attention input on the stream the fit reads."""
+
+    outputs: list[torch.Tensor]
+    attention: list[torch.Tensor]
+    moment: SecondMoment
+
+
 @dataclass
 class CalibratedLayers:
     """What calibration produced: every layer's fitted tensors on disk (one file a layer) and what was measured."""
 
     folder: Path
     tokens: int  # calibration tokens read
-    errors: list[dict]  # per layer: "k", "v" (the closed-form fit), and sequentially "out", "repaired", "refined"
+    fits: list[LayerFit]  # per layer
     orders: list[list[int]] | None  # per layer, the source K/V heads in their new order (similarity grouping)
     seconds: dict[str, float]  # "capture", "fit" (parent pass, statistics, method), "repair", "refine", "run"
     # (the converted layer on the converted stream), "total"
@@ -112,6 +157,30 @@ class CalibratedLayers:
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer`'s head-indexed tensors as the output will hold them (full names, float32)."""
         return load_file(self.folder / _layer_file(layer))
+
+
+@dataclass
+class _Walk:
+    """Where the walk stands: the parent's skeleton and the converted one (sequential only; `walk.skeleton`), the
+    calibration windows as they reach the next layer (the parent's stream, and sequentially the converted one),
+    each layer's other inputs per window (masks, positions), the layer in progress, the seconds spent by phase."""
+
+    parent_model: torch.nn.Module
+    converted_model: torch.nn.Module | None
+    parent: list[torch.Tensor]
+    ours: list[torch.Tensor] | None
+    inputs: list[list[dict]]
+    device: torch.device
+    seconds: dict[str, float]
+    layer: int = 0
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        tick = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - tick
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
@@ -148,16 +217,14 @@ def _large_allocations_mapped(function: Callable) -> Callable:
 
 @_large_allocations_mapped
 def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: Calibration, text: CalibrationText,
-              method: Method, kv_heads: int, grouping: str, ctx: MethodContext, keys_measurable: bool, folder: Path,
-              progress: bool = True) -> CalibratedLayers:  # fmt: skip
-    """Fit every layer of `source` to `kv_heads` K/V heads on `text` (read by `read_calibration` and checked
-    against the model's size); write the fits to `folder`.
+              request: FitRequest, folder: Path, progress: bool = True) -> CalibratedLayers:  # fmt: skip
+    """Fit every layer of `source` as `request` asks, on `text` (read by `read_calibration` and checked against the
+    model's size); write the fits to `folder`.
 
     Raises:
         UserError: a layer's weights are not finite, or do not match transformers' class for the model.
     """
     c, ids = calibration, text.ids
-    seconds = dict.fromkeys(("capture", "fit", "repair", "refine", "run"), 0.0)
     start = time.perf_counter() - text.seconds  # reading the text counts as capture
     if warning := c.size_warning(len(ids), geometry.hidden_size):
         LOG.warning(warning)
@@ -166,111 +233,119 @@ def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: C
     windows = list(ids.split(min(c.seq_len, positions)))
     metas = source.tensors.metadata()
     parent = walk.skeleton(source.config)
-    converted = walk.skeleton(source.config, kv_heads) if c.mode == "sequential" else None
+    converted = walk.skeleton(source.config, request.kv_heads) if c.mode == "sequential" else None
     unused = walk.output_weights(parent)  # the LM head: the capture stops after the last layer
     outside = source.tensors.load([name for name in metas if spec.layer_of(name) is None and name not in unused])
     stream, inputs = walk.capture(parent, spec, outside, windows, device)  # the parent's stream
     del outside
     ours = [x.clone() for x in stream] if converted is not None else None  # the converted stream
-    seconds["capture"] = time.perf_counter() - start
+    seconds = {"capture": time.perf_counter() - start, **dict.fromkeys(("fit", "repair", "refine", "run"), 0.0)}
+    state = _Walk(parent, converted, stream, ours, inputs, device, seconds)
 
     folder.mkdir()
-    errors, orders = [], [] if grouping == "similarity" else None
+    fits, orders = [], [] if request.grouping == "similarity" else None
     bar = tqdm(range(geometry.num_layers), desc="calibrating", unit="layer", disable=not progress or None)
     for layer in bar:
-        tick = time.perf_counter()
-        prefix = spec.decoder_layer.format(layer=layer) + "."
-        state = source.tensors.load([name for name in metas if spec.layer_of(name) == layer])
-        layout = LayerLayout(spec, geometry, layer, with_queries=True, rotary_dim=ctx.rotary_dim)
-        heads = {name: state[name] for name in layout.inputs(state)}
-        _check_finite(heads)
-        local = {name.removeprefix(prefix): t for name, t in state.items()}
-        attention_path = spec.attention.format(layer=layer).removeprefix(prefix)
-        input_module = f"{attention_path}.{spec.k_proj or spec.qkv_proj}"  # q, k and v read the same input
-        with walk.loaded(parent.get_submodule(prefix[:-1]), local, device, f"layer {layer}") as block:
-            targets, attention_targets, moment = _parent_pass(
-                block, input_module, attention_path, stream, ours, inputs[layer], c.repair, geometry, device
-            )
-        stream = targets
-        layer_ctx = replace(ctx, second_moment=moment.mean())
-        attn = layout.split(heads)
-        if orders is not None:
-            order = similar_order(attn, kv_heads, layer_ctx.rotary_dim, layer_ctx.second_moment)
-            attn = permute(attn, order)
+        state.layer = layer
+        weights = source.tensors.load([name for name in metas if spec.layer_of(name) == layer])
+        layout = LayerLayout(spec, geometry, layer, with_queries=True, rotary_dim=request.ctx.rotary_dim)
+        tensors, fit, order = _fit_layer(spec, layout, c, request, weights, state)
+        if order is not None:
             orders.append(order)
-        fitted = method.fn(attn, kv_heads, layer_ctx)
-        measured = fit_error(attn, fitted, layer_ctx, keys_measurable)
-        error = {k: None if e is None else round(e, 6) for k, e in measured.items()}
-        tensors = layout.join(fitted, kv_heads)
-        seconds["fit"] += time.perf_counter() - tick
-        if ours is not None:
-            local_fitted = {name.removeprefix(prefix): t.clone() for name, t in tensors.items()}
-            with walk.loaded(converted.get_submodule(prefix[:-1]), {**local, **local_fitted}, device,
-                             f"converted layer {layer}") as block:  # fmt: skip
-                ours, tensors, more = _repair_and_run(
-                    block, attention_path, spec, c, ours, inputs[layer], targets, attention_targets, tensors, prefix,
-                    layer, device, seconds,
-                )  # fmt: skip
-            error.update(more)
-            bar.set_postfix(out=f"{error['out']:.3f}")
-        errors.append(error)
+        if fit.out is not None:
+            bar.set_postfix(out=f"{fit.out:.3f}")
+        fits.append(fit)
         save_file({name: t.contiguous() for name, t in tensors.items()}, folder / _layer_file(layer))
     bar.close()
-    seconds["total"] = time.perf_counter() - start
-    return CalibratedLayers(folder, len(ids), errors, orders, {k: round(v, 2) for k, v in seconds.items()}, str(device))
+    seconds = {**state.seconds, "total": time.perf_counter() - start}
+    return CalibratedLayers(folder, len(ids), fits, orders, {k: round(v, 2) for k, v in seconds.items()}, str(device))
 
 
-def _parent_pass(block, input_module: str, attention_path: str, stream, ours, inputs, repair: bool,
-                 geometry: Geometry, device) -> tuple[list, list, SecondMoment]:  # fmt: skip
-    """Run the parent layer `block` on the parent's stream: (its outputs, its attention's outputs when the
-    repair needs them, the second moment of the attention input on the stream the fit reads)."""
-    moment = SecondMoment(geometry.hidden_size, device)
-    targets, attention_targets = [], []
-    fit_input = block.get_submodule(input_module)
-    attention = block.get_submodule(attention_path)
+def _fit_layer(spec: ArchSpec, layout: LayerLayout, c: Calibration, request: FitRequest,
+               weights: dict[str, torch.Tensor], state: _Walk) -> tuple[dict, LayerFit, list[int] | None]:  # fmt: skip
+    """The layer in progress (the module docstring's steps 1 to 4): (its head-indexed tensors as they will be
+    saved, what was measured, the order of its heads under similarity grouping); `state` moves on by one layer."""
+    tick = time.perf_counter()
+    prefix = spec.decoder_layer.format(layer=state.layer) + "."
+    heads = {name: weights[name] for name in layout.inputs(weights)}
+    _check_finite(heads)
+    local = {name.removeprefix(prefix): t for name, t in weights.items()}
+    attention_path = spec.attention.format(layer=state.layer).removeprefix(prefix)
+    input_module = f"{attention_path}.{spec.k_proj or spec.qkv_proj}"  # q, k and v read the same input
+    with walk.loaded(state.parent_model.get_submodule(prefix[:-1]), local, state.device,
+                     f"layer {state.layer}") as block:  # fmt: skip
+        targets = _parent_pass(block, block.get_submodule(input_module), block.get_submodule(attention_path), state,
+                               layout.geometry.hidden_size, c.repair)  # fmt: skip
+    state.parent = targets.outputs
+    ctx = replace(request.ctx, second_moment=targets.moment.mean())
+    attn, order = layout.split(heads), None
+    if request.grouping == "similarity":
+        order = similar_order(attn, request.kv_heads, ctx.rotary_dim, ctx.second_moment)
+        attn = permute(attn, order)
+    fitted = request.method.fn(attn, request.kv_heads, ctx)
+    measured = fit_error(attn, fitted, ctx, request.keys_measurable)
+    fit = LayerFit(**{k: None if e is None else round(e, 6) for k, e in measured.items()})
+    tensors = layout.join(fitted, request.kv_heads)
+    state.seconds["fit"] += time.perf_counter() - tick
+    if state.ours is not None:
+        ours = {name.removeprefix(prefix): t.clone() for name, t in tensors.items()}
+        with walk.loaded(state.converted_model.get_submodule(prefix[:-1]), {**local, **ours}, state.device,
+                         f"converted layer {state.layer}") as block:  # fmt: skip
+            o_proj = block.get_submodule(f"{attention_path}.{spec.o_proj}")
+            ours, more = _repair_and_run(block, o_proj, c, state, targets, list(ours))
+        tensors = {prefix + name: t for name, t in ours.items()}
+        fit = replace(fit, **more)
+    return tensors, fit, order
+
+
+def _parent_pass(block, fit_input, attention, state: _Walk, hidden_size: int, repair: bool) -> _Targets:
+    """Run the parent layer `block` on the parent's stream: its outputs, its `attention` module's outputs when the
+    repair needs them, and the second moment of the input of `fit_input` (q, k and v's) on the stream the fit
+    reads."""
+    inputs, device = state.inputs[state.layer], state.device
+    moment = SecondMoment(hidden_size, device)
+    outputs, attention_outputs = [], []
     with walk.watching(fit_input) as attention_input, walk.watching(attention, output=True) as output:
-        for x, kw in zip(stream, inputs, strict=True):
-            targets.append(walk.run(block, x, kw, device))
-            if ours is None:  # parallel: the fit reads the parent's stream
+        for x, kw in zip(state.parent, inputs, strict=True):
+            outputs.append(walk.run(block, x, kw, device))
+            if state.ours is None:  # parallel: the fit reads the parent's stream
                 moment.add(attention_input())
             elif repair:
-                attention_targets.append(output().cpu())
-    if ours is not None:  # sequential: the fit reads the converted stream (only the layer's input norm runs)
-        for x, kw in zip(ours, inputs, strict=True):
+                attention_outputs.append(output().cpu())
+    if state.ours is not None:  # sequential: the fit reads the converted stream (only the layer's input norm runs)
+        for x, kw in zip(state.ours, inputs, strict=True):
             moment.add(walk.run_until(block, fit_input, x, kw, device))
-    return targets, attention_targets, moment
+    return _Targets(outputs, attention_outputs, moment)
 
 
-def _repair_and_run(block, attention_path: str, spec: ArchSpec, c: Calibration, ours, inputs, targets,
-                    attention_targets, tensors: dict, prefix: str, layer: int, device, seconds: dict):  # fmt: skip
-    """Repair and refine the converted layer `block`, run it on the converted stream; (next converted stream,
-    the layer's tensors as they now are, what was measured)."""
+def _repair_and_run(block, o_proj, c: Calibration, state: _Walk, targets: _Targets,
+                    names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+    """Repair and refine the converted layer `block` (its `o_proj`; `names`, its tensors that the fit wrote), run
+    it on the converted stream (`state.ours` moves on); (those tensors as they now are, what was measured:
+    `LayerFit`'s sequential fields)."""
     measured = {"repaired": False, "refined": 0}
+    ours, inputs, device = state.ours, state.inputs[state.layer], state.device
     if c.repair:
-        tick = time.perf_counter()
-        o_proj = block.get_submodule(f"{attention_path}.{spec.o_proj}")
-        result = repair_output(block, o_proj, ours, inputs, attention_targets, device)
+        with state.timing("repair"):
+            result = repair_output(block, o_proj, ours, inputs, targets.attention, device)
         measured.update(repaired=result.applied, repair_shrink=result.shrink,
-                        attention_error=[round(result.error_before, 6), round(result.error_after, 6)])  # fmt: skip
-        seconds["repair"] += time.perf_counter() - tick
+                        attention_error=(round(result.error_before, 6), round(result.error_after, 6)))  # fmt: skip
     if c.refine_steps:
-        LOG.info("layer %d: refining, %d steps", layer, c.refine_steps)
-        tick = time.perf_counter()
+        LOG.info("layer %d: refining, %d steps", state.layer, c.refine_steps)
         parameters = dict(block.named_parameters())
-        trainable = [parameters[n] for n in (name.removeprefix(prefix) for name in tensors) if n in parameters]
-        result = refine(block, trainable, ours, inputs, targets, c.refine_steps, c.refine_lr, seed=layer, device=device)
-        measured.update(refined=result.steps, refine_loss=[round(result.loss_before, 6), round(result.loss_after, 6)])
-        seconds["refine"] += time.perf_counter() - tick
-    tick = time.perf_counter()
-    with torch.no_grad():
-        ours = [walk.run(block, x, kw, device) for x, kw in zip(ours, inputs, strict=True)]
-    seconds["run"] += time.perf_counter() - tick
+        trainable = [parameters[name] for name in names if name in parameters]
+        with state.timing("refine"):
+            result = refine(block, trainable, ours, inputs, targets.outputs, c.refine_steps, c.refine_lr,
+                            seed=state.layer, device=device)  # fmt: skip
+        measured.update(refined=result.steps, refine_loss=(round(result.loss_before, 6), round(result.loss_after, 6)))
+    with state.timing("run"), torch.no_grad():
+        state.ours = ours = [walk.run(block, x, kw, device) for x, kw in zip(ours, inputs, strict=True)]
     parameters = block.state_dict()
-    tensors = {name: parameters[name.removeprefix(prefix)].detach().float().cpu().clone() for name in tensors}
-    error = sum((a - b).pow(2).sum() for a, b in zip(ours, targets, strict=True))
-    size = sum(b.pow(2).sum() for b in targets)
+    tensors = {name: parameters[name].detach().float().cpu().clone() for name in names}
+    error = sum((a - b).pow(2).sum() for a, b in zip(ours, targets.outputs, strict=True))
+    size = sum(b.pow(2).sum() for b in targets.outputs)
     measured["out"] = round(float((error / size).sqrt()), 6)  # how far the converted stream is from the parent's
-    return ours, tensors, measured
+    return tensors, measured
 
 
 def _check_finite(tensors: dict[str, torch.Tensor]) -> None:

@@ -25,7 +25,7 @@ import torch
 from gqaify._version import __version__
 from gqaify.archs import attention_kind, rotary_dim
 from gqaify.conversion import to_gguf
-from gqaify.conversion.calibrate import calibrate, read_calibration
+from gqaify.conversion.calibrate import FitRequest, LayerFit, calibrate, read_calibration
 from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.checks import check_method, check_request, config_problems, overlap_problems, text_problems
@@ -75,7 +75,7 @@ class ConversionResult:
     seconds: float
     grouping: str = "contiguous"
     permutations: list[list[int]] | None = None  # per layer, the source K/V heads in their new order
-    fit_errors: list[dict] | None = None  # per layer, what calibration measured (`calibrate.CalibratedLayers`)
+    fits: list[LayerFit] | None = None  # per layer, what calibration measured
     calibration_seconds: dict | None = None  # time spent capturing, fitting, repairing and refining
 
 
@@ -138,8 +138,8 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
             calibrated = None
             if calibration is not None:
                 ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, source.config, geometry.head_dim))
-                calibrated = calibrate(source, spec, geometry, calibration, text, METHODS[method], kv_heads,
-                                       s.grouping, ctx, not qk_norms, staging / _FITS, s.progress)  # fmt: skip
+                fitting = FitRequest(METHODS[method], kv_heads, s.grouping, ctx, keys_measurable=not qk_norms)
+                calibrated = calibrate(source, spec, geometry, calibration, text, fitting, staging / _FITS, s.progress)
             converter = LayerConverter(METHODS[method], kv_heads, ctx, calibrated)
             with ShardWriter(staging, plan.tensors, request.shard_bytes) as writer:
                 stream_tensors(source, plan, writer, converter, hasher, s.allow_nonfinite, s.progress)
@@ -156,7 +156,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
                                  "seconds": calibrated.seconds},  # fmt: skip
                     rotary_dim=ctx.rotary_dim,
                     permutations=calibrated.orders,
-                    fit_error=calibrated.errors,
+                    fit_error=[fit.record() for fit in calibrated.fits],
                 )
             model_card(record).save(staging / "README.md")
             write_provenance(staging, record)
@@ -184,7 +184,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         seconds=time.perf_counter() - start,
         grouping=s.grouping,
         permutations=calibrated.orders if calibrated else None,
-        fit_errors=calibrated.errors if calibrated else None,
+        fits=calibrated.fits if calibrated else None,
         calibration_seconds=calibrated.seconds if calibrated else None,
     )
 
