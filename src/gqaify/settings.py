@@ -18,10 +18,11 @@ function). Two checks, each reporting every problem at once:
     types       when a settings object is made (`Settings.__post_init__`): an object always holds values of its
                 fields' types, whether the command line, a file or a Python caller gave them
     problems()  each stage's one list of what is wrong with the values: required fields unset, and every rule
-                its fields declare (`Stage.declared_problems`), with the few that read better as code. `parse`
-                asks it, so that the command line answers before torch is loaded; each stage asks it again for
-                a Python caller, with what only the files can tell (is SRC there, can OUT be written), and keeps
-                what those checks parse (a size in bytes, where SRC is) for the work that follows.
+                its fields declare (`Stage.declared_problems`), with the few that read better as code. Each stage
+                asks it before any work, with what only the files can tell (is SRC there, can OUT be written,
+                does G divide SRC's heads), so that every problem is one message; it keeps what those checks
+                parse (a size in bytes, where SRC is) for the work that follows. `parse` checks only the types
+                and the required fields, which the stage needs to read the files at all.
 
 A --config file is read with care, as it may come from anyone: at most 1 MiB of YAML (a JSON record, 16 MiB),
 no YAML aliases, no deep nesting, and no message shows more than the start of a value.
@@ -232,6 +233,8 @@ class Excludes:
 
 
 def _number(bound: float | None) -> str:
+    if bound is None:  # no bound on that side: not worded
+        return ""
     return f"{bound:,}" if isinstance(bound, int) else f"{bound:g}"
 
 
@@ -255,6 +258,9 @@ class Switch:
     field: str
     value: object
     help: str
+
+
+QUIET = Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same as --no-progress)")
 
 
 @dataclass(frozen=True)
@@ -329,12 +335,14 @@ def required_problems(stage: Stage, settings: Settings) -> list[str]:
 
 def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
     """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`,
-    checked (`problems()`), so that the command line answers before anything heavy is loaded.
+    with its types and required fields checked (a required field unset: with every problem `problems()` finds).
+    Otherwise the values' rules are left to the stage, which reports them with what only the files can tell
+    (SRC's config, the models' positions), all in one message.
 
     Raises:
         UserError: the file is missing, not a mapping, or has unknown keys; an option is unknown; a value has
-            the wrong type (each of these, every problem at once); a positional and its option are both given,
-            and every problem `problems()` finds, at once.
+            the wrong type (each of these, every problem at once); a positional and its option are both given;
+            a required field is unset.
         SystemExit: --help (status 0), or a malformed option value (argparse's one-line error, status 2).
     """
     parser = build_parser(stage, prog)
@@ -360,7 +368,8 @@ def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
             problems.append(f"{p.metavar} and --{p.field.replace('_', '-')} both given; give one")
         values[p.field] = given
     settings = stage.settings(**{name: values[name] for name in stage.field_names()})
-    raise_if_problems(problems + settings.problems())
+    missing = required_problems(stage, settings)  # the stage cannot start: say now all the values' problems too
+    raise_if_problems(problems + (settings.problems() if missing else []))
     return settings
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from gqaify.dtypes import DtypeName
 from gqaify.hub import repo_id_problem
-from gqaify.settings import Finite, Limit, Needs, Positional, Range, Settings, Stage, Switch, setting
+from gqaify.settings import QUIET, Finite, Limit, Needs, Positional, Range, Settings, Stage, setting
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,6 @@ CONVERT = Stage(
     "  gqaify convert --config convert.yaml --kv-heads 1     (the file's settings; options given here win)\n"
     "  gqaify convert --config OUT/gqaify.json --out OUT2    (rerun a conversion from its record)",
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
-    switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
+    switches=(QUIET,),
     record_kind="a conversion record",
 )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gqaify.dtypes import DtypeName
 from gqaify.eval.tasks import TaskRequest
-from gqaify.settings import Positional, Range, Settings, Stage, Switch, setting
+from gqaify.settings import QUIET, Positional, Range, Settings, Stage, setting
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ EVAL = Stage(
     "  gqaify eval --config eval.yaml --seq-len 1024          (the file's settings; options given here win)\n"
     "  gqaify eval --config report/report.json --out again    (rerun an evaluation from its report)",
     positionals=(Positional("models", "MODEL", nargs="*"),),
-    switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same as --no-progress)"),),
+    switches=(QUIET,),
     foreign_names=FOREIGN_NAMES,
     record_kind="an eval report",
 )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gqaify.dtypes import DtypeName
-from gqaify.settings import Excludes, Limit, Needs, Positional, Range, Settings, Stage, Switch, recorded, setting
+from gqaify.settings import QUIET, Excludes, Limit, Needs, Positional, Range, Settings, Stage, recorded, setting
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
@@ -85,6 +85,6 @@ GENERATE = Stage(
     "  gqaify generate PARENT OUT --prompts prompts.txt --chat      (an instruct model's answers to your prompts)\n"
     "  gqaify generate --config OUT/gqaify.json --out OUT2          (the same settings again)",
     positionals=(Positional("model", "MODEL"), Positional("out", "OUT")),
-    switches=(Switch(("-q", "--quiet"), "progress", False, "no progress bar (the same as --no-progress)"),),
+    switches=(QUIET,),
     record_kind="a generated corpus's record",
 )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from gqaify.conversion.options import ConvertSettings, MethodSettings
+from gqaify.errors import raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
 from gqaify.settings import Excludes, Needs, Range, Stage, read_config, setting
@@ -237,7 +238,9 @@ def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> Uptrai
             a value is out of range.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    return parse_settings(UPTRAIN, argv, prog)
+    settings = parse_settings(UPTRAIN, argv, prog)
+    raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
+    return settings
 
 
 def load_recipe(path: str | Path) -> dict:
