@@ -96,14 +96,14 @@ def run(settings: UptrainSettings) -> UptrainResult:
     request = s.task_request()
     harness = Harness(request) if request.names else None  # reads the tasks' datasets
     existed = out.exists()
-    run = claim_output_dir(out, s, accelerator.num_processes, accelerator, data_sha256)
-    if run.get("completed") and (out / "final").is_dir():
-        return _pushed(s, _result_of_finished_run(out, run), accelerator)
+    record = claim_output_dir(out, s, accelerator.num_processes, accelerator, data_sha256)
+    if record.get("completed") and (out / "final").is_dir():
+        return _pushed(s, _result_of_finished_run(out, record), accelerator)
     try:
-        result = _run(s, out, accelerator, run, tokenizer, loader, steps, eval_ids, harness)
+        result = _run(_Run(s, out, accelerator, record, steps), tokenizer, loader, eval_ids, harness)
     except BaseException as exc:
         stop = as_interrupt(exc)
-        if "started" not in run:  # nothing trained yet: leave output_dir as it was found
+        if "started" not in record:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
                 undo_claim(out, existed)
             if stop is not None:
@@ -130,11 +130,40 @@ def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainRe
     return result
 
 
-def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loader, steps: int,
-         eval_ids, harness) -> UptrainResult:  # fmt: skip
+@dataclass
+class _Run:
+    """One run in its claimed output_dir: the settings (as resolved), the folder, the launcher (accelerate's
+    `Accelerator`), run.json's record, and the number of optimizer steps."""
+
+    s: UptrainSettings
+    out: Path
+    accelerator: object
+    record: dict
+    steps: int
+
+    def save_record(self) -> None:
+        if self.accelerator.is_main_process:
+            write_json(self.out / RUN_FILE, self.record)
+
+
+@dataclass
+class _Loop:
+    """What the loop moves, as accelerate prepared it: the model, its teacher (None without distill_from), the
+    data, the optimizer and its schedule, and where the run stands (`Progress`, saved with every checkpoint)."""
+
+    model: torch.nn.Module
+    teacher: torch.nn.Module | None
+    loader: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    progress: Progress
+
+
+def _run(run: _Run, tokenizer, loader, eval_ids, harness) -> UptrainResult:
     """The run in a claimed output_dir: model, optimizer, resume, the loop, the final save."""
     from accelerate.utils import set_seed
 
+    s, out, accelerator = run.s, run.out, run.accelerator
     set_seed(s.seed)
 
     model_path = _model_to_train(s, out, accelerator)
@@ -145,7 +174,7 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, params = _trainable(model, s)
-    optimizer, scheduler = _optimizer(s, params, steps, accelerator)
+    optimizer, scheduler = _optimizer(s, params, run.steps, accelerator)
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -155,36 +184,36 @@ def _run(s: UptrainSettings, out: Path, accelerator, run: dict, tokenizer, loade
     if latest is not None:
         accelerator.load_state(str(latest))
         if accelerator.is_main_process:
-            print(f"resuming from {latest} (step {progress.step} of {steps})")
+            print(f"resuming from {latest} (step {progress.step} of {run.steps})")
     teacher = _teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
-    evaluate = _evaluator(s, eval_ids, harness, tokenizer, teacher, model, accelerator, run, out, progress)
+    loop = _Loop(model, teacher, loader, optimizer, scheduler, progress)
+    evaluate = _evaluator(run, loop, eval_ids, harness, tokenizer)
 
     if accelerator.is_main_process:
         truncate_metrics(out, progress.step if latest is not None else -1)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
-    run["started"] = True
-    if accelerator.is_main_process:
-        write_json(out / RUN_FILE, run)
+    run.record["started"] = True
+    run.save_record()
     if evaluate and progress.step == 0:
         evaluate()
-    _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress, steps, evaluate, out)
+    _train(run, loop, evaluate)
 
     if accelerator.is_main_process:
-        _plot(out, run, s)
+        _plot(out, run.record, s)
     final = merged(accelerator.unwrap_model(model)) if s.trainable == "lora" else model  # a plain checkpoint
-    save_final(accelerator, final, tokenizer, model_path, out, saved_dtype, s, progress, run)
-    if accelerator.is_main_process:
-        run["completed"] = True
-        write_json(out / RUN_FILE, run)
+    save_final(accelerator, final, tokenizer, model_path, out, saved_dtype, s, progress, run.record)
+    run.record["completed"] = True
+    run.save_record()
     accelerator.wait_for_everyone()
     accelerator.end_training()  # last: it also ends the process group
-    return _result_of_finished_run(out, run)
+    return _result_of_finished_run(out, run.record)
 
 
-def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progress: Progress, steps: int,
-           evaluate, out: Path) -> None:  # fmt: skip
-    """The loop: from `progress` to `steps` optimizer steps, logging, evaluating and checkpointing."""
+def _train(run: _Run, loop: _Loop, evaluate) -> None:
+    """The loop: from `loop.progress` to `run.steps` optimizer steps, logging, evaluating and checkpointing."""
+    s, accelerator, steps, progress = run.s, run.accelerator, run.steps, loop.progress
+    model, loader, optimizer, scheduler = loop.model, loop.loader, loop.optimizer, loop.scheduler
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
     bar = tqdm(total=steps, initial=progress.step, unit="step", desc="uptrain",
                disable=not (s.progress and accelerator.is_main_process) or None)  # fmt: skip
@@ -196,7 +225,7 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
         skip = progress.batches_in_epoch  # batches a resumed run already consumed in this epoch
         for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
             with accelerator.accumulate(model):
-                loss, lm_loss = _loss(model, teacher, batch, s, accelerator)
+                loss, lm_loss = _loss(model, loop.teacher, batch, s, accelerator)
                 accelerator.backward(loss)
                 step_loss += torch.stack([loss.detach(), lm_loss])
                 window += 1
@@ -225,7 +254,7 @@ def _train(s, accelerator, model, teacher, loader, optimizer, scheduler, progres
             if evaluate and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
                 evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
             if s.save_every and (progress.step % s.save_every == 0 or progress.step == steps):
-                save_checkpoint(accelerator, out / CHECKPOINTS, progress, s.save_total_limit)
+                save_checkpoint(accelerator, run.out / CHECKPOINTS, progress, s.save_total_limit)
             if progress.step == steps:
                 break
         else:  # the epoch's batches are used up
@@ -362,9 +391,9 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
     return teacher
 
 
-def _evaluator(s, ids, harness, tokenizer, teacher, model, accelerator, run: dict, out: Path, progress: Progress):
-    """A function that logs the eval perplexity (with eval_data) and task scores (with eval_tasks) at the
-    current step, or None without either.
+def _evaluator(run: _Run, loop: _Loop, ids, harness, tokenizer):
+    """A function that logs the eval perplexity (with eval_data, on the token `ids`) and task scores (with
+    eval_tasks, through `harness`) at the current step, or None without either.
 
     The parent's perplexity on the same tokens is measured once per run and kept in run.json. Every process
     scores the tasks on its model (under FSDP each forward pass needs them all); the main one logs them as
@@ -372,14 +401,14 @@ def _evaluator(s, ids, harness, tokenizer, teacher, model, accelerator, run: dic
     """
     if ids is None and harness is None:
         return None
+    s, accelerator, model, teacher = run.s, run.accelerator, loop.model, loop.teacher
     seq_len = s.eval_seq_len or s.seq_len
-    if ids is not None and "parent_perplexity" not in run:
-        run["parent_perplexity"] = _parent_perplexity(s, teacher, ids, seq_len, accelerator)
-        if accelerator.is_main_process:
-            write_json(out / RUN_FILE, run)
+    if ids is not None and "parent_perplexity" not in run.record:
+        run.record["parent_perplexity"] = _parent_perplexity(s, teacher, ids, seq_len, accelerator)
+        run.save_record()
 
     def evaluate() -> None:
-        row: dict = {"tokens": progress.tokens}
+        row: dict = {"tokens": loop.progress.tokens}
         model.eval()
         if ids is not None:
             row["eval_perplexity"] = perplexity(model, ids, seq_len, seq_len, progress=False).perplexity
@@ -388,7 +417,7 @@ def _evaluator(s, ids, harness, tokenizer, teacher, model, accelerator, run: dic
         if harness is not None:
             row |= {score.name: score.value for score in harness.score(accelerator.unwrap_model(model), tokenizer)}
         model.train()
-        accelerator.log(row, step=progress.step)
+        accelerator.log(row, step=loop.progress.step)
 
     return evaluate
 
@@ -507,15 +536,15 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     return str(converted)
 
 
-def _plot(out: Path, run: dict, s: UptrainSettings) -> None:
+def _plot(out: Path, record: dict, s: UptrainSettings) -> None:
     curve = eval_curve(read_metrics(out / METRICS))
     if curve[0]:
         distilled = ", distilled" if s.distill_from and s.distill_weight > 0 else ""
         label = f"{Path(s.model).name} ({s.trainable}{distilled})"
-        plot_recovery({label: curve}, run.get("parent_perplexity"), out / "recovery.png", "uptraining recovery")
+        plot_recovery({label: curve}, record.get("parent_perplexity"), out / "recovery.png", "uptraining recovery")
 
 
-def _result_of_finished_run(out: Path, run: dict) -> UptrainResult:
+def _result_of_finished_run(out: Path, record: dict) -> UptrainResult:
     rows = read_metrics(out / METRICS)
     losses = [r for r in rows if "loss" in r]
     _, ppl = eval_curve(rows)
@@ -526,7 +555,7 @@ def _result_of_finished_run(out: Path, run: dict) -> UptrainResult:
         tokens=losses[-1]["tokens"] if losses else 0,
         loss=losses[-1]["loss"] if losses else None,
         eval_perplexity=ppl[-1] if ppl else None,
-        parent_perplexity=run.get("parent_perplexity"),
+        parent_perplexity=record.get("parent_perplexity"),
         metrics=out / METRICS,
         plot=plot if plot.exists() else None,
     )
