@@ -39,6 +39,7 @@ CONVERSION_KEYS = ("kv_heads", "method", "calib_data", "calib_tokens", "calib_mo
 VARIANTS = {
     "WikiText-2, half KL (the recipe before)": ("wiki-half", "wikitext", 0.5, []),
     "WikiText-2, KL": ("wiki-kl", "wikitext", 1.0, []),
+    "WikiText-2, KL, attention": ("wiki-kl-attention", "wikitext", 1.0, ["--trainable", "attention"]),
     "parent-written, KL": ("parent-kl", "parent", 1.0, []),
     "parent-written, half KL": ("parent-half", "parent", 0.5, []),
     "parent-written, KL, attention": ("parent-kl-attention", "parent", 1.0, ["--trainable", "attention"]),
@@ -63,10 +64,12 @@ def main() -> None:
     gguf = fetch_default_model()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    converted, corpus = convert_once(gguf, out), corpus_once(gguf, out)
+    names = args.variants.split("|")
+    converted = convert_once(gguf, out)
+    corpus = corpus_once(gguf, out) if any(VARIANTS[name][1] == "parent" for name in names) else None
     recipe = training_recipe(out)
     finals = {}
-    for name in args.variants.split("|"):
+    for name in names:
         folder, data, weight, extra = VARIANTS[name]
         run_dir = out / folder
         command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(recipe), "--model", str(converted),
