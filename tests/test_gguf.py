@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import MODELS, needs_assets
 from gqaify.cli import main
+from helpers import one_line, run_cli
 
 STORIES_MHA = MODELS / "stories260K-mha"
 needs_llama_cpp = pytest.mark.skipif(
@@ -115,6 +116,23 @@ def test_a_vocabulary_llama_cpp_would_misread_is_refused_and_nothing_written(tmp
                            "--kv-heads", "2", "-q"], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and "convert_hf_to_gguf.py" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_vocabulary_is_refused_before_the_conversion_runs(tmp_path, monkeypatch, capsys):
+    """A long calibrated conversion would be wasted: the source's vocabulary is asked first."""
+    import gqaify.conversion.core as core
+
+    if not (MODELS / "ref-mha-6L").is_dir():
+        pytest.skip("needs ../shared/assets/models/ref-mha-6L")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the conversion ran")
+
+    monkeypatch.setattr(core, "stream_tensors", never)
+    monkeypatch.setattr(core, "calibrate", never)
+    code, err = run_cli(capsys, "convert", MODELS / "ref-mha-6L", tmp_path / "ref.gguf", "--kv-heads", "2")
+    assert code == 2 and "pre-tokenizer" in one_line(err)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -212,9 +212,9 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
                         f"`huggingface-cli upload {s.push_to_hub} {out}`")  # fmt: skip
     raise_if_problems(problems)
     with open_source(s.src, s.revision) as source:  # refused before any work: what GGUF cannot carry here
-        if problem := to_gguf.gguf_problem(source.config):
-            raise UserError(problem)
         tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
+        vocabulary = None if tokenizer_gguf else to_gguf.vocabulary_problem(source.directory)
+        raise_if_problems([p for p in (to_gguf.gguf_problem(source.config), vocabulary) if p])
     remove_leftovers(out)
     with work_folder(out) as work:
         result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))

@@ -175,9 +175,20 @@ def _copy_tokenizer(writer, source: Path) -> None:
         writer.add_key_value(key, field.contents(), kind, sub_type=sub)
 
 
-def _write_tokenizer(writer, folder: Path) -> None:
-    """A Llama vocabulary as llama.cpp's converter writes it: from the SentencePiece model (tokenizer.model) where
-    there is one, whose scores order the merges; else from tokenizer.json, a byte-fallback BPE one.
+def vocabulary_problem(folder: Path) -> str | None:
+    """Why the vocabulary in `folder` cannot be written for llama.cpp (`_llama_vocabulary`), or None: asked of the
+    source before the conversion's work."""
+    try:
+        _llama_vocabulary(folder)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def _llama_vocabulary(folder: Path):
+    """The vocabulary in `folder` as llama.cpp's converter reads a Llama one: from the SentencePiece model
+    (tokenizer.model) where there is one, whose scores order the merges; else from tokenizer.json, a
+    byte-fallback BPE one.
 
     Raises:
         UserError: another kind of vocabulary: llama.cpp reads a byte-level BPE one only with a pre-tokenizer it
@@ -187,7 +198,7 @@ def _write_tokenizer(writer, folder: Path) -> None:
     import gguf
 
     try:
-        vocab = gguf.SentencePieceVocab(folder) if (folder / "tokenizer.model").is_file() else gguf.LlamaHfVocab(folder)
+        return gguf.SentencePieceVocab(folder) if (folder / "tokenizer.model").is_file() else gguf.LlamaHfVocab(folder)
     except RuntimeError as exc:  # gguf's words for "sentencepiece is not installed"
         raise UserError(
             f"{folder}'s vocabulary is a SentencePiece model, which needs the sentencepiece package to write: "
@@ -199,6 +210,13 @@ def _write_tokenizer(writer, folder: Path) -> None:
             "vocabulary only with a pre-tokenizer it recognises; write safetensors (OUT without .gguf) and use "
             "llama.cpp's convert_hf_to_gguf.py, which knows them"
         ) from exc
+
+
+def _write_tokenizer(writer, folder: Path) -> None:
+    """A Llama vocabulary (`_llama_vocabulary`) as llama.cpp's converter writes it."""
+    import gguf
+
+    vocab = _llama_vocabulary(folder)
     tokens, scores, types = zip(*vocab.all_tokens(), strict=True)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
