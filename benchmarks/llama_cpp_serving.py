@@ -179,8 +179,7 @@ with safe_open(Path(sys.argv[1]) / "model.safetensors", "pt") as f, open(sys.arg
     for name in f.keys():
         tensor = f.get_tensor(name)
         largest = max(largest, tensor.numel() * 4)
-        values = tensor.float().numpy()
-        (values if tensor.dim() == 1 else values.astype(np.float16)).tofile(out)
+        (tensor.float() if tensor.dim() == 1 else tensor.to(torch.float16)).numpy().tofile(out)  # torch's fast cast
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "rss_after_imports_mib": base / 1024, "largest_tensor_mib": largest / 2**20}))

@@ -307,10 +307,10 @@ def _write_data(writer, folder: Path, plan, layout: _Layout) -> None:
     for shard, tensors in itertools.groupby(plan, key=lambda entry: entry[0]):  # the plan lists shard by shard
         with safe_open(folder / shard, "pt") as f:
             for _, name, qtype in tensors:
-                values = layout.prepared(name, f.get_tensor(name)).float().numpy()
-                if qtype == gguf.GGMLQuantizationType.F32:
-                    writer.write_tensor_data(values)
-                elif qtype == gguf.GGMLQuantizationType.F16:
-                    writer.write_tensor_data(values.astype(np.float16))
+                values = layout.prepared(name, f.get_tensor(name))
+                if qtype == gguf.GGMLQuantizationType.F16:  # torch casts as numpy does, several times faster
+                    writer.write_tensor_data(values.to(torch.float16).numpy())
+                elif qtype == gguf.GGMLQuantizationType.F32:
+                    writer.write_tensor_data(values.float().numpy())
                 else:
-                    writer.write_tensor_data(gguf.quants.quantize(values, qtype))
+                    writer.write_tensor_data(gguf.quants.quantize(values.float().numpy(), qtype))
