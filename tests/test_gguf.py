@@ -293,3 +293,16 @@ def test_an_existing_file_is_replaced_only_with_force_and_only_if_gqaify_wrote_i
 def test_gguf_type_without_a_gguf_out_is_refused(tmp_path):
     assert main(["convert", str(STORIES_MHA), str(tmp_path / "folder"), "--kv-heads", "2", "--gguf-type", "q8_0"]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_assets
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_a_gguf_out_that_is_the_gguf_source_is_named_as_the_source(capsys, stories_gguf, tmp_path, force):
+    """A GGUF gqaify wrote, converted onto itself: told it is the source (not to pass --force), and left as it was."""
+    src = tmp_path / "gqa2.gguf"
+    src.write_bytes(stories_gguf["gqa2.gguf"].read_bytes())
+    code, err = run_cli(capsys, "convert", src, src, "--kv-heads", "1", *force)
+    line = one_line(err)
+    assert code == 2 and f"OUT {src} is the source; name another file to write" in line and "--force" not in line
+    assert src.read_bytes() == stories_gguf["gqa2.gguf"].read_bytes() and [p.name for p in tmp_path.iterdir()] == [
+        "gqa2.gguf"]  # fmt: skip

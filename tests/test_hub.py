@@ -4,17 +4,22 @@ Each test makes the hub unreachable itself (`hub_unreachable`: HF_ENDPOINT on a 
 tests do not depend on whether the machine running them has a network.
 """
 
+import importlib.util
+import os
+import subprocess
+import sys
+import time
 
 import httpx2
 import pytest
 import requests
 from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
 
-from conftest import build_model, load, save_with_tokenizer, tree_hashes
+from conftest import CLOSED, CORPUS, build_model, load, save_with_tokenizer, tree_hashes
 from gqaify import hub
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from helpers import one_line_refusal
+from helpers import QUICK, one_line_refusal
 from helpers import uptrain_args as args
 
 
@@ -29,6 +34,37 @@ def test_push_without_network_keeps_the_folder_and_says_how_to_push_it(capsys, t
     assert "the push to you/x failed (ConnectError" in err and f"hf upload you/x {out.resolve()}" in err
     assert load(out).config.num_key_value_heads == 2  # complete, loadable
     assert not list(tmp_path.glob(".out.gqaify-*"))
+
+
+HUB_DATA = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
+EVAL = ["eval", "{src}", "--out", "{tmp}/report", "--no-speed", "--seq-len", "32"]
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: gqaify[tasks]")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [([*EVAL, "--data", HUB_DATA], "--data gqaify-tests/"),
+     (["convert", "{src}", "{tmp}/out", "--kv-heads", "2", "--method", "lsq", "--calib-data", HUB_DATA],
+      "--calib-data gqaify-tests/"),
+     pytest.param([*EVAL, "--data", "{tmp}/text.txt", "--tasks", "hellaswag"], "task hellaswag needs Rowan/hellaswag",
+                  marks=needs_lm_eval)],
+    ids=["eval-data", "convert-calib-data", "eval-tasks"],
+)  # fmt: skip
+def test_the_hub_unreachable_is_one_line_on_the_real_stderr(tmp_path, source, argv, said):
+    """In a fresh process, as a user runs it: stderr holds the one line and nothing else (the 22 lines of retry
+    warnings, each printed twice, went to handlers the libraries bound to stderr, which an in-process capture may
+    not see), soon after the libraries are imported; nothing is written."""
+    (tmp_path / "text.txt").write_text(CORPUS)
+    env = {**os.environ, "HF_ENDPOINT": CLOSED, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+    argv = [a.format(src=source, tmp=tmp_path) for a in argv]
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gqaify", *argv], capture_output=True, text=True, env=env)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("gqaify: error: "), \
+        done.stderr  # fmt: skip
+    assert said in done.stderr and "could not be reached" in done.stderr
+    assert elapsed < 3 * QUICK, f"{elapsed:.1f} s"  # imports and the harness's task index included
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "text.txt"]
 
 
 def raising(exc: Exception):

@@ -4,6 +4,7 @@ gqaify.json and report.json rerun what made them; --help lists every field; bad 
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from conftest import CORPUS, build_model, save, save_with_tokenizer
 from gqaify.cli import main
 from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
 from gqaify.eval.settings import EVAL
+from gqaify.generation.settings import GENERATE
 from gqaify.settings import parse
 from gqaify.summary import format_uptrain_summary
 from gqaify.uptrain.settings import UPTRAIN
@@ -255,7 +257,8 @@ def test_a_pipe_is_read(tmp_path):
     writer.join()
 
 
-@pytest.mark.parametrize(("stage", "key"), [(CONVERT, "config"), (UPTRAIN, "recipe"), (UPTRAIN, "config")])
+@pytest.mark.parametrize(("stage", "key"), [(CONVERT, "config"), (EVAL, "config"), (GENERATE, "config"),
+                                              (UPTRAIN, "recipe"), (UPTRAIN, "config")])  # fmt: skip
 def test_a_file_naming_another_file_is_told_so(capsys, tmp_path, stage, key):
     """It was told "unknown key 'config' (did you mean config?)"."""
     (tmp_path / "c.yaml").write_text(f"{key}: other.yaml\n")
@@ -309,6 +312,18 @@ def test_a_path_with_a_newline_stays_on_one_summary_line(capsys, source, tmp_pat
     assert main(["convert", str(source), str(out), "--kv-heads", "1", "-q"]) == 0
     printed = capsys.readouterr().out
     assert f"  saved to        {str(out)!r}\n" in printed and "\nline" not in printed
+
+
+def test_paths_with_a_newline_stay_on_one_line_of_what_eval_prints(capsys, source, tmp_path):
+    model, out = tmp_path / "new\nline", tmp_path / "re\nport"
+    shutil.copytree(source, model)
+    (tmp_path / "text.txt").write_text(CORPUS)
+    assert main(["eval", str(model), "--data", str(tmp_path / "text.txt"), "--out", str(out), "--seq-len", "32",
+                 "--no-speed", "-q"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()  # the table's header, rule and row, and where the report is
+    assert len(lines) == 4 and lines[2].startswith(f"{str(model)!r}  "), lines
+    assert lines[3] == f"report: {str(out / 'report.md')!r}, report.json; plots: {str(out)!r}/*.png"
+    assert f"| {str(model)!r} |" in (out / "report.md").read_text()
 
 
 def test_uptrain_summary_paths_stay_on_one_line():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from gqaify.command import quiet_transformers, run_command
 from gqaify.settings import OneLineParser
@@ -80,10 +81,12 @@ def _run_eval(args) -> None:
 
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
+    from gqaify.summary import printable
 
     report = evaluate(settings.models, settings.data, settings.out, settings)
     print(format_table(report))
-    print(f"report: {settings.out}/report.md, report.json; plots: {settings.out}/*.png")
+    out = Path(settings.out)
+    print(f"report: {printable(out / 'report.md')}, report.json; plots: {printable(out)}/*.png")
 
 
 def _run_generate(args) -> None:

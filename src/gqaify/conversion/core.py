@@ -204,9 +204,11 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
     out = resolve_out(s.out)
     # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
     problems = check_request(replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))).problems
-    problems += [p for p in (to_gguf.destination_problem(out, s.force), to_gguf.type_problem(s.gguf_type)) if p]
-    if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:
+    if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:  # not "pass --force": it would be refused
         problems.append(f"OUT {out} is the source; name another file to write")
+    else:
+        problems += [p for p in [to_gguf.destination_problem(out, s.force)] if p]
+    problems += [p for p in [to_gguf.type_problem(s.gguf_type)] if p]
     if s.push_to_hub is not None:
         problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
                         f"`huggingface-cli upload {s.push_to_hub} {out}`")  # fmt: skip

@@ -11,6 +11,7 @@ from gqaify.eval.results import ModelReport, Report
 from gqaify.eval.tasks import TaskScore, headline
 from gqaify.figures import figure
 from gqaify.outputs import staged, write_provenance
+from gqaify.summary import printable
 
 PLOT_KV = "perplexity_vs_kv.png"
 PLOT_DIAGNOSTICS = "diagnostics.png"
@@ -25,7 +26,7 @@ def table_rows(report: Report) -> list[list[str]]:
     rows = []
     for m in report.models:
         rows.append([
-            m.model,
+            printable(m.model),  # a path may hold a newline; a row is one line
             str(m.num_key_value_heads),
             f"{m.perplexity:,.2f}",
             "—" if m.delta_perplexity is None else f"{m.delta_perplexity:+,.2f}",
@@ -72,7 +73,7 @@ def _headline_rows(report: Report) -> list[tuple[str, str, list[tuple[str, str]]
     per_model = _headlines(report)
     rows = []
     for task, first in per_model[0].items():
-        cells = [(Path(m.model).name, f"{found[task].value:.4f}" if task in found else "—")
+        cells = [(printable(Path(m.model).name), f"{found[task].value:.4f}" if task in found else "—")
                  for m, found in zip(report.models, per_model, strict=True)]  # fmt: skip
         rows.append((task, first.metric, cells))
     return rows
