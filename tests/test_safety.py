@@ -474,8 +474,9 @@ import time
 import gqaify.conversion.core as core
 convert = core.convert
 def slow_lsq(src, out, **settings):
-    if settings.get("method") == "lsq":
-        time.sleep(120)  # stopped here
+    if settings.get("method") == "lsq":  # stopped here: a long step, running Python as a conversion does (one
+        for _ in range(1200):            # 120 s sleep would not wake for a signal delivered to another thread)
+            time.sleep(0.1)
     return convert(src, out, **settings)
 core.convert = slow_lsq
 """
