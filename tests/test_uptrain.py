@@ -584,6 +584,20 @@ def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_pat
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tiny, tmp_path):
+    """A run.json written by an older gqaify lacks the settings added since; the run trained as their defaults
+    say, so it is the same run, not "another run's checkpoints" (it was refused after an upgrade)."""
+    out = tmp_path / "run"
+    uptrain(parse(args(tiny, out, "--save_every", "10")))
+    run = json.loads((out / "run.json").read_text())
+    del run["settings"]["hidden_weight"], run["settings"]["temperature"]
+    (out / "run.json").write_text(json.dumps(run))
+    done = run_uptrain(args(tiny, out, "--save_every", "10"))
+    assert done.returncode == 0 and "uptrained" in done.stdout, done.stderr
+    line = one_line_error(run_uptrain(args(tiny, out, "--save_every", "10", "--temperature", "2")))
+    assert "holds another run's checkpoints (it had temperature=1.0, now 2.0)" in line
+
+
 def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")

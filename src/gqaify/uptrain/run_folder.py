@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from gqaify._version import __version__
@@ -59,6 +59,11 @@ def what_is_left(out: Path, steps: int) -> str:
     return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
 
 
+def _defaults() -> dict:
+    """Each setting's default, for a run.json written before that setting existed."""
+    return {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(UptrainSettings)}
+
+
 def _identity(s: UptrainSettings, processes: int) -> dict:
     values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
     return {**values, "processes": processes}
@@ -78,7 +83,8 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     run_file = out / RUN_FILE
     if run_file.exists():
         run = json.loads(run_file.read_text())
-        differs = [k for k in identity if run["settings"].get(k) != identity[k]]
+        had = {**_defaults(), **run["settings"]}  # a setting added since the run began: it trained at its default
+        differs = [k for k in identity if had.get(k) != identity[k]]
         recorded = run.get("data_sha256", data_sha256)
         if (differs or recorded != data_sha256) and "started" not in run and not checkpoints(out / CHECKPOINTS):
             # a run that was stopped before it trained (killed while converting): nothing of it to keep
@@ -89,7 +95,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
         if differs:
             k = differs[0]
             raise UserError(
-                f"output_dir {out} holds another run's checkpoints (it had {k}={run['settings'].get(k)!r}, now "
+                f"output_dir {out} holds another run's checkpoints (it had {k}={had.get(k)!r}, now "
                 f"{identity[k]!r}); use a new output_dir, or delete this one to start over"
             )
         if recorded != data_sha256:
