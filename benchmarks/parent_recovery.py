@@ -40,8 +40,6 @@ VARIANTS = {
     "WikiText-2, half KL (the recipe before)": ("wiki-half", "wikitext", 0.5, []),
     "WikiText-2, KL": ("wiki-kl", "wikitext", 1.0, []),
     "WikiText-2, KL, attention": ("wiki-kl-attention", "wikitext", 1.0, ["--trainable", "attention"]),
-    "WikiText-2, KL, attention, layers 10": ("wiki-kl-attention-layers10", "wikitext", 1.0,
-                                             ["--trainable", "attention", "--hidden_weight", "10"]),
     "parent-written, KL": ("parent-kl", "parent", 1.0, []),
     "parent-written, half KL": ("parent-half", "parent", 0.5, []),
     "parent-written, KL, attention": ("parent-kl-attention", "parent", 1.0, ["--trainable", "attention"]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gqaify.uptrain.distill import distillation_kl, hidden_state_error, stored_kl
+from gqaify.uptrain.distill import distillation_kl, stored_kl
 
 
 def reference_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -81,44 +81,3 @@ def test_stored_kl_of_the_top_k_and_its_gradient_equal_the_coarsened_kl(k):
     full = reference_kl(student, teacher, 1.0).item()
     assert 0 < stored.item() <= full + 1e-12  # never more than the full KL; equal when one token is left out
     assert (stored.item() < full - 1e-3) == (k < 28)
-
-
-def test_hidden_state_error_is_each_layers_relative_error_averaged():
-    """mean over layers of ‖h − h*‖² / ‖h*‖², the embeddings (first) left out, no gradient to the teacher."""
-    generator = torch.Generator().manual_seed(3)
-    teacher = tuple(torch.randn(2, 5, 8, generator=generator, dtype=torch.float64) for _ in range(4))
-    student = tuple((t + 0.1 * (i + 1) * torch.randn(2, 5, 8, generator=generator, dtype=torch.float64))
-                    .requires_grad_() for i, t in enumerate(teacher))  # fmt: skip
-    pairs = zip(student[1:], teacher[1:], strict=True)
-    expected = sum(((s - t) ** 2).sum().item() / (t**2).sum().item() for s, t in pairs) / 3
-    error = hidden_state_error(student, teacher)
-    assert error.item() == pytest.approx(expected, rel=1e-6)
-    error.backward()
-    assert student[0].grad is None and all(s.grad.abs().sum() > 0 for s in student[1:])
-    assert hidden_state_error(teacher, teacher).item() == 0
-
-
-def test_the_training_loss_adds_the_weighted_hidden_state_error(tiny):
-    """uptrain's loss with hidden_weight: (1 - w) LM + w KL + hidden_weight x the layers' error, each term
-    computed here from the two models' outputs."""
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM
-
-    from gqaify.uptrain.settings import UptrainSettings
-    from gqaify.uptrain.train import _loss
-
-    model = AutoModelForCausalLM.from_pretrained(tiny["converted"])
-    teacher = AutoModelForCausalLM.from_pretrained(tiny["parent"])
-    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(4))
-    settings = UptrainSettings(model="m", data="d", output_dir="o", max_tokens=1, distill_from="p",
-                               distill_weight=0.25, hidden_weight=2.0)  # fmt: skip
-    loss, lm = _loss(model, teacher, {"input_ids": ids}, settings, Accelerator(cpu=True))
-    student = model(input_ids=ids, labels=ids, output_hidden_states=True)
-    with torch.no_grad():
-        parent = teacher(input_ids=ids, output_hidden_states=True)
-    pairs = zip(student.hidden_states[1:], parent.hidden_states[1:], strict=True)
-    layers = [((s - t) ** 2).sum() / (t**2).sum() for s, t in pairs]
-    kl = reference_kl(student.logits, parent.logits, 1.0)
-    expected = 0.75 * student.loss + 0.25 * kl + 2 * sum(layers) / len(layers)
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5) and lm.item() == pytest.approx(student.loss.item())
-    assert sum(layers).item() > 0  # the conversion changed what the layers compute

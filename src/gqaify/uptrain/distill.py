@@ -153,19 +153,6 @@ def _tokens(logits: torch.Tensor) -> int:
     return logits.numel() // logits.shape[-1]
 
 
-def hidden_state_error(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The decoder layers' outputs' squared error against the parent's, relative to the parent's, averaged over
-    the layers: mean_l ‖h_l − h*_l‖² / ‖h*_l‖² (0: every layer computes what the parent's computes).
-
-    Args:
-        student, teacher: transformers' `hidden_states` of the same batch (the embeddings first, then each
-            layer's output); the embeddings are left out, as are the teacher's gradients.
-    """
-    errors = [(s.float() - t.detach().float()).pow(2).sum() / t.detach().float().pow(2).sum().clamp_min(1e-12)
-              for s, t in zip(student[1:], teacher[1:], strict=True)]  # fmt: skip
-    return torch.stack(errors).mean()
-
-
 @torch.no_grad()
 def kl_to_parent(model, parent, ids: torch.Tensor, seq_len: int) -> float:
     """Mean KL(parent || model) in nats per token over `ids` (1-D) cut into windows of `seq_len` tokens: how far the

@@ -107,11 +107,6 @@ class UptrainSettings(MethodSettings):
     )  # fmt: skip
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
     temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
-    hidden_weight: float = setting(
-        0.0, "adds w x the decoder layers' outputs' squared error against distill_from's, relative to the parent's "
-        "(each layer told where it drifts, not only the last)",
-        check=(Range(0, fix="0 turns it off"), Needs("distill_from", "compares each layer with the teacher's")),
-    )  # fmt: skip
     # -- evaluation, checkpoints, logging
     eval_data: str | None = setting(None, "held-out text for perplexity, same loaders as gqaify eval")
     eval_split: str = setting("test", "split of eval_data")

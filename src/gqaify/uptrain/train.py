@@ -34,7 +34,7 @@ from gqaify.eval.perplexity import perplexity
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
 from gqaify.uptrain.data import EpochSampler, packed_blocks, packed_stored_blocks
-from gqaify.uptrain.distill import distillation_kl, hidden_state_error, kl_to_parent, stored_kl
+from gqaify.uptrain.distill import distillation_kl, kl_to_parent, stored_kl
 from gqaify.uptrain.lora import merged, with_adapters
 from gqaify.uptrain.report import (
     METRICS,
@@ -424,24 +424,18 @@ def _evaluator(run: _Run, loop: _Loop, ids, harness, tokenizer):
 
 def _loss(model, teacher, batch: dict, s: UptrainSettings, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to train on, the LM loss alone): transformers' LM loss over every next token, mixed with the
-    KL to the parent: the teacher's, or from the top-k stored with the data (distill_from_data); plus, with
-    hidden_weight, each decoder layer's output error against the teacher's (`hidden_state_error`)."""
+    KL to the parent: the teacher's, or from the top-k stored with the data (distill_from_data)."""
     ids = batch["input_ids"]
-    hidden = s.hidden_weight > 0 and teacher is not None
-    out = model(input_ids=ids, labels=ids, use_cache=False, output_hidden_states=hidden)
-    if (s.distill_weight == 0 and not hidden) or (teacher is None and not s.distill_from_data):
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    if s.distill_weight == 0 or (teacher is None and not s.distill_from_data):
         return out.loss, out.loss.detach()
     if s.distill_from_data:
         kl = stored_kl(out.logits, batch["top_ids"], batch["top_logprobs"])
-        return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
-    with torch.no_grad(), accelerator.autocast():
-        target = teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
-    loss = (1 - s.distill_weight) * out.loss
-    if s.distill_weight > 0:
-        loss = loss + s.distill_weight * distillation_kl(out.logits, target.logits, s.temperature)
-    if hidden:
-        loss = loss + s.hidden_weight * hidden_state_error(out.hidden_states, target.hidden_states)
-    return loss, out.loss.detach()
+    else:
+        with torch.no_grad(), accelerator.autocast():
+            target = teacher(input_ids=ids, use_cache=False).logits
+        kl = distillation_kl(out.logits, target, s.temperature)
+    return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
 
 
 def _trainable(model, s: UptrainSettings) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
