@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gqaify.cli import main
 
+NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
 QUICK = 10.0  # seconds for a refusal that needs the hub; huggingface_hub's five retries alone wait 23 s
 
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import build_model, save_with_tokenizer
 from gqaify.data import load_text
 from gqaify.errors import UserError
-from helpers import one_line_refusal
+from helpers import NOT_CACHED, one_line_refusal
 
 
 def test_text_file_is_read_verbatim(tmp_path):
@@ -60,7 +60,6 @@ def test_mixed_folder_is_refused(tmp_path):
 
 # -- the hub unreachable: one line at once, nothing written (the hub made unreachable by `hub_unreachable`) ---
 
-NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from conftest import CLOSED, CORPUS, build_model, load, save_with_tokenizer, tre
 from gqaify import hub
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from helpers import QUICK, one_line_refusal
+from helpers import NOT_CACHED, QUICK, one_line_refusal
 from helpers import uptrain_args as args
 
 
@@ -36,15 +36,14 @@ def test_push_without_network_keeps_the_folder_and_says_how_to_push_it(capsys, t
     assert not list(tmp_path.glob(".out.gqaify-*"))
 
 
-HUB_DATA = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
 EVAL = ["eval", "{src}", "--out", "{tmp}/report", "--no-speed", "--seq-len", "32"]
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: gqaify[tasks]")
 
 
 @pytest.mark.parametrize(
     ("argv", "said"),
-    [([*EVAL, "--data", HUB_DATA], "--data gqaify-tests/"),
-     (["convert", "{src}", "{tmp}/out", "--kv-heads", "2", "--method", "lsq", "--calib-data", HUB_DATA],
+    [([*EVAL, "--data", NOT_CACHED], "--data gqaify-tests/"),
+     (["convert", "{src}", "{tmp}/out", "--kv-heads", "2", "--method", "lsq", "--calib-data", NOT_CACHED],
       "--calib-data gqaify-tests/"),
      pytest.param([*EVAL, "--data", "{tmp}/text.txt", "--tasks", "hellaswag"], "task hellaswag needs Rowan/hellaswag",
                   marks=needs_lm_eval)],

@@ -420,7 +420,7 @@ def add_field_option(parser, f: dataclasses.Field, hint) -> None:
     give true/false), and a boolean that defaults to true also gets `--no-field`.
     """
     flags = _flags(f.name)
-    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    default = field_default(f)
     kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
     hint = _without_none(hint)
     if hint is bool:
@@ -696,6 +696,16 @@ def shown(value) -> str:
     """`repr(value)`, cut short (a string's middle, a list's tail, deep levels): messages show what a value is,
     never all of it."""
     return _SHORT.repr(value)
+
+
+def field_default(f: dataclasses.Field):
+    """The value a settings field takes when it is not given (a list field: a new list)."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def defaults(settings: type) -> dict:
+    """Every field's default, by name (what a record written before a field existed is read as)."""
+    return {f.name: field_default(f) for f in dataclasses.fields(settings)}
 
 
 def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.errors import UserError
 from gqaify.outputs import PROVENANCE_FILE, write_provenance, written_whole
+from gqaify.settings import defaults
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 
@@ -59,11 +60,6 @@ def what_is_left(out: Path, steps: int) -> str:
     return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
 
 
-def _defaults() -> dict:
-    """Each setting's default, for a run.json written before that setting existed."""
-    return {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(UptrainSettings)}
-
-
 def _identity(s: UptrainSettings, processes: int) -> dict:
     values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
     return {**values, "processes": processes}
@@ -83,7 +79,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     run_file = out / RUN_FILE
     if run_file.exists():
         run = json.loads(run_file.read_text())
-        had = {**_defaults(), **run["settings"]}  # a setting added since the run began: it trained at its default
+        had = {**defaults(UptrainSettings), **run["settings"]}  # a setting added since: it trained at its default
         differs = [k for k in identity if had.get(k) != identity[k]]
         recorded = run.get("data_sha256", data_sha256)
         if (differs or recorded != data_sha256) and "started" not in run and not checkpoints(out / CHECKPOINTS):
