@@ -118,8 +118,9 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     root, parent, data = lm_pair
     report = gqaify.evaluate([str(parent), str(root / "gqa2"), str(root / "same")], str(data), tmp_path / "r", FAST)
     files = {p.name: p for p in (tmp_path / "r").iterdir()}
-    assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "gqaify.json"}
-    for png in ("perplexity_vs_kv.png", "diagnostics.png"):
+    assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png",
+                          "perplexity_by_text.png", "gqaify.json"}  # fmt: skip
+    for png in ("perplexity_vs_kv.png", "diagnostics.png", "perplexity_by_text.png"):
         with Image.open(files[png]) as image:
             image.load()  # decodes every pixel: a truncated or corrupt file raises here
             assert (image.format, image.size) == ("PNG", (768, 528))  # 6.4 x 4.4 inches at 120 dpi
@@ -147,6 +148,89 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     assert "128 (positions)" in files["report.md"].read_text()
 
 
+def reference_kl(model, parent, ids, seq_len):
+    """KL(parent || model) summed over the tokens non-overlapping windows score, from the full logits of each."""
+    total = 0.0
+    with torch.inference_mode():
+        for begin in range(0, len(ids) - 1, seq_len):
+            window = ids[begin : begin + seq_len].unsqueeze(0)
+            log_q = F.log_softmax(model(window).logits[0, :-1].double(), dim=-1)
+            log_p = F.log_softmax(parent(window).logits[0, :-1].double(), dim=-1)
+            total += (log_p.exp() * (log_p - log_q)).sum().item()
+    return total
+
+
+def test_kl_to_the_parent_equals_a_full_logits_reference():
+    parent, model = build_model("llama", num_kv_heads=4), build_model("llama", num_kv_heads=2)
+    ids = sample_ids(parent.config.vocab_size, length=50, batch=1)[0]
+    got = perplexity(model, ids, 16, 16, batch_size=2, progress=False, parent=parent)
+    assert got.kl_sum == pytest.approx(reference_kl(model, parent, ids, 16), rel=1e-4)
+    assert got.kl == pytest.approx(got.kl_sum / got.tokens_scored) and got.kl > 0
+    assert perplexity(parent, ids, 16, 16, progress=False, parent=parent).kl == pytest.approx(0, abs=1e-6)
+
+
+def test_a_panel_reports_each_text_as_one_text_at_a_time(lm_pair, tmp_path):
+    root, parent, data = lm_pair
+    verse = tmp_path / "verse.txt"
+    verse.write_text(" ".join(reversed(CORPUS.split())))  # another text of the same words
+    models = [str(parent), str(root / "gqa2")]
+    panel = gqaify.evaluate(models, [f"prose={data}", str(verse)], tmp_path / "panel", FAST)
+    alone = [gqaify.evaluate(models, text, tmp_path / f"alone-{i}", FAST) for i, text in enumerate([data, verse])]
+    assert [t.name for t in panel.data] == ["prose", "verse"]
+    for i, one in enumerate(alone):
+        for in_panel, by_itself in zip(panel.models, one.models, strict=True):
+            score = in_panel.texts[i]
+            assert score.tokens_scored == by_itself.tokens_scored and score.words == by_itself.words
+            assert score.perplexity == pytest.approx(by_itself.perplexity, rel=1e-6)
+            assert score.bits_per_byte == pytest.approx(by_itself.bits_per_byte, rel=1e-6)
+            expected = by_itself.texts[0].kl_to_parent  # None for the parent
+            assert score.kl_to_parent == (None if expected is None else pytest.approx(expected, rel=1e-5))
+    # the first text is also at the top, as a one-text report has it; the parent has no ratio, the conversion one
+    parent_r, gqa2 = panel.models
+    assert gqa2.perplexity == gqa2.texts[0].perplexity and parent_r.texts[1].ratio_to_parent is None
+    ratios = [t.perplexity / p.perplexity for t, p in zip(gqa2.texts, parent_r.texts, strict=True)]
+    assert [t.ratio_to_parent for t in gqa2.texts] == pytest.approx(ratios)
+    assert gqa2.panel.mean_ratio_to_parent == pytest.approx(sum(ratios) / 2)
+    assert gqa2.panel.worst_ratio_to_parent == max(ratios)
+    assert gqa2.panel.worst_text == ["prose", "verse"][ratios.index(max(ratios))]
+    assert gqa2.panel.worst_kl_to_parent == max(t.kl_to_parent for t in gqa2.texts) and parent_r.panel is None
+    # the independent check of the KL: the parent's and the conversion's full logits on the first text
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(parent)(CORPUS)["input_ids"]
+    ids = torch.tensor(ids[: FAST.max_tokens] if FAST.max_tokens else ids)
+    expected = reference_kl(AutoModelForCausalLM.from_pretrained(root / "gqa2"),
+                            AutoModelForCausalLM.from_pretrained(parent), ids, FAST.seq_len)  # fmt: skip
+    assert gqa2.texts[0].kl_to_parent == pytest.approx(expected / gqa2.texts[0].tokens_scored, rel=1e-4)
+    stored = json.loads((tmp_path / "panel" / "report.json").read_text())
+    assert [t["name"] for t in stored["data"]] == ["prose", "verse"]
+    assert stored["models"][1]["panel"]["worst_text"] == gqa2.panel.worst_text
+    md = (tmp_path / "panel" / "report.md").read_text()
+    assert "## Perplexity by text" in md and "| worst |" in md and f"{ratios[1]:.2f}×" in md
+
+
+def test_a_panel_from_the_command_line_and_a_rerun_from_its_report(lm_pair, tmp_path, capsys):
+    root, parent, data = lm_pair
+    args = ["eval", str(parent), str(root / "gqa2"), "--data", f"a={data}", f"b={data}", "--seq-len", "32",
+            "--no-speed", "-q"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "r")]) == 0
+    shown = capsys.readouterr().out
+    assert "perplexity by text" in shown and "worst" in shown
+    assert main(["eval", "--config", str(tmp_path / "r" / "report.json"), "--out", str(tmp_path / "again")]) == 0
+    first, again = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("r", "again"))
+    assert first["data"] == again["data"] and [t["name"] for t in again["data"]] == ["a", "b"]
+    scores = [[t["perplexity"] for t in r["models"][1]["texts"]] for r in (first, again)]
+    assert scores[0] == scores[1]
+
+
+def test_two_texts_of_one_name_are_refused(lm_pair, tmp_path, capsys):
+    root, parent, data = lm_pair
+    code = main(["eval", str(parent), "--data", str(data), str(data), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "names two texts 'corpus'" in err and "NAME=SOURCE" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
 def test_report_files_follow_the_umask(lm_pair, tmp_path):
     root, parent, data = lm_pair
     previous = os.umask(0o022)
@@ -155,7 +239,8 @@ def test_report_files_follow_the_umask(lm_pair, tmp_path):
     finally:
         os.umask(previous)
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == dict.fromkeys(
-        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "gqaify.json"], 0o644
+        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "perplexity_by_text.png", "gqaify.json"],
+            0o644,
     )
     assert (tmp_path / "r").stat().st_mode & 0o777 == 0o755
 

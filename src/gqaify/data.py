@@ -9,6 +9,7 @@ dataset comes from `datasets`' cache alone, or is refused at once (`gqaify.hub.o
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,48 @@ if TYPE_CHECKING:
 
 # file suffix -> the `datasets` builder that reads it
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class NamedText:
+    """One text of a panel or a mixture: `NAME=SOURCE`, or SOURCE alone (named by its file's stem or the hub
+    dataset's name). A value that is itself an existing path is a SOURCE, `=` and all."""
+
+    name: str
+    source: str
+
+    @classmethod
+    def parse(cls, value: str) -> NamedText:
+        name, sep, source = value.partition("=")
+        if sep and _NAME.fullmatch(name) and source and not Path(value).expanduser().exists():
+            return cls(name, source)
+        return cls(_default_name(value), value)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _default_name(source: str) -> str:
+    path = Path(source).expanduser()
+    if path.suffix in _BUILDERS or path.exists():
+        return path.stem or path.name or source
+    return source.split(":")[0].rsplit("/", 1)[-1] or source  # a hub dataset: its name without owner or config
+
+
+def named_texts(values: list[str]) -> list[NamedText]:
+    """Each value of a panel (`gqaify eval --data`, uptrain's eval_data) or a mixture as a `NamedText`."""
+    return [NamedText.parse(v) for v in values]
+
+
+def named_text_problems(values: list[str], option: str) -> list[str]:
+    """Empty values, and two texts of one name (each row of a report names its text)."""
+    problems = [f"{option} has an empty value; name a text file, folder or hub dataset"
+                for v in values if not v.strip()][:1]  # fmt: skip
+    names = [t.name for t in named_texts([v for v in values if v.strip()])]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        problems.append(f"{option} names two texts {twice[0]!r}; name each as NAME=SOURCE (e.g. wiki=wiki.txt)")
+    return problems
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ class Settings:
     """
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # one text where a list of texts is wanted is a list of one
+            if isinstance(value := getattr(self, f.name), str) and _takes_text_list(_hints(type(self))[f.name]):
+                object.__setattr__(self, f.name, [value])
         raise_if_problems(type_problems(self))
 
     def problems(self) -> list[str]:
@@ -711,6 +714,11 @@ def defaults(settings: type) -> dict:
 def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:
     """The settings as JSON-ready data, without the fields in `leave_out`."""
     return {k: v for k, v in dataclasses.asdict(settings).items() if k not in leave_out}
+
+
+def _takes_text_list(hint) -> bool:
+    """Whether `hint` is `list[str]` or `list[str] | None` (and not also `str`)."""
+    return _without_none(hint) == list[str]
 
 
 def _is_a(value, hint) -> bool:

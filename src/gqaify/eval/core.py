@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
-from gqaify.data import load_text, tokenize
+from gqaify.data import NamedText, TextData, load_text, named_texts, tokenize
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
-from gqaify.eval.results import ModelReport, Report
+from gqaify.eval.results import ModelReport, PanelSummary, Report, TextInfo, TextScore
 from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness
@@ -41,19 +41,23 @@ from gqaify.sizes import parse_size
 LOG = logging.getLogger(__name__)
 
 
-def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: EvalSettings | None = None) -> Report:
-    """Evaluate `models` (the first is the parent) on `data` and write the report to `out`.
+def evaluate(
+    models: list[str], data: str | list[str], out: str | os.PathLike, settings: EvalSettings | None = None
+) -> Report:
+    """Evaluate `models` (the first is the parent) on `data`, one text or a panel of them, and write the report to
+    `out`.
 
     Args:
+        data: a text (file, folder or hub name[:config]) or several, each `NAME=SOURCE` or SOURCE alone.
         settings: the other fields of `EvalSettings` (its models, data and out are those given here).
 
     Raises:
         UserError: bad input (every problem found, in one message); nothing is written.
         ResourceError: the disk filled up while writing the report; nothing is left behind.
     """
-    s = replace(settings or EvalSettings(), models=[os.fspath(m) for m in models], data=os.fspath(data),
+    data = [data] if isinstance(data, (str, os.PathLike)) else data
+    s = replace(settings or EvalSettings(), models=[os.fspath(m) for m in models], data=[os.fspath(d) for d in data],
                 out=os.fspath(out))  # fmt: skip
-    models, data = s.models, s.data
     stride = s.seq_len if s.stride is None else s.stride
     request = s.task_request()
     if s.out.strip():
@@ -61,34 +65,22 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     configs, budget, device = _check(s)
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
     prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
-    text = load_text(data, s.split, s.text_column)
+    panel = _Panel(s, [(t, load_text(t.source, s.split, s.text_column)) for t in named_texts(s.data)])
     report = Report(
-        data={
-            "source": data,
-            "split": s.split,
-            "text_column": s.text_column,
-            "rows": text.rows,
-            "characters": len(text.text),
-        },
+        data=[TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
+              for t, loaded in panel.texts],  # fmt: skip
         settings={**recorded(s, frozenset({"force"})), "stride": stride, "device": str(device)},
     )
-    tokenized: dict[str, tuple[torch.Tensor, int, int]] = {}  # fingerprint -> (ids, words, bytes)
-    span = None  # the characters of the text evaluated: set by the parent's tokenizer, the same for all
     parent = None
-    for i, name in enumerate(models):
+    for i, name in enumerate(models := s.models):
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
-        if fingerprint not in tokenized:
-            # the first tokenizer cuts the text at max_tokens; others read the same characters, so that word
-            # perplexity and bits per byte compare every model on one span
-            tokens = tokenize(tokenizer, text.text[:span], s.max_tokens if span is None else None,
-                              f"--data with the tokenizer of {name}")  # fmt: skip
-            ids, span = tokens.ids, tokens.chars
-            piece = text.text[:span]
-            tokenized[fingerprint] = ids, max(len(piece.split()), 1), max(len(piece.encode()), 1)
-        ids, words, nbytes = tokenized[fingerprint]
-        LOG.info("evaluating %s on %d tokens", name, len(ids))
-        entry = _evaluate_one(name, model, configs[i], fingerprint, ids, words, nbytes, s, stride, budget)
+        reference = parent if parent is not None and fingerprint == report.models[0].tokenizer else None
+        scores = panel.score(name, model, tokenizer, fingerprint, stride, reference,
+                             report.models[0].texts if report.models else None)  # fmt: skip
+        ids = panel.ids(fingerprint)
+        LOG.info("measuring %s", name)
+        entry = _model_report(name, model, configs[i], fingerprint, scores, ids, s, budget)
         if harness:
             LOG.info("scoring %s on %s", name, ", ".join(harness.names))
             entry.tasks = [asdict(score) for score in harness.score(model, tokenizer)]
@@ -96,17 +88,17 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
             texts = continuations(model, tokenizer, prompts, s.generate_tokens)
             entry.generations = [{"prompt": p, "text": t} for p, t in zip(prompts, texts, strict=True)]
         if parent is None:
-            parent, parent_entry, parent_ids = model, entry, ids
+            parent, parent_ids = model, ids
         else:
-            entry.delta_perplexity = entry.perplexity - parent_entry.perplexity
-            entry.kv_ratio_to_parent = parent_entry.kv_cache_bytes_per_token / entry.kv_cache_bytes_per_token
-            if fingerprint == parent_entry.tokenizer:
+            entry.delta_perplexity = entry.perplexity - report.models[0].perplexity
+            entry.kv_ratio_to_parent = report.models[0].kv_cache_bytes_per_token / entry.kv_cache_bytes_per_token
+            if reference is not None:
                 found = compare(parent, model, parent_ids[: min(s.diag_tokens, s.seq_len)])
                 entry.diagnostics = asdict(found) if found else None
             del model
             gc.collect()
         report.models.append(entry)
-    if len(tokenized) > 1:
+    if len(panel.tokenizers) > 1:
         report.notes.append(
             "the models have different tokenizers: token perplexities are not comparable; "
             "compare word perplexity and bits per byte"
@@ -115,8 +107,58 @@ def evaluate(models: list[str], data: str, out: str | os.PathLike, settings: Eva
     return report
 
 
-def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalSettings, stride, budget: int):
-    ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=Path(name).name[:24])
+class _Panel:
+    """The texts of the panel, and their tokens under each tokenizer met (by fingerprint).
+
+    The first tokenizer to read a text cuts it at --max-tokens; the others read the same characters, so that word
+    perplexity and bits per byte compare every model on one span of each text.
+    """
+
+    def __init__(self, s: EvalSettings, texts: list[tuple[NamedText, TextData]]):
+        self.s, self.texts = s, texts
+        self.spans: dict[str, int | None] = {t.name: None for t, _ in texts}
+        # (text, fingerprint) -> its ids, and the words and bytes of the span they cover
+        self.tokens: dict[tuple[str, str], tuple[torch.Tensor, int, int]] = {}
+        self.tokenizers: set[str] = set()
+
+    def _tokens(self, named: NamedText, loaded: TextData, tokenizer, fingerprint: str, model_name: str):
+        key = named.name, fingerprint
+        if key not in self.tokens:
+            span = self.spans[named.name]
+            found = tokenize(tokenizer, loaded.text[:span], self.s.max_tokens if span is None else None,
+                             f"--data {named.source} with the tokenizer of {model_name}")  # fmt: skip
+            self.spans[named.name] = found.chars
+            piece = loaded.text[: found.chars]
+            self.tokens[key] = found.ids, max(len(piece.split()), 1), max(len(piece.encode()), 1)
+            self.tokenizers.add(fingerprint)
+        return self.tokens[key]
+
+    def ids(self, fingerprint: str) -> torch.Tensor:
+        """The first text's tokens (the KV cache, decode speed and diagnostics are measured on them)."""
+        return self.tokens[self.texts[0][0].name, fingerprint][0]
+
+    def score(self, name: str, model, tokenizer, fingerprint: str, stride: int, parent,
+              parent_scores: list[TextScore] | None) -> list[TextScore]:  # fmt: skip
+        """`model` on every text; with `parent` (same tokenizer), its KL from the parent and its ratio to
+        `parent_scores`, the parent's own."""
+        s, scores = self.s, []
+        for i, (named, loaded) in enumerate(self.texts):
+            ids, words, nbytes = self._tokens(named, loaded, tokenizer, fingerprint, name)
+            LOG.info("evaluating %s on %s (%d tokens)", name, named.name, len(ids))
+            desc = f"{Path(name).name[:20]} · {named.name[:16]}"
+            ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
+            score = TextScore(named.name, ppl.tokens_scored, ppl.nll, ppl.perplexity, math.exp(ppl.nll_sum / words),
+                              ppl.nll_sum / (nbytes * math.log(2)), words, nbytes)  # fmt: skip
+            if parent is not None:
+                score.ratio_to_parent = ppl.perplexity / parent_scores[i].perplexity
+                score.kl_to_parent = ppl.kl
+            scores.append(score)
+        return scores
+
+
+def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids, s: EvalSettings, budget: int):
+    """The report of one model: its scores on the panel (the first text's also at the top, as one-text reports
+    have it), and its KV cache, what fits in `budget` and its speed, measured on `ids` (the first text's)."""
     spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
     geometry = Geometry.from_config(spec, config.to_dict())
     dtype = model.dtype
@@ -129,6 +171,7 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         del cache
     positions = getattr(config, "max_position_embeddings", None)
     fits = capacity(geometry, dtype, windows, model.get_memory_footprint(), budget, s.seq_len, positions)
+    first = scores[0]
     entry = ModelReport(
         model=name,
         model_type=config.model_type,
@@ -137,11 +180,11 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         dtype=str(dtype).removeprefix("torch."),
         parameters=model.num_parameters(),
         tokenizer=fingerprint,
-        tokens_scored=ppl.tokens_scored,
-        nll=ppl.nll,
-        perplexity=ppl.perplexity,
-        word_perplexity=math.exp(ppl.nll_sum / words),
-        bits_per_byte=ppl.nll_sum / (nbytes * math.log(2)),
+        tokens_scored=first.tokens_scored,
+        nll=first.nll,
+        perplexity=first.perplexity,
+        word_perplexity=first.word_perplexity,
+        bits_per_byte=first.bits_per_byte,
         delta_perplexity=None,
         kv_cache_bytes_per_token=analytic / kv_tokens,
         kv_cache_bytes_analytic=analytic,
@@ -154,8 +197,10 @@ def _evaluate_one(name, model, config, fingerprint, ids, words, nbytes, s: EvalS
         usable_context=fits.usable_context,
         context_bound_by=fits.bound_by,
         max_batch_at_seq_len=fits.max_batch,
-        words=words,
-        text_bytes=nbytes,
+        words=first.words,
+        text_bytes=first.text_bytes,
+        texts=scores,
+        panel=PanelSummary.of(scores),
     )
     if s.speed:
         context = ids[: min(s.decode_context, len(ids))]

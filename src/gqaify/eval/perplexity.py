@@ -60,6 +60,7 @@ def sliding_windows(num_tokens: int, seq_len: int, stride: int) -> list[Window]:
 class Perplexity:
     nll_sum: float  # natural-log negative log-likelihood summed over scored tokens
     tokens_scored: int
+    kl_sum: float | None = None  # KL(parent || model) summed over the same tokens (None: no parent given)
 
     @property
     def nll(self) -> float:
@@ -68,6 +69,12 @@ class Perplexity:
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll)
+
+    @property
+    def kl(self) -> float | None:
+        """KL(parent || model) in nats per scored token: how far the model's next-token distribution is from its
+        parent's (0: the parent's own), or None without a parent."""
+        return None if self.kl_sum is None else self.kl_sum / self.tokens_scored
 
 
 @torch.no_grad()
@@ -79,8 +86,10 @@ def perplexity(
     batch_size: int = 1,
     progress: bool = True,
     desc: str = "perplexity",
+    parent=None,
 ) -> Perplexity:
-    """Token-weighted perplexity of `model` on the token ids `ids` (1-D), over sliding windows.
+    """Token-weighted perplexity of `model` on the token ids `ids` (1-D), over sliding windows; with `parent` (a
+    model of the same vocabulary), also the KL from the parent's next-token distribution on the same tokens.
 
     Windows of the same shape run together in batches of `batch_size`. Only the logits that score a token
     are computed (`logits_to_keep` with their positions), and log-probabilities are taken in float32. Runs under
@@ -89,7 +98,7 @@ def perplexity(
     """
     device = next(model.parameters()).device
     windows = sliding_windows(len(ids), seq_len, stride)
-    nll_sum, scored = 0.0, 0
+    nll_sum, kl_sum, scored = 0.0, 0.0, 0
     with tqdm(total=sum(w.scored for w in windows), unit="tok", desc=desc, disable=not progress or None) as bar:
         for (length, n_scored), same_shape in groupby(windows, key=lambda w: (w.length, w.scored)):
             same_shape = list(same_shape)
@@ -101,6 +110,24 @@ def perplexity(
                 logits = model(inputs, use_cache=False, logits_to_keep=keep).logits  # (B, n_scored, vocab)
                 targets = inputs[:, length - n_scored :]  # (B, n_scored)
                 nll_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
+                if parent is not None:
+                    reference = parent(inputs.to(parent.device), use_cache=False,
+                                       logits_to_keep=keep.to(parent.device)).logits  # fmt: skip
+                    kl_sum += kl_sum_of(logits.flatten(0, 1), reference.flatten(0, 1).to(logits.device))
                 scored += targets.numel()
                 bar.update(targets.numel())
-    return Perplexity(nll_sum, scored)
+    return Perplexity(nll_sum, scored, kl_sum if parent is not None else None)
+
+
+def kl_sum_of(logits: torch.Tensor, parent_logits: torch.Tensor, chunk: int = 1024) -> float:
+    """Σ over rows of KL(softmax(parent_logits) || softmax(logits)), in float32, `chunk` rows (tokens) at a time.
+
+    Args:
+        logits, parent_logits: (tokens, vocab), the same shape.
+    """
+    total = 0.0
+    for begin in range(0, len(logits), chunk):
+        log_q = F.log_softmax(logits[begin : begin + chunk].float(), dim=-1)
+        log_p = F.log_softmax(parent_logits[begin : begin + chunk].float(), dim=-1)
+        total += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
+    return total

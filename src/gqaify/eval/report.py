@@ -16,6 +16,7 @@ from gqaify.summary import printable
 PLOT_KV = "perplexity_vs_kv.png"
 PLOT_DIAGNOSTICS = "diagnostics.png"
 PLOT_TASKS = "tasks_vs_kv.png"
+PLOT_PANEL = "perplexity_by_text.png"
 PLOT_SIZE = (6.4, 4.4)  # inches, at figures.figure's 120 dpi
 REPORT_BYTES = 1 << 20  # room the report needs, checked before the evaluation: its files are a few hundred KB
 
@@ -38,6 +39,32 @@ def table_rows(report: Report) -> list[list[str]]:
     return rows
 
 
+def panel_rows(report: Report) -> list[list[str]]:
+    """The panel as rows: a header, then one row per text (its perplexity under each model, and beside each other
+    model's its ratio to the parent's and its KL from the parent), then with several texts the mean and the worst
+    over them (the KL's too)."""
+    names = [printable(Path(m.model).name) for m in report.models]
+    rows = [["text", "tokens", *names]]
+    for i, info in enumerate(report.data):
+        cells = [printable(info.name), f"{report.models[0].texts[i].tokens_scored:,}"]
+        for m in report.models:
+            t = m.texts[i]
+            beside = "" if t.ratio_to_parent is None else f" ({t.ratio_to_parent:.2f}×, KL {t.kl_to_parent:.3f})"
+            cells.append(f"{t.perplexity:,.2f}{beside}")
+        rows.append(cells)
+    if len(report.data) > 1:
+        summaries = [m.panel for m in report.models]
+        rows.append(["mean", "", *[_summary(p, p and p.mean_ratio_to_parent, p and p.mean_kl_to_parent, "")
+                                   for p in summaries]])  # fmt: skip
+        rows.append(["worst", "", *[_summary(p, p and p.worst_ratio_to_parent, p and p.worst_kl_to_parent,
+                                             p and f" ({printable(p.worst_text)})") for p in summaries]])  # fmt: skip
+    return rows
+
+
+def _summary(panel, ratio, kl, where) -> str:
+    return "—" if panel is None else f"{ratio:.2f}×{where}, KL {kl:.3f}"
+
+
 def _context(m) -> str:
     """The usable context at batch 1 and what binds it: "8,192 (positions)", "1,724 (memory)"."""
     if m.usable_context is None:
@@ -46,17 +73,23 @@ def _context(m) -> str:
 
 
 def format_table(report: Report) -> str:
-    """The summary table as aligned plain text, for the terminal."""
-    rows = [COLUMNS, *table_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    """The summary table and the panel's, as aligned plain text, for the terminal."""
+    tasks = [f"{task} ({metric}): " + ", ".join(f"{name} {value}" for name, value in cells)
+             for task, metric, cells in _headline_rows(report)]  # fmt: skip
+    return "\n".join([*_aligned([COLUMNS, *table_rows(report)]), "", "perplexity by text (ratio to the parent, KL "
+                      "from it in nats/token):", *_aligned(panel_rows(report)), *tasks,
+                      *[f"note: {n}" for n in report.notes]])  # fmt: skip
 
-    def line(row: list[str]) -> str:  # model name left-aligned, numbers right-aligned
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """A header, a rule and the rows, in columns: the first left-aligned, the numbers right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def line(row: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
 
     lines = [line(r) for r in rows]
-    tasks = [f"{task} ({metric}): " + ", ".join(f"{name} {value}" for name, value in cells)
-             for task, metric, cells in _headline_rows(report)]  # fmt: skip
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], *tasks, *[f"note: {n}" for n in report.notes]])
+    return [lines[0], "-" * len(lines[0]), *lines[1:]]
 
 
 def _scores(m: ModelReport) -> list[TaskScore]:
@@ -135,13 +168,35 @@ def _md(text: str) -> str:
     return " ↵ ".join(text.replace("|", "\\|").splitlines()) or " "
 
 
+def panel_lines(report: Report) -> list[str]:
+    """The panel's section of report.md: every text, and every model on each."""
+    texts = "; ".join(f"**{_md(t.name)}** `{_md(t.source)}` ({_md(t.split)}, column `{_md(t.text_column)}`, "
+                      f"{t.rows:,} rows)" for t in report.data)  # fmt: skip
+    header, *rows = panel_rows(report)
+    return [
+        "## Perplexity by text",
+        "",
+        f"Texts: {texts}. Each converted model's perplexity with its ratio to the parent's on the same tokens and "
+        "its KL from the parent's next-token distribution (nats per token); with several texts, the mean and the "
+        "worst over them.",
+        "",
+        "| " + " | ".join(_md(c) for c in header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+        *["| " + " | ".join(_md(c) for c in row) + " |" for row in rows],
+        "",
+        f"![perplexity ratio to the parent by text]({PLOT_PANEL})",
+        "",
+    ]
+
+
 def markdown(report: Report) -> str:
-    s, d = report.settings, report.data
+    s, first = report.settings, report.data[0]
     parent = report.models[0]
+    others = f" (and {len(report.data) - 1} more texts: see Perplexity by text)" if len(report.data) > 1 else ""
     lines = [
         "# gqaify eval",
         "",
-        f"Data: `{d['source']}` ({d['split']}, column `{d['text_column']}`, {d['rows']:,} rows). "
+        f"Data: `{first.source}` ({first.split}, column `{first.text_column}`, {first.rows:,} rows){others}. "
         f"Windows of {s['seq_len']} tokens, stride {s['stride']}; {parent.tokens_scored:,} tokens scored; "
         f"device {s['device']}. KV capacity: K/V cache and weights in {s['memory_budget']}, at batch 1 "
         f"(max context: what the cache would hold, capped at the model's positions, and which of the two binds; "
@@ -172,7 +227,7 @@ def markdown(report: Report) -> str:
         )
     lines += ["", f"![perplexity vs KV bytes per token]({PLOT_KV})", ""]
     lines += [f"![per-layer diagnostics]({PLOT_DIAGNOSTICS})", ""]
-    return "\n".join(lines + task_lines(report) + generation_lines(report))
+    return "\n".join(lines + panel_lines(report) + task_lines(report) + generation_lines(report))
 
 
 def _num(value: float | None) -> str:
@@ -198,6 +253,29 @@ def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
                         textcoords="offset points", xytext=(6, 4), fontsize=8)  # fmt: skip
         ax.set_yscale("log")
         _against_kv(ax, "perplexity", "Perplexity", x_margin=0.2)
+
+
+def plot_panel(report: Report, path: Path) -> None:
+    """Each converted model's perplexity ratio to the parent on each text, side by side (log scale, 1 = the
+    parent's)."""
+    with figure(path, PLOT_SIZE) as ax:
+        others = [m for m in report.models[1:] if m.panel is not None or any(t.ratio_to_parent for t in m.texts)]
+        width = 0.8 / max(len(others), 1)
+        for j, m in enumerate(others):
+            ratios = [t.ratio_to_parent or float("nan") for t in m.texts]
+            ax.bar([i + (j - (len(others) - 1) / 2) * width for i in range(len(ratios))], ratios, width,
+                   label=f"{Path(m.model).name} (G={m.num_key_value_heads})")  # fmt: skip
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.set_xticks(range(len(report.data)), [t.name for t in report.data], rotation=20, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("perplexity / parent's")
+        ax.set_title("Perplexity ratio to the parent, by text (--- parent)")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        if others:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no converted model shares the parent's tokenizer", ha="center", va="center",
+                    transform=ax.transAxes)  # fmt: skip
 
 
 def plot_tasks_vs_kv(report: Report, path: Path) -> None:
@@ -253,6 +331,7 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
         "report.md": lambda p: p.write_text(markdown(report)),
         PLOT_KV: lambda p: plot_perplexity_vs_kv(report, p),
         PLOT_DIAGNOSTICS: lambda p: plot_diagnostics(report, p),
+        PLOT_PANEL: lambda p: plot_panel(report, p),
     }
     if any(m.tasks for m in report.models):
         writers[PLOT_TASKS] = lambda p: plot_tasks_vs_kv(report, p)

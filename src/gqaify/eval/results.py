@@ -8,6 +8,55 @@ from gqaify._version import __version__
 
 
 @dataclass
+class TextInfo:
+    """One text of the panel, as read: report.json's `data` holds one per text."""
+
+    name: str
+    source: str
+    split: str
+    text_column: str
+    rows: int
+    characters: int
+
+
+@dataclass
+class TextScore:
+    """One model on one text of the panel (the parent's `ratio_to_parent` and `kl_to_parent` are None, as are a
+    model's whose tokenizer is not the parent's: their tokens differ, so compare word perplexity)."""
+
+    text: str  # the name of its `TextInfo`
+    tokens_scored: int
+    nll: float  # nats per scored token
+    perplexity: float
+    word_perplexity: float
+    bits_per_byte: float
+    words: int  # words and UTF-8 bytes of the span scored: the same for every model
+    text_bytes: int
+    ratio_to_parent: float | None = None  # perplexity / the parent's, on the same tokens
+    kl_to_parent: float | None = None  # KL(parent || model), nats per scored token
+
+
+@dataclass
+class PanelSummary:
+    """A model over every text of the panel, against its parent: what a user reads to know whether it is back."""
+
+    mean_ratio_to_parent: float  # the arithmetic mean over the texts of perplexity / the parent's
+    worst_ratio_to_parent: float
+    worst_text: str  # the text of the worst ratio
+    mean_kl_to_parent: float
+    worst_kl_to_parent: float
+
+    @classmethod
+    def of(cls, scores: list[TextScore]) -> PanelSummary | None:
+        """The summary of a model's scores, or None where they have no ratios (the parent, another tokenizer)."""
+        if not scores or any(t.ratio_to_parent is None or t.kl_to_parent is None for t in scores):
+            return None
+        worst = max(scores, key=lambda t: t.ratio_to_parent)
+        ratios, kls = [t.ratio_to_parent for t in scores], [t.kl_to_parent for t in scores]
+        return cls(sum(ratios) / len(ratios), worst.ratio_to_parent, worst.text, sum(kls) / len(kls), max(kls))
+
+
+@dataclass
 class ModelReport:
     model: str
     model_type: str
@@ -16,6 +65,7 @@ class ModelReport:
     dtype: str
     parameters: int
     tokenizer: str  # fingerprint: models with equal fingerprints saw identical token ids
+    # the first text of the panel (`texts[0]`), where one-text reports have always had it
     tokens_scored: int
     nll: float
     perplexity: float
@@ -41,15 +91,17 @@ class ModelReport:
     diagnostics: dict | None = None
     tasks: list[dict] | None = None  # one row per task and metric (eval/tasks.py's TaskScore), with --tasks
     generations: list[dict] | None = None  # {"prompt", "text"} per prompt, with --generate
+    texts: list[TextScore] = field(default_factory=list)  # one per text of the panel, in its order
+    panel: PanelSummary | None = None  # over `texts`, against the parent (None: the parent, another tokenizer)
 
 
 @dataclass
 class Report:
-    data: dict
+    data: list[TextInfo]
     settings: dict
     models: list[ModelReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"tool": "gqaify", "version": __version__, "data": self.data, "settings": self.settings,
-                "models": [asdict(m) for m in self.models], "notes": self.notes}  # fmt: skip
+        return {"tool": "gqaify", "version": __version__, "data": [asdict(t) for t in self.data],
+                "settings": self.settings, "models": [asdict(m) for m in self.models], "notes": self.notes}  # fmt: skip

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gqaify.data import named_text_problems
 from gqaify.dtypes import DtypeName
 from gqaify.eval.tasks import TaskRequest
 from gqaify.settings import QUIET, Positional, Range, Settings, Stage, setting
+
+
+def _panel_problem(data: list[str], name: str) -> str | None:
+    return "; ".join(named_text_problems(data, name)) or None
 
 
 @dataclass(frozen=True)
@@ -17,7 +22,11 @@ class EvalSettings(Settings):
     models: list[str] = setting(
         [], "the parent first, then the models to compare (hub ids, folders, .gguf files)", required=True
     )
-    data: str | None = setting(None, "text file/folder (.txt .jsonl .parquet .csv) or hub name[:config]", required=True)
+    data: list[str] = setting(
+        [], "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config], named "
+        "NAME=SOURCE or by its file's stem; several make a panel: each reported, with the mean and worst",
+        required=True, check=_panel_problem,
+    )  # fmt: skip
     out: str | None = setting(None, "folder for the report", required=True)
     force: bool = setting(False, "replace --out if it is empty or a report gqaify wrote (nothing else)")
     split: str = setting("test", "dataset split of data")
@@ -89,6 +98,7 @@ EVAL = Stage(
     description="Evaluate MODEL... (hub ids, folders or .gguf files; the first is the parent) on the same text and "
     "windows, and write report.json, report.md and PNG plots to --out.\n\n"
     "  gqaify eval PARENT CONVERTED --data wiki.txt --out report\n"
+    "  gqaify eval PARENT CONVERTED --data wiki=wiki.txt code=code.txt verse=verse.txt --out report   (a panel)\n"
     "  gqaify eval PARENT CONVERTED --data wiki.txt --out report --tasks hellaswag,arc_easy --generate\n"
     "  gqaify eval --config eval.yaml --seq-len 1024          (the file's settings; options given here win)\n"
     "  gqaify eval --config report/report.json --out again    (rerun an evaluation from its report)",
