@@ -365,3 +365,69 @@ def test_a_rerun_refuses_calibration_text_that_changed_unless_told_to_accept_it(
     assert code == 0, err
     again = json.loads((tmp_path / "second" / "gqaify.json").read_text())
     assert again["settings"]["calib_sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest() != digest
+
+
+@pytest.mark.parametrize(("tokens", "weights", "expected"), [(1000, [2, 1, 1], [500, 250, 250]),
+                                                             (10, None, [4, 3, 3]), (7, [1, 1e-9], [7, 0]),
+                                                             (16384, [1, 1, 1], [5462, 5461, 5461])])  # fmt: skip
+def test_a_mixture_shares_the_tokens_exactly(tokens, weights, expected):
+    from gqaify.conversion.options import Calibration
+
+    calibration = Calibration(["a", "b", "c"][: len(expected)], tokens, "train", "text", 48, "sequential", 0, 1e-3,
+                              True, weights=weights)  # fmt: skip
+    assert calibration.shares() == expected and sum(expected) == tokens
+
+
+def test_a_mixtures_windows_interleave_each_source_in_its_order():
+    from gqaify.conversion.calibrate import CalibrationText
+
+    parts = [torch.arange(0, 100), torch.arange(1000, 1030)]  # 10 windows of 10 and 3
+    windows = CalibrationText(parts, [], 0.0).windows(10)
+    assert torch.equal(torch.cat([w for w in windows if w[0] < 1000]), parts[0])
+    assert torch.equal(torch.cat([w for w in windows if w[0] >= 1000]), parts[1])
+    # window k of a source of n sits (k + 1/2) / n of the way: the three short source's windows spread evenly
+    assert [i for i, w in enumerate(windows) if w[0] >= 1000] == [2, 6, 10]
+    one = CalibrationText(parts[:1], [], 0.0).windows(16)
+    assert [len(w) for w in one] == [16] * 6 + [4]  # one source: its windows in order, as before mixtures
+
+
+def test_a_mixture_reads_each_sources_share_and_a_rerun_refuses_a_changed_source(capsys, tmp_path):
+    """Each source's tokens are its share exactly, counted by the tokenizer on its own text, and recorded; the
+    mixture's SHA-256 pins every source: one source changed fails a rerun from gqaify.json."""
+    from transformers import AutoTokenizer
+
+    _, src = _tiny("llama", tmp_path / "src")
+    prose, verse = tmp_path / "prose.txt", tmp_path / "verse.txt"
+    prose.write_text(CORPUS * 4)
+    verse.write_text(" ".join(reversed((CORPUS * 4).split())))
+    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", f"p={prose}", verse, "--calib-weights", "3", "1",
+            "--calib-tokens", "1000", "--calib-seq-len", "48", "-q")  # fmt: skip
+    assert run_cli(capsys, "convert", src, tmp_path / "first", *args)[0] == 0
+    record = json.loads((tmp_path / "first" / "gqaify.json").read_text())
+    sources = record["calibration"]["sources"]
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    assert [(s["name"], s["tokens_requested"], s["tokens"]) for s in sources] == [("p", 750, 750), ("verse", 250, 250)]
+    assert len(tokenizer(verse.read_text())["input_ids"]) > 250 and record["calibration"]["tokens"] == 1000
+    assert record["settings"]["calib_data"] == [f"p={prose}", str(verse)]
+    assert record["settings"]["calib_weights"] == [3.0, 1.0]
+    assert "`" + str(prose) + "` (750) and `" + str(verse) + "` (250)" in (tmp_path / "first" / "README.md").read_text()
+
+    verse.write_text(verse.read_text() + " more")
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
+                        tmp_path / "second", "-q")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "the text changed since the recorded conversion" in err, err
+    assert tree_hashes(tmp_path) == before and not (tmp_path / "second").exists()
+
+
+@pytest.mark.parametrize(("extra", "expect"), [
+    (["--calib-weights", "1"], "--calib-weights gives 1 weights for 2 calib_data sources; give one per source"),
+    (["--calib-weights", "1", "-1"], "must be positive numbers"),
+])  # fmt: skip
+def test_bad_mixture_weights_are_refused_in_one_line(capsys, tmp_path, extra, expect):
+    _, src = _tiny("llama", tmp_path / "src")
+    (tmp_path / "a.txt").write_text(CORPUS)
+    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", tmp_path / "a.txt", f"b={tmp_path / 'a.txt'}")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args, *extra)
+    assert code == 2 and err.count("\n") == 1 and expect in err, err
+    assert not (tmp_path / "out").exists()

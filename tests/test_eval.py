@@ -239,9 +239,9 @@ def test_report_files_follow_the_umask(lm_pair, tmp_path):
     finally:
         os.umask(previous)
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == dict.fromkeys(
-        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "perplexity_by_text.png", "gqaify.json"],
-            0o644,
-    )
+        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "perplexity_by_text.png",
+         "gqaify.json"], 0o644
+    )  # fmt: skip
     assert (tmp_path / "r").stat().st_mode & 0o777 == 0o755
 
 

@@ -155,7 +155,7 @@ def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
     assert main(["convert", str(parent), str(tmp_path / "mqa"), "--kv-heads", "1", "--method", "lsq",
                  "--calib-data", str(text), "--calib-tokens", "2048", "--calib-seq-len", "128", "-q"]) == 0  # fmt: skip
     record = json.loads((tmp_path / "mqa" / "gqaify.json").read_text())
-    assert record["calibration"]["data"] == str(text) and "held out" in record["calibration"]["holdout"]
+    assert record["calibration"]["data"] == [str(text)] and "held out" in record["calibration"]["holdout"]
     assert main(["uptrain", "--model", str(tmp_path / "mqa"), "--data", str(text), "--distill_from", str(parent),
                  "--distill_weight", "1", "--max_tokens", "8192", "--seq_len", "128", "--lr", "1e-3",
                  "--eval_data", str(text), "--eval_split", "train", "--eval_tokens", "1024",

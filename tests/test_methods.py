@@ -167,7 +167,7 @@ def _moments(src, spec, geometry):
     from gqaify.conversion.options import ConvertSettings
 
     calibration = ConvertSettings(calib_data=str(TEXT / "tinyshakespeare.txt"), calib_tokens=2048).calibration()
-    ids = read_calibration(calibration, AutoTokenizer.from_pretrained(src)).ids
+    ids = read_calibration(calibration, AutoTokenizer.from_pretrained(src)).parts[0]
     model = load(src)
     sums = [torch.zeros(geometry.hidden_size + 1, geometry.hidden_size + 1, dtype=torch.float64)
             for _ in range(geometry.num_layers)]  # fmt: skip
@@ -235,7 +235,7 @@ def test_provenance_records_calibration_grouping_and_fit(calibration, tmp_path):
     gqaify.convert(src, out, 2, method="lsq", **calibration, grouping="similarity", progress=False)
     record = json.loads((out / "gqaify.json").read_text())
     assert record["method"] == "lsq" and record["grouping"] == "similarity" and record["rotary_dim"] == 16
-    assert record["calibration"]["data"] == calibration["calib_data"]
+    assert record["calibration"]["data"] == [calibration["calib_data"]]
     assert 0 < record["calibration"]["tokens"] <= calibration["calib_tokens"]
     assert len(record["permutations"]) == 2 and all(sorted(p) == [0, 1, 2, 3] for p in record["permutations"])
     # a relative error: 1 is what writing zeros would score

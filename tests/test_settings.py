@@ -77,7 +77,7 @@ def test_a_flag_before_the_positionals_takes_no_value():
         (CONVERT, "src: a\nout: b\nkv_heads: 2\nmethod: median\n", "method 'median' is not one of mean, first"),
         (CONVERT, "- a\n- b\n", "must be a mapping of setting: value"),
         (CONVERT, "src: [a\n", "is not valid YAML (line 2)"),
-        (EVAL, "models: p\ndata: d\nout: r\n", "models 'p' is not a list of text"),
+        (EVAL, "models: [p, 3]\ndata: d\nout: r\n", "models ['p', 3] is not a list of text"),
         (EVAL, "data: d\n", "MODEL is required"),
         (UPTRAIN, "learning_rate: 1.0e-4\n", "unknown key 'learning_rate' (did you mean lr?)"),
     ],
@@ -111,7 +111,7 @@ def test_gqaify_json_reruns_the_conversion(capsys, source, tmp_path, monkeypatch
     assert code == 0, err
     record = json.loads((first / "gqaify.json").read_text())
     assert record["settings"]["src"] == str(source.resolve()) and record["settings"]["out"] == str(first.resolve())
-    assert record["settings"]["calib_data"] == str((tmp_path / "calib.txt").resolve())
+    assert record["settings"]["calib_data"] == [str((tmp_path / "calib.txt").resolve())]
     assert not NOT_RECORDED & set(record["settings"])
 
     elsewhere = tmp_path / "elsewhere"
@@ -320,9 +320,10 @@ def test_paths_with_a_newline_stay_on_one_line_of_what_eval_prints(capsys, sourc
     (tmp_path / "text.txt").write_text(CORPUS)
     assert main(["eval", str(model), "--data", str(tmp_path / "text.txt"), "--out", str(out), "--seq-len", "32",
                  "--no-speed", "-q"]) == 0  # fmt: skip
-    lines = capsys.readouterr().out.splitlines()  # the table's header, rule and row, and where the report is
-    assert len(lines) == 4 and lines[2].startswith(f"{str(model)!r}  "), lines
-    assert lines[3] == f"report: {str(out / 'report.md')!r}, report.json; plots: {str(out)!r}/*.png"
+    # the table's header, rule and row; the panel's title, header (the model's name), rule and row; the report
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 9 and lines[2].startswith(f"{str(model)!r}  ") and lines[5].endswith(repr("new\nline")), lines
+    assert lines[8] == f"report: {str(out / 'report.md')!r}, report.json; plots: {str(out)!r}/*.png"
     assert f"| {str(model)!r} |" in (out / "report.md").read_text()
 
 

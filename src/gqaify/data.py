@@ -55,15 +55,15 @@ def named_texts(values: list[str]) -> list[NamedText]:
     return [NamedText.parse(v) for v in values]
 
 
-def named_text_problems(values: list[str], option: str) -> list[str]:
-    """Empty values, and two texts of one name (each row of a report names its text)."""
-    problems = [f"{option} has an empty value; name a text file, folder or hub dataset"
-                for v in values if not v.strip()][:1]  # fmt: skip
-    names = [t.name for t in named_texts([v for v in values if v.strip()])]
+def named_texts_problem(values: list[str], option: str) -> str | None:
+    """An empty value, or two texts of one name (each row of a report names its text): a settings rule."""
+    if any(not v.strip() for v in values):
+        return f"{option} has an empty value; name a text file, folder or hub dataset"
+    names = [t.name for t in named_texts(values)]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        problems.append(f"{option} names two texts {twice[0]!r}; name each as NAME=SOURCE (e.g. wiki=wiki.txt)")
-    return problems
+        return f"{option} names two texts {twice[0]!r}; name each as NAME=SOURCE (e.g. wiki=wiki.txt)"
+    return None
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,10 @@ from gqaify.conversion.checkpoint import first_nonfinite
 from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, fit_error
-from gqaify.conversion.options import Calibration
+from gqaify.conversion.options import Calibration, CalibrationSource, mixture_sha256
 from gqaify.conversion.repair import refine, repair_output
 from gqaify.conversion.source import Source
-from gqaify.data import load_text, tokenize
+from gqaify.data import load_text, named_texts, tokenize
 from gqaify.errors import UserError
 
 LOG = logging.getLogger(__name__)
@@ -59,25 +59,52 @@ _CHARS_PER_TOKEN = 12  # read at most this many characters per wanted token (Eng
 
 @dataclass(frozen=True)
 class CalibrationText:
-    ids: torch.Tensor  # (N,) the first `calibration.tokens` token ids of the text
-    sha256: str  # of the text read (UTF-8; rows joined as `load_text` joins them): a text file's own SHA-256
-    seconds: float  # spent reading and tokenizing it
+    """The calibration tokens, source by source, and what was read of each."""
+
+    parts: list[torch.Tensor]  # (N_i,) the token ids of each source, in calib_data's order
+    sources: list[CalibrationSource]  # what gqaify.json records of each
+    seconds: float  # spent reading and tokenizing them
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    @property
+    def sha256(self) -> str:
+        """What calib_sha256 pins (`options.mixture_sha256`): one source's text's own SHA-256 (a text file's)."""
+        return mixture_sha256(self.sources)
+
+    def windows(self, length: int) -> list[torch.Tensor]:
+        """The calibration windows: each source cut into windows of `length` tokens (its last one shorter), the
+        sources' windows interleaved evenly (window k of a source of n at (k + 1/2) / n of the way), so that every
+        stretch of windows, and the repair's every-8th hold-out, holds each source in its proportion. One source:
+        its windows in order."""
+        placed = []
+        for i, part in enumerate(self.parts):
+            cut = part.split(length)
+            placed += [((k + 0.5) / len(cut), i, window) for k, window in enumerate(cut)]
+        return [window for *_, window in sorted(placed, key=lambda p: p[:2])]
 
 
 def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
-    """The first `calibration.tokens` token ids of the calibration text (fewer, with a warning, if short), and
-    the SHA-256 of the text they were read from.
+    """Each source's share of `calibration.tokens` (`Calibration.shares`; fewer, with a warning, where a source is
+    short), and the SHA-256 of the text each was read from.
 
     Raises:
-        UserError: the data cannot be read or gives fewer than 2 tokens.
+        UserError: a source cannot be read or gives fewer than 2 tokens.
     """
     c, start = calibration, time.perf_counter()
-    text = load_text(c.data, c.split, c.text_column, "--calib-data", max_chars=c.tokens * _CHARS_PER_TOKEN).text
-    ids = tokenize(tokenizer, text, c.tokens, f"--calib-data {c.data}").ids
-    if len(ids) < c.tokens:
-        LOG.warning("--calib-data %s holds %d tokens, fewer than --calib-tokens %d", c.data, len(ids), c.tokens)
-    sha256 = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    return CalibrationText(ids, sha256, time.perf_counter() - start)
+    parts, sources = [], []
+    weights = c.weights or [1.0] * len(c.data)
+    for named, share, weight in zip(named_texts(c.data), c.shares(), weights, strict=True):
+        text = load_text(named.source, c.split, c.text_column, "--calib-data", max_chars=share * _CHARS_PER_TOKEN).text
+        ids = tokenize(tokenizer, text, share, f"--calib-data {named.source}").ids
+        if len(ids) < share:
+            LOG.warning("--calib-data %s holds %d tokens, fewer than its share %d", named.source, len(ids), share)
+        sha256 = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        parts.append(ids)
+        sources.append(CalibrationSource(named.name, named.source, weight, share, len(ids), sha256))
+    return CalibrationText(parts, sources, time.perf_counter() - start)
 
 
 class SecondMoment:
@@ -224,13 +251,13 @@ def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: C
     Raises:
         UserError: a layer's weights are not finite, or do not match transformers' class for the model.
     """
-    c, ids = calibration, text.ids
+    c = calibration
     start = time.perf_counter() - text.seconds  # reading the text counts as capture
-    if warning := c.size_warning(len(ids), geometry.hidden_size):
+    if warning := c.size_warning(text.tokens, geometry.hidden_size):
         LOG.warning(warning)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     positions = source.config.get("max_position_embeddings") or c.seq_len
-    windows = list(ids.split(min(c.seq_len, positions)))
+    windows = text.windows(min(c.seq_len, positions))
     metas = source.tensors.metadata()
     parent = walk.skeleton(source.config)
     converted = walk.skeleton(source.config, request.kv_heads) if c.mode == "sequential" else None
@@ -258,7 +285,8 @@ def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: C
         save_file({name: t.contiguous() for name, t in tensors.items()}, folder / _layer_file(layer))
     bar.close()
     seconds = {**state.seconds, "total": time.perf_counter() - start}
-    return CalibratedLayers(folder, len(ids), fits, orders, {k: round(v, 2) for k, v in seconds.items()}, str(device))
+    seconds = {k: round(v, 2) for k, v in seconds.items()}
+    return CalibratedLayers(folder, text.tokens, fits, orders, seconds, str(device))
 
 
 def _fit_layer(spec: ArchSpec, layout: LayerLayout, c: Calibration, request: FitRequest,

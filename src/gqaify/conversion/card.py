@@ -102,7 +102,10 @@ def _grouping(record: dict) -> str:
             how = "layer by layer, each layer repaired against the parent's outputs"
         if calibration.get("refine_steps"):
             how += f", {calibration['refine_steps']} refinement steps per layer"
-        text += f", calibrated on {calibration['tokens']:,} tokens of `{calibration['data']}` {how}"
+        sources = calibration.get("sources") or [{"data": calibration["data"], "tokens": calibration["tokens"]}]
+        read = " and ".join(f"`{source['data']}`" + (f" ({source['tokens']:,})" if len(sources) > 1 else "")
+                            for source in sources)  # fmt: skip
+        text += f", calibrated on {calibration['tokens']:,} tokens of {read} {how}"
     return text
 
 

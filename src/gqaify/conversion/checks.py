@@ -95,7 +95,7 @@ def config_problems(config: dict, kv_heads, calibration: Calibration | None):
 def text_problems(calibration: Calibration, text, hidden_size: int) -> list[str]:
     """Problems with the calibration text read (a `calibrate.CalibrationText`): too few tokens for the model, or
     not the text that calib_sha256 records."""
-    problems = [calibration.size_problem(len(text.ids), hidden_size), calibration.text_problem(text.sha256)]
+    problems = [calibration.size_problem(text.tokens, hidden_size), calibration.text_problem(text.sha256)]
     return [p for p in problems if p]
 
 

@@ -35,6 +35,7 @@ from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
 from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, SourceHasher, plan_output, stream_tensors
+from gqaify.data import NamedText
 from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.hub import push_folder
@@ -152,7 +153,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
             if calibrated is not None:
                 shutil.rmtree(calibrated.folder)
                 record.update(
-                    calibration={**calibration.record(calibrated.tokens, text.sha256), "device": calibrated.device,
+                    calibration={**calibration.record(text.sources, text.sha256), "device": calibrated.device,
                                  "seconds": calibrated.seconds},  # fmt: skip
                     rotary_dim=ctx.rotary_dim,
                     permutations=calibrated.orders,
@@ -231,10 +232,17 @@ def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256:
     calibration text pinned to the SHA-256 of the text read, so that `gqaify convert --config OUT/gqaify.json`
     reruns the conversion from anywhere, or refuses text that changed (what went how, not what was made, is left
     out: `NOT_RECORDED`)."""
-    calib_data = s.calib_data
-    if calib_data is not None and Path(calib_data).expanduser().exists():
-        calib_data = str(Path(calib_data).expanduser().resolve())
+    calib_data = None if s.calib_data is None else [_resolved_text(value) for value in s.calib_data]
     src = source.name if source.kind == "hub" else str(Path(source.name).expanduser().resolve())
     resolved = replace(s, src=src, out=str(out), revision=source.revision, calib_data=calib_data,
                        calib_sha256=calib_sha256)  # fmt: skip
     return recorded(resolved, NOT_RECORDED)
+
+
+def _resolved_text(value: str) -> str:
+    """A calibration source as a rerun from anywhere finds it: a local path absolute, its NAME= kept."""
+    named = NamedText.parse(value)
+    path = Path(named.source).expanduser()
+    if not path.exists():
+        return value
+    return str(path.resolve()) if named.source == value else f"{named.name}={path.resolve()}"

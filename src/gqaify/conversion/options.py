@@ -7,9 +7,12 @@ is loaded. The methods' computations live in `methods.py`, registered under the 
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from gqaify.data import named_texts_problem
 from gqaify.dtypes import DtypeName
 from gqaify.hub import repo_id_problem
 from gqaify.settings import QUIET, Finite, Limit, Needs, Positional, Range, Settings, Stage, setting
@@ -70,7 +73,7 @@ class Calibration:
     Built by `ConvertSettings.calibration()`, whose fields hold the defaults and declare the values' rules.
     """
 
-    data: str  # a text file or folder, or a hub dataset name[:config], as `gqaify eval --data`
+    data: list[str]  # each a text file or folder, or a hub dataset name[:config]; several make a mixture
     tokens: int
     split: str
     text_column: str
@@ -80,6 +83,22 @@ class Calibration:
     refine_lr: float
     repair: bool  # refit o_proj against the parent's attention output (sequential only)
     sha256: str | None = None  # the SHA-256 the text read must have (`text_problem`); None: any text
+    weights: list[float] | None = None  # one per source of `data` (None: equal): their shares of `tokens`
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, str):  # one text
+            object.__setattr__(self, "data", [self.data])
+
+    def shares(self) -> list[int]:
+        """The tokens read from each source: `tokens` apportioned by weight, whole numbers that sum to it exactly
+        (the largest remainders rounded up, ties to the earlier source)."""
+        weights = self.weights or [1.0] * len(self.data)
+        exact = [self.tokens * w / sum(weights) for w in weights]
+        counts = [math.floor(e) for e in exact]
+        by_remainder = sorted(range(len(counts)), key=lambda i: counts[i] - exact[i])
+        for i in by_remainder[: self.tokens - sum(counts)]:
+            counts[i] += 1
+        return counts
 
     def text_problem(self, sha256: str) -> str | None:
         """A problem if the text read (its SHA-256 `sha256`) is not the text `self.sha256` expects.
@@ -89,8 +108,8 @@ class Calibration:
         if self.sha256 is None or sha256 == self.sha256.lower():
             return None
         return (
-            f"--calib-data {self.data}: the text changed since the recorded conversion (SHA-256 {sha256[:12]}, "
-            f"calib_sha256 {self.sha256[:12]}), so the weights would differ; restore the text, or pass "
+            f"--calib-data {' '.join(self.data)}: the text changed since the recorded conversion (SHA-256 "
+            f"{sha256[:12]}, calib_sha256 {self.sha256[:12]}), so the weights would differ; restore the text, or pass "
             "--calib-sha256 '' to convert with the text as it is now"
         )
 
@@ -115,10 +134,32 @@ class Calibration:
             f"{advised:,} or more are advised"
         )
 
-    def record(self, tokens_read: int, sha256: str) -> dict:
-        """What gqaify.json's "calibration" says: these fields, the tokens read and the SHA-256 of the text read."""
-        return {**asdict(self), "tokens_requested": self.tokens, "tokens": tokens_read, "sha256": sha256,
-                "holdout": HOLDOUT_NOTE}  # fmt: skip
+    def record(self, sources: list[CalibrationSource], sha256: str) -> dict:
+        """What gqaify.json's "calibration" says: these fields, the tokens read (from each source, and in all) and
+        the SHA-256 of the text read."""
+        return {**asdict(self), "tokens_requested": self.tokens, "tokens": sum(s.tokens for s in sources),
+                "sources": [asdict(s) for s in sources], "sha256": sha256, "holdout": HOLDOUT_NOTE}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CalibrationSource:
+    """One source of the calibration text as read: gqaify.json's calibration "sources" holds one per source."""
+
+    name: str
+    data: str
+    weight: float
+    tokens_requested: int  # its share of calib_tokens
+    tokens: int  # read (fewer where the source holds fewer)
+    sha256: str  # of the text read from it
+
+
+def mixture_sha256(sources: list[CalibrationSource]) -> str:
+    """The SHA-256 that calib_sha256 pins: one source's text's own; for a mixture, of its sources' names, weights
+    and SHA-256s, so that a source changed, added, removed or reweighted is seen."""
+    if len(sources) == 1:
+        return sources[0].sha256
+    described = "\n".join(f"{s.name}\t{s.weight!r}\t{s.sha256}" for s in sources)
+    return hashlib.sha256(described.encode()).hexdigest()
 
 
 # What the repair and refinement are judged on (repair.HOLDOUT_EVERY), said where a reader of gqaify.json sees it.
@@ -137,8 +178,17 @@ def _calibrated(method: str) -> bool:
     return METHOD_INFO[method].calibrated
 
 
-def _text_named(data: str, name: str) -> str | None:
-    return None if data.strip() else f"{name} is empty; name a text file, folder or hub dataset"
+class _OnePerSource:
+    """The rule of calib_weights: one positive weight per calib_data source."""
+
+    @staticmethod
+    def problem(field: str, weights: list[float], ctx) -> str | None:
+        name, sources = ctx.name(field), ctx.value("calib_data") or []
+        if len(weights) != len(sources):
+            return f"{name} gives {len(weights)} weights for {len(sources)} calib_data sources; give one per source"
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            return f"{name} {weights} must be positive numbers; e.g. 2 1 1 reads half the tokens from the first"
+        return None
 
 
 def _sha256_problem(sha256: str, name: str) -> str | None:
@@ -170,12 +220,17 @@ class MethodSettings(Settings):
         "most on the calibration text (similarity; needs calib_data)",
         check=Needs("calib_data", "compares heads on calibration text", "similarity".__eq__),
     )  # fmt: skip
-    calib_data: str | None = setting(
+    calib_data: list[str] | None = setting(
         None, "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
-        "per-layer fit error; use text other than your eval text", check=_text_named
+        "per-layer fit error; several (NAME=SOURCE or SOURCE) make a mixture, their windows interleaved; use text "
+        "other than your eval text", check=named_texts_problem
+    )  # fmt: skip
+    calib_weights: list[float] | None = setting(
+        None, "one weight per calib_data source: its share of calib_tokens (default: equal shares)",
+        check=(Needs("calib_data", "weighs calibration sources"), _OnePerSource()),
     )  # fmt: skip
     calib_tokens: int = setting(
-        32768, "calibration tokens read from calib_data", check=Range(2, fix="tens of thousands are typical")
+        32768, "calibration tokens read from calib_data (in all)", check=Range(2, fix="tens of thousands are typical")
     )
     calib_split: str = setting("train", "split of calib_data")
     calib_text_column: str = setting("text", "column of calib_data holding the text")
@@ -242,7 +297,7 @@ class ConvertSettings(MethodSettings):
             return None
         return Calibration(self.calib_data, self.calib_tokens, self.calib_split, self.calib_text_column,
                            self.calib_seq_len, self.calib_mode, self.refine_steps, self.refine_lr,
-                           self.repair, self.calib_sha256 or None)  # fmt: skip
+                           self.repair, self.calib_sha256 or None, self.calib_weights)  # fmt: skip
 
 
 # What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.

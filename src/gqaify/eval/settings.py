@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gqaify.data import named_text_problems
+from gqaify.data import named_texts_problem
 from gqaify.dtypes import DtypeName
 from gqaify.eval.tasks import TaskRequest
 from gqaify.settings import QUIET, Positional, Range, Settings, Stage, setting
-
-
-def _panel_problem(data: list[str], name: str) -> str | None:
-    return "; ".join(named_text_problems(data, name)) or None
 
 
 @dataclass(frozen=True)
@@ -25,7 +21,7 @@ class EvalSettings(Settings):
     data: list[str] = setting(
         [], "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config], named "
         "NAME=SOURCE or by its file's stem; several make a panel: each reported, with the mean and worst",
-        required=True, check=_panel_problem,
+        required=True, check=named_texts_problem,
     )  # fmt: skip
     out: str | None = setting(None, "folder for the report", required=True)
     force: bool = setting(False, "replace --out if it is empty or a report gqaify wrote (nothing else)")

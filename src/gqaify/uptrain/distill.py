@@ -19,8 +19,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gqaify.eval.perplexity import sliding_windows
-
 KL_CHUNK_TOKENS = 1024  # tokens per chunk: 1,024 x 49,152 x 4 bytes = 0.2 GB of float32 per intermediate
 
 
@@ -151,17 +149,3 @@ def _dtype(logits: torch.Tensor) -> torch.dtype:
 
 def _tokens(logits: torch.Tensor) -> int:
     return logits.numel() // logits.shape[-1]
-
-
-@torch.no_grad()
-def kl_to_parent(model, parent, ids: torch.Tensor, seq_len: int) -> float:
-    """Mean KL(parent || model) in nats per token over `ids` (1-D) cut into windows of `seq_len` tokens: how far the
-    model's next-token distribution is from its parent's on held-out text (0: the parent's own)."""
-    total, tokens = 0.0, 0
-    for w in sliding_windows(len(ids), seq_len, seq_len):  # perplexity's windows, so both read the same text
-        window = ids[w.begin : w.end].unsqueeze(0)
-        student = model(input_ids=window.to(model.device), use_cache=False).logits
-        teacher = parent(input_ids=window.to(parent.device), use_cache=False).logits.to(student.device)
-        total += distillation_kl(student, teacher).item() * window.shape[1]
-        tokens += window.shape[1]
-    return total / tokens

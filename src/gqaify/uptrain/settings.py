@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from gqaify.conversion.options import ConvertSettings, MethodSettings
+from gqaify.data import named_texts_problem
 from gqaify.errors import raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
@@ -108,9 +109,13 @@ class UptrainSettings(MethodSettings):
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
     temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
     # -- evaluation, checkpoints, logging
-    eval_data: str | None = setting(None, "held-out text for perplexity, same loaders as gqaify eval")
+    eval_data: list[str] | None = setting(
+        None, "held-out text for perplexity (and the KL from the teacher), same loaders as gqaify eval; several "
+        "(NAME=SOURCE or SOURCE) make a panel: each logged, with the mean KL and the worst ratio to the parent",
+        check=named_texts_problem,
+    )  # fmt: skip
     eval_split: str = setting("test", "split of eval_data")
-    eval_tokens: int = setting(16384, "evaluate on the first N tokens of eval_data", check=POSITIVE)
+    eval_tokens: int = setting(16384, "evaluate on the first N tokens of each eval_data text", check=POSITIVE)
     eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)", check=POSITIVE)
     eval_every: int = setting(0, "evaluate every N steps (0: at start and end only)", check=Range(0))
     eval_tasks: list[str] = setting(

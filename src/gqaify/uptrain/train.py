@@ -28,13 +28,13 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, attention_pattern
-from gqaify.data import load_text, tokenize
+from gqaify.data import load_text, named_texts, tokenize
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
 from gqaify.uptrain.data import EpochSampler, packed_blocks, packed_stored_blocks
-from gqaify.uptrain.distill import distillation_kl, kl_to_parent, stored_kl
+from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.lora import merged, with_adapters
 from gqaify.uptrain.report import (
     METRICS,
@@ -92,7 +92,7 @@ def run(settings: UptrainSettings) -> UptrainResult:
     # Everything that can be wrong with the data is found before output_dir is touched.
     tokenizer = load_tokenizer(s.model, option="model")
     loader, steps, data_sha256 = _data(s, tokenizer, accelerator)
-    eval_ids = _eval_ids(s, tokenizer)
+    eval_texts = _eval_texts(s, tokenizer)
     request = s.task_request()
     harness = Harness(request) if request.names else None  # reads the tasks' datasets
     existed = out.exists()
@@ -100,7 +100,7 @@ def run(settings: UptrainSettings) -> UptrainResult:
     if record.get("completed") and (out / "final").is_dir():
         return _pushed(s, _result_of_finished_run(out, record), accelerator)
     try:
-        result = _run(_Run(s, out, accelerator, record, steps), tokenizer, loader, eval_ids, harness)
+        result = _run(_Run(s, out, accelerator, record, steps), tokenizer, loader, eval_texts, harness)
     except BaseException as exc:
         stop = as_interrupt(exc)
         if "started" not in record:  # nothing trained yet: leave output_dir as it was found
@@ -159,7 +159,7 @@ class _Loop:
     progress: Progress
 
 
-def _run(run: _Run, tokenizer, loader, eval_ids, harness) -> UptrainResult:
+def _run(run: _Run, tokenizer, loader, eval_texts, harness) -> UptrainResult:
     """The run in a claimed output_dir: model, optimizer, resume, the loop, the final save."""
     from accelerate.utils import set_seed
 
@@ -187,7 +187,7 @@ def _run(run: _Run, tokenizer, loader, eval_ids, harness) -> UptrainResult:
             print(f"resuming from {latest} (step {progress.step} of {run.steps})")
     teacher = _teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
     loop = _Loop(model, teacher, loader, optimizer, scheduler, progress)
-    evaluate = _evaluator(run, loop, eval_ids, harness, tokenizer)
+    evaluate = _evaluator(run, loop, eval_texts, harness, tokenizer)
 
     if accelerator.is_main_process:
         truncate_metrics(out, progress.step if latest is not None else -1)
@@ -391,29 +391,29 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
     return teacher
 
 
-def _evaluator(run: _Run, loop: _Loop, ids, harness, tokenizer):
-    """A function that logs the eval perplexity (with eval_data, on the token `ids`) and task scores (with
-    eval_tasks, through `harness`) at the current step, or None without either.
+def _evaluator(run: _Run, loop: _Loop, texts: dict[str, torch.Tensor] | None, harness, tokenizer):
+    """A function that logs the eval perplexity and KL (with eval_data, on the tokens of each of its `texts`:
+    `_panel_row`) and task scores (with eval_tasks, through `harness`) at the current step, or None without either.
 
     The parent's perplexity on the same tokens is measured once per run and kept in run.json. Every process
     scores the tasks on its model (under FSDP each forward pass needs them all); the main one logs them as
     "task/metric" (`TaskScore.name`).
     """
-    if ids is None and harness is None:
+    if texts is None and harness is None:
         return None
     s, accelerator, model, teacher = run.s, run.accelerator, loop.model, loop.teacher
     seq_len = s.eval_seq_len or s.seq_len
-    if ids is not None and "parent_perplexity" not in run.record:
-        run.record["parent_perplexity"] = _parent_perplexity(s, teacher, ids, seq_len, accelerator)
+    if texts is not None and "parent_perplexity" not in run.record:
+        parents = _parent_perplexities(s, teacher, texts, seq_len, accelerator)
+        run.record["parent_perplexity"] = None if parents is None else next(iter(parents.values()))
+        run.record["parent_perplexities"] = parents
         run.save_record()
 
     def evaluate() -> None:
         row: dict = {"tokens": loop.progress.tokens}
         model.eval()
-        if ids is not None:
-            row["eval_perplexity"] = perplexity(model, ids, seq_len, seq_len, progress=False).perplexity
-            if teacher is not None:  # how far from the parent's next-token distribution, in nats per token
-                row["eval_kl"] = kl_to_parent(model, teacher, ids, seq_len)
+        if texts is not None:
+            row |= _panel_row(model, teacher, texts, seq_len, run.record.get("parent_perplexities"))
         if harness is not None:
             row |= {score.name: score.value for score in harness.score(accelerator.unwrap_model(model), tokenizer)}
         model.train()
@@ -472,15 +472,41 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if n in names]
 
 
-def _eval_ids(s: UptrainSettings, tokenizer) -> torch.Tensor | None:
+def _panel_row(model, teacher, texts: dict[str, torch.Tensor], seq_len: int, parents: dict | None) -> dict:
+    """The eval metrics of one evaluation: the first text's perplexity and KL from the teacher (eval_perplexity,
+    eval_kl); with several texts, each text's (eval_perplexity/NAME, eval_kl/NAME), the mean KL (eval_kl_mean) and
+    the worst ratio to the parent's perplexity (eval_ratio_worst)."""
+    scores = {name: perplexity(model, ids, seq_len, seq_len, progress=False, parent=teacher)
+              for name, ids in texts.items()}  # fmt: skip
+    first = next(iter(scores.values()))
+    row = {"eval_perplexity": first.perplexity} | ({} if teacher is None else {"eval_kl": first.kl})
+    if len(scores) == 1:
+        return row
+    for name, found in scores.items():
+        row[f"eval_perplexity/{name}"] = found.perplexity
+        if teacher is not None:
+            row[f"eval_kl/{name}"] = found.kl
+    if teacher is not None:
+        row["eval_kl_mean"] = sum(found.kl for found in scores.values()) / len(scores)
+    if parents:
+        row["eval_ratio_worst"] = max(found.perplexity / parents[name] for name, found in scores.items())
+    return row
+
+
+def _eval_texts(s: UptrainSettings, tokenizer) -> dict[str, torch.Tensor] | None:
+    """The tokens of each eval_data text, by name (None without eval_data)."""
     if not s.eval_data:
         return None
-    text = load_text(s.eval_data, s.eval_split, s.text_column, option="eval_data").text
-    return tokenize(tokenizer, text, s.eval_tokens, f"eval_data {s.eval_data}").ids
+    texts = {}
+    for named in named_texts(s.eval_data):
+        text = load_text(named.source, s.eval_split, s.text_column, option="eval_data").text
+        texts[named.name] = tokenize(tokenizer, text, s.eval_tokens, f"eval_data {named.source}").ids
+    return texts
 
 
-def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float | None:
-    """The parent's perplexity on the eval tokens, for the plot's reference line (computed once per run)."""
+def _parent_perplexities(s, teacher, texts: dict[str, torch.Tensor], seq_len: int, accelerator) -> dict | None:
+    """The parent's perplexity on each eval text, by name, for the ratios and the plot's reference line (computed
+    once per run)."""
     parent = s.parent or s.distill_from or (s.model if s.kv_heads is not None else None)
     if parent is None:
         return None
@@ -488,9 +514,9 @@ def _parent_perplexity(s, teacher, eval_ids, seq_len: int, accelerator) -> float
     if model is None:
         model, _ = load_model(parent, "auto", accelerator.device, option="parent",
                               trust_remote_code=s.trust_remote_code)  # fmt: skip
-    ppl = perplexity(model, eval_ids, seq_len, seq_len, progress=False).perplexity
+    found = {name: perplexity(model, ids, seq_len, seq_len, progress=False).perplexity for name, ids in texts.items()}
     del model
-    return ppl
+    return found
 
 
 def _check_inputs(s: UptrainSettings) -> None:
