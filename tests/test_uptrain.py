@@ -667,3 +667,33 @@ def test_lora_trains_only_attention_and_its_merged_model_equals_the_adapted_one(
         torch.testing.assert_close(plain(ids).logits, expected, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(expected, AutoModelForCausalLM.from_pretrained(tiny["converted"])(ids).logits)
 
+
+
+def test_eval_data_as_a_panel_logs_each_text_and_the_first_as_before(tiny, tmp_path):
+    """Two texts: each text's perplexity and KL logged, the first's also as eval_perplexity/eval_kl, the mean KL
+    and the worst ratio to the parent's perplexity; each equal to eval's perplexity on the same tokens."""
+    from transformers import AutoTokenizer
+
+    from gqaify.eval.perplexity import perplexity
+
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(reversed(CORPUS.split())))
+    out = tmp_path / "run"
+    uptrain(parse(args(tiny, out, "--eval_data", f"first={tiny['eval']}", str(other), "--distill_from",
+                       str(tiny["parent"]), "--max_tokens", "128")))  # fmt: skip
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "eval_perplexity" in r]
+    record = json.loads((out / "run.json").read_text())
+    parents = record["parent_perplexities"]
+    assert list(parents) == ["first", "other"] and record["parent_perplexity"] == parents["first"]
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    teacher = AutoModelForCausalLM.from_pretrained(tiny["parent"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny["parent"])
+    last = rows[-1]
+    for name, path in (("first", tiny["eval"]), ("other", other)):
+        ids = torch.tensor(tokenizer(path.read_text())["input_ids"][:16384])
+        found = perplexity(final, ids, 16, 16, progress=False, parent=teacher)
+        assert last[f"eval_perplexity/{name}"] == pytest.approx(found.perplexity, rel=1e-4)
+        assert last[f"eval_kl/{name}"] == pytest.approx(found.kl, rel=1e-3, abs=1e-6)
+    assert last["eval_perplexity"] == last["eval_perplexity/first"] and last["eval_kl"] == last["eval_kl/first"]
+    assert last["eval_kl_mean"] == pytest.approx((last["eval_kl/first"] + last["eval_kl/other"]) / 2)
+    assert last["eval_ratio_worst"] == pytest.approx(max(last[f"eval_perplexity/{n}"] / parents[n] for n in parents))

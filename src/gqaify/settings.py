@@ -90,8 +90,11 @@ class Settings:
     """
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # one text where a list of texts is wanted is a list of one
-            if isinstance(value := getattr(self, f.name), str) and _takes_text_list(_hints(type(self))[f.name]):
+        for f in dataclasses.fields(self):
+            hint = _hints(type(self))[f.name]
+            if _takes_text_list(hint) and (value := getattr(self, f.name)) in ("", [""]):  # `--eval-data ''`: unset
+                object.__setattr__(self, f.name, None if _without_none(hint) != hint else [])
+            elif _takes_text_list(hint) and isinstance(value, str):  # one text for a list of texts: a list of one
                 object.__setattr__(self, f.name, [value])
         raise_if_problems(type_problems(self))
 
