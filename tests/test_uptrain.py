@@ -697,3 +697,34 @@ def test_eval_data_as_a_panel_logs_each_text_and_the_first_as_before(tiny, tmp_p
     assert last["eval_perplexity"] == last["eval_perplexity/first"] and last["eval_kl"] == last["eval_kl/first"]
     assert last["eval_kl_mean"] == pytest.approx((last["eval_kl/first"] + last["eval_kl/other"]) / 2)
     assert last["eval_ratio_worst"] == pytest.approx(max(last[f"eval_perplexity/{n}"] / parents[n] for n in parents))
+
+
+def test_a_mixture_of_sources_keeps_every_block_in_its_share():
+    """datasets' interleave_datasets, seeded, until every source is exhausted: each block of each source appears,
+    the small source repeated to its share, in the same order every time."""
+    import datasets
+
+    from gqaify.uptrain.data import mixed
+
+    large = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(300)]}).with_format("torch")
+    small = datasets.Dataset.from_dict({"input_ids": [[1000 + i, 0] for i in range(20)]}).with_format("torch")
+    together, counts = mixed([large, small], [3.0, 1.0], seed=5)
+    firsts = [int(b["input_ids"][0]) for b in together]
+    assert counts == [sum(f < 1000 for f in firsts), sum(f >= 1000 for f in firsts)]
+    assert set(firsts) == set(range(300)) | set(range(1000, 1020))  # no block left out
+    assert counts[0] == 300 and 80 <= counts[1] <= 120  # the small source repeated to about a quarter
+    again, _ = mixed([large, small], [3.0, 1.0], seed=5)
+    assert [int(b["input_ids"][0]) for b in again] == firsts
+
+
+def test_uptrain_on_a_mixture_and_a_mixture_with_stored_log_probabilities_refused(tiny, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(reversed((CORPUS * 3).split())))
+    out = tmp_path / "run"
+    result = uptrain(parse(args(tiny, out, "--data", str(tiny["train"]), f"rev={other}", "--data_weights", "1", "2")))
+    assert result.steps == 20 and (out / "final" / "model.safetensors").is_file()
+    assert json.loads((out / "run.json").read_text())["settings"]["data_weights"] == [1.0, 2.0]
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "r2", "--data", str(tiny["train"]), str(other),
+                                           "--distill_from_data")))  # fmt: skip
+    assert "distill_from_data reads the log-probabilities stored with one corpus" in line
+    assert not (tmp_path / "r2").exists()

@@ -224,6 +224,22 @@ class Needs:
 
 
 @dataclass(frozen=True)
+class OnePerItem:
+    """Weights: one positive number per item of the list `field` (the sources of a mixture)."""
+
+    field: str
+
+    def problem(self, field: str, weights: list[float], ctx: Context) -> str | None:
+        items = ctx.value(self.field) or []
+        if len(weights) != len(items):
+            return f"{ctx.name(field)} gives {len(weights)} weights for {len(items)} {self.field} sources; give one " \
+                   "per source"  # fmt: skip
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            return f"{ctx.name(field)} {shown(weights)} must be positive numbers; e.g. 2 1 1 gives the first half"
+        return None
+
+
+@dataclass(frozen=True)
 class Excludes:
     """When this field's value meets `when` (by default: it is true), another `field` must be unset (None), the
     two being two ways to ask for one thing: "--start and --prompts both choose how a sample begins; keep one"."""

@@ -130,7 +130,9 @@ def _fit_summary(errors: list[dict] | None) -> str | None:
 
 
 def _uptrained(u: dict) -> str:
-    text = f"Uptrained by gqaify on {u['tokens']:,} tokens of `{u['data']}` ({u['steps']:,} steps)"
+    data = [u["data"]] if isinstance(u["data"], str) else u["data"]
+    text = f"Uptrained by gqaify on {u['tokens']:,} tokens of {' and '.join(f'`{d}`' for d in data)} " \
+           f"({u['steps']:,} steps)"  # fmt: skip
     if u.get("distill_from"):
         text += f", distilled from `{u['distill_from']}`"
     if u.get("perplexity_before") is not None and u.get("perplexity_after") is not None:

@@ -15,7 +15,7 @@ from typing import Literal
 from gqaify.data import named_texts_problem
 from gqaify.dtypes import DtypeName
 from gqaify.hub import repo_id_problem
-from gqaify.settings import QUIET, Finite, Limit, Needs, Positional, Range, Settings, Stage, setting
+from gqaify.settings import QUIET, Finite, Limit, Needs, OnePerItem, Positional, Range, Settings, Stage, setting
 
 
 @dataclass(frozen=True)
@@ -178,19 +178,6 @@ def _calibrated(method: str) -> bool:
     return METHOD_INFO[method].calibrated
 
 
-class _OnePerSource:
-    """The rule of calib_weights: one positive weight per calib_data source."""
-
-    @staticmethod
-    def problem(field: str, weights: list[float], ctx) -> str | None:
-        name, sources = ctx.name(field), ctx.value("calib_data") or []
-        if len(weights) != len(sources):
-            return f"{name} gives {len(weights)} weights for {len(sources)} calib_data sources; give one per source"
-        if not all(math.isfinite(w) and w > 0 for w in weights):
-            return f"{name} {weights} must be positive numbers; e.g. 2 1 1 reads half the tokens from the first"
-        return None
-
-
 def _sha256_problem(sha256: str, name: str) -> str | None:
     if not sha256 or _is_sha256(sha256):  # '': any text
         return None
@@ -227,7 +214,7 @@ class MethodSettings(Settings):
     )  # fmt: skip
     calib_weights: list[float] | None = setting(
         None, "one weight per calib_data source: its share of calib_tokens (default: equal shares)",
-        check=(Needs("calib_data", "weighs calibration sources"), _OnePerSource()),
+        check=(Needs("calib_data", "weighs calibration sources"), OnePerItem("calib_data")),
     )  # fmt: skip
     calib_tokens: int = setting(
         32768, "calibration tokens read from calib_data (in all)", check=Range(2, fix="tens of thousands are typical")

@@ -91,6 +91,28 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
     return blocks.with_format("torch")
 
 
+def mixed(blocks: list, weights: list[float] | None, seed: int) -> tuple[object, list[int] | None]:
+    """The blocks of several sources as one dataset, and how many of its blocks each source gave (None when
+    streaming: the count is not known before reading).
+
+    Each next block comes from source i with probability w_i / Σ w (`datasets.interleave_datasets`, drawn from
+    `seed`, the same order every time), until every source has given all of its blocks: a small source is repeated
+    to keep its share, and no block of a large one is left out.
+    """
+    import datasets
+
+    weights = weights or [1.0] * len(blocks)
+    marked = [b.map(lambda batch, i=i: {"source": [i] * len(batch["input_ids"])}, batched=True)
+              for i, b in enumerate(blocks)]  # fmt: skip
+    together = datasets.interleave_datasets(marked, probabilities=[w / sum(weights) for w in weights], seed=seed,
+                                            stopping_strategy="all_exhausted")  # fmt: skip
+    if isinstance(together, datasets.IterableDataset):
+        return together.remove_columns("source").with_format("torch"), None
+    sources = together.with_format(None)["source"]
+    counts = [sources.count(i) for i in range(len(blocks))]
+    return together.remove_columns("source").with_format("torch"), counts
+
+
 class EpochSampler(Sampler[int]):
     """A permutation of `num_blocks` blocks drawn from (seed, epoch), cut to a multiple of `multiple`.
 

@@ -96,7 +96,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
             )
         if recorded != data_sha256:
             raise UserError(
-                f"data {s.data} changed since the run in output_dir {out} began (its tokens' SHA-256 was "
+                f"data {' '.join(s.data)} changed since the run in output_dir {out} began (its tokens' SHA-256 was "
                 f"{recorded[:12]}, now {data_sha256[:12]}); restore the data to go on with this run, or use a new "
                 "output_dir to train on it as it is now"
             )

@@ -22,7 +22,7 @@ from gqaify.data import named_texts_problem
 from gqaify.errors import raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
-from gqaify.settings import Excludes, Needs, Range, Stage, read_config, setting
+from gqaify.settings import Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
 from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
@@ -57,9 +57,15 @@ class UptrainSettings(MethodSettings):
     calib_text_column: str | None = setting(None, "column of calib_data holding the text (default: text_column)")
     output_dir: str | None = setting(None, "folder for checkpoints, metrics, plot and final/", required=True)
     # -- the data
-    data: str | None = setting(
-        None, "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]", required=True
-    )
+    data: list[str] = setting(
+        [], "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]; several (NAME=SOURCE or "
+        "SOURCE) make a mixture, each block drawn from a source by data_weights", required=True,
+        check=named_texts_problem,
+    )  # fmt: skip
+    data_weights: list[float] | None = setting(
+        None, "one weight per data source: the chance that a block comes from it (default: equal)",
+        check=OnePerItem("data"),
+    )  # fmt: skip
     split: str = setting("train", "split of `data`")
     text_column: str = setting("text", "column holding the text (data and eval_data)")
     streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
@@ -156,6 +162,9 @@ class UptrainSettings(MethodSettings):
         if (self.distill_from is None and not self.distill_from_data and self.distill_weight > 0
                 and self.distill_weight != UptrainSettings.distill_weight):  # fmt: skip
             problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
+        if self.distill_from_data and len(self.data) > 1:
+            problems.append("distill_from_data reads the log-probabilities stored with one corpus; give data one "
+                            "source, or name the teacher with distill_from to train on a mixture")  # fmt: skip
         if self.distill_from_data and self.temperature != 1:
             problems.append(f"temperature {self.temperature} with distill_from_data: the stored log-probabilities are "
                             "the parent's at temperature 1 and cannot be rescaled; drop temperature")  # fmt: skip

@@ -33,7 +33,7 @@ from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
-from gqaify.uptrain.data import EpochSampler, packed_blocks, packed_stored_blocks
+from gqaify.uptrain.data import EpochSampler, mixed, packed_blocks, packed_stored_blocks
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.lora import merged, with_adapters
 from gqaify.uptrain.report import (
@@ -316,11 +316,19 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
     """
     from torch.utils.data import DataLoader
 
+    sources = named_texts(s.data)
     with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
         if s.distill_from_data:
-            blocks = packed_stored_blocks(s.data, s.split, s.seq_len, s.streaming)
+            blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming) for t in sources]
         else:
-            blocks = packed_blocks(s.data, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
+            blocks = [packed_blocks(t.source, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
+                      for t in sources]  # fmt: skip
+        if len(blocks) == 1:
+            blocks = blocks[0]
+        else:
+            blocks, counts = mixed(blocks, s.data_weights, s.seed)
+            if counts is not None:
+                LOG.info("data: %s", ", ".join(f"{t.name} {n:,} blocks" for t, n in zip(sources, counts, strict=True)))
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
     steps = s.budget() // tokens_per_step
     if steps < 1:
@@ -333,14 +341,14 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
         head = [block["input_ids"] for block in itertools.islice(blocks, blocks_per_step)]
         if (found := len(head)) < blocks_per_step:
             raise UserError(
-                f"data {s.data} packs into {found} blocks of {s.seq_len} tokens, fewer than one step's "
+                f"data {' '.join(s.data)} packs into {found} blocks of {s.seq_len} tokens, fewer than one step's "
                 f"{blocks_per_step}; give more text, or lower seq_len or the batch"
             )
         shuffled = blocks.shuffle(seed=s.seed, buffer_size=10_000)
         return DataLoader(shuffled, batch_size=s.micro_batch_size, drop_last=True), steps, _tokens_sha256(head)
     if len(blocks) < blocks_per_step:
         raise UserError(
-            f"data {s.data} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
+            f"data {' '.join(s.data)} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
             f"{blocks_per_step}; give more text, or lower seq_len or the batch"
         )
     sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
