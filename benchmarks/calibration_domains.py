@@ -93,7 +93,8 @@ def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
         subprocess.run([*cli, "generate", str(source), str(corpus), "--tokens", str(2 * CALIB_TOKENS), "-q"],
                        check=True)  # fmt: skip
     single = {"WikiText-2 validation": TEXT / "wikitext-2-valid-tokenized.txt",
-              "Shakespeare, 1st half": texts["shakespeare-1"], "TinyStories train": TEXT / "tinystories-train-sample.txt",
+              "Shakespeare, 1st half": texts["shakespeare-1"],
+              "TinyStories train": TEXT / "tinystories-train-sample.txt",
               "Python code A": texts["code-a"], "parent-written": corpus}  # fmt: skip
     calibrations = {label: [str(path)] for label, path in single.items()}
     calibrations["the three kinds mixed"] = [str(single[k]) for k in MIXED_3]

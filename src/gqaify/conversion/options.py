@@ -164,9 +164,9 @@ def mixture_sha256(sources: list[CalibrationSource]) -> str:
 
 # What the repair and refinement are judged on (repair.HOLDOUT_EVERY), said where a reader of gqaify.json sees it.
 HOLDOUT_NOTE = (
-    "every 8th calibration window, held out of the fits: the same kind of text as the calibration, so it cannot "
-    "show that a fit suits that kind of text better than others; calibration text the parent wrote (gqaify "
-    "generate) is of no one kind"
+    "every 8th calibration window, held out of the fits: the same kinds of text as the calibration (a mixture's "
+    "windows are interleaved, so each source in its share), so it cannot show that a fit suits those kinds better "
+    "than others; calibration text the parent wrote (gqaify generate) is of no one kind"
 )
 
 

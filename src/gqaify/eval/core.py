@@ -72,7 +72,7 @@ def evaluate(
         settings={**recorded(s, frozenset({"force"})), "stride": stride, "device": str(device)},
     )
     parent = None
-    for i, name in enumerate(models := s.models):
+    for i, name in enumerate(s.models):
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
         reference = parent if parent is not None and fingerprint == report.models[0].tokenizer else None

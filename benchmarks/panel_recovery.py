@@ -1,0 +1,123 @@
+"""Recovery judged on a panel of texts: SmolLM2-135M-Instruct converted to MQA and uptrained 100k tokens, the recipe's
+way (calibrated and trained on WikiText-2) against a mixture (calibrated and trained on WikiText-2, Shakespeare,
+TinyStories and text the parent wrote), each judged on five kinds of text, two of which nothing calibrates or
+trains on.
+
+    python benchmarks/panel_recovery.py
+    python benchmarks/panel_recovery.py --tokens 1000000 --override "--mixed_precision bf16"    # on a GPU
+
+Each variant converts the parent with the recipe's conversion (`lsq`, layer by layer, 64 refinement steps, 32,768
+calibration tokens) on its text, then trains with `recipes/smollm2-135m-mqa.yaml`'s training settings (4 x 256
+blocks, lr 3e-4, cosine, distill_weight 0.5) on the same text (the mixture: equal weights), run as `python -m
+gqaify.uptrain` into OUT/VARIANT (rerunning resumes). The parent-written corpus is `gqaify generate` (102,400
+tokens from the beginning-of-text token, temperature 1, seed 0). At the end one `gqaify eval` puts the parent, each
+variant's conversion and its uptrained model side by side on the panel of `calibration_domains.py` (WikiText-2
+test, tiny-shakespeare's 2nd half, TinyStories validation, Python code, Python's licence; 4,096 tokens each),
+with the local task `story_endings` (tests/tasks). Writes OUT/panel_recovery.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from calibration_domains import TEXT, write_texts
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
+CORPUS_TOKENS = 102_400
+CONVERSION_KEYS = ("kv_heads", "method", "calib_data", "calib_tokens", "calib_mode", "refine_steps")
+VARIANTS = ("WikiText-2 (the recipe)", "mixture of four")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench/panel-recovery", help="output folder")
+    parser.add_argument("--tokens", type=int, default=100_000, help="training tokens per variant")
+    parser.add_argument("--override", default="", help="more uptrain options for every variant")
+    args = parser.parse_args()
+
+    from gqaify.demo import fetch_default_model
+
+    gguf = fetch_default_model()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    texts = write_texts(out / "texts")
+    corpus = corpus_once(gguf, out)
+    data = {VARIANTS[0]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}"],
+            VARIANTS[1]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}", f"verse={texts['shakespeare-1']}",
+                          f"stories={TEXT / 'tinystories-train-sample.txt'}", f"parent={corpus}"]}  # fmt: skip
+    recipe = yaml.safe_load(RECIPE.read_text())
+    training = out / "training-recipe.yaml"
+    training.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if k not in CONVERSION_KEYS and
+                                        k not in ("eval_data", "eval_tokens", "eval_seq_len")}, sort_keys=False))
+    models = []
+    for i, name in enumerate(VARIANTS):
+        converted, run_dir = out / f"converted-{i}", out / f"uptrained-{i}"
+        if not converted.is_dir():
+            subprocess.run([sys.executable, "-m", "gqaify.cli", "convert", str(gguf), str(converted), "--kv-heads",
+                            str(recipe["kv_heads"]), "--method", recipe["method"], "--calib-data", *data[name],
+                            "--calib-split", "train", "--calib-tokens", str(recipe["calib_tokens"]), "--calib-mode",
+                            recipe["calib_mode"], "--refine-steps", str(recipe["refine_steps"]), "-q"],
+                           check=True)  # fmt: skip
+        command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(training), "--model", str(converted),
+                   "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(args.tokens),
+                   "--data", *data[name], "--save_every", "50", *args.override.split()]  # fmt: skip
+        print(f"== {name}: {' '.join(command[1:])}", flush=True)
+        done = run_dir / "run.json"
+        if not (done.exists() and json.loads(done.read_text()).get("completed")):
+            subprocess.run(command, check=True)
+        models += [converted, run_dir / "final"]
+    report = final_eval(gguf, models, texts, out)
+    write_results(out, report, args.tokens)
+
+
+def corpus_once(gguf: Path, out: Path) -> Path:
+    """The parent-written corpus, made once (resumed if a run was stopped)."""
+    corpus = out / "parent-corpus"
+    command = [sys.executable, "-m", "gqaify.cli", "generate", str(gguf), str(corpus), "--tokens", str(CORPUS_TOKENS),
+               "--length", "256", "--batch-size", "16", "--seed", "0", "-q"]  # fmt: skip
+    subprocess.run(command, check=True)
+    return corpus
+
+
+def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path) -> dict:
+    """gqaify eval of the parent and every model on the panel, with story_endings."""
+    report_dir = out / "final-eval"
+    panel = {"wikitext": TEXT / "wikitext-2-raw-test.txt", "shakespeare": texts["shakespeare-2"],
+             "tinystories": TEXT / "tinystories-valid-head.txt", "code": texts["code-b"], "licence": texts["licence"]}
+    if not (report_dir / "report.json").exists():
+        subprocess.run([sys.executable, "-m", "gqaify.cli", "eval", str(gguf), *map(str, models), "--data",
+                        *[f"{k}={v}" for k, v in panel.items()], "--split", "train", "--max-tokens", "4096",
+                        "--seq-len", "1024", "--no-speed", "--tasks", "story_endings", "--include-path",
+                        str(REPO / "tests" / "tasks"), "--out", str(report_dir), "-q"], check=True)  # fmt: skip
+    return json.loads((report_dir / "report.json").read_text())
+
+
+def write_results(out: Path, report: dict, tokens: int) -> None:
+    names = ["parent"] + [f"{v}, {stage}" for v in VARIANTS for stage in ("no training", f"{tokens:,} tokens")]
+    texts = [t["name"] for t in report["data"]]
+    lines = ["| model | " + " | ".join(texts) + " | mean KL | worst × parent | story_endings |",
+             "|---" * (len(texts) + 4) + "|"]  # fmt: skip
+    for name, model in zip(names, report["models"], strict=True):
+        cells = [f"{t['perplexity']:.2f}" + ("" if t["ratio_to_parent"] is None else f" ({t['ratio_to_parent']:.2f}×)")
+                 for t in model["texts"]]  # fmt: skip
+        panel = model["panel"]
+        acc = next((t for t in model.get("tasks") or [] if t["metric"] == "acc_norm"), None)
+        cells += ["—" if panel is None else f"{panel['mean_kl_to_parent']:.3f}",
+                  "—" if panel is None else f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})",
+                  "—" if acc is None else f"{acc['value']:.3f} ± {acc['stderr']:.3f}"]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    (out / "panel_recovery.md").write_text(table + "\n")
+    (out / "panel_recovery.json").write_text(json.dumps({"names": names, "report": report}, indent=2))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
