@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -306,3 +307,27 @@ def test_a_gguf_out_that_is_the_gguf_source_is_named_as_the_source(capsys, stori
     assert code == 2 and f"OUT {src} is the source; name another file to write" in line and "--force" not in line
     assert src.read_bytes() == stories_gguf["gqa2.gguf"].read_bytes() and [p.name for p in tmp_path.iterdir()] == [
         "gqa2.gguf"]  # fmt: skip
+
+
+@needs_assets
+@pytest.mark.parametrize("link", ["symlink", "folder-symlink", "hardlink"])
+def test_a_gguf_source_named_through_a_link_is_never_its_own_out(capsys, stories_gguf, tmp_path, link):
+    """SRC a link to OUT (or OUT reached through a linked folder): refused as the source, OUT untouched; the
+    conversion used to overwrite its own source with --force."""
+    real = tmp_path / "real"
+    real.mkdir()
+    out = real / "a.gguf"
+    out.write_bytes(stories_gguf["gqa2.gguf"].read_bytes())
+    if link == "symlink":
+        src = tmp_path / "latest.gguf"
+        src.symlink_to(out)
+    elif link == "folder-symlink":
+        (tmp_path / "alias").symlink_to(real, target_is_directory=True)
+        src = tmp_path / "alias" / "a.gguf"
+    else:
+        src = tmp_path / "copy.gguf"
+        os.link(out, src)
+    before = out.read_bytes()
+    code, err = run_cli(capsys, "convert", src, out, "--kv-heads", "1", "--force")
+    assert code == 2 and "is the source; name another file to write" in one_line(err)
+    assert out.read_bytes() == before and sorted(p.name for p in real.iterdir()) == ["a.gguf"]

@@ -205,7 +205,7 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
     out = resolve_out(s.out)
     # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
     problems = check_request(replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))).problems
-    if Path(s.src).expanduser().exists() and resolve_out(s.src) == out:  # not "pass --force": it would be refused
+    if _same_file(Path(s.src).expanduser(), out):  # not "pass --force": it would be refused
         problems.append(f"OUT {out} is the source; name another file to write")
     else:
         problems += [p for p in [to_gguf.destination_problem(out, s.force)] if p]
@@ -225,6 +225,14 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
         with written_whole(out, f"no space left while writing {out}; nothing was left behind") as partial:
             to_gguf.write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
     return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
+
+
+def _same_file(src: Path, out: Path) -> bool:
+    """Whether writing `out` would replace the file `src`: one path, or one file through a symbolic link (of the
+    file or of a folder above it) or a hard link."""
+    if not src.exists():
+        return False
+    return src.resolve() == out.resolve() or (out.exists() and os.path.samefile(src, out))
 
 
 def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256: str | None) -> dict:
