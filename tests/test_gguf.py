@@ -331,3 +331,42 @@ def test_a_gguf_source_named_through_a_link_is_never_its_own_out(capsys, stories
     code, err = run_cli(capsys, "convert", src, out, "--kv-heads", "1", "--force")
     assert code == 2 and "is the source; name another file to write" in one_line(err)
     assert out.read_bytes() == before and sorted(p.name for p in real.iterdir()) == ["a.gguf"]
+
+
+@needs_assets
+def test_a_users_tmp_file_and_folder_beside_a_gguf_out_are_never_touched(capsys, tmp_path):
+    """.OUT.gguf.tmp was the name every conversion to OUT.gguf wrote into, deleting whatever the user kept there."""
+    (tmp_path / ".r.gguf.tmp").mkdir()
+    (tmp_path / ".r.gguf.tmp" / "notes.txt").write_text("mine")
+    code, err = run_cli(capsys, "convert", MODELS / "stories260K-mha", tmp_path / "r.gguf", "--kv-heads", "2", "-q")
+    assert code == 0, err
+    assert (tmp_path / ".r.gguf.tmp" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.gguf.tmp", "r.gguf"]
+
+
+@needs_assets
+@pytest.mark.parametrize("force", [False, True])
+def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(capsys, stories_gguf, tmp_path, monkeypatch,
+                                                                      force):  # fmt: skip
+    """Two conversions to one OUT.gguf: the one that finishes second is refused without --force (the rival's file
+    kept whole), and with --force replaces it whole; they used to share one partial file and mix their tensors."""
+    from gguf import GGUFReader
+
+    from gqaify.conversion import to_gguf
+
+    out, rival = tmp_path / "r.gguf", stories_gguf["gqa2.gguf"].read_bytes()
+    write = to_gguf.write_gguf
+
+    def write_then_a_rival_finishes(*args, **kwargs):
+        write(*args, **kwargs)
+        out.write_bytes(rival)  # the other run's rename, while this one was writing
+
+    monkeypatch.setattr(to_gguf, "write_gguf", write_then_a_rival_finishes)
+    code, err = run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "1", "-q",
+                        *(["--force"] if force else []))  # fmt: skip
+    heads = GGUFReader(out).fields["llama.attention.head_count_kv"].parts[-1][0]
+    if force:
+        assert code == 0 and heads == 1, err
+    else:
+        assert code == 2 and "appeared while this run was writing" in one_line(err) and out.read_bytes() == rival
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.gguf"]

@@ -405,6 +405,38 @@ def _tree_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def file_into_place(partial: Path, out: Path, replaceable: Callable[[], str | None] | None, option: str = "OUT"):
+    """Put the finished file `partial` (in this run's own work folder) at `out`, refusing a rival.
+
+    Without `replaceable` (no --force), `out` is created only if nothing is there: a hard link made with the
+    kernel's create-if-absent, so that of two runs writing one OUT, one wins and the other is refused, each file
+    whole. With it, `out` is replaced only if `replaceable()` (asked again now: another run may have written it
+    since the run began) finds no problem, by an atomic rename.
+
+    Raises:
+        UserError: `out` appeared meanwhile (without --force), or may no longer be replaced.
+    """
+    if replaceable is not None:
+        if problem := replaceable():
+            raise UserError(problem)
+        os.replace(partial, out)
+        return
+    try:
+        os.link(partial, out)
+    except FileExistsError as exc:
+        raise UserError(
+            f"{out} already exists: it appeared while this run was writing (another run writing the same {option}?) "
+            f"and was not touched; pass --force to replace it, or choose another {option}"
+        ) from exc
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP):  # no hard links here: rename
+            raise
+        if out.exists() or out.is_symlink():
+            raise UserError(f"{out} already exists: it appeared while this run was writing; pass --force to "
+                            f"replace it, or choose another {option}") from exc  # fmt: skip
+        os.replace(partial, out)
+
+
 @contextlib.contextmanager
 def work_folder(out: Path) -> Iterator[Path]:
     """A hidden folder beside `out` for intermediate files, removed when the block ends, and named as a staging

@@ -13,6 +13,7 @@ commit  config.json, side files, the model card and gqaify.json go into the stag
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -37,18 +38,19 @@ from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, SourceHasher, plan_output, stream_tensors
 from gqaify.data import NamedText
 from gqaify.dtypes import torch_dtype
-from gqaify.errors import UserError, raise_if_problems
+from gqaify.errors import ResourceError, UserError, raise_if_problems
 from gqaify.hub import push_folder
 from gqaify.kvcache import kv_cache_bytes_per_token
 from gqaify.outputs import (
     PROVENANCE_FILE,
+    current_umask,
+    file_into_place,
     remove_leftovers,
     resolve_out,
     space_problem,
     staged,
     work_folder,
     write_provenance,
-    written_whole,
 )
 from gqaify.settings import recorded, required_problems
 
@@ -219,11 +221,18 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
         vocabulary = None if tokenizer_gguf else to_gguf.vocabulary_problem(source.directory)
         raise_if_problems([p for p in (to_gguf.gguf_problem(source.config), vocabulary) if p])
     remove_leftovers(out)
-    with work_folder(out) as work:
+    with work_folder(out) as work:  # this run's own: a rival run, or a file of the user's, is never written over
         result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))
         record = (result.out / PROVENANCE_FILE).read_text()
-        with written_whole(out, f"no space left while writing {out}; nothing was left behind") as partial:
+        partial = work / out.name
+        try:
             to_gguf.write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ResourceError(f"no space left while writing {out}; nothing was left behind") from exc
+            raise
+        partial.chmod(0o666 & ~current_umask())
+        file_into_place(partial, out, (lambda: to_gguf.destination_problem(out, True)) if s.force else None)
     return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
 
 
