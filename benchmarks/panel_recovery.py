@@ -9,11 +9,12 @@ trains on.
 Each variant converts the parent with the recipe's conversion (`lsq`, layer by layer, 64 refinement steps, 32,768
 calibration tokens) on its text, then trains with `recipes/smollm2-135m-mqa.yaml`'s training settings (4 x 256
 blocks, lr 3e-4, cosine, distill_weight 0.5) on the same text (the mixture: equal weights), run as `python -m
-gqaify.uptrain` into OUT/VARIANT (rerunning resumes). The parent-written corpus is `gqaify generate` (102,400
-tokens from the beginning-of-text token, temperature 1, seed 0). At the end one `gqaify eval` puts the parent, each
-variant's conversion and its uptrained model side by side on the panel of `calibration_domains.py` (WikiText-2
-test, tiny-shakespeare's 2nd half, TinyStories validation, Python code, Python's licence; 4,096 tokens each),
-with the local task `story_endings` (tests/tasks). Writes OUT/panel_recovery.md and .json.
+gqaify.uptrain` into OUT/VARIANT (rerunning resumes). The parent-written corpus is `gqaify generate` (32,768 tokens
+from the beginning-of-text token, temperature 1, seed 0; or --corpus, e.g. calibration_domains.py's). At the end one
+`gqaify eval` puts the parent, each variant's conversion and its uptrained model side by side on the panel of
+`calibration_domains.py` (WikiText-2 test, tiny-shakespeare's 2nd half, TinyStories validation, Python code,
+Python's licence; 4,096 tokens each), with the local task `story_endings` (tests/tasks). Writes
+OUT/panel_recovery.md and .json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from calibration_domains import TEXT, write_texts
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
-CORPUS_TOKENS = 102_400
+CORPUS_TOKENS = 32_768  # a quarter of the mixture's 100k training tokens is about 25k
 CONVERSION_KEYS = ("kv_heads", "method", "calib_data", "calib_tokens", "calib_mode", "refine_steps")
 VARIANTS = ("WikiText-2 (the recipe)", "mixture of four")
 
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/panel-recovery", help="output folder")
     parser.add_argument("--tokens", type=int, default=100_000, help="training tokens per variant")
     parser.add_argument("--override", default="", help="more uptrain options for every variant")
+    parser.add_argument("--corpus", type=Path, help="a parent-written corpus to use (default: written into OUT)")
     args = parser.parse_args()
 
     from gqaify.demo import fetch_default_model
@@ -48,7 +50,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     texts = write_texts(out / "texts")
-    corpus = corpus_once(gguf, out)
+    corpus = args.corpus.resolve() if args.corpus else corpus_once(gguf, out)
     data = {VARIANTS[0]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}"],
             VARIANTS[1]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}", f"verse={texts['shakespeare-1']}",
                           f"stories={TEXT / 'tinystories-train-sample.txt'}", f"parent={corpus}"]}  # fmt: skip
@@ -81,7 +83,7 @@ def corpus_once(gguf: Path, out: Path) -> Path:
     """The parent-written corpus, made once (resumed if a run was stopped)."""
     corpus = out / "parent-corpus"
     command = [sys.executable, "-m", "gqaify.cli", "generate", str(gguf), str(corpus), "--tokens", str(CORPUS_TOKENS),
-               "--length", "256", "--batch-size", "16", "--seed", "0", "-q"]  # fmt: skip
+               "--seed", "0", "-q"]  # fmt: skip
     subprocess.run(command, check=True)
     return corpus
 

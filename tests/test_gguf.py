@@ -370,3 +370,26 @@ def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(capsys, sto
     else:
         assert code == 2 and "appeared while this run was writing" in one_line(err) and out.read_bytes() == rival
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.gguf"]
+
+
+@needs_assets
+def test_the_record_inside_a_gguf_names_it_and_reruns_its_conversion(capsys, tmp_path):
+    """The record used to name the deleted work folder as OUT and gguf_type null: a rerun from it wrote a folder
+    into the next run's work folder."""
+    from gguf import GGUFReader
+
+    from gqaify.conversion.to_gguf import RECORD_KEY
+
+    out = tmp_path / "q8.gguf"
+    assert run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "2", "--gguf-type", "q8_0",
+                   "-q")[0] == 0  # fmt: skip
+    field = GGUFReader(out).fields[RECORD_KEY]
+    record = json.loads(bytes(field.parts[field.data[0]]).decode())
+    assert record["settings"]["out"] == str(out) and record["settings"]["gguf_type"] == "q8_0"
+    assert "files" not in record and record["kv_heads"] == 2
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    first = out.read_bytes()
+    code, err = run_cli(capsys, "convert", "--config", tmp_path / "rec.json", "--force", "-q")
+    assert code == 0, err
+    assert out.read_bytes() == first  # the same conversion, the same file, in the same place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf", "rec.json"]

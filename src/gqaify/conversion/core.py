@@ -14,6 +14,7 @@ commit  config.json, side files, the model card and gqaify.json go into the stag
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -223,7 +224,7 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
     remove_leftovers(out)
     with work_folder(out) as work:  # this run's own: a rival run, or a file of the user's, is never written over
         result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))
-        record = (result.out / PROVENANCE_FILE).read_text()
+        record = _gguf_record(json.loads((result.out / PROVENANCE_FILE).read_text()), out, s.gguf_type or "f16")
         partial = work / out.name
         try:
             to_gguf.write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
@@ -234,6 +235,14 @@ def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
         partial.chmod(0o666 & ~current_umask())
         file_into_place(partial, out, (lambda: to_gguf.destination_problem(out, True)) if s.force else None)
     return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
+
+
+def _gguf_record(record: dict, out: Path, gguf_type: str) -> str:
+    """The record a GGUF file carries: the work folder's gqaify.json with the GGUF's own OUT and type in its
+    settings (so that `gqaify convert --config` with it reruns this GGUF conversion), and without the folder's
+    file list (the file is one, and the record is inside it)."""
+    settings = {**record["settings"], "out": str(out), "gguf_type": gguf_type}
+    return json.dumps({**{k: v for k, v in record.items() if k != "files"}, "settings": settings}, indent=2)
 
 
 def _same_file(src: Path, out: Path) -> bool:
