@@ -1,5 +1,7 @@
 """The repository keeps its promises: README's commands are the ones CI runs."""
 
+import os
+
 from conftest import REPO
 
 
@@ -58,3 +60,14 @@ def test_demo_calibrates_on_wikitext_validation_never_the_eval_text():
         assert (calib, split) == (HUB_WIKITEXT, "validation")
     else:
         assert calib.endswith("wikitext-2-valid-tokenized.txt")
+
+
+def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_the_hub():
+    from gqaify.demo import HUB_WIKITEXT, calibration_text, demo_panel, demo_text
+
+    data, _ = demo_text()
+    panel = demo_panel(data)
+    assert panel[0] == f"wikitext={data}" and calibration_text(data)[0] not in " ".join(panel)
+    if data != HUB_WIKITEXT:
+        assert panel[1].startswith("tinystories=") and os.path.isfile(panel[1].split("=", 1)[1])
+    assert demo_panel(HUB_WIKITEXT) == [f"wikitext={HUB_WIKITEXT}"]

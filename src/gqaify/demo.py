@@ -33,6 +33,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARED_WIKITEXT = Path("shared", "assets", "text", "wikitext-2-raw-test.txt")
 HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
 SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
+SHARED_STORIES = "tinystories-valid-head.txt"  # beside SHARED_WIKITEXT: a second kind of text for the report
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-mqa.yaml"
 DEMO_UPTRAIN_TOKENS = 12_288  # 12 steps of 4 x 256: about three minutes on two CPU cores
 DEMO_CALIB_TOKENS = 8192  # calibration tokens of the demo's lsq conversion (the benchmark reads 32,768)
@@ -77,6 +78,13 @@ def demo_text() -> tuple[str, str]:
         if local.is_file():
             return str(local), f"WikiText-2 raw test from {local}"
     return HUB_WIKITEXT, "WikiText-2 raw test from the Hugging Face hub (Salesforce/wikitext)"
+
+
+def demo_panel(eval_data: str) -> list[str]:
+    """The demo's evaluation texts: WikiText-2 test, and TinyStories validation where ../shared has it beside it (a
+    conversion can be close to its parent on one kind of text and far on another: the report shows both)."""
+    stories = Path(eval_data).with_name(SHARED_STORIES)
+    return [f"wikitext={eval_data}", *([f"tinystories={stories}"] if stories.is_file() else [])]
 
 
 def calibration_text(eval_data: str) -> tuple[str, str]:
@@ -149,11 +157,12 @@ def _run_steps(workdir: Path, model: str | None) -> None:
     )
 
     report_dir = workdir / "eval"
-    print(f"\nevaluating the parent and both conversions on {origin}: 4,096 tokens, windows of 1,024, decode speed "
-          "on CPU ...")  # fmt: skip
+    also = " (and TinyStories validation beside it)" if len(demo_panel(data)) > 1 else ""
+    print(f"\nevaluating the parent and both conversions on {origin}{also}: 4,096 tokens of each, windows of "
+          "1,024, decode speed on CPU ...")  # fmt: skip
     settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2,
                             force=True)  # fmt: skip
-    report = evaluate([source, str(mean), str(best)], data, report_dir, settings)
+    report = evaluate([source, str(mean), str(best)], demo_panel(data), report_dir, settings)
     print(format_table(report))
     print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
 
