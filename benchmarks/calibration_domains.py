@@ -133,7 +133,7 @@ def format_table(name: str, rows: dict[str, dict]) -> str:
         cells = []
         for t in texts:
             found = row["texts"][t]
-            cell = f"{found['perplexity']:.2f}" + ("" if found["ratio"] is None else f" ({found['ratio']:.2f}×)")
+            cell = f"{found['perplexity']:,.2f}" + ("" if found["ratio"] is None else f" ({found['ratio']:.2f}×)")
             cells.append(f"**{cell}**" if OWN_KIND[t] == label else cell)
         panel = row["panel"]
         summary = ["—", "—"] if panel is None else [f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})",

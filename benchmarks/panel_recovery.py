@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100_000, help="training tokens per variant")
     parser.add_argument("--override", default="", help="more uptrain options for every variant")
     parser.add_argument("--corpus", type=Path, help="a parent-written corpus to use (default: written into OUT)")
+    parser.add_argument("--variant", type=int, choices=range(len(VARIANTS)),
+                        help="run this variant alone, without the final evaluation (two at once, each with "
+                             "OMP_NUM_THREADS=1, use two cores better than one after the other)")  # fmt: skip
     args = parser.parse_args()
 
     from gqaify.demo import fetch_default_model
@@ -60,6 +63,8 @@ def main() -> None:
                                         k not in ("eval_data", "eval_tokens", "eval_seq_len")}, sort_keys=False))
     models = []
     for i, name in enumerate(VARIANTS):
+        if args.variant is not None and i != args.variant:
+            continue
         converted, run_dir = out / f"converted-{i}", out / f"uptrained-{i}"
         if not converted.is_dir():
             subprocess.run([sys.executable, "-m", "gqaify.cli", "convert", str(gguf), str(converted), "--kv-heads",
@@ -75,6 +80,8 @@ def main() -> None:
         if not (done.exists() and json.loads(done.read_text()).get("completed")):
             subprocess.run(command, check=True)
         models += [converted, run_dir / "final"]
+    if args.variant is not None:
+        return
     report = final_eval(gguf, models, texts, out)
     write_results(out, report, args.tokens)
 

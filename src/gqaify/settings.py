@@ -300,6 +300,8 @@ class Stage:
     # how messages name a field: its positional's metavar or its option ("--seq-len"), or, for a stage set up
     # by a recipe file, its key ("seq_len")
     named_by: Literal["options", "keys"] = "options"
+    # a file named by a --config flag that is no path: the shipped file of that name, or None (`gqaify.packaged`)
+    shipped: Callable[[str], Path | None] | None = None
 
     def field_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings)]
@@ -508,6 +510,8 @@ def read_config(stage: Stage, path: str | Path) -> dict:
             an unknown key (named with the nearest valid one), or another command's settings (named).
     """
     path = Path(path).expanduser()
+    if not path.exists() and stage.shipped is not None and (found := stage.shipped(str(path))) is not None:
+        path = found  # a shipped recipe, by name
     where = f"{stage.config_flags[0]} {path}"
     values, record = _settings_in(_parse(_read_text(path, where), where), where)
     _check_keys(stage, values, record, where, path)
@@ -519,7 +523,8 @@ def _read_text(path: Path, where: str) -> str:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise UserError(f"{where} does not exist; check the path") from None
+        raise UserError(f"{where} does not exist; check the path (gqaify recipes lists the shipped recipes, which "
+                        "--recipe finds by name)") from None
     except OSError as exc:
         raise UserError(f"{where} cannot be read ({exc.strerror}); check the path") from None
     if stat.S_ISDIR(mode):

@@ -22,6 +22,7 @@ from gqaify.data import named_texts_problem
 from gqaify.errors import raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
+from gqaify.packaged import shipped
 from gqaify.settings import Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
 from gqaify.settings import parse as parse_settings
 
@@ -235,10 +236,12 @@ UPTRAIN = Stage(
     settings=UptrainSettings,
     description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from --recipe "
     "(a YAML file of the fields below) and are overridden by --field value.\n\n"
+    "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a shipped recipe: gqaify recipes lists them)\n"
     "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"
     "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)",
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
+    shipped=shipped,
     record_kind="an uptraining run's record",
     named_by="keys",
 )

@@ -1,0 +1,69 @@
+"""The files that ship inside the package: uptraining recipes and accelerate configs (`src/gqaify/recipes`, linked as
+recipes/ at the repository root), found by name from any folder once gqaify is installed, as torchtune's configs are.
+
+    gqaify recipes                                   list them, each with the command that runs it
+    gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
+    gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
+
+A recipe's paths (`data`, `calib_data`, `eval_data`) are read from the working directory, as every path gqaify is
+given; the shipped recipes name ../shared/assets beside a checkout, or a hub dataset in a comment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gqaify.errors import UserError
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def recipe_names() -> list[str]:
+    """Every shipped file's name: recipes by their stem, accelerate configs as `accelerate/NAME`."""
+    recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+    return recipes + sorted(f"accelerate/{p.stem}" for p in (RECIPES / "accelerate").glob("*.yaml"))
+
+
+def shipped(name: str) -> Path | None:
+    """The shipped file `name` (with or without .yaml), or None."""
+    stem = name.removesuffix(".yaml")
+    if stem not in recipe_names():
+        return None
+    return RECIPES / f"{stem}.yaml"
+
+
+def first_line(path: Path) -> str:
+    """A recipe's first line without its comment mark: the command that runs it."""
+    with open(path) as f:
+        return f.readline().lstrip("# ").strip()
+
+
+def listing() -> str:
+    """The shipped recipes and configs, one a line, with the command that runs each."""
+    names = recipe_names()
+    width = max(len(n) for n in names)
+    return "\n".join(f"{n.ljust(width)}  {first_line(shipped(n))}" for n in names)
+
+
+def copy_out(name: str, destination: str) -> Path:
+    """Copy the shipped file `name` to `destination` (a file, or a folder to put it in); never over a file.
+
+    Raises:
+        UserError: no such shipped file, or `destination` exists as a file.
+    """
+    source = shipped(name)
+    if source is None:
+        raise UserError(f"no shipped recipe or config {name!r}; gqaify recipes lists them")
+    target = Path(destination).expanduser()
+    if target.is_dir():
+        target = target / source.name
+    if not target.parent.is_dir():
+        raise UserError(f"cannot copy to {target}: the folder {target.parent} does not exist; create it first")
+    try:
+        with open(target, "xb") as f:  # created here, or refused: never over a file
+            f.write(source.read_bytes())
+    except FileExistsError:
+        raise UserError(f"{target} already exists and is kept; name a new file to copy {name} to") from None
+    except PermissionError:
+        raise UserError(f"cannot copy to {target}: the folder is not writable; choose another place") from None
+    return target
