@@ -332,3 +332,19 @@ def test_uptrain_summary_paths_stay_on_one_line():
                                    metrics="m\tx.csv", plot="p\n.png")  # fmt: skip
     lines = format_uptrain_summary(result).splitlines()
     assert lines[1:] == ["  model           'a\\nb'", "  metrics         'm\\tx.csv', plot 'p\\n.png'"]
+
+
+@pytest.mark.parametrize("command", ["convert", "generate", "uptrain"])
+def test_a_seed_past_what_the_generators_take_is_one_line_before_anything_is_written(capsys, tmp_path, command):
+    """--seed 99999999999999999999999 was a traceback in convert and generate, and left generate's OUT behind."""
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), tmp_path / "src")
+    (tmp_path / "t.txt").write_text(CORPUS)
+    args = {"convert": [str(src), str(tmp_path / "out"), "--kv-heads", "2", "--seed"],
+            "generate": [str(src), str(tmp_path / "out"), "--tokens", "64", "--seed"],
+            "uptrain": ["--model", str(src), "--output_dir", str(tmp_path / "out"), "--data", str(tmp_path / "t.txt"),
+                        "--max_tokens", "64", "--seed"]}[command]  # fmt: skip
+    capsys.readouterr()
+    code = main([command, *args, "99999999999999999999999"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "must be a whole number from 0 to 2**63 - 1" in err, err
+    assert not (tmp_path / "out").exists()

@@ -223,6 +223,10 @@ class Needs:
         return f"{subject} {self.why}; {ctx.ask(self.field, self.value)}"
 
 
+# what torch's generators take (and numpy's, and Python's): a seed past it was a traceback, after OUT was claimed
+SEED = Range(0, 2**63 - 1, says="a whole number from 0 to 2**63 - 1")
+
+
 @dataclass(frozen=True)
 class OnePerItem:
     """Weights: one positive number per item of the list `field` (the sources of a mixture)."""

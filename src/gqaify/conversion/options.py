@@ -15,7 +15,7 @@ from typing import Literal
 from gqaify.data import named_texts_problem
 from gqaify.dtypes import DtypeName
 from gqaify.hub import repo_id_problem
-from gqaify.settings import QUIET, Finite, Limit, Needs, OnePerItem, Positional, Range, Settings, Stage, setting
+from gqaify.settings import QUIET, SEED, Finite, Limit, Needs, OnePerItem, Positional, Range, Settings, Stage, setting
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ class ConvertSettings(MethodSettings):
         "stay f32)"
     )  # fmt: skip
     revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
-    seed: int = setting(0, "seed for --method random")
+    seed: int = setting(0, "seed for --method random", check=SEED)
     allow_nonfinite: bool = setting(False, "convert K/V weights that hold NaN or Inf instead of refusing")
     force: bool = setting(False, "replace OUT if it is empty or a conversion gqaify wrote (nothing else)")
     push_to_hub: str | None = setting(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gqaify.dtypes import DtypeName
-from gqaify.settings import QUIET, Excludes, Limit, Needs, Positional, Range, Settings, Stage, recorded, setting
+from gqaify.settings import QUIET, SEED, Excludes, Limit, Needs, Positional, Range, Settings, Stage, recorded, setting
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
@@ -59,7 +59,7 @@ class GenerateSettings(Settings):
         "sample, so that uptrain's distill_from_data needs no teacher (0: text only)",
         check=(Range(0), Limit(TOP_LOGPROBS_MAX, "each kept costs 8 bytes or more at every position stored")),
     )  # fmt: skip
-    seed: int = setting(0, "seed: the same seed and settings write the same tokens")
+    seed: int = setting(0, "seed: the same seed and settings write the same tokens", check=SEED)
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's; a .gguf: float32)")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     trust_remote_code: bool = setting(False, "run the modeling code a model folder carries")

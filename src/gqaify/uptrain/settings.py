@@ -23,7 +23,7 @@ from gqaify.errors import raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.hub import repo_id_problem
 from gqaify.packaged import shipped
-from gqaify.settings import Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
+from gqaify.settings import SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
 from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
@@ -93,7 +93,7 @@ class UptrainSettings(MethodSettings):
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "decay after warm-up")
     weight_decay: float = setting(0.0, "AdamW weight decay", check=Range(0))
     max_grad_norm: float = setting(1.0, "gradient clipping norm (0: none)", check=Range(0))
-    seed: int = setting(0, "seed for the data order and the run")
+    seed: int = setting(0, "seed for the data order and the run", check=SEED)
     mixed_precision: Literal["no", "bf16", "fp16"] | None = setting(
         None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
