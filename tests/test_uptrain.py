@@ -728,3 +728,21 @@ def test_uptrain_on_a_mixture_and_a_mixture_with_stored_log_probabilities_refuse
                                            "--distill_from_data")))  # fmt: skip
     assert "distill_from_data reads the log-probabilities stored with one corpus" in line
     assert not (tmp_path / "r2").exists()
+
+
+def test_checkpoint_rotation_removes_only_what_gqaify_wrote(tiny, tmp_path):
+    """A file of the user's put inside checkpoints/step-N/ used to be deleted with the checkpoint it sat in."""
+    from gqaify.uptrain.run_folder import WRITTEN_FILE, checkpoints, rotate
+
+    out = tmp_path / "run"
+    uptrain(parse(args(tiny, out, "--save_every", "5", "--save_total_limit", "3")))
+    root = out / "checkpoints"
+    kept = checkpoints(root)
+    assert len(kept) == 3
+    listed = set(json.loads((kept[0] / WRITTEN_FILE).read_text())["files"])
+    assert listed == {p.relative_to(kept[0]).as_posix() for p in kept[0].rglob("*") if p.is_file()}
+    (kept[0] / "notes.txt").write_text("mine")
+    rotate(root, 1)
+    assert [p.name for p in checkpoints(root)] == [kept[-1].name] and not kept[1].exists()
+    assert [p.name for p in kept[0].iterdir()] == ["notes.txt"]  # only the user's file is left
+    assert (kept[0] / "notes.txt").read_text() == "mine"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +29,10 @@ from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 
 RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"
+LOG = logging.getLogger(__name__)
+
 PROGRESS_FILE = "progress.json"
+WRITTEN_FILE = "gqaify-files.json"  # in a checkpoint: every file its save wrote (`rotate` removes only those)
 
 
 @dataclass
@@ -148,10 +152,34 @@ def save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> N
         accelerator.wait_for_everyone()
         if main:
             write_json(partial / PROGRESS_FILE, progress.state_dict())
+            written = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+            write_json(partial / WRITTEN_FILE, {"files": [*written, WRITTEN_FILE]})
     if main:
-        for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+        rotate(root, keep)
     accelerator.wait_for_everyone()
+
+
+def rotate(root: Path, keep: int) -> None:
+    """Remove all but the `keep` latest checkpoints: each whole where it holds only what gqaify wrote there
+    (`WRITTEN_FILE` lists it), else only those files, the rest left with a warning (a checkpoint written before
+    the list existed is removed whole)."""
+    for old in checkpoints(root)[:-keep]:
+        listed = old / WRITTEN_FILE
+        if not listed.is_file():
+            shutil.rmtree(old)
+            continue
+        ours = set(json.loads(listed.read_text())["files"])
+        present = {p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file() or p.is_symlink()}
+        if present <= ours:
+            shutil.rmtree(old)
+            continue
+        for name in sorted(ours & present):
+            (old / name).unlink()
+        for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # emptied by the above; a folder holding the user's files stays
+        LOG.warning("kept %s: it holds files gqaify did not write (%s); its checkpoint files were removed", old,
+                    ", ".join(sorted(present - ours)[:3]))  # fmt: skip
 
 
 def save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress,
