@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MODELS, needs_assets
+from conftest import MODELS, build_model, needs_assets, save_with_tokenizer
 from gqaify.cli import main
 from helpers import one_line, run_cli
 
@@ -393,3 +395,55 @@ def test_the_record_inside_a_gguf_names_it_and_reruns_its_conversion(capsys, tmp
     assert code == 0, err
     assert out.read_bytes() == first  # the same conversion, the same file, in the same place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf", "rec.json"]
+
+
+def _gguf(*entries: bytes, tensors: int = 0, version: int = 3) -> bytes:
+    """A GGUF header with these metadata entries (each key, type and value already packed)."""
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, len(entries)) + b"".join(entries)
+
+
+def _text(value: str) -> bytes:
+    return struct.pack("<Q", len(value.encode())) + value.encode()
+
+
+def _entry(key: str, value: str) -> bytes:
+    return _text(key) + struct.pack("<I", 8) + _text(value)
+
+
+DAMAGED = {
+    "cut short": lambda whole: whole[:100],
+    "2^62 tensors": lambda whole: whole[:8] + struct.pack("<Q", 1 << 62) + whole[16:],
+    "an array of 2^40": lambda _: _gguf(_text("a") + struct.pack("<IIQ", 9, 0, 1 << 40)),
+    "a key of 2^40 bytes": lambda _: _gguf(struct.pack("<Q", 1 << 40) + b"k"),
+    "strings cut short": lambda _: _gguf(_text("t") + struct.pack("<IIQ", 9, 8, 5) + _text("one")),
+    "no hyperparameters": lambda _: _gguf(_entry("general.architecture", "llama")),
+}
+
+
+@needs_assets
+@pytest.mark.parametrize("damage", DAMAGED, ids=list(DAMAGED))
+@pytest.mark.parametrize("command", ["convert", "eval"])
+def test_a_damaged_gguf_source_is_one_line_at_once(capsys, stories_gguf, tmp_path, damage, command):
+    """Each was a traceback (exit 1), an unbounded loop, or a 6 GB default model built before failing."""
+    src = tmp_path / "bad.gguf"
+    src.write_bytes(DAMAGED[damage](stories_gguf["gqa2.gguf"].read_bytes()))
+    args = {"convert": [src, tmp_path / "out", "--kv-heads", "1"],
+            "eval": [src, "--data", MODELS.parent / "text" / "tinystories-valid-head.txt", "--out", tmp_path / "out"]}
+    started = time.perf_counter()
+    code, err = run_cli(capsys, command, *args[command])
+    assert code == 2 and time.perf_counter() - started < 10, err
+    line = one_line(err)
+    assert f"{src}" in line and ("is not a readable GGUF file" in line or "lacks llama.block_count" in line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_a_malformed_gguf_as_out_is_refused_with_force_at_once(capsys, tmp_path):
+    """A 132-byte GGUF whose array claims 2^40 items sent gguf's reader into a loop that grew ~150 MB/s."""
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=320), tmp_path / "src")
+    out = tmp_path / "r.gguf"
+    out.write_bytes(DAMAGED["an array of 2^40"](b""))
+    before = out.read_bytes()
+    started = time.perf_counter()
+    code, err = run_cli(capsys, "convert", src, out, "--kv-heads", "1", "--force")
+    assert code == 2 and time.perf_counter() - started < 10 and "is not a GGUF gqaify wrote" in one_line(err)
+    assert out.read_bytes() == before

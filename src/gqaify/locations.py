@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gqaify import gguf_header
 from gqaify.errors import UserError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # owner/name, or a bare name (e.g. gpt2)
@@ -27,7 +28,8 @@ def locate(name: str | Path, option: str = "MODEL") -> Location:
     """Where `name` is: an existing folder, an existing .gguf file, or else a hub id.
 
     Raises:
-        UserError: `name` is a file other than a .gguf, or looks like a path (or like no hub id) and does not exist.
+        UserError: `name` is a file other than a .gguf, or a .gguf gqaify cannot read (`gguf_header.problem`), or
+            looks like a path (or like no hub id) and does not exist.
     """
     name = str(name)
     if not name.strip():
@@ -37,6 +39,8 @@ def locate(name: str | Path, option: str = "MODEL") -> Location:
         return Location(name, "local", path)
     if path.is_file():
         if path.suffix == ".gguf":
+            if (problem := gguf_header.problem(path, option)) is not None:  # read bounded, before transformers
+                raise UserError(problem)
             return Location(name, "gguf", path)
         raise UserError(f"{option} {name} is a file but not a .gguf; point it at a model folder, hub id, or .gguf file")
     if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or not _REPO_ID.match(name):

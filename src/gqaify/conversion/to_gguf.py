@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gqaify import gguf_header
 from gqaify.errors import UserError
 
 
@@ -68,12 +69,7 @@ def _existing_parent(path: Path) -> Path:
 
 
 def _written_by_gqaify(path: Path) -> bool:
-    import gguf
-
-    try:
-        return RECORD_KEY in gguf.GGUFReader(path).fields
-    except (OSError, ValueError):
-        return False
+    return gguf_header.has_key(path, RECORD_KEY)  # bounded: a damaged file is no GGUF gqaify wrote
 
 
 def type_problem(out_type: str | None) -> str | None:

@@ -1,0 +1,137 @@
+"""A bounded reader of a GGUF file's header: its metadata, read without trusting a single length it holds.
+
+    magic "GGUF" | version u32 | tensor count u64 | metadata count u64 | metadata: key string, type u32, value ...
+
+Every count and length in the file is checked against the bytes that remain before it is used, so a damaged or
+hostile file (an array claiming 2^40 items, a tensor count of 2^62, a file cut short) is refused at once, in
+memory bounded by `MAX_VALUE_BYTES`, where gguf's own reader looped, grew without bound or raised a traceback.
+Arrays are skipped (their bytes are counted, not read), except that a string array is walked string by string.
+
+The one place that asks "is this a model gqaify can read" (`problem`, for every command's MODEL or SRC: its
+architecture and the hyperparameters transformers needs, without which it builds a 7B default) and "did gqaify
+write this" (`has_key`, for --force).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAGIC = b"GGUF"
+MAX_VALUE_BYTES = 16 << 20  # a string value kept (gqaify's record is a few KB); longer ones are skipped
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+# what transformers reads to build a model from a GGUF: without them it builds its default (a 7B Llama)
+REQUIRED = ("block_count", "embedding_length", "attention.head_count")
+
+
+class HeaderError(ValueError):
+    """The file is not a readable GGUF header (the message says where it broke)."""
+
+
+@dataclass
+class Header:
+    version: int
+    tensor_count: int
+    fields: dict[str, object] = field(default_factory=dict)  # scalars and strings; arrays as None
+
+
+class _Reader:
+    def __init__(self, f, size: int):
+        self.f, self.size = f, size
+
+    def left(self) -> int:
+        return self.size - self.f.tell()
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or n > self.left():
+            raise HeaderError(f"{what} claims {n:,} bytes where {self.left():,} remain")
+        return self.f.read(n)
+
+    def skip(self, n: int, what: str) -> None:
+        if n < 0 or n > self.left():
+            raise HeaderError(f"{what} claims {n:,} bytes where {self.left():,} remain")
+        self.f.seek(n, os.SEEK_CUR)
+
+    def scalar(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str, keep: bool = True) -> str | None:
+        length = self.scalar("<Q", what)
+        if not keep or length > MAX_VALUE_BYTES:
+            self.skip(length, what)
+            return None
+        return self.take(length, what).decode("utf-8", "replace")
+
+    def value(self, kind: int, key: str):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind], key)
+        if kind == _STRING:
+            return self.string(key)
+        if kind != _ARRAY:
+            raise HeaderError(f"{key} has an unknown value type {kind}")
+        item, count = self.scalar("<I", key), self.scalar("<Q", key)
+        if item in _SCALARS:
+            self.skip(count * struct.calcsize(_SCALARS[item]), f"{key} (an array of {count:,})")
+        elif item == _STRING:
+            if count * 8 > self.left():  # every string has at least its 8-byte length
+                raise HeaderError(f"{key} claims {count:,} strings where {self.left():,} bytes remain")
+            for _ in range(count):
+                self.string(key, keep=False)
+        else:
+            raise HeaderError(f"{key} is an array of unknown or nested type {item}")
+        return None
+
+
+def read(path: str | os.PathLike) -> Header:
+    """The header of the GGUF file `path`: its version, tensor count and metadata.
+
+    Raises:
+        HeaderError: not a GGUF file, or a count or length past the end of the file.
+        OSError: the file cannot be read.
+    """
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        r = _Reader(f, size)
+        if r.take(min(4, size), "the magic") != MAGIC:
+            raise HeaderError("it does not begin with GGUF")
+        version = r.scalar("<I", "the version")
+        if version not in (2, 3):
+            raise HeaderError(f"GGUF version {version} is not 2 or 3")
+        tensors, entries = r.scalar("<Q", "the tensor count"), r.scalar("<Q", "the metadata count")
+        if tensors * 24 > size or entries * 12 > size:  # each tensor's info and each entry takes this much at least
+            raise HeaderError(f"it claims {tensors:,} tensors and {entries:,} metadata entries in {size:,} bytes")
+        header = Header(version, tensors)
+        for _ in range(entries):
+            key = r.string("a metadata key") or ""
+            header.fields[key] = r.value(r.scalar("<I", key), key)
+        return header
+
+
+def problem(path: Path, option: str) -> str | None:
+    """Why the GGUF file `path` is not a model gqaify can read (damaged, or without the hyperparameters
+    transformers needs), or None."""
+    try:
+        header = read(path)
+    except HeaderError as exc:
+        return f"{option} {path} is not a readable GGUF file ({exc}); check the file"
+    except OSError as exc:
+        return f"{option} {path} cannot be read ({exc.strerror}); check the file"
+    arch = header.fields.get("general.architecture")
+    if not isinstance(arch, str):
+        return f"{option} {path} names no architecture (general.architecture); it is no model gqaify can read"
+    missing = [f"{arch}.{key}" for key in REQUIRED if f"{arch}.{key}" not in header.fields]
+    if missing:
+        return f"{option} {path} lacks {', '.join(missing)}: without them transformers would build a default model, " \
+               "not this one; check the file"  # fmt: skip
+    return None
+
+
+def has_key(path: Path, key: str) -> bool:
+    """Whether the GGUF file `path` carries the metadata `key` (False for a file that is no readable GGUF)."""
+    try:
+        return key in read(path).fields
+    except (HeaderError, OSError):
+        return False
