@@ -71,7 +71,9 @@ def write_texts(folder: Path) -> dict[str, Path]:
             "code-a": _joined(CODE_CALIB), "code-b": _joined(CODE_EVAL),
             "licence": (STDLIB / "LICENSE.txt").read_text()}  # fmt: skip
     for name, text in made.items():
-        (folder / f"{name}.txt").write_text(text)
+        path = folder / f"{name}.txt"
+        if not path.is_file() or path.read_text() != text:  # a second run at once reads it as it is
+            path.write_text(text)
     return {name: folder / f"{name}.txt" for name in made}
 
 
