@@ -21,7 +21,10 @@ def test_every_recipe_and_config_is_listed_with_its_command(capsys):
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == recipe_names()
-    assert all(("gqaify uptrain" in line or "accelerate launch" in line) for line in lines)
+    for line in lines:  # a recipe's command; an accelerate config's path, which accelerate reads
+        name, shown = line.split(maxsplit=1)
+        assert ("gqaify uptrain" in shown or "accelerate launch" in shown) if "/" not in name else \
+            shown == str(RECIPES / f"{name}.yaml")  # fmt: skip
     assert (REPO / "recipes").resolve() == RECIPES  # the checkout's recipes/ is the shipped folder
 
 
@@ -52,6 +55,13 @@ def test_uptrain_finds_a_shipped_recipe_by_name_from_any_folder(tmp_path, monkey
     again = parse(["--recipe", "ref-mha-6L-gqa2", "--model", "m", "--output_dir", "o", "--data", "d.txt",
                    "--max_tokens", "128"])  # fmt: skip
     assert again.seq_len == 12
+    (tmp_path / "ref-mha-6L-gqa2").unlink()
+    (tmp_path / "ref-mha-6L-gqa2.yaml").write_text("seq_len: 14\n")  # what `gqaify recipes cp NAME .` writes
+    assert parse(["--recipe", "ref-mha-6L-gqa2", "--model", "m", "--output_dir", "o", "--data", "d.txt",
+                  "--max_tokens", "128"]).seq_len == 14  # fmt: skip
+    (tmp_path / "ref-mha-6L-gqa2.yaml").unlink()
+    assert parse(["--recipe", "recipes/smollm2-135m-mqa.yaml", "--model", "m", "--output_dir", "o", "--data",
+                  "d.txt"]).max_tokens == 100000  # the checkout's path, from a folder that has no recipes/
 
 
 @pytest.mark.slow

@@ -346,5 +346,5 @@ def test_a_seed_past_what_the_generators_take_is_one_line_before_anything_is_wri
     capsys.readouterr()
     code = main([command, *args, "99999999999999999999999"])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "must be a whole number from 0 to 2**63 - 1" in err, err
+    assert code == 2 and err.count("\n") == 1 and "must be a whole number from 0 to 2**32 - 1" in err, err
     assert not (tmp_path / "out").exists()

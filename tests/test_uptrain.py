@@ -746,3 +746,16 @@ def test_checkpoint_rotation_removes_only_what_gqaify_wrote(tiny, tmp_path):
     assert [p.name for p in checkpoints(root)] == [kept[-1].name] and not kept[1].exists()
     assert [p.name for p in kept[0].iterdir()] == ["notes.txt"]  # only the user's file is left
     assert (kept[0] / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_recorded_when_data_was_one_text_resumes(tiny, tmp_path):
+    """run.json written before data, eval_data and calib_data became lists holds them as text: the same run, not
+    another run's checkpoints."""
+    out = tmp_path / "run"
+    settings = parse(args(tiny, out, "--save_every", "10", "--max_tokens", "640"))
+    uptrain(settings)
+    record = json.loads((out / "run.json").read_text())
+    record["settings"]["data"] = record["settings"]["data"][0]  # as an older gqaify wrote it
+    record["settings"]["eval_data"] = None
+    (out / "run.json").write_text(json.dumps(record))
+    assert uptrain(settings).steps == 10  # finished: read back, not refused

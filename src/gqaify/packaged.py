@@ -25,8 +25,8 @@ def recipe_names() -> list[str]:
 
 
 def shipped(name: str) -> Path | None:
-    """The shipped file `name` (with or without .yaml), or None."""
-    stem = name.removesuffix(".yaml")
+    """The shipped file `name` (with or without .yaml, or as the checkout names it: recipes/NAME.yaml), or None."""
+    stem = name.removesuffix(".yaml").removeprefix("recipes/")
     if stem not in recipe_names():
         return None
     return RECIPES / f"{stem}.yaml"
@@ -39,10 +39,12 @@ def first_line(path: Path) -> str:
 
 
 def listing() -> str:
-    """The shipped recipes and configs, one a line, with the command that runs each."""
+    """The shipped recipes, one a line, with the command that runs each (its `recipes/NAME.yaml` is found by name
+    from any folder), then the accelerate configs with their paths (accelerate reads a file)."""
     names = recipe_names()
     width = max(len(n) for n in names)
-    return "\n".join(f"{n.ljust(width)}  {first_line(shipped(n))}" for n in names)
+    shown = [str(shipped(n)) if n.startswith("accelerate/") else first_line(shipped(n)) for n in names]
+    return "\n".join(f"{n.ljust(width)}  {s}" for n, s in zip(names, shown, strict=True))
 
 
 def copy_out(name: str, destination: str) -> Path:

@@ -90,12 +90,8 @@ class Settings:
     """
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            hint = _hints(type(self))[f.name]
-            if _takes_text_list(hint) and (value := getattr(self, f.name)) in ("", [""]):  # `--eval-data ''`: unset
-                object.__setattr__(self, f.name, None if _without_none(hint) != hint else [])
-            elif _takes_text_list(hint) and isinstance(value, str):  # one text for a list of texts: a list of one
-                object.__setattr__(self, f.name, [value])
+        for name, value in text_lists(type(self), dataclasses.asdict(self)).items():
+            object.__setattr__(self, name, value)
         raise_if_problems(type_problems(self))
 
     def problems(self) -> list[str]:
@@ -223,8 +219,9 @@ class Needs:
         return f"{subject} {self.why}; {ctx.ask(self.field, self.value)}"
 
 
-# what torch's generators take (and numpy's, and Python's): a seed past it was a traceback, after OUT was claimed
-SEED = Range(0, 2**63 - 1, says="a whole number from 0 to 2**63 - 1")
+# what numpy's generator takes (accelerate's set_seed seeds it), well inside torch's with the seeds derived from it
+# (seed x 1,000,003 + shard or epoch): a seed past it was a traceback, after OUT was claimed
+SEED = Range(0, 2**32 - 1, says="a whole number from 0 to 2**32 - 1")
 
 
 @dataclass(frozen=True)
@@ -514,8 +511,11 @@ def read_config(stage: Stage, path: str | Path) -> dict:
             an unknown key (named with the nearest valid one), or another command's settings (named).
     """
     path = Path(path).expanduser()
-    if not path.exists() and stage.shipped is not None and (found := stage.shipped(str(path))) is not None:
-        path = found  # a shipped recipe, by name
+    if not path.exists() and stage.shipped is not None:
+        if (local := path.with_name(f"{path.name}.yaml")).exists():
+            path = local  # NAME for ./NAME.yaml (what `gqaify recipes cp NAME .` writes) before the shipped NAME
+        elif (found := stage.shipped(str(path))) is not None:
+            path = found  # a shipped recipe, by name
     where = f"{stage.config_flags[0]} {path}"
     values, record = _settings_in(_parse(_read_text(path, where), where), where)
     _check_keys(stage, values, record, where, path)
@@ -742,6 +742,21 @@ def defaults(settings: type) -> dict:
 def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:
     """The settings as JSON-ready data, without the fields in `leave_out`."""
     return {k: v for k, v in dataclasses.asdict(settings).items() if k not in leave_out}
+
+
+def text_lists(settings: type, values: dict) -> dict:
+    """`values` with each list-of-text field's value as a list: one text is a list of one, an empty text (`--eval-data
+    ''`) unset (None, or [] where the field takes no None). Settings objects and records written before a field
+    became a list (a run.json's `data: x.txt`) are read through it."""
+    hints, found = _hints(settings), dict(values)
+    for name, value in values.items():
+        if name not in hints or not _takes_text_list(hints[name]):
+            continue
+        if value in ("", [""]):
+            found[name] = None if _without_none(hints[name]) != hints[name] else []
+        elif isinstance(value, str):
+            found[name] = [value]
+    return found
 
 
 def _takes_text_list(hint) -> bool:

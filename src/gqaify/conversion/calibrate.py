@@ -97,6 +97,10 @@ def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
     parts, sources = [], []
     weights = c.weights or [1.0] * len(c.data)
     for named, share, weight in zip(named_texts(c.data), c.shares(), weights, strict=True):
+        if share < 2:
+            said = " ".join(f"{w:g}" for w in weights)
+            raise UserError(f"--calib-data {named.source} gets {share} of --calib-tokens {c.tokens:,} by "
+                            f"--calib-weights {said}; a source needs at least 2: raise its weight or --calib-tokens")
         text = load_text(named.source, c.split, c.text_column, "--calib-data", max_chars=share * _CHARS_PER_TOKEN).text
         ids = tokenize(tokenizer, text, share, f"--calib-data {named.source}").ids
         if len(ids) < share:

@@ -129,6 +129,13 @@ def _fit_summary(errors: list[dict] | None) -> str | None:
     return "; ".join(parts) or None
 
 
+def _first_text(eval_data: str | list[str]) -> str:
+    """The text eval_data's perplexity is measured on: the first of a panel (an older record's one text)."""
+    from gqaify.data import NamedText
+
+    return eval_data if isinstance(eval_data, str) else NamedText.parse(eval_data[0]).source
+
+
 def _uptrained(u: dict) -> str:
     data = [u["data"]] if isinstance(u["data"], str) else u["data"]
     text = f"Uptrained by gqaify on {u['tokens']:,} tokens of {' and '.join(f'`{d}`' for d in data)} " \
@@ -137,7 +144,7 @@ def _uptrained(u: dict) -> str:
         text += f", distilled from `{u['distill_from']}`"
     if u.get("perplexity_before") is not None and u.get("perplexity_after") is not None:
         text += (
-            f". Perplexity on `{u['eval_data']}`: {u['perplexity_before']:.2f} before, "
+            f". Perplexity on `{_first_text(u['eval_data'])}`: {u['perplexity_before']:.2f} before, "
             f"**{u['perplexity_after']:.2f} after**"
         )
         if u.get("parent_perplexity") is not None:

@@ -158,7 +158,8 @@ def mixture_sha256(sources: list[CalibrationSource]) -> str:
     and SHA-256s, so that a source changed, added, removed or reweighted is seen."""
     if len(sources) == 1:
         return sources[0].sha256
-    described = "\n".join(f"{s.name}\t{s.weight!r}\t{s.sha256}" for s in sources)
+    total = sum(s.weight for s in sources)  # 2 1, [2, 1] and 4 2 are one mixture
+    described = "\n".join(f"{s.name}\t{float(s.weight) / total!r}\t{s.sha256}" for s in sources)
     return hashlib.sha256(described.encode()).hexdigest()
 
 

@@ -75,7 +75,9 @@ def evaluate(
     for i, name in enumerate(s.models):
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
-        reference = parent if parent is not None and fingerprint == report.models[0].tokenizer else None
+        same_vocabulary = getattr(configs[i], "vocab_size", None) == getattr(configs[0], "vocab_size", None)
+        reference = parent if parent is not None and fingerprint == report.models[0].tokenizer and same_vocabulary \
+            else None  # fmt: skip
         scores = panel.score(name, model, tokenizer, fingerprint, stride, reference,
                              report.models[0].texts if report.models else None)  # fmt: skip
         ids = panel.ids(fingerprint)

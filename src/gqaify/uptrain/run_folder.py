@@ -23,7 +23,7 @@ from pathlib import Path
 from gqaify._version import __version__
 from gqaify.errors import UserError
 from gqaify.outputs import PROVENANCE_FILE, write_provenance, written_whole
-from gqaify.settings import defaults
+from gqaify.settings import defaults, text_lists
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 
@@ -83,7 +83,8 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     run_file = out / RUN_FILE
     if run_file.exists():
         run = json.loads(run_file.read_text())
-        had = {**defaults(UptrainSettings), **run["settings"]}  # a setting added since: it trained at its default
+        # a setting added since: it trained at its default; a text since made a list of texts: a list of one
+        had = text_lists(UptrainSettings, {**defaults(UptrainSettings), **run["settings"]})
         differs = [k for k in identity if had.get(k) != identity[k]]
         recorded = run.get("data_sha256", data_sha256)
         if (differs or recorded != data_sha256) and "started" not in run and not checkpoints(out / CHECKPOINTS):
@@ -168,7 +169,11 @@ def rotate(root: Path, keep: int) -> None:
         if not listed.is_file():
             shutil.rmtree(old)
             continue
-        ours = set(json.loads(listed.read_text())["files"])
+        try:
+            ours = set(json.loads(listed.read_text())["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            LOG.warning("kept %s: its %s cannot be read, so what gqaify wrote there is not known", old, WRITTEN_FILE)
+            continue
         present = {p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file() or p.is_symlink()}
         if present <= ours:
             shutil.rmtree(old)
