@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.conversion.core import convert
 from gqaify.errors import UserError
+from gqaify.settings import text_lists
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.data import EpochSampler, packed_blocks
@@ -45,7 +46,7 @@ def losses(out: Path) -> list[float]:
 def test_every_recipe_loads_and_names_its_command(recipe):
     first = recipe.read_text().splitlines()[0]
     assert first.startswith("# ") and "gqaify" in first and str(recipe.relative_to(REPO)) in first
-    values = load_recipe(recipe)
+    values = text_lists(UptrainSettings, load_recipe(recipe))  # a recipe's one text is a list of one
     settings = parse(["--recipe", str(recipe)])
     assert all(getattr(settings, key) == value for key, value in values.items() if not isinstance(value, float))
 
@@ -638,7 +639,7 @@ def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())
     assert (record["method"], record["grouping"], record["kv_heads"]) == ("lsq", "similarity", 2)
-    assert record["calibration"]["data"] == str(tiny["train"]) and record["calibration"]["tokens"] <= 1024
+    assert record["calibration"]["data"] == [str(tiny["train"])] and record["calibration"]["tokens"] <= 1024
 
 
 def test_lora_trains_only_attention_and_its_merged_model_equals_the_adapted_one(tiny, tmp_path):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify import gguf_header
+import gqaify.gguf_header as gguf_header
 from gqaify.errors import UserError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # owner/name, or a bare name (e.g. gpt2)

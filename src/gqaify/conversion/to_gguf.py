@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gqaify import gguf_header
+import gqaify.gguf_header as gguf_header
 from gqaify.errors import UserError
 
 
