@@ -423,6 +423,7 @@ def test_a_mixture_reads_each_sources_share_and_a_rerun_refuses_a_changed_source
 @pytest.mark.parametrize(("extra", "expect"), [
     (["--calib-weights", "1"], "--calib-weights gives 1 weights for 2 calib_data sources; give one per source"),
     (["--calib-weights", "1", "-1"], "must be positive numbers"),
+    (["--calib-weights", "1000", "0.01"], "gets 0 of --calib-tokens 32,768 by --calib-weights 1000 0.01; a source"),
 ])  # fmt: skip
 def test_bad_mixture_weights_are_refused_in_one_line(capsys, tmp_path, extra, expect):
     _, src = _tiny("llama", tmp_path / "src")
