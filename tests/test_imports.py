@@ -65,8 +65,9 @@ LAYERS = [
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Every gqaify module and the gqaify modules it imports, at its top or inside a function, read from the source
-    (so that an import made only on some path counts as much as one made at load)."""
+    """Every gqaify module and the gqaify modules it imports, at its top or inside a function, by statement or by
+    name (`imported_names`), read from the source (so that an import made only on some path counts as much as one
+    made at load)."""
     import ast
 
     src = REPO / "src"
@@ -74,16 +75,46 @@ def import_graph() -> dict[str, set[str]]:
     for path in src.rglob("*.py"):
         parts = list(path.relative_to(src).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {}
-    for name, path in modules.items():
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-            elif isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-        graph[name] = {m for m in imported if m in modules and m != name}
-    return graph
+    return {name: {m for m in imported_names(ast.parse(path.read_text())) if m in modules and m != name}
+            for name, path in modules.items()}  # fmt: skip
+
+
+BY_NAME = {"import_module", "__import__"}
+
+
+def imported_names(tree) -> set[str]:
+    """The module names a module's syntax tree imports: by `import`/`from` statements, and by name: the argument of
+    `importlib.import_module`/`__import__` when it is a string, and when it is not (a name looked up in a table),
+    every string of the module that reads as a module path ("gqaify.eval.core", "gqaify.eval.core:EVAL")."""
+    import ast
+
+    imported, by_name = set(), False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in BY_NAME:
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                imported.add(first.value.split(":")[0])
+            else:
+                by_name = True
+    if by_name:
+        imported |= {n.value.split(":")[0] for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                     and isinstance(n.value, str) and n.value.startswith("gqaify.")}  # fmt: skip
+    return imported
+
+
+@pytest.mark.parametrize(
+    "source",
+    ['importlib.import_module("gqaify.eval.core")', '__import__("gqaify.eval.core")',
+     'WHERE = {"eval": "gqaify.eval.core:EVAL"}\ndef f(k):\n    return importlib.import_module(WHERE[k])'],
+)  # fmt: skip
+def test_an_import_by_name_is_seen(source):
+    import ast
+
+    assert "gqaify.eval.core" in imported_names(ast.parse(source))
 
 
 def part(module: str) -> str:

@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run_convert(args) -> None:
     from gqaify.conversion.options import CONVERT
     from gqaify.settings import parse
+    from gqaify.uptrain.settings import STAGES
 
-    settings = parse(CONVERT, args.rest, prog=args.prog)  # --help and bad options answer before torch is loaded
+    # --help and bad options answer before torch is loaded
+    settings = parse(CONVERT, args.rest, prog=args.prog, stages=STAGES)
     if not settings.progress:  # transformers' own loading bars too (calibration loads the model)
         quiet_transformers()
 
@@ -89,8 +91,9 @@ def _run_convert(args) -> None:
 def _run_eval(args) -> None:
     from gqaify.eval.settings import EVAL
     from gqaify.settings import parse
+    from gqaify.uptrain.settings import STAGES
 
-    settings = parse(EVAL, args.rest, prog=args.prog)
+    settings = parse(EVAL, args.rest, prog=args.prog, stages=STAGES)
     if not settings.progress:
         quiet_transformers()
 
@@ -107,8 +110,9 @@ def _run_eval(args) -> None:
 def _run_generate(args) -> None:
     from gqaify.generation.settings import GENERATE
     from gqaify.settings import parse
+    from gqaify.uptrain.settings import STAGES
 
-    settings = parse(GENERATE, args.rest, prog=args.prog)
+    settings = parse(GENERATE, args.rest, prog=args.prog, stages=STAGES)
     if not settings.progress:
         quiet_transformers()
 

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -358,11 +357,12 @@ def required_problems(stage: Stage, settings: Settings) -> list[str]:
 # -- the command line ----------------------------------------------------------------------------------------
 
 
-def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
+def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] = ()):
     """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`,
     with its types and required fields checked (a required field unset: with every problem `problems()` finds).
     Otherwise the values' rules are left to the stage, which reports them with what only the files can tell
-    (SRC's config, the models' positions), all in one message.
+    (SRC's config, the models' positions), all in one message. `stages`: the other commands', to name whose
+    settings a --config file holds when they are not this one's.
 
     Raises:
         UserError: the file is missing, not a mapping, or has unknown keys; an option is unknown; a value has
@@ -378,7 +378,7 @@ def parse(stage: Stage, argv: list[str] | None, prog: str | None = None):
     except argparse.ArgumentError:  # `--config` without a file: the full parser reports it below
         config = None
     if config:
-        parser.set_defaults(**read_config(stage, config))
+        parser.set_defaults(**read_config(stage, config, stages))
     namespace, unused = parser.parse_known_args(argv)
     if unused:
         flags = [a for a in unused if a.startswith("-")] or unused[:1]
@@ -500,11 +500,12 @@ MAX_JSON_BYTES = 16 << 20  # json parses in C, 100 times faster: a record may be
 MAX_DEPTH = 32  # of YAML (PyYAML composes nodes recursively); settings are values and lists of values
 
 
-def read_config(stage: Stage, path: str | Path) -> dict:
+def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> dict:
     """The settings a --config file holds, as a dict of known keys.
 
     A YAML mapping of field: value; or a record gqaify wrote (a conversion's gqaify.json, an evaluation's
-    report.json), whose "settings" are taken.
+    report.json), whose "settings" are taken. `stages` are the other commands' (given by the caller, who knows
+    them: this module is below them all): a file that holds one of theirs is named as such.
 
     Raises:
         UserError: no such file, or not a file; too large, not YAML, not a mapping; a YAML alias, deep nesting;
@@ -518,7 +519,7 @@ def read_config(stage: Stage, path: str | Path) -> dict:
             path = found  # a shipped recipe, by name
     where = f"{stage.config_flags[0]} {path}"
     values, record = _settings_in(_parse(_read_text(path, where), where), where)
-    _check_keys(stage, values, record, where, path)
+    _check_keys(stage, values, record, where, path, stages)
     return _numbers_from_text(values, stage, where)
 
 
@@ -613,7 +614,7 @@ def _settings_in(values, where: str) -> tuple[dict, bool]:
     return values, record
 
 
-def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path) -> None:
+def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path, stages: tuple[Stage, ...]) -> None:
     """Refuse a key that names another settings file, another command's settings, or unknown keys (5 named)."""
     flags = {f.lstrip("-").replace("-", "_") for f in stage.config_flags}
     nested = [key for key in values if key in flags]
@@ -624,7 +625,7 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
     unknown = [key for key in values if key not in known]
     if not unknown:
         return
-    owner = _owner(stage, list(values))
+    owner = _owner(stage, list(values), stages)
     if owner is not None:
         what = f"is {owner.record_kind}" if record else f"holds gqaify {owner.command}'s settings"
         readable = set(values) <= set(owner.field_names())  # else only the other command's own run reads it
@@ -636,27 +637,13 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
     raise UserError(f"{where}: " + "; ".join(problems + more))
 
 
-# Where each command's `Stage` is defined, by name: this module is below them all, and reads them only to say
-# whose settings a file holds (`_owner`).
-STAGES = {
-    "convert": "gqaify.conversion.options:CONVERT",
-    "eval": "gqaify.eval.settings:EVAL",
-    "uptrain": "gqaify.uptrain.settings:UPTRAIN",
-    "generate": "gqaify.generation.settings:GENERATE",
-}
-
-
-def _owner(stage: Stage, keys: list) -> Stage | None:
+def _owner(stage: Stage, keys: list, stages: tuple[Stage, ...]) -> Stage | None:
     """The other command whose settings `keys` are: it knows 3/4 of them or more, and more than `stage` does."""
-    stages = []
-    for where in STAGES.values():
-        module, name = where.split(":")
-        stages.append(getattr(importlib.import_module(module), name))
 
     def known(s: Stage) -> int:
         return len(set(keys) & set(s.field_names()))
 
-    best = max(stages, key=known)
+    best = max((stage, *stages), key=known)
     if best.command != stage.command and known(best) > known(stage) and known(best) >= 0.75 * len(keys):
         return best
     return None

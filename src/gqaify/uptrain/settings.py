@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.options import ConvertSettings, MethodSettings
+from gqaify.conversion.options import CONVERT, ConvertSettings, MethodSettings
 from gqaify.data import named_texts_problem
 from gqaify.errors import raise_if_problems
+from gqaify.eval.settings import EVAL
 from gqaify.eval.tasks import TaskRequest
+from gqaify.generation.settings import GENERATE
 from gqaify.hub import repo_id_problem
 from gqaify.packaged import shipped
 from gqaify.settings import SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
@@ -247,6 +249,11 @@ UPTRAIN = Stage(
 )
 
 
+# Every command's settings, for naming whose a file holds when it is not the command's own (`gqaify.settings`
+# is below the commands, so it is handed them)
+STAGES = (CONVERT, EVAL, GENERATE, UPTRAIN)
+
+
 def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> UptrainSettings:
     """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`).
 
@@ -255,7 +262,7 @@ def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> Uptrai
             a value is out of range.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    settings = parse_settings(UPTRAIN, argv, prog)
+    settings = parse_settings(UPTRAIN, argv, prog, STAGES)
     raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
     return settings
 
@@ -266,4 +273,4 @@ def load_recipe(path: str | Path) -> dict:
     Raises:
         UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
     """
-    return read_config(UPTRAIN, path)
+    return read_config(UPTRAIN, path, STAGES)
