@@ -37,6 +37,14 @@ def source(tmp_path_factory):
     return directory
 
 
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_answers_with_the_installed_version(capsys, flag):
+    from importlib.metadata import version
+
+    assert main([flag]) == 0
+    assert capsys.readouterr().out == f"gqaify {version('gqaify')}\n"
+
+
 def test_every_field_is_an_option_with_its_help(capsys):
     for stage in STAGES:
         capsys.readouterr()

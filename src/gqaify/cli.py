@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from gqaify._version import __version__
 from gqaify.command import quiet_transformers, run_command
 from gqaify.settings import OneLineParser
 
@@ -17,6 +18,7 @@ from gqaify.settings import OneLineParser
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-V", "--version", action="version", version=f"gqaify {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     # convert, eval and uptrain read their settings dataclass (`gqaify.settings`): options, --config and --help
