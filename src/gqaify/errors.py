@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterable
 
 
 class UserError(Exception):
@@ -75,7 +76,23 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def raise_if_problems(problems: list[str]) -> None:
-    """Raise one `UserError` carrying every problem found, so the user fixes them all in one go."""
-    if problems:
+# What a check returns: one problem (a string), none (None), or several (a list). Checks return whichever reads
+# best; `problems_in` gathers them, in order.
+Found = str | Iterable[str] | None
+
+
+def problems_in(*found: Found) -> list[str]:
+    """Every problem `found` holds, in order: `problems_in(one_problem(), several_problems(), None)`."""
+    problems = []
+    for item in found:
+        if isinstance(item, str):
+            problems += [item] if item else []
+        elif item is not None:
+            problems += [p for p in item if p]
+    return problems
+
+
+def raise_if_problems(*found: Found) -> None:
+    """Raise one `UserError` carrying every problem found (`problems_in`), so the user fixes them all in one go."""
+    if problems := problems_in(*found):
         raise UserError("; ".join(problems))

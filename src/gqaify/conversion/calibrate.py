@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion import walk
-from gqaify.conversion.checkpoint import first_nonfinite
+from gqaify.conversion.checkpoint import nonfinite_problem
 from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, fit_error
@@ -50,7 +50,7 @@ from gqaify.conversion.options import Calibration, CalibrationSource, mixture_sh
 from gqaify.conversion.repair import refine, repair_output
 from gqaify.conversion.source import Source
 from gqaify.data import load_text, named_texts, tokenize
-from gqaify.errors import UserError
+from gqaify.errors import UserError, raise_if_problems
 
 LOG = logging.getLogger(__name__)
 
@@ -300,7 +300,8 @@ def _fit_layer(spec: ArchSpec, layout: LayerLayout, c: Calibration, request: Fit
     tick = time.perf_counter()
     prefix = spec.decoder_layer.format(layer=state.layer) + "."
     heads = {name: weights[name] for name in layout.inputs(weights)}
-    _check_finite(heads)
+    raise_if_problems(nonfinite_problem(heads, "calibration cannot fit it (convert without --calib-data and with "
+                                               "--allow-nonfinite to copy it as it is)"))  # fmt: skip
     local = {name.removeprefix(prefix): t for name, t in weights.items()}
     attention_path = spec.attention.format(layer=state.layer).removeprefix(prefix)
     input_module = f"{attention_path}.{spec.k_proj or spec.qkv_proj}"  # q, k and v read the same input
@@ -378,15 +379,6 @@ def _repair_and_run(block, o_proj, c: Calibration, state: _Walk, targets: _Targe
     size = sum(b.pow(2).sum() for b in targets.outputs)
     measured["out"] = round(float((error / size).sqrt()), 6)  # how far the converted stream is from the parent's
     return tensors, measured
-
-
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    if (found := first_nonfinite(tensors)) is not None:
-        name, bad = found
-        raise UserError(
-            f"tensor {name!r} holds {bad:,} NaN or Inf values: the checkpoint is damaged (re-download it); "
-            "calibration cannot fit it (convert without --calib-data and with --allow-nonfinite to copy it as it is)"
-        )
 
 
 def _layer_file(layer: int) -> str:

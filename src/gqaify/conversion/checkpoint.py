@@ -401,9 +401,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def first_nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, int] | None:
-    """The first floating-point tensor holding NaN or Inf, with how many it holds; None if every one is finite."""
+def nonfinite_problem(tensors: dict[str, torch.Tensor], fix: str) -> str | None:
+    """The first floating-point tensor holding NaN or Inf, named with how many it holds and `fix`; None if every one
+    is finite."""
     for name, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
-            return name, int((~torch.isfinite(t)).sum())
+            bad = int((~torch.isfinite(t)).sum())
+            return f"tensor {name!r} holds {bad:,} NaN or Inf values: the checkpoint is damaged (re-download it); {fix}"
     return None

@@ -3,7 +3,7 @@
 The settings, OUT and where SRC is need no model (`check_request`, which keeps what it worked out: where SRC is,
 the shard size in bytes); config.json adds the architecture, the value types, G against the K/V heads,
 calibration against the hidden size; the opened source adds overlap with OUT and what the method may rewrite.
-Each function returns its problems (or raises one `UserError`), so that `convert_with` reports them at once.
+Each function returns its problems (`gqaify.errors.Found`), so that the conversion reports them at once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for
 from gqaify.conversion.methods import Method
 from gqaify.conversion.options import Calibration, ConvertSettings
 from gqaify.conversion.source import Source, read_config
-from gqaify.errors import UserError
+from gqaify.errors import UserError, problems_in
 from gqaify.locations import Location, locate
 from gqaify.outputs import destination_problems, resolve_out
 from gqaify.sizes import parse_size
@@ -56,7 +56,7 @@ def check_request(s: ConvertSettings) -> Request:
     calibration = s.calibration()
     if problems and source is not None and source.kind == "local" and (source.path / "config.json").is_file():
         with contextlib.suppress(UserError):  # an unreadable config.json: reported when the source is opened
-            problems += config_problems(read_config(source.path), s.kv_heads, calibration)[0]
+            problems += config_problems(read_config(source.path), s.kv_heads, calibration).problems
     return Request(problems, source, out, shard_bytes, calibration)
 
 
@@ -64,22 +64,32 @@ def _given(text: str | None) -> bool:
     return text is not None and bool(text.strip())
 
 
-def config_problems(config: dict, kv_heads, calibration: Calibration | None):
-    """(problems, spec, geometry) of converting a model with `config`: architecture, value types, G, calibration."""
+@dataclass(frozen=True)
+class ConfigCheck:
+    """What a source's config.json says of converting it: its problems, and, as far as the checks got, its
+    architecture and geometry (both set when there are no problems)."""
+
+    problems: list[str]
+    spec: ArchSpec | None = None
+    geometry: Geometry | None = None
+
+
+def config_problems(config: dict, kv_heads, calibration: Calibration | None) -> ConfigCheck:
+    """The problems of converting a model with `config`: architecture, value types, G, calibration size."""
     model_type = config.get("model_type")
     if (quantized := _quantization_problem(config)) is not None:
-        return [quantized], None, None
+        return ConfigCheck([quantized])
     if model_type not in ARCHITECTURES:
         try:
             arch_for(model_type, config.get("architectures"))
         except UserError as exc:
-            return [str(exc)], None, None
+            return ConfigCheck([str(exc)])
     spec = ARCHITECTURES[model_type]
     problems = Geometry.problems(spec, config)
     if spec.refused_when and config.get(spec.refused_when[0]):
         problems.append(f"gqaify does not convert {model_type} with {spec.refused_when[0]}: {spec.refused_when[1]}")
     if problems:
-        return problems, spec, None
+        return ConfigCheck(problems, spec)
     geometry = Geometry.from_config(spec, config)
     model_name = (config.get("architectures") or [spec.model_type])[0]
     if isinstance(kv_heads, int) and kv_heads >= 1:
@@ -88,15 +98,14 @@ def config_problems(config: dict, kv_heads, calibration: Calibration | None):
         problems.append(f"{model_name} cannot be calibrated: {spec.no_calibration}; convert it with --method mean "
                         "or norm-mean, without --calib-data")  # fmt: skip
     elif calibration is not None:
-        problems += [p for p in [calibration.size_problem(calibration.tokens, geometry.hidden_size)] if p]
-    return problems, spec, geometry
+        problems += problems_in(calibration.size_problem(calibration.tokens, geometry.hidden_size))
+    return ConfigCheck(problems, spec, geometry)
 
 
 def text_problems(calibration: Calibration, text, hidden_size: int) -> list[str]:
     """Problems with the calibration text read (a `calibrate.CalibrationText`): too few tokens for the model, or
     not the text that calib_sha256 records."""
-    problems = [calibration.size_problem(text.tokens, hidden_size), calibration.text_problem(text.sha256)]
-    return [p for p in problems if p]
+    return problems_in(calibration.size_problem(text.tokens, hidden_size), calibration.text_problem(text.sha256))
 
 
 def _quantization_problem(config: dict) -> str | None:
@@ -146,9 +155,9 @@ def _overlap(source_dir: Path, out: Path) -> str | None:
     return None
 
 
-def check_method(method: Method, name: str, model_name: str, qk_norms: bool) -> None:
+def method_problem(method: Method, name: str, model_name: str, qk_norms: bool) -> str | None:
+    """Why `method` cannot rewrite this model's attention (its Q/K norms stop a rotation folded into q_proj)."""
     if method.folds and qk_norms:
-        raise UserError(
-            f"--method {name} folds rotations into q_proj rows, which the Q/K norms of {model_name} do not let "
-            "through unchanged; use mean or norm-mean (with --grouping similarity if you like)"
-        )
+        return (f"--method {name} folds rotations into q_proj rows, which the Q/K norms of {model_name} do not let "
+                "through unchanged; use mean or norm-mean (with --grouping similarity if you like)")  # fmt: skip
+    return None

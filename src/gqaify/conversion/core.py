@@ -1,20 +1,19 @@
-"""Convert a checkpoint's attention from KV to G key/value heads, streaming, into a new folder: the steps in order.
+"""Convert a checkpoint's attention from KV to G key/value heads, streaming: the steps in order, each a function.
 
-check   every problem with the request at once, before anything is read: the options, OUT, SRC, and
-        config.json (value types, G against the K/V heads, calibration size against the hidden size); then
-        the calibration text: enough tokens, and the text calib_sha256 records, if any (`checks`)
-plan    read every tensor's name, shape and dtype; list the output tensors, their shards and headers (`stream`)
+check   every problem with the request at once, before anything is read: the options, OUT (as its sink sees
+        it: a folder, or a GGUF file), SRC (`checks.check_request`, the sink's `problems`)
+plan    with the source open once: config.json (value types, G against the K/V heads, calibration size against
+        the hidden size), what the sink and the method cannot take, the calibration text (enough tokens, the
+        text calib_sha256 records); then every output tensor's name, shape, dtype and shard (`_plan`)
 fit     with calibration text only: walk the parent layer by layer and fit each converted layer (`calibrate`)
 stream  take tensors in source order: copy unchanged ones through as bytes; hold a layer's head-indexed
         inputs until all have arrived, check they are finite, convert them with the method, write them (`stream`)
-commit  config.json, side files, the model card and gqaify.json go into the staging folder beside OUT,
-        which is renamed to OUT only when everything is there (`record`, `card`, `gqaify.outputs`)
+commit  config.json, side files, the model card and the record go into the sink's folder, which the sink
+        makes OUT only when everything is there (`sinks`: renamed into place, or written as one GGUF file)
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import shutil
@@ -25,35 +24,39 @@ from pathlib import Path
 import torch
 
 from gqaify._version import __version__
-from gqaify.archs import attention_kind, rotary_dim
-from gqaify.conversion import to_gguf
-from gqaify.conversion.calibrate import FitRequest, LayerFit, calibrate, read_calibration
+from gqaify.archs import ArchSpec, Geometry, attention_kind, rotary_dim
+from gqaify.conversion.calibrate import (
+    CalibratedLayers,
+    CalibrationText,
+    FitRequest,
+    LayerFit,
+    calibrate,
+    read_calibration,
+)
 from gqaify.conversion.card import model_card
 from gqaify.conversion.checkpoint import ShardWriter
-from gqaify.conversion.checks import check_method, check_request, config_problems, overlap_problems, text_problems
+from gqaify.conversion.checks import (
+    Request,
+    check_request,
+    config_problems,
+    method_problem,
+    overlap_problems,
+    text_problems,
+)
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
+from gqaify.conversion.options import NOT_RECORDED, Calibration, ConvertSettings
 from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
+from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
-from gqaify.conversion.stream import LayerConverter, SourceHasher, plan_output, stream_tensors
+from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
 from gqaify.data import NamedText
 from gqaify.dtypes import torch_dtype
-from gqaify.errors import ResourceError, UserError, raise_if_problems
+from gqaify.errors import raise_if_problems
 from gqaify.hub import push_folder
 from gqaify.kvcache import kv_cache_bytes_per_token
-from gqaify.outputs import (
-    PROVENANCE_FILE,
-    current_umask,
-    file_into_place,
-    remove_leftovers,
-    resolve_out,
-    space_problem,
-    staged,
-    work_folder,
-    write_provenance,
-)
-from gqaify.settings import recorded, required_problems
+from gqaify.outputs import remove_leftovers, space_problem
+from gqaify.settings import recorded
 
 LOG = logging.getLogger(__name__)
 
@@ -101,156 +104,143 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, **set
 
 
 def convert_with(settings: ConvertSettings) -> ConversionResult:
-    """The conversion `settings` describe (see `convert`); what `gqaify convert` runs."""
-    if to_gguf.is_gguf_out(settings.out):
-        return _convert_to_gguf(settings)
-    if settings.gguf_type is not None:
-        raise UserError(f"--gguf-type {settings.gguf_type} is the type of a GGUF file's matrices; name OUT with "
-                        ".gguf to write one, or drop --gguf-type")  # fmt: skip
+    """The conversion `settings` describe (see `convert`); what `gqaify convert` runs, in its steps."""
     start = time.perf_counter()
-    s = settings
-    request = check_request(s)  # every problem with the settings, OUT and SRC, before anything is read
-    raise_if_problems(request.problems)
-    kv_heads, method, calibration, out_path = s.kv_heads, s.method, request.calibration, request.out
-
+    s, sink = settings, sink_for(settings)
+    request = check_request(sink.checked(s))  # every problem with the settings, OUT and SRC, before reading
+    raise_if_problems(request.problems, sink.problems(s))
     with open_source(request.source, s.revision) as source:
-        problems, spec, geometry = config_problems(source.config, kv_heads, calibration)
-        problems += overlap_problems(source, out_path)
-        raise_if_problems(problems)
-        model_name = (source.config.get("architectures") or [spec.model_type])[0]
-        spec = spec.stored_as(source.tensors.metadata())
-        with_queries = calibration is not None
-        layouts = [LayerLayout(spec, geometry, layer, with_queries) for layer in range(geometry.num_layers)]
-        plan = plan_output(source, spec, geometry, layouts, kv_heads, torch_dtype(s.dtype))
-        qk_norms = spec.shared_norms_in(source.config) or layouts[0].has_qk_norms(plan.layer_inputs[0])
-        check_method(METHODS[method], method, model_name, qk_norms)
-        text = None
-        if calibration is not None:  # read before anything is written: too short, or not the recorded text
-            text = read_calibration(calibration, source.load_tokenizer())
-            raise_if_problems(text_problems(calibration, text, geometry.hidden_size))
-
-        remove_leftovers(out_path)
-        size = sum(meta.nbytes for meta in plan.tensors.values()) + _SPACE_MARGIN
-        size += sum(path.stat().st_size for path in source.side_files())
-        if calibration is not None:  # the fitted layers wait on disk, in float32, until the stream writes them
-            size += sum(plan.tensors[name].nbytes // plan.tensors[name].dtype.itemsize * 4
-                        for names in plan.layer_outputs for name in names)  # fmt: skip
-        raise_if_problems([p for p in [space_problem(out_path, size)] if p])
-
-        ctx = MethodContext(torch.Generator().manual_seed(s.seed), source.config.get("initializer_range", 0.02))
-        with SourceHasher() as hasher, staged(out_path, s.force, size) as staging:
-            calibrated = None
-            if calibration is not None:
-                ctx = replace(ctx, rotary_dim=rotary_dim(spec.model_type, source.config, geometry.head_dim))
-                fitting = FitRequest(METHODS[method], kv_heads, s.grouping, ctx, keys_measurable=not qk_norms)
-                calibrated = calibrate(source, spec, geometry, calibration, text, fitting, staging / _FITS, s.progress)
-            converter = LayerConverter(METHODS[method], kv_heads, ctx, calibrated)
-            with ShardWriter(staging, plan.tensors, request.shard_bytes) as writer:
-                stream_tensors(source, plan, writer, converter, hasher, s.allow_nonfinite, s.progress)
-                writer.close()
-            write_config_and_side_files(source, spec, staging, kv_heads, s.dtype)
-            record = provenance(source, spec, geometry, kv_heads, method, s.dtype, s.seed,
-                                hasher.results(source.tensors.files))  # fmt: skip
-            settings = resolved_record(s, source, out_path, text.sha256 if text is not None else None)
-            record.update(grouping=s.grouping, calibration=None, settings=settings)
-            if calibrated is not None:
-                shutil.rmtree(calibrated.folder)
-                record.update(
-                    calibration={**calibration.record(text.sources, text.sha256), "device": calibrated.device,
-                                 "seconds": calibrated.seconds},  # fmt: skip
-                    rotary_dim=ctx.rotary_dim,
-                    permutations=calibrated.orders,
-                    fit_error=[fit.record() for fit in calibrated.fits],
-                )
-            model_card(record).save(staging / "README.md")
-            write_provenance(staging, record)
-
+        plan = _plan(s, request, source, sink)
+        remove_leftovers(sink.out)
+        raise_if_problems(space_problem(sink.out, plan.size))
+        ctx = _context(s, source, plan)  # one, for the fit and the stream: its random generator runs through both
+        with SourceHasher() as hasher, sink.folder(plan.size) as folder:
+            calibrated = _fit(s, source, plan, ctx, folder)
+            writer = _stream(s, source, plan, ctx, calibrated, hasher, folder)
+            record = _record(sink.recorded(s), sink.out, source, plan, ctx, calibrated, hasher)
+            model_card(record).save(folder / "README.md")
+            written = sink.finish(folder, record, writer, source)
     if s.push_to_hub is not None:
-        message = f"{attention_kind(kv_heads)} of {source.name} by gqaify {__version__} (--method {method})"
-        push_folder(out_path, s.push_to_hub, message)
-    kv_dtype = plan.tensors[plan.layer_outputs[0][0]].dtype
-    converted = sum(len(names) for names in plan.layer_outputs)
-    LOG.info("wrote %s", out_path)
+        message = f"{attention_kind(s.kv_heads)} of {source.name} by gqaify {__version__} (--method {s.method})"
+        push_folder(written.out, s.push_to_hub, message)
+    LOG.info("wrote %s", written.out)
+    return _result(s, plan, calibrated, written, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the plan step worked out from the opened source, for the steps after it."""
+
+    spec: ArchSpec
+    geometry: Geometry
+    layouts: list[LayerLayout]
+    output: Plan  # every output tensor, its shard and dtype
+    shard_bytes: int | None  # the output's largest shard
+    calibration: Calibration | None
+    qk_norms: bool  # the model normalises Q and K per head (what a method may rewrite depends on it)
+    text: CalibrationText | None  # the calibration text read, if any
+    size: int  # the bytes the conversion writes, at most
+
+
+def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink | GgufSink) -> _Plan:
+    """Every problem the opened source shows (config.json, overlap with OUT, what the sink and the method cannot
+    take, the calibration text), raised at once; else the plan of the output."""
+    checked = config_problems(source.config, s.kv_heads, request.calibration)
+    raise_if_problems(checked.problems, overlap_problems(source, request.out), sink.source_problems(source))
+    spec, geometry = checked.spec.stored_as(source.tensors.metadata()), checked.geometry
+    calibration = request.calibration
+    layouts = [LayerLayout(spec, geometry, layer, calibration is not None) for layer in range(geometry.num_layers)]
+    output = plan_output(source, spec, geometry, layouts, s.kv_heads, torch_dtype(s.dtype))
+    qk_norms = spec.shared_norms_in(source.config) or layouts[0].has_qk_norms(output.layer_inputs[0])
+    model_name = (source.config.get("architectures") or [spec.model_type])[0]
+    raise_if_problems(method_problem(METHODS[s.method], s.method, model_name, qk_norms))
+    text = None
+    if calibration is not None:  # read before anything is written: too short, or not the recorded text
+        text = read_calibration(calibration, source.load_tokenizer())
+        raise_if_problems(text_problems(calibration, text, geometry.hidden_size))
+    size = sum(meta.nbytes for meta in output.tensors.values()) + _SPACE_MARGIN
+    size += sum(path.stat().st_size for path in source.side_files())
+    if calibration is not None:  # the fitted layers wait on disk, in float32, until the stream writes them
+        size += sum(output.tensors[name].nbytes // output.tensors[name].dtype.itemsize * 4
+                    for names in output.layer_outputs for name in names)  # fmt: skip
+    return _Plan(spec, geometry, layouts, output, request.shard_bytes, calibration, qk_norms, text, size)
+
+
+def _context(s: ConvertSettings, source: Source, plan: _Plan) -> MethodContext:
+    ctx = MethodContext(torch.Generator().manual_seed(s.seed), source.config.get("initializer_range", 0.02))
+    if plan.text is None:
+        return ctx
+    return replace(ctx, rotary_dim=rotary_dim(plan.spec.model_type, source.config, plan.geometry.head_dim))
+
+
+def _fit(s: ConvertSettings, source: Source, plan: _Plan, ctx: MethodContext, folder: Path) -> CalibratedLayers | None:
+    """With calibration text: the parent walked layer by layer and each converted layer fitted (`calibrate`),
+    kept on disk in `folder` until the stream writes it."""
+    if plan.calibration is None:
+        return None
+    fitting = FitRequest(METHODS[s.method], s.kv_heads, s.grouping, ctx, keys_measurable=not plan.qk_norms)
+    return calibrate(source, plan.spec, plan.geometry, plan.calibration, plan.text, fitting, folder / _FITS,
+                     s.progress)  # fmt: skip
+
+
+def _stream(s: ConvertSettings, source: Source, plan: _Plan, ctx: MethodContext, calibrated: CalibratedLayers | None,
+            hasher: SourceHasher, folder: Path) -> ShardWriter:  # fmt: skip
+    """Every tensor into `folder`'s shards (unchanged ones as bytes, the attention converted), then config.json and
+    the side files; the fitted layers' folder is removed."""
+    converter = LayerConverter(METHODS[s.method], s.kv_heads, ctx, calibrated)
+    with ShardWriter(folder, plan.output.tensors, plan.shard_bytes) as writer:
+        stream_tensors(source, plan.output, writer, converter, hasher, s.allow_nonfinite, s.progress)
+        writer.close()
+    write_config_and_side_files(source, plan.spec, folder, s.kv_heads, s.dtype)
+    if calibrated is not None:
+        shutil.rmtree(calibrated.folder)
+    return writer
+
+
+def _record(s: ConvertSettings, out: Path, source: Source, plan: _Plan, ctx: MethodContext,
+            calibrated: CalibratedLayers | None, hasher: SourceHasher) -> dict:  # fmt: skip
+    """The conversion's record (gqaify.json; inside a GGUF, `to_gguf.RECORD_KEY`): enough to rerun it."""
+    record = provenance(source, plan.spec, plan.geometry, s.kv_heads, s.method, s.dtype, s.seed,
+                        hasher.results(source.tensors.files))  # fmt: skip
+    text = plan.text
+    settings = resolved_record(s, source, out, text.sha256 if text is not None else None)
+    record.update(grouping=s.grouping, calibration=None, settings=settings)
+    if calibrated is not None:
+        record.update(
+            calibration={**plan.calibration.record(text.sources, text.sha256), "device": calibrated.device,
+                         "seconds": calibrated.seconds},  # fmt: skip
+            rotary_dim=ctx.rotary_dim,
+            permutations=calibrated.orders,
+            fit_error=[fit.record() for fit in calibrated.fits],
+        )
+    return record
+
+
+def _result(s: ConvertSettings, plan: _Plan, calibrated: CalibratedLayers | None, written: Written,
+            seconds: float) -> ConversionResult:  # fmt: skip
+    output, geometry = plan.output, plan.geometry
+    kv_dtype = output.tensors[output.layer_outputs[0][0]].dtype
+    converted = sum(len(names) for names in output.layer_outputs)
     return ConversionResult(
-        out=out_path,
-        model_type=spec.model_type,
-        method=method,
+        out=written.out,
+        model_type=plan.spec.model_type,
+        method=s.method,
         num_heads=geometry.num_heads,
         source_kv_heads=geometry.num_kv_heads,
-        kv_heads=kv_heads,
-        groups=kv_groups(geometry.num_kv_heads, kv_heads),
+        kv_heads=s.kv_heads,
+        groups=kv_groups(geometry.num_kv_heads, s.kv_heads),
         kv_bytes_per_token_before=kv_cache_bytes_per_token(geometry, kv_dtype),
-        kv_bytes_per_token_after=kv_cache_bytes_per_token(geometry.with_kv_heads(kv_heads), kv_dtype),
+        kv_bytes_per_token_after=kv_cache_bytes_per_token(geometry.with_kv_heads(s.kv_heads), kv_dtype),
         tensors_converted=converted,
-        tensors_copied=len(plan.tensors) - converted,
-        num_shards=writer.num_shards,
-        bytes_written=writer.bytes_written,
-        seconds=time.perf_counter() - start,
+        tensors_copied=len(output.tensors) - converted,
+        num_shards=written.num_shards,
+        bytes_written=written.bytes_written,
+        seconds=seconds,
         grouping=s.grouping,
         permutations=calibrated.orders if calibrated else None,
         fits=calibrated.fits if calibrated else None,
         calibration_seconds=calibrated.seconds if calibrated else None,
     )
-
-
-def _convert_to_gguf(settings: ConvertSettings) -> ConversionResult:
-    """The conversion `settings` describe, written as the GGUF file `settings.out`: converted as usual into a
-    work folder beside OUT, written from there as GGUF, renamed into place whole; the work folder is removed
-    (after a kill, by the next run's clean-up of leftovers).
-
-    Raises:
-        UserError: bad input (see `convert`), an architecture or vocabulary llama.cpp's format cannot carry here,
-            or OUT exists and is not a GGUF gqaify wrote (with --force) or --force is not given.
-        ResourceError: the disk filled up; nothing is left behind.
-    """
-    s = settings
-    raise_if_problems(required_problems(CONVERT, s))  # SRC and OUT, read below
-    out = resolve_out(s.out)
-    # the folder checks read the work folder's place beside OUT: inside the source, unwritable, ...
-    problems = check_request(replace(s, out=str(out.with_name(f".{out.name}.gqaify-work")))).problems
-    if _same_file(Path(s.src).expanduser(), out):  # not "pass --force": it would be refused
-        problems.append(f"OUT {out} is the source; name another file to write")
-    else:
-        problems += [p for p in [to_gguf.destination_problem(out, s.force)] if p]
-    problems += [p for p in [to_gguf.type_problem(s.gguf_type)] if p]
-    if s.push_to_hub is not None:
-        problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
-                        f"`huggingface-cli upload {s.push_to_hub} {out}`")  # fmt: skip
-    raise_if_problems(problems)
-    with open_source(s.src, s.revision) as source:  # refused before any work: what GGUF cannot carry here
-        tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
-        vocabulary = None if tokenizer_gguf else to_gguf.vocabulary_problem(source.directory)
-        raise_if_problems([p for p in (to_gguf.gguf_problem(source.config), vocabulary) if p])
-    remove_leftovers(out)
-    with work_folder(out) as work:  # this run's own: a rival run, or a file of the user's, is never written over
-        result = convert_with(replace(s, out=str(work / "model"), force=False, push_to_hub=None, gguf_type=None))
-        record = _gguf_record(json.loads((result.out / PROVENANCE_FILE).read_text()), out, s.gguf_type or "f16")
-        partial = work / out.name
-        try:
-            to_gguf.write_gguf(result.out, partial, s.gguf_type or "f16", tokenizer_gguf, record)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise ResourceError(f"no space left while writing {out}; nothing was left behind") from exc
-            raise
-        partial.chmod(0o666 & ~current_umask())
-        file_into_place(partial, out, (lambda: to_gguf.destination_problem(out, True)) if s.force else None)
-    return replace(result, out=out, num_shards=1, bytes_written=out.stat().st_size)
-
-
-def _gguf_record(record: dict, out: Path, gguf_type: str) -> str:
-    """The record a GGUF file carries: the work folder's gqaify.json with the GGUF's own OUT and type in its
-    settings (so that `gqaify convert --config` with it reruns this GGUF conversion), and without the folder's
-    file list (the file is one, and the record is inside it)."""
-    settings = {**record["settings"], "out": str(out), "gguf_type": gguf_type}
-    return json.dumps({**{k: v for k, v in record.items() if k != "files"}, "settings": settings}, indent=2)
-
-
-def _same_file(src: Path, out: Path) -> bool:
-    """Whether writing `out` would replace the file `src`: one path, or one file through a symbolic link (of the
-    file or of a folder above it) or a hard link."""
-    if not src.exists():
-        return False
-    return src.resolve() == out.resolve() or (out.exists() and os.path.samefile(src, out))
 
 
 def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256: str | None) -> dict:

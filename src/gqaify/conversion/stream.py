@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.calibrate import CalibratedLayers
-from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, first_nonfinite, sha256_file
+from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, nonfinite_problem, sha256_file
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext
 from gqaify.conversion.source import Source
@@ -111,16 +111,13 @@ def stream_tensors(source, plan: Plan, writer: ShardWriter, converter: LayerConv
 
 def _check_finite(tensors: dict[str, torch.Tensor], allow_nonfinite: bool) -> bool:
     """Whether every tensor is finite; refuses one that is not, unless `allow_nonfinite`."""
-    if (found := first_nonfinite(tensors)) is None:
+    problem = nonfinite_problem(tensors, "or pass --allow-nonfinite to convert it anyway")
+    if problem is None:
         return True
-    name, bad = found
-    if allow_nonfinite:
-        LOG.warning("%s holds NaN or Inf values; converted anyway (--allow-nonfinite)", name)
-        return False
-    raise UserError(
-        f"tensor {name!r} holds {bad:,} NaN or Inf values: the checkpoint is damaged (re-download it), "
-        "or pass --allow-nonfinite to convert it anyway"
-    )
+    if not allow_nonfinite:
+        raise UserError(problem)
+    LOG.warning("%s; converted anyway (--allow-nonfinite)", problem.split(":")[0])
+    return False
 
 
 def _check_converted_finite(tensors: dict[str, torch.Tensor], method: Method) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
 from gqaify.data import NamedText, TextData, load_text, named_texts, tokenize
-from gqaify.errors import UserError, raise_if_problems
+from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
@@ -224,7 +224,7 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     budget = parse_size(s.memory_budget)
     if budget is None:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
-    problems += [p for p in [device_problem(s.device)] if p]
+    problems += problems_in(device_problem(s.device))
     configs = []
     for name in s.models:
         try:
@@ -241,8 +241,8 @@ def _out_problems(out: str, force: bool) -> list[str]:
     """--out: a folder that can be created (or, with --force, replaced: `outputs`), with room for the report."""
     if not out.strip():
         return []  # required: a problem already
-    problems = destination_problems(out, force, "--out")
-    return problems or [p for p in [space_problem(resolve_out(out), REPORT_BYTES, "--out")] if p]
+    room = space_problem(resolve_out(out), REPORT_BYTES, "--out")
+    return destination_problems(out, force, "--out") or problems_in(room)
 
 
 def _position_problems(s: EvalSettings, configs: list) -> list[str]:

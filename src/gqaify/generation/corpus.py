@@ -70,7 +70,7 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
 
     s = settings
     problems = s.problems()
-    raise_if_problems(problems or [p for p in [device_problem(s.device)] if p])
+    raise_if_problems(problems or device_problem(s.device))
     # recorded as they resolve: an absolute path (a rerun may start elsewhere), and the device, whose random
     # numbers are its own, so that a corpus is never resumed on another kind of device
     model = str(resolve_out(s.model)) if Path(s.model).expanduser().exists() else s.model

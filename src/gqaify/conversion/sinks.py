@@ -1,0 +1,146 @@
+"""Where a conversion goes: a safetensors folder, or one GGUF file. The conversion writes a folder either way; a
+sink says where that folder is made, what it must check first, and how the folder becomes OUT.
+
+    FolderSink   the folder is staged beside OUT and renamed to OUT when whole (`gqaify.outputs.staged`)
+    GgufSink     the folder is made in a work folder beside OUT, written from there as one GGUF file, which is
+                 renamed into place when whole (`gqaify.outputs.file_into_place`); the work folder is removed
+
+Both refuse a rival run's or a user's file rather than write over it, and leave nothing behind when stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gqaify.conversion import to_gguf
+from gqaify.conversion.checkpoint import ShardWriter
+from gqaify.conversion.options import ConvertSettings
+from gqaify.conversion.source import Source
+from gqaify.errors import Found, ResourceError
+from gqaify.outputs import current_umask, file_into_place, resolve_out, staged, work_folder, write_provenance
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a sink put at OUT."""
+
+    out: Path
+    num_shards: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class FolderSink:
+    """A safetensors folder at `out` (config, shards, tokenizer, model card, gqaify.json)."""
+
+    out: Path
+    force: bool
+
+    def checked(self, s: ConvertSettings) -> ConvertSettings:
+        """The settings the request's checks read (`checks.check_request`): OUT is the folder itself."""
+        return s
+
+    def problems(self, s: ConvertSettings) -> Found:
+        if s.gguf_type is not None:
+            return (f"--gguf-type {s.gguf_type} is the type of a GGUF file's matrices; name OUT with .gguf to write "
+                    "one, or drop --gguf-type")  # fmt: skip
+        return None
+
+    def source_problems(self, source: Source) -> Found:
+        return None
+
+    def recorded(self, s: ConvertSettings) -> ConvertSettings:
+        return s
+
+    @contextlib.contextmanager
+    def folder(self, size: int) -> Iterator[Path]:
+        """The folder to write the conversion into, renamed to OUT when the block completes."""
+        with staged(self.out, self.force, size) as staging:
+            yield staging
+
+    def finish(self, folder: Path, record: dict, writer: ShardWriter, source: Source) -> Written:
+        """Record the conversion in the folder, last (its file list names every other file)."""
+        write_provenance(folder, record)
+        return Written(self.out, writer.num_shards, writer.bytes_written)
+
+
+@dataclass(frozen=True)
+class GgufSink:
+    """One GGUF file at `out`, its matrices of `gguf_type`, the conversion's record inside it (`to_gguf.RECORD_KEY`)."""
+
+    out: Path
+    force: bool
+    gguf_type: str
+    src: Path | None  # the source, if it is a local path
+
+    @classmethod
+    def of(cls, s: ConvertSettings) -> GgufSink:
+        src = Path(s.src).expanduser() if s.src and s.src.strip() else None
+        return cls(resolve_out(s.out), s.force, s.gguf_type or "f16", src)
+
+    def checked(self, s: ConvertSettings) -> ConvertSettings:
+        """The settings the request's checks read: the folder checks look at the work folder's place beside OUT
+        (inside the source, unwritable, ...)."""
+        return replace(s, out=str(self.out.with_name(f".{self.out.name}.gqaify-work")))
+
+    def problems(self, s: ConvertSettings) -> Found:
+        if self.src is not None and _same_file(self.src, self.out):  # not "pass --force": it would be refused
+            return f"OUT {self.out} is the source; name another file to write"
+        problems = [to_gguf.destination_problem(self.out, self.force), to_gguf.type_problem(s.gguf_type)]
+        if s.push_to_hub is not None:
+            problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
+                            f"`huggingface-cli upload {s.push_to_hub} {self.out}`")  # fmt: skip
+        return problems
+
+    def source_problems(self, source: Source) -> Found:
+        """What GGUF cannot carry here: the architecture, the rotary scaling, the vocabulary."""
+        vocabulary = None if source.kind == "gguf" else to_gguf.vocabulary_problem(source.directory)
+        return [to_gguf.gguf_problem(source.config), vocabulary]
+
+    def recorded(self, s: ConvertSettings) -> ConvertSettings:
+        """The settings as the record says them: with the type written (so a rerun writes it again)."""
+        return replace(s, gguf_type=self.gguf_type)
+
+    @contextlib.contextmanager
+    def folder(self, size: int) -> Iterator[Path]:
+        """A folder in this run's own work folder beside OUT (a rival run, or a file of the user's, is never written
+        over), removed with it when the block ends."""
+        with work_folder(self.out) as work, staged(work / "model", False, size) as staging:
+            yield staging
+
+    def finish(self, folder: Path, record: dict, writer: ShardWriter, source: Source) -> Written:
+        """Write the folder as the GGUF file, with `record` inside it, and put it in place whole (a GGUF source's
+        tokenizer is copied from it as it is)."""
+        partial = folder.parent / self.out.name
+        tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
+        try:
+            to_gguf.write_gguf(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(record, indent=2))
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ResourceError(f"no space left while writing {self.out}; nothing was left behind") from exc
+            raise
+        partial.chmod(0o666 & ~current_umask())
+        replaceable = (lambda: to_gguf.destination_problem(self.out, True)) if self.force else None
+        file_into_place(partial, self.out, replaceable)
+        return Written(self.out, 1, self.out.stat().st_size)
+
+
+def sink_for(s: ConvertSettings) -> FolderSink | GgufSink:
+    """The sink OUT names: a GGUF file when it ends in .gguf, else a folder."""
+    if to_gguf.is_gguf_out(s.out):
+        return GgufSink.of(s)
+    return FolderSink(resolve_out(s.out) if s.out and s.out.strip() else Path(), s.force)
+
+
+def _same_file(src: Path, out: Path) -> bool:
+    """Whether writing `out` would replace the file `src`: one path, or one file through a symbolic link (of the
+    file or of a folder above it) or a hard link."""
+    if not src.exists():
+        return False
+    return src.resolve() == out.resolve() or (out.exists() and os.path.samefile(src, out))
