@@ -40,8 +40,13 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CODE_EVAL = ["argparse.py", "dataclasses.py", "textwrap.py", "fractions.py"]
 CODE_CALIB = ["difflib.py", "shlex.py", "calendar.py", "pprint.py", "statistics.py", "csv.py", "configparser.py"]
 # evaluation text (its name in the panel) -> the calibration of its own kind (None: no calibration is of its kind)
-OWN_KIND = {"wikitext": "WikiText-2 validation", "shakespeare": "Shakespeare, 1st half",
-            "tinystories": "TinyStories train", "code": "Python code A", "licence": None}  # fmt: skip
+OWN_KIND = {
+    "wikitext": "WikiText-2 validation",
+    "shakespeare": "Shakespeare, 1st half",
+    "tinystories": "TinyStories train",
+    "code": "Python code A",
+    "licence": None,
+}
 MIXED_3 = ["WikiText-2 validation", "Shakespeare, 1st half", "TinyStories train"]
 
 
@@ -67,9 +72,13 @@ def write_texts(folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     shakespeare = (TEXT / "tinyshakespeare.txt").read_text()
     half = shakespeare.index("\n\n", len(shakespeare) // 2)
-    made = {"shakespeare-1": shakespeare[:half], "shakespeare-2": shakespeare[half:].lstrip(),
-            "code-a": _joined(CODE_CALIB), "code-b": _joined(CODE_EVAL),
-            "licence": (STDLIB / "LICENSE.txt").read_text()}  # fmt: skip
+    made = {
+        "shakespeare-1": shakespeare[:half],
+        "shakespeare-2": shakespeare[half:].lstrip(),
+        "code-a": _joined(CODE_CALIB),
+        "code-b": _joined(CODE_EVAL),
+        "licence": (STDLIB / "LICENSE.txt").read_text(),
+    }
     for name, text in made.items():
         path = folder / f"{name}.txt"
         if not path.is_file() or path.read_text() != text:  # a second run at once reads it as it is
@@ -92,12 +101,16 @@ def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
     corpus = out / "parent-corpus"
     cli = [sys.executable, "-m", "gqaify.cli"]
     if not corpus.is_dir():
-        subprocess.run([*cli, "generate", str(source), str(corpus), "--tokens", str(2 * CALIB_TOKENS), "-q"],
-                       check=True)  # fmt: skip
-    single = {"WikiText-2 validation": TEXT / "wikitext-2-valid-tokenized.txt",
-              "Shakespeare, 1st half": texts["shakespeare-1"],
-              "TinyStories train": TEXT / "tinystories-train-sample.txt",
-              "Python code A": texts["code-a"], "parent-written": corpus}  # fmt: skip
+        subprocess.run(
+            [*cli, "generate", str(source), str(corpus), "--tokens", str(2 * CALIB_TOKENS), "-q"], check=True
+        )
+    single = {
+        "WikiText-2 validation": TEXT / "wikitext-2-valid-tokenized.txt",
+        "Shakespeare, 1st half": texts["shakespeare-1"],
+        "TinyStories train": TEXT / "tinystories-train-sample.txt",
+        "Python code A": texts["code-a"],
+        "parent-written": corpus,
+    }
     calibrations = {label: [str(path)] for label, path in single.items()}
     calibrations["the three kinds mixed"] = [str(single[k]) for k in MIXED_3]
     calibrations["the three kinds + parent-written"] = [*calibrations["the three kinds mixed"], str(corpus)]
@@ -105,32 +118,80 @@ def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
     for label, sources in calibrations.items():
         folder = out / label.replace(" ", "-").replace(",", "").replace("+", "and")
         if not folder.is_dir():
-            subprocess.run([*cli, "convert", str(source), str(folder), "--kv-heads", str(kv_heads), "--method", "lsq",
-                            "--calib-data", *sources, "--calib-tokens", str(CALIB_TOKENS), "--calib-seq-len",
-                            str(window), "--calib-split", "train", "-q"], check=True)  # fmt: skip
+            subprocess.run(
+                [
+                    *cli,
+                    "convert",
+                    str(source),
+                    str(folder),
+                    "--kv-heads",
+                    str(kv_heads),
+                    "--method",
+                    "lsq",
+                    "--calib-data",
+                    *sources,
+                    "--calib-tokens",
+                    str(CALIB_TOKENS),
+                    "--calib-seq-len",
+                    str(window),
+                    "--calib-split",
+                    "train",
+                    "-q",
+                ],
+                check=True,
+            )
         conversions[label] = folder
-    panel = {"wikitext": TEXT / "wikitext-2-raw-test.txt", "shakespeare": texts["shakespeare-2"],
-             "tinystories": TEXT / "tinystories-valid-head.txt", "code": texts["code-b"],
-             "licence": texts["licence"]}  # fmt: skip
+    panel = {
+        "wikitext": TEXT / "wikitext-2-raw-test.txt",
+        "shakespeare": texts["shakespeare-2"],
+        "tinystories": TEXT / "tinystories-valid-head.txt",
+        "code": texts["code-b"],
+        "licence": texts["licence"],
+    }
     report = out / "eval-panel"
     if not (report / "report.json").exists():
-        subprocess.run([*cli, "eval", str(source), *map(str, conversions.values()), "--data",
-                        *[f"{k}={v}" for k, v in panel.items()], "--split", "train", "--max-tokens", str(EVAL_TOKENS),
-                        "--seq-len", str(window), "--no-speed", "--out", str(report), "-q"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                *cli,
+                "eval",
+                str(source),
+                *map(str, conversions.values()),
+                "--data",
+                *[f"{k}={v}" for k, v in panel.items()],
+                "--split",
+                "train",
+                "--max-tokens",
+                str(EVAL_TOKENS),
+                "--seq-len",
+                str(window),
+                "--no-speed",
+                "--out",
+                str(report),
+                "-q",
+            ],
+            check=True,
+        )
     models = json.loads((report / "report.json").read_text())["models"]
     rows = {}
     for label, model in zip(["parent", *conversions], models, strict=True):
-        rows[label] = {"texts": {t["text"]: {"perplexity": t["perplexity"], "ratio": t["ratio_to_parent"],
-                                             "kl": t["kl_to_parent"]} for t in model["texts"]},
-                       "panel": model["panel"]}  # fmt: skip
+        rows[label] = {
+            "texts": {
+                t["text"]: {"perplexity": t["perplexity"], "ratio": t["ratio_to_parent"], "kl": t["kl_to_parent"]}
+                for t in model["texts"]
+            },
+            "panel": model["panel"],
+        }
     return rows
 
 
 def format_table(name: str, rows: dict[str, dict]) -> str:
     texts = list(OWN_KIND)
-    lines = [f"**{name}**, MQA, zero training: perplexity (× the parent's); bold: the calibration of the text's own "
-             "kind", "", "| calibration text | " + " | ".join(texts) + " | worst × parent | mean KL |",
-             "|---" * (len(texts) + 3) + "|"]  # fmt: skip
+    lines = [
+        f"**{name}**, MQA, zero training: perplexity (× the parent's); bold: the calibration of the text's own kind",
+        "",
+        "| calibration text | " + " | ".join(texts) + " | worst × parent | mean KL |",
+        "|---" * (len(texts) + 3) + "|",
+    ]
     for label, row in rows.items():
         cells = []
         for t in texts:
@@ -138,13 +199,19 @@ def format_table(name: str, rows: dict[str, dict]) -> str:
             cell = f"{found['perplexity']:,.2f}" + ("" if found["ratio"] is None else f" ({found['ratio']:.2f}×)")
             cells.append(f"**{cell}**" if OWN_KIND[t] == label else cell)
         panel = row["panel"]
-        summary = ["—", "—"] if panel is None else [f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})",
-                                                    f"{panel['mean_kl_to_parent']:.3f}"]  # fmt: skip
+        summary = (
+            ["—", "—"]
+            if panel is None
+            else [f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})", f"{panel['mean_kl_to_parent']:.3f}"]
+        )
         lines.append(f"| {label} | " + " | ".join(cells + summary) + " |")
     lines.append("")
     for label in ("parent-written", "the three kinds mixed", "the three kinds + parent-written"):
-        own = [rows[label]["texts"][t]["perplexity"] / rows[OWN_KIND[t]]["texts"][t]["perplexity"]
-               for t in texts if OWN_KIND[t]]  # fmt: skip
+        own = [
+            rows[label]["texts"][t]["perplexity"] / rows[OWN_KIND[t]]["texts"][t]["perplexity"]
+            for t in texts
+            if OWN_KIND[t]
+        ]
         lines.append(f"- {label} / own kind: " + ", ".join(f"{r:.2f}" for r in own) + f" (worst {max(own):.2f})")
     return "\n".join(lines)
 

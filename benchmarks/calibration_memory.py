@@ -70,14 +70,18 @@ def main() -> None:
         out = work / f"out-{tokens}"
         shutil.rmtree(out, ignore_errors=True)
         request = {"src": str(src), "out": str(out), "data": str(CALIB_TEXT), "tokens": tokens, "mode": args.mode}
-        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)], capture_output=True, text=True,
-                              env=env)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(request)], capture_output=True, text=True, env=env
+        )
         if done.returncode != 0:
             raise SystemExit(done.stderr[-3000:])
         result = {"tokens": tokens, **json.loads(done.stdout.strip().splitlines()[-1])}
         rows.append(result)
-        print(f"{tokens:,} calibration tokens: peak RSS {result['peak_rss'] / 2**30:.2f} GiB, "
-              f"{result['seconds']:.0f} s (checkpoint {size / 1e9:.2f} GB)", flush=True)  # fmt: skip
+        print(
+            f"{tokens:,} calibration tokens: peak RSS {result['peak_rss'] / 2**30:.2f} GiB, "
+            f"{result['seconds']:.0f} s (checkpoint {size / 1e9:.2f} GB)",
+            flush=True,
+        )
         shutil.rmtree(out, ignore_errors=True)
     print(json.dumps(rows))
     if not args.workdir:

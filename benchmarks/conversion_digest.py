@@ -66,8 +66,11 @@ def cases(tmp: Path):
             tokenizer = False
         yield f"{model_type}/mean", folder, dict(kv_heads=2)
         if tokenizer and model_type not in QK_NORMS:
-            yield f"{model_type}/lsq", folder, dict(kv_heads=1, method="lsq", calib_data=str(calib), calib_tokens=512,
-                                                    calib_seq_len=64)  # fmt: skip
+            yield (
+                f"{model_type}/lsq",
+                folder,
+                dict(kv_heads=1, method="lsq", calib_data=str(calib), calib_tokens=512, calib_seq_len=64),
+            )
     calibrated = dict(calib_data=str(calib), calib_tokens=2048, calib_seq_len=256)
     for name, kv in (("ref-mha-6L", 2), ("stories260K-mha", 2)):
         folder = MODELS / name
@@ -102,9 +105,12 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True))
     if args.compare:
         before = json.loads(Path(args.compare).read_text())
-        differ = [f"{label}: {file}" for label in sorted(set(before) | set(results))
-                  for file in sorted(set(before.get(label, {})) | set(results.get(label, {})))
-                  if before.get(label, {}).get(file) != results.get(label, {}).get(file)]  # fmt: skip
+        differ = [
+            f"{label}: {file}"
+            for label in sorted(set(before) | set(results))
+            for file in sorted(set(before.get(label, {})) | set(results.get(label, {})))
+            if before.get(label, {}).get(file) != results.get(label, {}).get(file)
+        ]
         print("\n".join(differ) or f"all {len(results)} conversions byte-identical")
         sys.exit(1 if differ else 0)
 

@@ -40,11 +40,20 @@ def build_checkpoint(directory: Path, shape: str, shard_bytes: int) -> None:
     hidden, layers, heads, inter, vocab = SHAPES[shape]
     directory.mkdir(parents=True)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-        "intermediate_size": inter, "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "dtype": "float16", "hidden_act": "silu",
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "dtype": "float16",
+        "hidden_act": "silu",
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
@@ -116,8 +125,19 @@ def main() -> None:
         shards = sorted(src.glob("*.safetensors"))
         total = sum(p.stat().st_size for p in shards)
         largest = max(p.stat().st_size for p in shards)
-        cmd = [sys.executable, "-c", CONVERT, "convert", str(src), str(out), "--kv-heads", str(args.kv_heads),
-               "--max-shard-size", args.max_shard_size, "-q"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-c",
+            CONVERT,
+            "convert",
+            str(src),
+            str(out),
+            "--kv-heads",
+            str(args.kv_heads),
+            "--max-shard-size",
+            args.max_shard_size,
+            "-q",
+        ]
         copies, converts, peaks = [], [], []
 
         def run_copy() -> None:

@@ -26,11 +26,31 @@ from gqaify.kvcache import kv_cache_bytes
 
 # name -> (LlamaConfig fields, K/V head counts: the MHA parent first)
 SHAPES = {
-    "smollm2-135m": (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True), (9, 3, 1)),
-    "llama2-7b": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       vocab_size=32000, rope_theta=10000.0, tie_word_embeddings=False), (32, 8, 1)),
-}  # fmt: skip
+    "smollm2-135m": (
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            vocab_size=49152,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+        (9, 3, 1),
+    ),
+    "llama2-7b": (
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            vocab_size=32000,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
+        (32, 8, 1),
+    ),
+}
 
 
 def build(fields: dict, kv_heads: int, max_positions: int):
@@ -49,8 +69,11 @@ def measure(model, context: int, batch: int, new_tokens: int, repeats: int) -> d
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"oom": True}
-    return {"prefill_tok_s": round(speed.prefill_tokens_per_s), "decode_tok_s": round(speed.decode_tokens_per_s, 1),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}  # fmt: skip
+    return {
+        "prefill_tok_s": round(speed.prefill_tokens_per_s),
+        "decode_tok_s": round(speed.decode_tokens_per_s, 1),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
 
 
 def main() -> None:
@@ -76,23 +99,36 @@ def main() -> None:
             for context in contexts:
                 cache = kv_cache_bytes(geometry, torch.bfloat16, context + args.new_tokens)
                 for batch in batches:
-                    row = {"shape": shape, "variant": label, "kv_heads": kv_heads, "context": context, "batch": batch,
-                           "kv_cache_gib": round(batch * cache / 2**30, 2),
-                           **measure(model, context, batch, args.new_tokens, args.repeats)}  # fmt: skip
+                    row = {
+                        "shape": shape,
+                        "variant": label,
+                        "kv_heads": kv_heads,
+                        "context": context,
+                        "batch": batch,
+                        "kv_cache_gib": round(batch * cache / 2**30, 2),
+                        **measure(model, context, batch, args.new_tokens, args.repeats),
+                    }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             del model
             torch.cuda.empty_cache()
 
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.new_tokens} new tokens, "
-          f"median of {args.repeats}\n")
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.new_tokens} new tokens, "
+        f"median of {args.repeats}\n"
+    )
     print("| shape | model | K/V heads | context | batch | KV cache | prefill tok/s | decode tok/s | peak memory |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        speed = ("OOM", "OOM", "—") if r.get("oom") else (f"{r['prefill_tok_s']:,}", f"{r['decode_tok_s']:,}",
-                                                           f"{r['peak_gib']} GiB")  # fmt: skip
-        print(f"| {r['shape']} | {r['variant']} | {r['kv_heads']} | {r['context']:,} | {r['batch']} "
-              f"| {r['kv_cache_gib']} GiB | {speed[0]} | {speed[1]} | {speed[2]} |")
+        speed = (
+            ("OOM", "OOM", "—")
+            if r.get("oom")
+            else (f"{r['prefill_tok_s']:,}", f"{r['decode_tok_s']:,}", f"{r['peak_gib']} GiB")
+        )
+        print(
+            f"| {r['shape']} | {r['variant']} | {r['kv_heads']} | {r['context']:,} | {r['batch']} "
+            f"| {r['kv_cache_gib']} GiB | {speed[0]} | {speed[1]} | {speed[2]} |"
+        )
 
 
 if __name__ == "__main__":

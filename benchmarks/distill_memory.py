@@ -50,11 +50,14 @@ def main() -> None:
     rows = []
     for variant in ("whole", "chunked"):
         shape = [str(args.batch), str(args.seq), str(args.vocab)]
-        done = subprocess.run([sys.executable, "-c", _CHILD, variant, *shape], capture_output=True, text=True,
-                              check=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, variant, *shape], capture_output=True, text=True, check=True
+        )
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{args.batch} x {args.seq} tokens, vocabulary {args.vocab:,}: both models' logits "
-          f"{rows[0]['logits_bytes'] / 2**30:.2f} GiB (float32)")  # fmt: skip
+    print(
+        f"{args.batch} x {args.seq} tokens, vocabulary {args.vocab:,}: both models' logits "
+        f"{rows[0]['logits_bytes'] / 2**30:.2f} GiB (float32)"
+    )
     print("| loss | value | memory the loss adds (peak RSS) |\n|---|---|---|")
     for row in rows:
         print(f"| {row['variant']} | {row['loss']:.6f} | {row['added_bytes'] / 2**30:.2f} GiB |")

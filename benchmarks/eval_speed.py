@@ -40,20 +40,27 @@ def ppl_throughput(model, ids: torch.Tensor, seq_len: int, stride: int, batch_si
     t_loop = time.perf_counter() - t0
     assert n_tokens == ours.tokens_scored and abs(nll_sum - ours.nll_sum) <= 1e-4 * abs(nll_sum)
     return {
-        "seq_len": seq_len, "stride": stride, "batch_size": batch_size, "tokens_scored": n_tokens,
-        "gqaify_tok_s": round(n_tokens / t_ours, 1), "loop_tok_s": round(n_tokens / t_loop, 1),
+        "seq_len": seq_len,
+        "stride": stride,
+        "batch_size": batch_size,
+        "tokens_scored": n_tokens,
+        "gqaify_tok_s": round(n_tokens / t_ours, 1),
+        "loop_tok_s": round(n_tokens / t_loop, 1),
         "speedup": round(t_loop / t_ours, 2),
-    }  # fmt: skip
+    }
 
 
 def decode_row(name: str, model, ids: torch.Tensor, context: int, tokens: int, repeats: int) -> dict:
     single = decode_speed(model, ids[:context], 1, tokens, repeats)
     batched = decode_speed(model, ids[:context], 8, tokens, repeats)
     return {
-        "model": name, "kv_heads": model.config.num_key_value_heads, "context": context,
-        "prefill_tok_s": round(single.prefill_tokens_per_s, 1), "decode_tok_s_b1": round(single.decode_tokens_per_s, 1),
+        "model": name,
+        "kv_heads": model.config.num_key_value_heads,
+        "context": context,
+        "prefill_tok_s": round(single.prefill_tokens_per_s, 1),
+        "decode_tok_s_b1": round(single.decode_tokens_per_s, 1),
         "decode_tok_s_b8": round(batched.decode_tokens_per_s, 1),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -77,9 +84,11 @@ def main() -> None:
 
         gqaify.convert(gguf, tmp / "smol-mqa", kv_heads=1, progress=False)
         duplicate_kv_heads(smol).save_pretrained(tmp / "smol-mha")  # reloaded below like the others (same attention)
-        variants = [("SmolLM2 MHA twin", AutoModelForCausalLM.from_pretrained(tmp / "smol-mha").eval()),
-                    ("SmolLM2 GQA-3", smol),
-                    ("SmolLM2 MQA", AutoModelForCausalLM.from_pretrained(tmp / "smol-mqa").eval())]  # fmt: skip
+        variants = [
+            ("SmolLM2 MHA twin", AutoModelForCausalLM.from_pretrained(tmp / "smol-mha").eval()),
+            ("SmolLM2 GQA-3", smol),
+            ("SmolLM2 MQA", AutoModelForCausalLM.from_pretrained(tmp / "smol-mqa").eval()),
+        ]
         for name, model in variants:
             results["decode"].append(decode_row(name, model, ids, 1024, args.decode_tokens, args.repeats))
 
@@ -89,27 +98,32 @@ def main() -> None:
             {
                 "model": "ref-mha-6L",
                 **ppl_throughput(AutoModelForCausalLM.from_pretrained(ref).eval(), ref_ids, 512, 512, 1),
-            }  # fmt: skip
+            }
         )
         for g, name in ((8, "MHA-8"), (2, "GQA-2"), (1, "MQA")):
             path = ref if g == 8 else tmp / f"ref-{g}"
             if g != 8:
                 gqaify.convert(ref, path, kv_heads=g, progress=False)
             model = AutoModelForCausalLM.from_pretrained(path).eval()
-            results["decode"].append(decode_row(f"ref-mha-6L {name}", model, ref_ids, 256, args.decode_tokens,
-                                                args.repeats))  # fmt: skip
+            results["decode"].append(
+                decode_row(f"ref-mha-6L {name}", model, ref_ids, 256, args.decode_tokens, args.repeats)
+            )
 
     print(json.dumps(results, indent=2))
     print("\n| model | seq_len / stride | batch | gqaify tok/s | guide loop tok/s | speedup |")
     print("|---|---|---|---|---|---|")
     for r in results["perplexity"]:
-        print(f"| {r['model']} | {r['seq_len']} / {r['stride']} | {r['batch_size']} | {r['gqaify_tok_s']:,} "
-              f"| {r['loop_tok_s']:,} | {r['speedup']}x |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['seq_len']} / {r['stride']} | {r['batch_size']} | {r['gqaify_tok_s']:,} "
+            f"| {r['loop_tok_s']:,} | {r['speedup']}x |"
+        )
     print("\n| model | K/V heads | context | prefill tok/s | decode tok/s, batch 1 | decode tok/s, batch 8 |")
     print("|---|---|---|---|---|---|")
     for r in results["decode"]:
-        print(f"| {r['model']} | {r['kv_heads']} | {r['context']} | {r['prefill_tok_s']:,} | {r['decode_tok_s_b1']:,} "
-              f"| {r['decode_tok_s_b8']:,} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['kv_heads']} | {r['context']} | {r['prefill_tok_s']:,} | {r['decode_tok_s_b1']:,} "
+            f"| {r['decode_tok_s_b8']:,} |"
+        )
 
 
 if __name__ == "__main__":

@@ -66,11 +66,19 @@ def main() -> None:
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         for name, path in models.items():
-            done = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(context), str(args.threads),
-                                   str(DECODE_TOKENS)], capture_output=True, text=True, check=True)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-c", MEASURE, str(path), str(context), str(args.threads), str(DECODE_TOKENS)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             cache = re.search(r"llama_kv_cache: size = +([\d.]+) MiB", done.stderr)
-            row = {"model": name, "context": context, **json.loads(done.stdout.strip().splitlines()[-1]),
-                   "kv_cache_mib": float(cache[1]) if cache else None}  # fmt: skip
+            row = {
+                "model": name,
+                "context": context,
+                **json.loads(done.stdout.strip().splitlines()[-1]),
+                "kv_cache_mib": float(cache[1]) if cache else None,
+            }
             rows.append(row)
             print(row, flush=True)
             (out / "llama_cpp_serving.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
@@ -126,22 +134,39 @@ def measure_writing(out: Path) -> None:
     parent = fetch_default_model()
     folder = out / "smollm2-mqa-f32"
     if not folder.is_dir():
-        subprocess.run([sys.executable, "-m", "gqaify.cli", "convert", str(parent), str(folder), "--kv-heads", "1",
-                        "--dtype", "float32", "-q"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gqaify.cli",
+                "convert",
+                str(parent),
+                str(folder),
+                "--kv-heads",
+                "1",
+                "--dtype",
+                "float32",
+                "-q",
+            ],
+            check=True,
+        )
     runs = {"GGUF f16 (gqaify)": WRITE_GGUF, "plain f16 bytes": WRITE_PLAIN}
     measured: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(REPEATS):  # alternating, so that both meet the page cache in the same states
         for name, code in runs.items():
             target = out / ("written.gguf" if "GGUF" in name else "written.bin")
-            done = subprocess.run([sys.executable, "-c", code, str(folder), str(target), str(parent)],
-                                  capture_output=True, text=True)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-c", code, str(folder), str(target), str(parent)], capture_output=True, text=True
+            )
             if done.returncode:
                 sys.exit(f"{name} failed:\n{done.stderr}")
             measured[name].append({**json.loads(done.stdout.strip().splitlines()[-1]), "bytes": target.stat().st_size})
             target.unlink()
             print(name, measured[name][-1], flush=True)
-    rows = {name: {key: statistics.median(run[key] for run in runs_of) for key in runs_of[0]}
-            for name, runs_of in measured.items()}  # fmt: skip
+    rows = {
+        name: {key: statistics.median(run[key] for run in runs_of) for key in runs_of[0]}
+        for name, runs_of in measured.items()
+    }
     print("medians:", json.dumps(rows, indent=2))
     (out / "gguf_writing.json").write_text(json.dumps(rows, indent=2))
 
@@ -187,11 +212,17 @@ print(json.dumps({"seconds": seconds, "peak_rss_mib": resource.getrusage(resourc
 
 
 def format_table(rows: list[dict], threads: int) -> str:
-    lines = [f"llama.cpp (llama-cpp-python), SmolLM2-135M-Instruct f16, {threads} CPU threads", "",
-             "| model | context | KV cache (MiB) | prompt tok/s | decode tok/s |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"llama.cpp (llama-cpp-python), SmolLM2-135M-Instruct f16, {threads} CPU threads",
+        "",
+        "| model | context | KV cache (MiB) | prompt tok/s | decode tok/s |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['context']:,} | {r['kv_cache_mib']:.2f} | {r['prompt_tok_s']:,.0f} | "
-                     f"{r['decode_tok_s']:,.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['context']:,} | {r['kv_cache_mib']:.2f} | {r['prompt_tok_s']:,.0f} | "
+            f"{r['decode_tok_s']:,.1f} |"
+        )
     return "\n".join(lines)
 
 

@@ -45,8 +45,11 @@ VARIANTS = {
     "mean, sequential": ("mean", "contiguous", {}),  # the repair alone, on the paper's merge
     "lsq, sequential, similarity": ("lsq", "similarity", {}),  # only where grouping has a choice
 }
-UPTRAIN_VARIANTS = ["mean (half distilled, lr 1e-3)", "lsq parallel (half distilled, lr 1e-3)",
-                    f"lsq sequential refine {REFINE_STEPS} (half distilled, lr 1e-3)"]  # fmt: skip
+UPTRAIN_VARIANTS = [
+    "mean (half distilled, lr 1e-3)",
+    "lsq parallel (half distilled, lr 1e-3)",
+    f"lsq sequential refine {REFINE_STEPS} (half distilled, lr 1e-3)",
+]
 
 # Converts in a fresh process and prints what it took: wall time and the process's own peak RSS.
 _CHILD = """
@@ -91,8 +94,9 @@ def main() -> None:
         for model in chosen:
             src, source_kv, groups, tokens, seq_len = cases[model]
             for kv_heads in groups:
-                rows += zero_training(out, model, src, source_kv, kv_heads, tokens, seq_len, args.calib_tokens,
-                                      args.variants.split("|"))  # fmt: skip
+                rows += zero_training(
+                    out, model, src, source_kv, kv_heads, tokens, seq_len, args.calib_tokens, args.variants.split("|")
+                )
         (out / "methods.json").write_text(json.dumps({"zero_training": rows, "uptraining": uptrain}, indent=2) + "\n")
     if not args.skip_uptrain:
         sys.path.insert(0, str(Path(__file__).parent))
@@ -107,8 +111,17 @@ def main() -> None:
     print(table)
 
 
-def zero_training(out: Path, model: str, src: str, source_kv: int, kv_heads: int, tokens: int, seq_len: int,
-                  calib_tokens: int, variants: list[str]) -> list[dict]:  # fmt: skip
+def zero_training(
+    out: Path,
+    model: str,
+    src: str,
+    source_kv: int,
+    kv_heads: int,
+    tokens: int,
+    seq_len: int,
+    calib_tokens: int,
+    variants: list[str],
+) -> list[dict]:
     """Convert `src` with every variant (each in its own process), evaluate all beside the parent."""
     from gqaify.eval.core import evaluate
     from gqaify.eval.settings import EvalSettings
@@ -125,17 +138,29 @@ def zero_training(out: Path, model: str, src: str, source_kv: int, kv_heads: int
         path = out / "models" / f"{model}-G{kv_heads}-{label.replace(', ', '-').replace(' ', '_')}"
         print(f"== {model} -> {kv_heads} K/V heads: {label}", flush=True)
         if calibration is not None:
-            calibration = {"calib_data": str(CALIB_TEXT), "calib_tokens": calib_tokens, "calib_seq_len": seq_len,
-                           **calibration}
-        request = {"src": src, "out": str(path), "kv_heads": kv_heads, "method": method, "grouping": grouping,
-                   "calibration": calibration}  # fmt: skip
+            calibration = {
+                "calib_data": str(CALIB_TEXT),
+                "calib_tokens": calib_tokens,
+                "calib_seq_len": seq_len,
+                **calibration,
+            }
+        request = {
+            "src": src,
+            "out": str(path),
+            "kv_heads": kv_heads,
+            "method": method,
+            "grouping": grouping,
+            "calibration": calibration,
+        }
         done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)], capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"{label}: conversion failed\n{done.stderr[-3000:]}")
         measured[str(path)] = json.loads(done.stdout.strip().splitlines()[-1])
         converted.append(str(path))
-        print(f"   {measured[str(path)]['seconds']:.1f} s, peak RSS {measured[str(path)]['peak_rss'] / 2**30:.2f} GiB",
-              flush=True)  # fmt: skip
+        print(
+            f"   {measured[str(path)]['seconds']:.1f} s, peak RSS {measured[str(path)]['peak_rss'] / 2**30:.2f} GiB",
+            flush=True,
+        )
     settings = EvalSettings(seq_len=seq_len, max_tokens=tokens, speed=False, progress=False, force=True)
     report = evaluate([src, *converted], str(EVAL_TEXT), out / "eval" / f"{model}-G{kv_heads}", settings)
     parent = report.models[0].perplexity
@@ -143,14 +168,24 @@ def zero_training(out: Path, model: str, src: str, source_kv: int, kv_heads: int
     for label, entry in zip(chosen, report.models[1:], strict=True):
         m = measured[entry.model]
         errors = m["fit_errors"] or []
-        rows.append({
-            "model": model, "source_kv_heads": source_kv, "kv_heads": kv_heads, "variant": label,
-            "perplexity": entry.perplexity, "parent_perplexity": parent, "seconds": m["seconds"],
-            "peak_rss": m["peak_rss"], "calibration_seconds": m["calibration_seconds"],
-            "fit_error_scores": _mean([e["k"] for e in errors]), "fit_error_outputs": _mean([e["v"] for e in errors]),
-            "out_error_last_layer": errors[-1].get("out") if errors else None,
-            "eval_tokens": entry.tokens_scored, "calib_tokens": calib_tokens if VARIANTS[label][2] is not None else 0,
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": model,
+                "source_kv_heads": source_kv,
+                "kv_heads": kv_heads,
+                "variant": label,
+                "perplexity": entry.perplexity,
+                "parent_perplexity": parent,
+                "seconds": m["seconds"],
+                "peak_rss": m["peak_rss"],
+                "calibration_seconds": m["calibration_seconds"],
+                "fit_error_scores": _mean([e["k"] for e in errors]),
+                "fit_error_outputs": _mean([e["v"] for e in errors]),
+                "out_error_last_layer": errors[-1].get("out") if errors else None,
+                "eval_tokens": entry.tokens_scored,
+                "calib_tokens": calib_tokens if VARIANTS[label][2] is not None else 0,
+            }
+        )
     return rows
 
 
@@ -166,8 +201,11 @@ def methods_table(rows: list[dict]) -> str:
     heads = [f"{m.split('-')[0]} {s} → {g}" for m, s, g in cases]
     main = next((c for c in cases if c[0].startswith("SmolLM2")), cases[0])
     parents = " | ".join(f"{at_any(at, c)['parent_perplexity']:.2f}" for c in cases)
-    lines = ["| variant | " + " | ".join(heads) + f" | {main[0].split('-')[0]} time | peak RSS |",
-             "|---" * (len(cases) + 3) + "|", f"| parent | {parents} | | |"]  # fmt: skip
+    lines = [
+        "| variant | " + " | ".join(heads) + f" | {main[0].split('-')[0]} time | peak RSS |",
+        "|---" * (len(cases) + 3) + "|",
+        f"| parent | {parents} | | |",
+    ]
     best = {c: min(r["perplexity"] for key, r in at.items() if key[:3] == c) for c in cases}
     for label in dict.fromkeys(r["variant"] for r in rows):
         cells = []

@@ -42,9 +42,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100_000, help="training tokens per variant")
     parser.add_argument("--override", default="", help="more uptrain options for every variant")
     parser.add_argument("--corpus", type=Path, help="a parent-written corpus to use (default: written into OUT)")
-    parser.add_argument("--variant", type=int, choices=range(len(VARIANTS)),
-                        help="run this variant alone, without the final evaluation (two at once, each with "
-                             "OMP_NUM_THREADS=1, use two cores better than one after the other)")  # fmt: skip
+    parser.add_argument(
+        "--variant",
+        type=int,
+        choices=range(len(VARIANTS)),
+        help="run this variant alone, without the final evaluation (two at once, each with "
+        "OMP_NUM_THREADS=1, use two cores better than one after the other)",
+    )
     args = parser.parse_args()
 
     from gqaify.demo import fetch_default_model
@@ -54,27 +58,79 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     texts = write_texts(out / "texts")
     corpus = args.corpus.resolve() if args.corpus else corpus_once(gguf, out)
-    data = {VARIANTS[0]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}"],
-            VARIANTS[1]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}", f"verse={texts['shakespeare-1']}",
-                          f"stories={TEXT / 'tinystories-train-sample.txt'}", f"parent={corpus}"]}  # fmt: skip
+    data = {
+        VARIANTS[0]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}"],
+        VARIANTS[1]: [
+            f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}",
+            f"verse={texts['shakespeare-1']}",
+            f"stories={TEXT / 'tinystories-train-sample.txt'}",
+            f"parent={corpus}",
+        ],
+    }
     recipe = yaml.safe_load(RECIPE.read_text())
     training = out / "training-recipe.yaml"
-    training.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if k not in CONVERSION_KEYS and
-                                        k not in ("eval_data", "eval_tokens", "eval_seq_len")}, sort_keys=False))
+    training.write_text(
+        yaml.safe_dump(
+            {
+                k: v
+                for k, v in recipe.items()
+                if k not in CONVERSION_KEYS and k not in ("eval_data", "eval_tokens", "eval_seq_len")
+            },
+            sort_keys=False,
+        )
+    )
     models = []
     for i, name in enumerate(VARIANTS):
         if args.variant is not None and i != args.variant:
             continue
         converted, run_dir = out / f"converted-{i}", out / f"uptrained-{i}"
         if not converted.is_dir():
-            subprocess.run([sys.executable, "-m", "gqaify.cli", "convert", str(gguf), str(converted), "--kv-heads",
-                            str(recipe["kv_heads"]), "--method", recipe["method"], "--calib-data", *data[name],
-                            "--calib-split", "train", "--calib-tokens", str(recipe["calib_tokens"]), "--calib-mode",
-                            recipe["calib_mode"], "--refine-steps", str(recipe["refine_steps"]), "-q"],
-                           check=True)  # fmt: skip
-        command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(training), "--model", str(converted),
-                   "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(args.tokens),
-                   "--data", *data[name], "--save_every", "50", *args.override.split()]  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "gqaify.cli",
+                    "convert",
+                    str(gguf),
+                    str(converted),
+                    "--kv-heads",
+                    str(recipe["kv_heads"]),
+                    "--method",
+                    recipe["method"],
+                    "--calib-data",
+                    *data[name],
+                    "--calib-split",
+                    "train",
+                    "--calib-tokens",
+                    str(recipe["calib_tokens"]),
+                    "--calib-mode",
+                    recipe["calib_mode"],
+                    "--refine-steps",
+                    str(recipe["refine_steps"]),
+                    "-q",
+                ],
+                check=True,
+            )
+        command = [
+            sys.executable,
+            "-m",
+            "gqaify.uptrain",
+            "--recipe",
+            str(training),
+            "--model",
+            str(converted),
+            "--distill_from",
+            str(gguf),
+            "--output_dir",
+            str(run_dir),
+            "--max_tokens",
+            str(args.tokens),
+            "--data",
+            *data[name],
+            "--save_every",
+            "50",
+            *args.override.split(),
+        ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         done = run_dir / "run.json"
         if not (done.exists() and json.loads(done.read_text()).get("completed")):
@@ -89,8 +145,19 @@ def main() -> None:
 def corpus_once(gguf: Path, out: Path) -> Path:
     """The parent-written corpus, made once (resumed if a run was stopped)."""
     corpus = out / "parent-corpus"
-    command = [sys.executable, "-m", "gqaify.cli", "generate", str(gguf), str(corpus), "--tokens", str(CORPUS_TOKENS),
-               "--seed", "0", "-q"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "gqaify.cli",
+        "generate",
+        str(gguf),
+        str(corpus),
+        "--tokens",
+        str(CORPUS_TOKENS),
+        "--seed",
+        "0",
+        "-q",
+    ]
     subprocess.run(command, check=True)
     return corpus
 
@@ -98,29 +165,63 @@ def corpus_once(gguf: Path, out: Path) -> Path:
 def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path) -> dict:
     """gqaify eval of the parent and every model on the panel, with story_endings."""
     report_dir = out / "final-eval"
-    panel = {"wikitext": TEXT / "wikitext-2-raw-test.txt", "shakespeare": texts["shakespeare-2"],
-             "tinystories": TEXT / "tinystories-valid-head.txt", "code": texts["code-b"], "licence": texts["licence"]}
+    panel = {
+        "wikitext": TEXT / "wikitext-2-raw-test.txt",
+        "shakespeare": texts["shakespeare-2"],
+        "tinystories": TEXT / "tinystories-valid-head.txt",
+        "code": texts["code-b"],
+        "licence": texts["licence"],
+    }
     if not (report_dir / "report.json").exists():
-        subprocess.run([sys.executable, "-m", "gqaify.cli", "eval", str(gguf), *map(str, models), "--data",
-                        *[f"{k}={v}" for k, v in panel.items()], "--split", "train", "--max-tokens", "4096",
-                        "--seq-len", "1024", "--no-speed", "--tasks", "story_endings", "--include-path",
-                        str(REPO / "tests" / "tasks"), "--out", str(report_dir), "-q"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gqaify.cli",
+                "eval",
+                str(gguf),
+                *map(str, models),
+                "--data",
+                *[f"{k}={v}" for k, v in panel.items()],
+                "--split",
+                "train",
+                "--max-tokens",
+                "4096",
+                "--seq-len",
+                "1024",
+                "--no-speed",
+                "--tasks",
+                "story_endings",
+                "--include-path",
+                str(REPO / "tests" / "tasks"),
+                "--out",
+                str(report_dir),
+                "-q",
+            ],
+            check=True,
+        )
     return json.loads((report_dir / "report.json").read_text())
 
 
 def write_results(out: Path, report: dict, tokens: int) -> None:
     names = ["parent"] + [f"{v}, {stage}" for v in VARIANTS for stage in ("no training", f"{tokens:,} tokens")]
     texts = [t["name"] for t in report["data"]]
-    lines = ["| model | " + " | ".join(texts) + " | mean KL | worst × parent | story_endings |",
-             "|---" * (len(texts) + 4) + "|"]  # fmt: skip
+    lines = [
+        "| model | " + " | ".join(texts) + " | mean KL | worst × parent | story_endings |",
+        "|---" * (len(texts) + 4) + "|",
+    ]
     for name, model in zip(names, report["models"], strict=True):
-        cells = [f"{t['perplexity']:.2f}" + ("" if t["ratio_to_parent"] is None else f" ({t['ratio_to_parent']:.2f}×)")
-                 for t in model["texts"]]  # fmt: skip
+        cells = [
+            f"{t['perplexity']:.2f}" + ("" if t["ratio_to_parent"] is None else f" ({t['ratio_to_parent']:.2f}×)")
+            for t in model["texts"]
+        ]
         panel = model["panel"]
         acc = next((t for t in model.get("tasks") or [] if t["metric"] == "acc_norm"), None)
-        cells += ["—" if panel is None else f"{panel['mean_kl_to_parent']:.3f}",
-                  "—" if panel is None else f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})",
-                  "—" if acc is None else f"{acc['value']:.3f} ± {acc['stderr']:.3f}"]  # fmt: skip
+        cells += [
+            "—" if panel is None else f"{panel['mean_kl_to_parent']:.3f}",
+            "—" if panel is None else f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})",
+            "—" if acc is None else f"{acc['value']:.3f} ± {acc['stderr']:.3f}",
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "panel_recovery.md").write_text(table + "\n")

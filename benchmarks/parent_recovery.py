@@ -44,8 +44,12 @@ VARIANTS = {
     "parent-written, half KL": ("parent-half", "parent", 0.5, []),
     "parent-written, KL, attention": ("parent-kl-attention", "parent", 1.0, ["--trainable", "attention"]),
     # adapters learn from zero: LoRA's usual higher rate
-    "parent-written, KL, LoRA r16 (lr 1e-3)": ("parent-kl-lora", "parent", 1.0,
-                                               ["--trainable", "lora", "--lr", "1e-3"]),
+    "parent-written, KL, LoRA r16 (lr 1e-3)": (
+        "parent-kl-lora",
+        "parent",
+        1.0,
+        ["--trainable", "lora", "--lr", "1e-3"],
+    ),
 }
 
 
@@ -72,10 +76,29 @@ def main() -> None:
     for name in names:
         folder, data, weight, extra = VARIANTS[name]
         run_dir = out / folder
-        command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(recipe), "--model", str(converted),
-                   "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(args.tokens),
-                   "--eval_every", str(args.eval_every), "--distill_weight", str(weight), "--data",
-                   str(WIKI_TRAIN if data == "wikitext" else corpus), *extra, *args.override.split()]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "gqaify.uptrain",
+            "--recipe",
+            str(recipe),
+            "--model",
+            str(converted),
+            "--distill_from",
+            str(gguf),
+            "--output_dir",
+            str(run_dir),
+            "--max_tokens",
+            str(args.tokens),
+            "--eval_every",
+            str(args.eval_every),
+            "--distill_weight",
+            str(weight),
+            "--data",
+            str(WIKI_TRAIN if data == "wikitext" else corpus),
+            *extra,
+            *args.override.split(),
+        ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         done = run_dir / "run.json"
         if not (done.exists() and json.loads(done.read_text()).get("completed")):
@@ -91,18 +114,52 @@ def convert_once(gguf: Path, out: Path) -> Path:
     converted = out / "converted"
     if not converted.is_dir():
         calib = str((REPO / recipe["calib_data"]).resolve())
-        subprocess.run([sys.executable, "-m", "gqaify.cli", "convert", str(gguf), str(converted), "--kv-heads",
-                        str(recipe["kv_heads"]), "--method", recipe["method"], "--calib-data", calib,
-                        "--calib-tokens", str(recipe["calib_tokens"]), "--calib-mode", recipe["calib_mode"],
-                        "--refine-steps", str(recipe["refine_steps"]), "-q"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gqaify.cli",
+                "convert",
+                str(gguf),
+                str(converted),
+                "--kv-heads",
+                str(recipe["kv_heads"]),
+                "--method",
+                recipe["method"],
+                "--calib-data",
+                calib,
+                "--calib-tokens",
+                str(recipe["calib_tokens"]),
+                "--calib-mode",
+                recipe["calib_mode"],
+                "--refine-steps",
+                str(recipe["refine_steps"]),
+                "-q",
+            ],
+            check=True,
+        )
     return converted
 
 
 def corpus_once(gguf: Path, out: Path) -> Path:
     """The parent-written corpus, made once (resumed if a run was stopped)."""
     corpus = out / "parent-corpus"
-    command = [sys.executable, "-m", "gqaify.cli", "generate", str(gguf), str(corpus), "--tokens", str(CORPUS_TOKENS),
-               "--length", "256", "--batch-size", "16", "--seed", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "gqaify.cli",
+        "generate",
+        str(gguf),
+        str(corpus),
+        "--tokens",
+        str(CORPUS_TOKENS),
+        "--length",
+        "256",
+        "--batch-size",
+        "16",
+        "--seed",
+        "0",
+    ]
     subprocess.run(command, check=True)
     return corpus
 
@@ -121,10 +178,33 @@ def final_eval(gguf: Path, converted: Path, finals: dict[str, Path], out: Path) 
     report_dir = out / "final-eval"
     models = [str(gguf), str(converted), *map(str, finals.values())]
     if not (report_dir / "report.json").exists():
-        subprocess.run([sys.executable, "-m", "gqaify.cli", "eval", *models, "--data", str(WIKI_TEST),
-                        "--max-tokens", "4096", "--seq-len", "1024", "--diag-tokens", "1024", "--no-speed",
-                        "--tasks", "story_endings", "--include-path", str(REPO / "tests" / "tasks"), "--generate",
-                        "--out", str(report_dir), "-q"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gqaify.cli",
+                "eval",
+                *models,
+                "--data",
+                str(WIKI_TEST),
+                "--max-tokens",
+                "4096",
+                "--seq-len",
+                "1024",
+                "--diag-tokens",
+                "1024",
+                "--no-speed",
+                "--tasks",
+                "story_endings",
+                "--include-path",
+                str(REPO / "tests" / "tasks"),
+                "--generate",
+                "--out",
+                str(report_dir),
+                "-q",
+            ],
+            check=True,
+        )
     return json.loads((report_dir / "report.json").read_text())
 
 
@@ -155,8 +235,9 @@ def write_results(out: Path, finals: dict[str, Path], report: dict | None, token
             lines.append(f"| {name} | {model['perplexity']:.2f} | {'—' if kl is None else f'{kl:.3f}'} | {accuracy} |")
     table = "\n".join(lines)
     (out / "parent_recovery.md").write_text(table + "\n")
-    (out / "parent_recovery.json").write_text(json.dumps({"parent_perplexity": parent, "variants": rows,
-                                                          "report": report}, indent=2))  # fmt: skip
+    (out / "parent_recovery.json").write_text(
+        json.dumps({"parent_perplexity": parent, "variants": rows, "report": report}, indent=2)
+    )
     print(table)
 
 

@@ -28,8 +28,11 @@ TEXT = REPO.parent / "shared" / "assets" / "text"
 PARENT = REPO.parent / "shared" / "assets" / "models" / "stories260K-mha"
 TRAIN = TEXT / "tinystories-train-sample.txt"
 EVAL = TEXT / "tinystories-valid-head.txt"
-TRAINABLE = {"all": ["--lr", "3e-3"], "attention": ["--trainable", "attention", "--lr", "3e-3"],
-             "LoRA r8": ["--trainable", "lora", "--lora_rank", "8", "--lora_alpha", "16", "--lr", "1e-2"]}  # fmt: skip
+TRAINABLE = {
+    "all": ["--lr", "3e-3"],
+    "attention": ["--trainable", "attention", "--lr", "3e-3"],
+    "LoRA r8": ["--trainable", "lora", "--lora_rank", "8", "--lora_alpha", "16", "--lr", "1e-2"],
+}
 LOSSES = {"half KL": "0.5", "KL": "1"}
 
 
@@ -42,36 +45,90 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "gqaify.cli"]
     corpus, converted = out / "parent-text", out / "mqa"
-    subprocess.run([*cli, "generate", str(PARENT), str(corpus), "--tokens", "49152", "--length", "256", "-q"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [*cli, "generate", str(PARENT), str(corpus), "--tokens", "49152", "--length", "256", "-q"], check=True
+    )
     if not converted.is_dir():
-        subprocess.run([*cli, "convert", str(PARENT), str(converted), "--kv-heads", "1", "--method", "lsq",
-                        "--calib-data", str(TRAIN), "--calib-tokens", "8192", "--calib-seq-len", "256", "-q"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [
+                *cli,
+                "convert",
+                str(PARENT),
+                str(converted),
+                "--kv-heads",
+                "1",
+                "--method",
+                "lsq",
+                "--calib-data",
+                str(TRAIN),
+                "--calib-tokens",
+                "8192",
+                "--calib-seq-len",
+                "256",
+                "-q",
+            ],
+            check=True,
+        )
     rows = []
     for (data_name, data), (loss, weight), (trainable, extra) in itertools.product(
         {"TinyStories": TRAIN, "parent-written": corpus}.items(), LOSSES.items(), TRAINABLE.items()
     ):
         run_dir = out / f"{data_name}-{loss}-{trainable}".replace(" ", "_")
         if not (run_dir / "final").is_dir():
-            subprocess.run([*cli, "uptrain", "--model", str(converted), "--data", str(data), "--distill_from",
-                            str(PARENT), "--distill_weight", weight, "--max_tokens", str(args.tokens), "--seq_len",
-                            "128", "--micro_batch_size", "4", "--eval_data", str(EVAL), "--eval_split", "train",
-                            "--eval_tokens", "4096", "--eval_seq_len", "256", "--output_dir", str(run_dir),
-                            "--save_every", "0", "--no_progress", *extra],
-                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+            subprocess.run(
+                [
+                    *cli,
+                    "uptrain",
+                    "--model",
+                    str(converted),
+                    "--data",
+                    str(data),
+                    "--distill_from",
+                    str(PARENT),
+                    "--distill_weight",
+                    weight,
+                    "--max_tokens",
+                    str(args.tokens),
+                    "--seq_len",
+                    "128",
+                    "--micro_batch_size",
+                    "4",
+                    "--eval_data",
+                    str(EVAL),
+                    "--eval_split",
+                    "train",
+                    "--eval_tokens",
+                    "4096",
+                    "--eval_seq_len",
+                    "256",
+                    "--output_dir",
+                    str(run_dir),
+                    "--save_every",
+                    "0",
+                    "--no_progress",
+                    *extra,
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in evals if "eval_kl" in r]
         rows.append({"data": data_name, "loss": loss, "trainable": trainable, "start": evals[0], "end": evals[-1]})
         print(rows[-1], flush=True)
     parent = json.loads((run_dir / "run.json").read_text())["parent_perplexity"]
     start = rows[0]["start"]
-    lines = [f"stories260K-mha -> MQA (`lsq`), {args.tokens:,} tokens per run, TinyStories validation: parent "
-             f"perplexity {parent:.2f}; the conversion {start['eval_perplexity']:.2f}, KL {start['eval_kl']:.3f}", "",
-             "| data | loss | trains | perplexity | KL to parent (nats/token) |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"stories260K-mha -> MQA (`lsq`), {args.tokens:,} tokens per run, TinyStories validation: parent "
+        f"perplexity {parent:.2f}; the conversion {start['eval_perplexity']:.2f}, KL {start['eval_kl']:.3f}",
+        "",
+        "| data | loss | trains | perplexity | KL to parent (nats/token) |",
+        "|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: r["end"]["eval_kl"]):
-        lines.append(f"| {r['data']} | {r['loss']} | {r['trainable']} | {r['end']['eval_perplexity']:.2f} | "
-                     f"{r['end']['eval_kl']:.4f} |")  # fmt: skip
+        lines.append(
+            f"| {r['data']} | {r['loss']} | {r['trainable']} | {r['end']['eval_perplexity']:.2f} | "
+            f"{r['end']['eval_kl']:.4f} |"
+        )
     (out / "recovery_search.md").write_text("\n".join(lines) + "\n")
     (out / "recovery_search.json").write_text(json.dumps(rows, indent=2))
     print("\n".join(lines))

@@ -49,12 +49,43 @@ def main() -> None:
         return teacher_cost(out)
     cli = [sys.executable, "-m", "gqaify.cli"]
     corpus, converted = out / "parent-text-k512", out / "mqa"
-    subprocess.run([*cli, "generate", str(PARENT), str(corpus), "--tokens", str(args.tokens), "--length", "256",
-                    "--top-logprobs", str(max(KS)), "-q"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *cli,
+            "generate",
+            str(PARENT),
+            str(corpus),
+            "--tokens",
+            str(args.tokens),
+            "--length",
+            "256",
+            "--top-logprobs",
+            str(max(KS)),
+            "-q",
+        ],
+        check=True,
+    )
     if not converted.is_dir():
-        subprocess.run([*cli, "convert", str(PARENT), str(converted), "--kv-heads", "1", "--method", "lsq",
-                        "--calib-data", str(TRAIN), "--calib-tokens", "8192", "--calib-seq-len", "256", "-q"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [
+                *cli,
+                "convert",
+                str(PARENT),
+                str(converted),
+                "--kv-heads",
+                "1",
+                "--method",
+                "lsq",
+                "--calib-data",
+                str(TRAIN),
+                "--calib-tokens",
+                "8192",
+                "--calib-seq-len",
+                "256",
+                "-q",
+            ],
+            check=True,
+        )
     teachers = {"parent running": ["--distill_from", str(PARENT), "--data", str(corpus)]}
     for k in KS:
         teachers[f"stored top-{k}"] = ["--distill_from_data", "--data", str(keep_top(corpus, k, out))]
@@ -62,10 +93,33 @@ def main() -> None:
     for name, teacher in teachers.items():
         run_dir = out / name.replace(" ", "-")
         if not (run_dir / "final").is_dir():
-            subprocess.run([*cli, "uptrain", "--model", str(converted), *teacher, "--distill_weight", "1",
-                            "--trainable", "attention", "--lr", "3e-3", "--max_tokens", str(args.tokens),
-                            "--seq_len", "128", "--micro_batch_size", "4", "--save_every", "0", "--output_dir",
-                            str(run_dir), "--no_progress"], check=True)  # fmt: skip
+            subprocess.run(
+                [
+                    *cli,
+                    "uptrain",
+                    "--model",
+                    str(converted),
+                    *teacher,
+                    "--distill_weight",
+                    "1",
+                    "--trainable",
+                    "attention",
+                    "--lr",
+                    "3e-3",
+                    "--max_tokens",
+                    str(args.tokens),
+                    "--seq_len",
+                    "128",
+                    "--micro_batch_size",
+                    "4",
+                    "--save_every",
+                    "0",
+                    "--output_dir",
+                    str(run_dir),
+                    "--no_progress",
+                ],
+                check=True,
+            )
         rows[name] = score(run_dir / "final")
         print(name, rows[name], flush=True)
         (out / "stored_logprobs.json").write_text(json.dumps(rows, indent=2))
@@ -82,20 +136,41 @@ def teacher_cost(out: Path) -> None:
     gguf = fetch_default_model()
     cli = [sys.executable, "-m", "gqaify.cli"]
     corpus, converted = out / "smollm2-text-k64", out / "smollm2-mqa"
-    subprocess.run([*cli, "generate", str(gguf), str(corpus), "--tokens", "8192", "--top-logprobs", "64", "-q"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [*cli, "generate", str(gguf), str(corpus), "--tokens", "8192", "--top-logprobs", "64", "-q"], check=True
+    )
     if not converted.is_dir():
         subprocess.run([*cli, "convert", str(gguf), str(converted), "--kv-heads", "1", "-q"], check=True)
     teachers = {"parent running": ["--distill_from", str(gguf)], "stored top-64": ["--distill_from_data"]}
     rows = {}
     for name, teacher in teachers.items():
         run_dir = out / ("cost-" + name.replace(" ", "-"))
-        argv = ["uptrain", "--model", str(converted), "--data", str(corpus), *teacher, "--distill_weight", "1",
-                "--max_tokens", str(8 * 4 * 256), "--seq_len", "256", "--micro_batch_size", "4", "--save_every",
-                "0", "--output_dir", str(run_dir), "--no_progress"]  # fmt: skip
+        argv = [
+            "uptrain",
+            "--model",
+            str(converted),
+            "--data",
+            str(corpus),
+            *teacher,
+            "--distill_weight",
+            "1",
+            "--max_tokens",
+            str(8 * 4 * 256),
+            "--seq_len",
+            "256",
+            "--micro_batch_size",
+            "4",
+            "--save_every",
+            "0",
+            "--output_dir",
+            str(run_dir),
+            "--no_progress",
+        ]
         # a process of its own, which reports its own peak resident memory
-        code = ("import resource, sys; from gqaify.cli import main; assert main(sys.argv[1:]) == 0; "
-                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")  # fmt: skip
+        code = (
+            "import resource, sys; from gqaify.cli import main; assert main(sys.argv[1:]) == 0; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        )
         done = subprocess.run([sys.executable, "-c", code, *argv], check=True, capture_output=True, text=True)
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [m for m in metrics if "loss" in m]
@@ -103,8 +178,12 @@ def teacher_cost(out: Path) -> None:
         rows[name] = {"tokens_per_s": round(rate, 1), "peak_rss_gib": round(int(done.stdout.split()[-1]) / 2**20, 2)}
         print(name, rows[name], flush=True)
     (out / "teacher_cost.json").write_text(json.dumps(rows, indent=2))
-    lines = ["SmolLM2-135M-Instruct MQA, 4 x 256 tokens a step, all weights, full KL", "",
-             "| teacher | training tokens/s | peak resident memory (GiB) |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        "SmolLM2-135M-Instruct MQA, 4 x 256 tokens a step, all weights, full KL",
+        "",
+        "| teacher | training tokens/s | peak resident memory (GiB) |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {r['tokens_per_s']:,.0f} | {r['peak_rss_gib']:.2f} |" for name, r in rows.items()]
     (out / "teacher_cost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -143,9 +222,13 @@ def score(model_dir: Path) -> dict:
 
 
 def format_table(rows: dict, tokens: int) -> str:
-    lines = [f"stories260K-mha -> MQA, {tokens:,} tokens of parent-written text, full KL, attention trains; "
-             f"TinyStories validation, {EVAL_TOKENS:,} tokens", "",
-             "| teacher | perplexity | KL to parent (nats/token) |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        f"stories260K-mha -> MQA, {tokens:,} tokens of parent-written text, full KL, attention trains; "
+        f"TinyStories validation, {EVAL_TOKENS:,} tokens",
+        "",
+        "| teacher | perplexity | KL to parent (nats/token) |",
+        "|---|---|---|",
+    ]
     for name, row in rows.items():
         lines.append(f"| {name} | {row['perplexity']:.2f} | {row['kl']:.3f} |")
     return "\n".join(lines)

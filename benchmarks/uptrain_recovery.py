@@ -37,22 +37,64 @@ MEAN = ["--method", "mean", "--calib_data", ""]
 VARIANTS = {
     "mean (LM loss)": ("mean-LM_loss", [*MEAN, "--distill_weight", "0", "--lr", "3e-4"]),
     "mean (distilled)": ("mean-distilled", [*MEAN, "--distill_weight", "1", "--lr", "3e-4"]),
-    "mean (half distilled, lr 1e-3)": ("mean-half-distilled-lr1e-3", [*MEAN, "--distill_weight", "0.5",
-                                                                       "--lr", "1e-3"]),  # the recipe's, before lr 3e-4
+    "mean (half distilled, lr 1e-3)": (
+        "mean-half-distilled-lr1e-3",
+        [*MEAN, "--distill_weight", "0.5", "--lr", "1e-3"],
+    ),  # the recipe's, before lr 3e-4
     # the same uptraining from calibrated conversions, calibrated on the training text (never the eval text):
     # lsq fitted on the parent's activations (gqaify's first calibration), then layer by layer with repair and
     # 64 refinement steps per layer (the best measured in benchmarks/methods.py)
-    "lsq parallel (half distilled, lr 1e-3)": ("lsq-half-distilled-lr1e-3", [
-        "--method", "lsq", "--calib_mode", "parallel", "--distill_weight", "0.5", "--lr", "1e-3",
-        "--calib_data", str(TEXT / "wikitext-2-valid-tokenized.txt")]),
-    "lsq sequential refine 64 (half distilled, lr 1e-3)": ("lsq-sequential-refine64-half-distilled-lr1e-3", [
-        "--method", "lsq", "--calib_mode", "sequential", "--refine_steps", "64", "--distill_weight", "0.5",
-        "--lr", "1e-3", "--calib_data", str(TEXT / "wikitext-2-valid-tokenized.txt")]),
+    "lsq parallel (half distilled, lr 1e-3)": (
+        "lsq-half-distilled-lr1e-3",
+        [
+            "--method",
+            "lsq",
+            "--calib_mode",
+            "parallel",
+            "--distill_weight",
+            "0.5",
+            "--lr",
+            "1e-3",
+            "--calib_data",
+            str(TEXT / "wikitext-2-valid-tokenized.txt"),
+        ],
+    ),
+    "lsq sequential refine 64 (half distilled, lr 1e-3)": (
+        "lsq-sequential-refine64-half-distilled-lr1e-3",
+        [
+            "--method",
+            "lsq",
+            "--calib_mode",
+            "sequential",
+            "--refine_steps",
+            "64",
+            "--distill_weight",
+            "0.5",
+            "--lr",
+            "1e-3",
+            "--calib_data",
+            str(TEXT / "wikitext-2-valid-tokenized.txt"),
+        ],
+    ),
     # the recipe's setting: a lower peak rate keeps more of the calibrated start (measured on a GPU, README)
-    "lsq sequential refine 64 (half distilled, lr 3e-4)": ("lsq-sequential-refine64-half-distilled-lr3e-4", [
-        "--method", "lsq", "--calib_mode", "sequential", "--refine_steps", "64", "--distill_weight", "0.5",
-        "--lr", "3e-4", "--calib_data", str(TEXT / "wikitext-2-valid-tokenized.txt")]),
-}  # fmt: skip
+    "lsq sequential refine 64 (half distilled, lr 3e-4)": (
+        "lsq-sequential-refine64-half-distilled-lr3e-4",
+        [
+            "--method",
+            "lsq",
+            "--calib_mode",
+            "sequential",
+            "--refine_steps",
+            "64",
+            "--distill_weight",
+            "0.5",
+            "--lr",
+            "3e-4",
+            "--calib_data",
+            str(TEXT / "wikitext-2-valid-tokenized.txt"),
+        ],
+    ),
+}
 
 
 def main() -> None:
@@ -82,8 +124,15 @@ def main() -> None:
 # -- recovery -------------------------------------------------------------------------------------------------
 
 
-def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every: int, name: str = "recovery",
-             overrides: list[str] = ()) -> dict:  # fmt: skip
+def recovery(
+    gguf: Path,
+    out: Path,
+    variants: list[str],
+    tokens: int,
+    eval_every: int,
+    name: str = "recovery",
+    overrides: list[str] = (),
+) -> dict:
     """Run (or read) each variant; write OUT/NAME.png, .md and .json; return what the .json holds."""
     from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
 
@@ -91,10 +140,29 @@ def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every
     for variant in variants:
         folder, variant_overrides = VARIANTS[variant]
         run_dir = out / folder
-        command = [sys.executable, "-m", "gqaify.uptrain", "--recipe", str(RECIPE), "--model", str(gguf),
-                   "--distill_from", str(gguf), "--output_dir", str(run_dir), "--max_tokens", str(tokens),
-                   "--eval_every", str(eval_every), "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
-                   "--eval_data", str(TEXT / "wikitext-2-raw-test.txt"), *variant_overrides, *overrides]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "gqaify.uptrain",
+            "--recipe",
+            str(RECIPE),
+            "--model",
+            str(gguf),
+            "--distill_from",
+            str(gguf),
+            "--output_dir",
+            str(run_dir),
+            "--max_tokens",
+            str(tokens),
+            "--eval_every",
+            str(eval_every),
+            "--data",
+            str(TEXT / "wikitext-2-valid-tokenized.txt"),
+            "--eval_data",
+            str(TEXT / "wikitext-2-raw-test.txt"),
+            *variant_overrides,
+            *overrides,
+        ]
         print(f"== {variant}: {' '.join(command[1:])}", flush=True)
         done = run_dir / "run.json"
         if not (done.exists() and json.loads(done.read_text()).get("completed")):  # else: measured before
@@ -103,8 +171,14 @@ def recovery(gguf: Path, out: Path, variants: list[str], tokens: int, eval_every
         curves[variant] = eval_curve(metrics)
         parent = json.loads((run_dir / "run.json").read_text()).get("parent_perplexity", parent)
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
-        rows.append({"variant": variant, "overrides": [*variant_overrides, *overrides],
-                     "curve": list(zip(*curves[variant], strict=True)), "tokens_per_s": rate})  # fmt: skip
+        rows.append(
+            {
+                "variant": variant,
+                "overrides": [*variant_overrides, *overrides],
+                "curve": list(zip(*curves[variant], strict=True)),
+                "tokens_per_s": rate,
+            }
+        )
     plot_recovery(curves, parent, out / f"{name}.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")
     result = {"parent_perplexity": parent, "variants": rows}
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
@@ -146,11 +220,18 @@ def speed(gguf: Path, out: Path, steps: int, repeats: int) -> None:
         ours.append(ours_tokens_per_s(model_dir, steps))
         theirs.append(trainer_tokens_per_s(model_dir, steps))
         print(f"gqaify.uptrain {ours[-1]:.1f} tok/s, Trainer {theirs[-1]:.1f} tok/s", flush=True)
-    result = {"steps": steps, "batch": "4 x 256", "ours": ours, "trainer": theirs,
-              "ratio": statistics.median(ours) / statistics.median(theirs)}  # fmt: skip
+    result = {
+        "steps": steps,
+        "batch": "4 x 256",
+        "ours": ours,
+        "trainer": theirs,
+        "ratio": statistics.median(ours) / statistics.median(theirs),
+    }
     (out / "speed.json").write_text(json.dumps(result, indent=2))
-    print(f"median: gqaify.uptrain {statistics.median(ours):.1f} tok/s, Trainer {statistics.median(theirs):.1f} "
-          f"tok/s, ratio {result['ratio']:.2f} (goal >= 1.0)")  # fmt: skip
+    print(
+        f"median: gqaify.uptrain {statistics.median(ours):.1f} tok/s, Trainer {statistics.median(theirs):.1f} "
+        f"tok/s, ratio {result['ratio']:.2f} (goal >= 1.0)"
+    )
 
 
 def ours_tokens_per_s(model_dir: Path, steps: int) -> float:
@@ -159,11 +240,27 @@ def ours_tokens_per_s(model_dir: Path, steps: int) -> float:
     from gqaify.uptrain.train import run as uptrain
 
     with tempfile.TemporaryDirectory() as tmp:
-        settings = parse([
-            "--model", str(model_dir), "--output_dir", tmp, "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"),
-            "--seq_len", "256", "--micro_batch_size", "4", "--max_tokens", str(steps * 1024), "--lr", "3e-4",
-            "--save_every", "0", "--no_progress",
-        ])  # fmt: skip
+        settings = parse(
+            [
+                "--model",
+                str(model_dir),
+                "--output_dir",
+                tmp,
+                "--data",
+                str(TEXT / "wikitext-2-valid-tokenized.txt"),
+                "--seq_len",
+                "256",
+                "--micro_batch_size",
+                "4",
+                "--max_tokens",
+                str(steps * 1024),
+                "--lr",
+                "3e-4",
+                "--save_every",
+                "0",
+                "--no_progress",
+            ]
+        )
         uptrain(settings)
         rows = [r for r in read_metrics(Path(tmp) / "metrics.jsonl") if "time" in r]
     return (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["time"] - rows[0]["time"])
@@ -192,10 +289,20 @@ def trainer_tokens_per_s(model_dir: Path, steps: int) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=4, max_steps=steps, learning_rate=3e-4,
-            lr_scheduler_type="cosine", warmup_steps=0.05, max_grad_norm=1.0, save_strategy="no", report_to="none",
-            logging_steps=steps, use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
-        )  # fmt: skip
+            output_dir=tmp,
+            per_device_train_batch_size=4,
+            max_steps=steps,
+            learning_rate=3e-4,
+            lr_scheduler_type="cosine",
+            warmup_steps=0.05,
+            max_grad_norm=1.0,
+            save_strategy="no",
+            report_to="none",
+            logging_steps=steps,
+            use_cpu=True,
+            dataloader_drop_last=True,
+            disable_tqdm=True,
+        )
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
         Trainer(model=model, args=args, train_dataset=blocks, data_collator=collator, callbacks=[Clock()]).train()
     return (len(stamps) - 1) * 1024 / (stamps[-1] - stamps[0])

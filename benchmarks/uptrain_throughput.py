@@ -28,8 +28,7 @@ TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 
 # Dense bf16 peak of the GPUs this has run on, TFLOP/s, by the start of torch.cuda.get_device_name()
-PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4, "NVIDIA H100 PCIe": 756.0,
-               "NVIDIA A100": 312.0}  # fmt: skip
+PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4, "NVIDIA H100 PCIe": 756.0, "NVIDIA A100": 312.0}
 
 
 def matmul_weights(model: Path) -> tuple[int, int, int]:
@@ -58,21 +57,59 @@ def flops_per_token(student: Path, teacher: Path | None, seq_len: int) -> float:
 def run(shape: str, args, gguf: Path, out: Path) -> dict:
     micro, seq_len = (int(x) for x in shape.split("x"))
     run_dir = out / f"run-{shape}"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config,
-               "--num_processes", str(args.processes), "-m", "gqaify.uptrain", "--recipe", str(RECIPE),
-               "--model", str(gguf), "--distill_from", str(gguf), "--method", "mean", "--calib_data", "",
-               "--data", str(TEXT / "wikitext-2-valid-tokenized.txt"), "--eval_data", "",
-               "--output_dir", str(run_dir), "--micro_batch_size", str(micro), "--seq_len", str(seq_len),
-               "--max_tokens", str(args.steps * micro * seq_len * args.processes), "--eval_every", "0",
-               "--save_every", "0", "--log_every", "1", "--no_progress", *args.override.split()]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        args.config,
+        "--num_processes",
+        str(args.processes),
+        "-m",
+        "gqaify.uptrain",
+        "--recipe",
+        str(RECIPE),
+        "--model",
+        str(gguf),
+        "--distill_from",
+        str(gguf),
+        "--method",
+        "mean",
+        "--calib_data",
+        "",
+        "--data",
+        str(TEXT / "wikitext-2-valid-tokenized.txt"),
+        "--eval_data",
+        "",
+        "--output_dir",
+        str(run_dir),
+        "--micro_batch_size",
+        str(micro),
+        "--seq_len",
+        str(seq_len),
+        "--max_tokens",
+        str(args.steps * micro * seq_len * args.processes),
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+        "--log_every",
+        "1",
+        "--no_progress",
+        *args.override.split(),
+    ]
     print("==", " ".join(command[1:]), flush=True)
     subprocess.run(command, check=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"time"' in line]
     tokens_per_s = (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["time"] - rows[0]["time"])
     distilled = json.loads((run_dir / "run.json").read_text())["settings"]["distill_weight"] > 0
     flops = flops_per_token(run_dir / "final", gguf if distilled else None, seq_len)
-    return {"shape": shape, "tokens_per_s": round(tokens_per_s), "flops_per_token": flops,
-            "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12)}  # fmt: skip
+    return {
+        "shape": shape,
+        "tokens_per_s": round(tokens_per_s),
+        "flops_per_token": flops,
+        "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
+    }
 
 
 def main() -> None:
@@ -101,8 +138,10 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gqaify-uptrain-speed-"))
     rows = [run(shape, args, gguf, out) for shape in args.shapes.split(",")]
     print(json.dumps(rows, indent=2))
-    print(f"\n{name}, {Path(args.config).name}, {args.processes} process(es), {args.steps} steps, peak "
-          f"{args.peak_tflops} TFLOP/s {args.override}\n")
+    print(
+        f"\n{name}, {Path(args.config).name}, {args.processes} process(es), {args.steps} steps, peak "
+        f"{args.peak_tflops} TFLOP/s {args.override}\n"
+    )
     print("| micro-batch x seq_len | tokens/s | GFLOP per token | MFU |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['tokens_per_s']:,} | {r['flops_per_token'] / 1e9:.2f} | {100 * r['mfu']:.1f}% |")

@@ -24,9 +24,16 @@ needs_assets = pytest.mark.skipif(
 
 # One tiny config per supported architecture: 4 query heads, 2 K/V heads, head_dim 16, 2 layers.
 COMMON = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 ARCH_CONFIGS: dict[str, dict] = {
     "llama": dict(tie_word_embeddings=True),
     "mistral": dict(sliding_window=None),
@@ -40,22 +47,37 @@ ARCH_CONFIGS: dict[str, dict] = {
     "granite": dict(),
     "apertus": dict(),  # Q/K norms over head_dim
     "arcee": dict(bos_token_id=0, eos_token_id=0),
-    "beam": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
-                 sliding_window=8, layer_types=None),  # fmt: skip
+    "beam": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+        sliding_window=8,
+        layer_types=None,
+    ),
     "cohere": dict(eos_token_id=0),  # RoPE pairs interleaved
     "cohere2": dict(sliding_window=8, eos_token_id=0, layer_types=None),
     "cwm": dict(sliding_window=8, bos_token_id=0, layer_types=None),
     "diffllama": dict(),  # differential attention
     "ernie4_5": dict(),
-    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=0,
-                         eos_token_id=0),  # fmt: skip
+    "ernie4_5_moe": dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=32, pad_token_id=0, bos_token_id=0, eos_token_id=0
+    ),
     "exaone4": dict(sliding_window=8, layer_types=None),
     "flex_olmo": dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=0),
     "gemma3_text": dict(sliding_window=8, layer_types=None),
     "glm": dict(pad_token_id=0),  # partial rotary, interleaved
     "glm4": dict(pad_token_id=0),
-    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                     first_k_dense_replace=1, n_group=1, topk_group=1),  # fmt: skip
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=None),  # sinks
     "granite_swa": dict(sliding_window=8, bos_token_id=0, eos_token_id=0, layer_types=None),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -69,15 +91,29 @@ ARCH_CONFIGS: dict[str, dict] = {
     "internlm3": dict(),
     "iquestcoder": dict(),
     "jais2": dict(eos_token_id=0),
-    "kolibri1": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                     shared_expert_intermediate_size=32, sliding_window=8, layer_types=None),  # fmt: skip
-    "laguna": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                   sliding_window=8, layer_types=None),  # fmt: skip
-    "mellum": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
-                   layer_types=None),  # fmt: skip
+    "kolibri1": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=8,
+        layer_types=None,
+    ),
+    "laguna": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=8,
+        layer_types=None,
+    ),
+    "mellum": dict(
+        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8, layer_types=None
+    ),
     "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0),
-    "minimax_m3_vl_text": dict(num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
-                               layer_types=None),  # fmt: skip
+    "minimax_m3_vl_text": dict(
+        num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, layer_types=None
+    ),
     "ministral": dict(sliding_window=8, layer_types=None),
     "ministral3": dict(),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # MoE
@@ -88,26 +124,64 @@ ARCH_CONFIGS: dict[str, dict] = {
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=0),
     "phi": dict(),  # o_proj named dense, partial rotary, LayerNorms with biases; optional Q/K LayerNorms off
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=32, sliding_window=8, layer_types=None),  # fmt: skip
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=8,
+        layer_types=None,
+    ),
     "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
     "seed_oss": dict(),
     "smollm3": dict(pad_token_id=0, bos_token_id=0, eos_token_id=0, layer_types=None),
-    "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                       n_group=1, topk_group=1),  # fmt: skip
+    "solar_open": dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1
+    ),
     "starcoder2": dict(bos_token_id=0, eos_token_id=0),
     "vaultgemma": dict(sliding_window=8, layer_types=None),
-    "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
-                  sliding_window=8, layer_types=None),  # fmt: skip
+    "afmoe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_shared_experts=1,
+        sliding_window=8,
+        layer_types=None,
+    ),
     "aria_text": dict(moe_num_experts=4, moe_topk=2),
-    "cohere2_moe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, sliding_window=8, eos_token_id=0,
-                        layer_types=None),  # fmt: skip
-    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                  first_k_dense_replace=1, n_group=1, topk_group=1, sliding_window=8, layer_types=None),  # fmt: skip
-    "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                       num_shared_experts=1, n_group=1, topk_group=1, sliding_window=8, layer_types=None),  # fmt: skip
-    "flint": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                  sliding_window=8, layer_types=None),  # fmt: skip
+    "cohere2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, num_shared_experts=1, sliding_window=8, eos_token_id=0, layer_types=None
+    ),
+    "dots1": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        sliding_window=8,
+        layer_types=None,
+    ),
+    "exaone_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        num_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        sliding_window=8,
+        layer_types=None,
+    ),
+    "flint": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        sliding_window=8,
+        layer_types=None,
+    ),
     "llama4_text": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=None),
     # no K/V heads in transformers: built with gqaify's shipped classes (`shipped/modeling_gqaify.py`)
     "gpt2": dict(n_positions=64, bos_token_id=0, eos_token_id=0),  # Conv1D c_attn: [Q | K | V] columns
@@ -116,9 +190,32 @@ ARCH_CONFIGS: dict[str, dict] = {
 }
 
 # Q/K norms the rotating methods cannot pass (they refuse these types; mean is calibrated there)
-QK_NORMS = {"qwen3", "olmo2", "apertus", "beam", "exaone4", "gemma3_text", "hunyuan_v1_dense", "hunyuan_v1_moe",
-            "hy_v3", "kolibri1", "laguna", "mellum", "minimax_m3_vl_text", "nanochat", "olmo3", "olmoe", "qwen3_moe",
-            "afmoe", "dots1", "exaone_moe", "flint", "llama4_text", "flex_olmo", "minimax_m2"}  # fmt: skip
+QK_NORMS = {
+    "qwen3",
+    "olmo2",
+    "apertus",
+    "beam",
+    "exaone4",
+    "gemma3_text",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "hy_v3",
+    "kolibri1",
+    "laguna",
+    "mellum",
+    "minimax_m3_vl_text",
+    "nanochat",
+    "olmo3",
+    "olmoe",
+    "qwen3_moe",
+    "afmoe",
+    "dots1",
+    "exaone_moe",
+    "flint",
+    "llama4_text",
+    "flex_olmo",
+    "minimax_m2",
+}
 
 
 def model_class(model_type: str):
@@ -318,9 +415,10 @@ def save_with_tokenizer(model, directory: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=model.config.vocab_size, special_tokens=["<s>"],
+        vocab_size=model.config.vocab_size,
+        special_tokens=["<s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tokenizer.train_from_iterator([CORPUS], trainer)
     assert tokenizer.get_vocab_size() <= model.config.vocab_size
     save(model, directory)

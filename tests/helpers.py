@@ -61,7 +61,24 @@ class FakeHub:
 def uptrain_args(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
     """Command-line settings for a short run on the `tiny` models: 16-token blocks, 2 x 2 per step."""
     return [
-        "--model", str(tiny["converted"]), "--output_dir", str(out), "--data", str(tiny["train"]),
-        "--seq_len", "16", "--micro_batch_size", "2", "--grad_accum", "2", "--max_tokens", "1280",
-        "--lr", "1e-3", "--save_every", "0", "--no_progress", *extra,
-    ]  # fmt: skip
+        "--model",
+        str(tiny["converted"]),
+        "--output_dir",
+        str(out),
+        "--data",
+        str(tiny["train"]),
+        "--seq_len",
+        "16",
+        "--micro_batch_size",
+        "2",
+        "--grad_accum",
+        "2",
+        "--max_tokens",
+        "1280",
+        "--lr",
+        "1e-3",
+        "--save_every",
+        "0",
+        "--no_progress",
+        *extra,
+    ]

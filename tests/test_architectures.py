@@ -59,8 +59,14 @@ def test_falcon_is_refused_because_transformers_caches_every_query_heads_kv():
     still holds 4 heads per layer. When transformers caches the K/V heads themselves, this fails: convert it."""
     from transformers import FalconConfig, FalconForCausalLM
 
-    config = FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_kv_heads=2,
-                          new_decoder_architecture=True)  # fmt: skip
+    config = FalconConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+    )
     cache = FalconForCausalLM(config).eval()(sample_ids(96), use_cache=True).past_key_values
     assert cache.layers[0].keys.shape[1] == 4
 
@@ -95,8 +101,9 @@ def test_the_docs_architecture_table_is_the_generated_one(tmp_path):
     page = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
     (tmp_path / "page.md").write_text(page.read_text())
     coverage.write_into(tmp_path / "page.md")
-    assert (tmp_path / "page.md").read_text() == page.read_text(), \
-        "regenerate it: python -m gqaify.coverage --write docs/architectures.md"  # fmt: skip
+    assert (tmp_path / "page.md").read_text() == page.read_text(), (
+        "regenerate it: python -m gqaify.coverage --write docs/architectures.md"
+    )
     assert coverage.markdown() in page.read_text()
 
 

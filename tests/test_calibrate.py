@@ -29,7 +29,7 @@ from conftest import (
     load,
     logits,
     needs_assets,
-    sample_ids,  # fmt: skip
+    sample_ids,
     save_with_tokenizer,
     tree_hashes,
 )
@@ -88,8 +88,9 @@ def test_sequential_calibration_that_changes_nothing_reproduces_the_parent(model
     """G = KV through the whole walk, repair and refinement included: the same logits."""
     model, src = _tiny(model_type, tmp_path / "src")
     method = "mean" if model_type in QK_NORMS else "lsq"
-    result = gqaify.convert(src, tmp_path / "out", kv_heads=2, method=method, progress=False,
-                            **calibration, refine_steps=3)  # fmt: skip
+    result = gqaify.convert(
+        src, tmp_path / "out", kv_heads=2, method=method, progress=False, **calibration, refine_steps=3
+    )
     ids = sample_ids(320)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(model, ids))
     assert all(fit.out < 1e-5 and not fit.repaired for fit in result.fits)
@@ -136,10 +137,12 @@ def test_duplicated_heads_pool_back_exactly_through_the_walk(model_type, calibra
 
 @needs_assets
 def test_stories260k_twin_pools_back_through_the_walk(tmp_path):
-    calibration = dict(calib_data=str(TEXT / "tinystories-train-sample.txt"), calib_tokens=4096, calib_seq_len=256,
-                       refine_steps=2)  # fmt: skip
-    gqaify.convert(MODELS / "stories260K-mha", tmp_path / "out", kv_heads=4, method="lsq", **calibration,
-                   progress=False)  # fmt: skip
+    calibration = dict(
+        calib_data=str(TEXT / "tinystories-train-sample.txt"), calib_tokens=4096, calib_seq_len=256, refine_steps=2
+    )
+    gqaify.convert(
+        MODELS / "stories260K-mha", tmp_path / "out", kv_heads=4, method="lsq", **calibration, progress=False
+    )
     ids = sample_ids(512, length=64)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), logits(load(MODELS / "stories260K"), ids))
 
@@ -164,8 +167,7 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
 
     monkeypatch.setattr(walk, "skeleton", tracked_skeleton)
     monkeypatch.setattr(walk, "loaded", tracked_loaded)
-    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=2,
-                   progress=False)  # fmt: skip
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=2, progress=False)
     assert len(skeletons) == 2 and len(seen) == 2 * 4  # the parent's and the converted layer, for each layer
     for real, in_layer, layers in seen:
         assert real == in_layer and len(layers) == 1 and None not in layers  # only the layer just loaded
@@ -173,13 +175,14 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
 
 def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(calibration, tmp_path):
     _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
-    plain = gqaify.convert(src, tmp_path / "parallel", kv_heads=1, method="lsq",
-                           **calibration, calib_mode="parallel", progress=False)  # fmt: skip
+    plain = gqaify.convert(
+        src, tmp_path / "parallel", kv_heads=1, method="lsq", **calibration, calib_mode="parallel", progress=False
+    )
     assert all(fit.out is None for fit in plain.fits)
-    repaired = gqaify.convert(src, tmp_path / "repaired", kv_heads=1, method="lsq", **calibration,
-                              progress=False)  # fmt: skip
-    refined = gqaify.convert(src, tmp_path / "refined", kv_heads=1, method="lsq", progress=False,
-                             **calibration, refine_steps=40)  # fmt: skip
+    repaired = gqaify.convert(src, tmp_path / "repaired", kv_heads=1, method="lsq", **calibration, progress=False)
+    refined = gqaify.convert(
+        src, tmp_path / "refined", kv_heads=1, method="lsq", progress=False, **calibration, refine_steps=40
+    )
     assert all(fit.repaired for fit in repaired.fits)
     assert all(fit.refine_loss[1] < fit.refine_loss[0] for fit in refined.fits)
     assert refined.fits[-1].out < repaired.fits[-1].out
@@ -193,8 +196,7 @@ def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(c
 
 def test_a_sliding_window_model_converts_to_fewer_heads(calibration, tmp_path):
     model, src = _tiny("gemma2", tmp_path / "src", num_kv_heads=2)
-    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=5,
-                   progress=False)  # fmt: skip
+    gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=5, progress=False)
     converted = load(tmp_path / "out")
     assert converted.config.num_key_value_heads == 1 and converted.config.sliding_window == 8
     assert torch.isfinite(logits(converted, sample_ids(320))).all()
@@ -236,34 +238,60 @@ def no_source_opened(monkeypatch):
 
 @pytest.mark.parametrize(
     ("args", "expect"),
-    [(["--calib-mode", "parallel", "--refine-steps", "5"], "use --calib-mode sequential"),
-     (["--refine-steps", "-1"], "--refine-steps -1 must be a whole number, 0 or more"),
-     (["--refine-lr", "0"], "--refine-lr 0.0 must be a positive number"),
-     (["--refine-steps", "1000000000"], "--refine-steps 1000000000 is more than the 1,000,000 allowed"),
-     (["--refine-lr", "nan"], "--refine-lr nan is not a finite number; give a positive one"),
-     (["--refine-lr", "inf"], "--refine-lr inf is not a finite number; give a positive one"),
-     (["--refine-lr=-inf"], "--refine-lr -inf is not a finite number; give a positive one"),
-     (["--calib-sha256", "abc"], "--calib-sha256 'abc' is not a SHA-256 (64 hex digits)"),
-     (["--calib-mode", "backwards"], "argument --calib-mode/--calib_mode: invalid choice")],
-)  # fmt: skip
+    [
+        (["--calib-mode", "parallel", "--refine-steps", "5"], "use --calib-mode sequential"),
+        (["--refine-steps", "-1"], "--refine-steps -1 must be a whole number, 0 or more"),
+        (["--refine-lr", "0"], "--refine-lr 0.0 must be a positive number"),
+        (["--refine-steps", "1000000000"], "--refine-steps 1000000000 is more than the 1,000,000 allowed"),
+        (["--refine-lr", "nan"], "--refine-lr nan is not a finite number; give a positive one"),
+        (["--refine-lr", "inf"], "--refine-lr inf is not a finite number; give a positive one"),
+        (["--refine-lr=-inf"], "--refine-lr -inf is not a finite number; give a positive one"),
+        (["--calib-sha256", "abc"], "--calib-sha256 'abc' is not a SHA-256 (64 hex digits)"),
+        (["--calib-mode", "backwards"], "argument --calib-mode/--calib_mode: invalid choice"),
+    ],
+)
 def test_bad_calibration_options(capsys, calibration, tmp_path, no_source_opened, args, expect):
     _, src = _tiny("llama", tmp_path / "src")
-    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
-                        "--calib-data", calibration["calib_data"], *args)  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "convert",
+        src,
+        tmp_path / "out",
+        "--kv-heads",
+        "1",
+        "--method",
+        "lsq",
+        "--calib-data",
+        calibration["calib_data"],
+        *args,
+    )
     assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("value", [".nan", ".inf"])
-def test_a_refine_lr_that_is_not_finite_is_refused_from_a_config_file(capsys, calibration, tmp_path, value,
-                                                                       no_source_opened):  # fmt: skip
+def test_a_refine_lr_that_is_not_finite_is_refused_from_a_config_file(
+    capsys, calibration, tmp_path, value, no_source_opened
+):
     """--refine-lr nan ended in a traceback after 16 s of calibration; inf ran and undid every refinement. Both
     are refused before the source is opened."""
     _, src = _tiny("llama", tmp_path / "src")
     (tmp_path / "c.yaml").write_text(f"refine_lr: {value}\nrefine_steps: 5\n")
     before = sorted(p.name for p in tmp_path.iterdir())
-    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
-                        "--calib-data", calibration["calib_data"], "--config", tmp_path / "c.yaml")  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "convert",
+        src,
+        tmp_path / "out",
+        "--kv-heads",
+        "1",
+        "--method",
+        "lsq",
+        "--calib-data",
+        calibration["calib_data"],
+        "--config",
+        tmp_path / "c.yaml",
+    )
     assert code == 2 and err.count("\n") == 1 and "is not a finite number; give a positive one" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -286,9 +314,28 @@ def _refining(calibration, tmp_path) -> tuple[subprocess.Popen, list, threading.
 
     _, src = _tiny("llama", tmp_path / "src")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # on the CPU: a CUDA context reserves address space
-    argv = [sys.executable, "-c", _CAPPED, "-v", "convert", src, tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
-            "--calib-data", calibration["calib_data"], "--calib-tokens", "1024", "--calib-seq-len", "48",
-            "--refine-steps", str(REFINE_STEPS_MAX), "-q"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        _CAPPED,
+        "-v",
+        "convert",
+        src,
+        tmp_path / "out",
+        "--kv-heads",
+        "1",
+        "--method",
+        "lsq",
+        "--calib-data",
+        calibration["calib_data"],
+        "--calib-tokens",
+        "1024",
+        "--calib-seq-len",
+        "48",
+        "--refine-steps",
+        str(REFINE_STEPS_MAX),
+        "-q",
+    ]
     process = subprocess.Popen([str(a) for a in argv], stderr=subprocess.PIPE, text=True, env=env)
     lines = []  # (when, line) of stderr
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in process.stderr))
@@ -329,8 +376,21 @@ def test_sigkill_during_refinement_leaves_only_a_staging_folder_the_next_run_rem
     left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("calib.txt", "src"))
     assert len(left) == 1 and left[0].startswith(".out.gqaify-"), left
     assert (tmp_path / left[0] / ".gqaify-fits").is_dir()  # the fits of the layers done, inside it
-    done = subprocess.run([sys.executable, "-m", "gqaify", "convert", str(tmp_path / "src"), str(tmp_path / "out"),
-                           "--kv-heads", "1", "-q"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gqaify",
+            "convert",
+            str(tmp_path / "src"),
+            str(tmp_path / "out"),
+            "--kv-heads",
+            "1",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert f"removed {tmp_path / left[0]}" in done.stderr and "left by a run that was killed" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "out", "src"]
@@ -341,8 +401,19 @@ def test_a_rerun_refuses_calibration_text_that_changed_unless_told_to_accept_it(
     line was added to the file used to write other weights without a word."""
     _, src = _tiny("llama", tmp_path / "src")
     calib = tmp_path / "calib.txt"
-    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calib, "--calib-tokens", "1024", "--calib-seq-len",
-            "48", "-q")  # fmt: skip
+    args = (
+        "--kv-heads",
+        "1",
+        "--method",
+        "lsq",
+        "--calib-data",
+        calib,
+        "--calib-tokens",
+        "1024",
+        "--calib-seq-len",
+        "48",
+        "-q",
+    )
     assert run_cli(capsys, "convert", src, tmp_path / "first", *args)[0] == 0
     record = json.loads((tmp_path / "first" / "gqaify.json").read_text())
     digest = hashlib.sha256(calib.read_bytes()).hexdigest()
@@ -350,31 +421,49 @@ def test_a_rerun_refuses_calibration_text_that_changed_unless_told_to_accept_it(
 
     calib.write_text(calib.read_text() + "One more line.\n")
     before = tree_hashes(tmp_path)
-    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
-                        tmp_path / "second", "-q")  # fmt: skip
+    code, err = run_cli(
+        capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out", tmp_path / "second", "-q"
+    )
     assert code == 2 and err.count("\n") == 1, err
     assert f"--calib-data {calib}: the text changed since the recorded conversion" in err
     assert "pass --calib-sha256 '' to convert with the text as it is now" in err
     assert tree_hashes(tmp_path) == before and not (tmp_path / "second").exists()
-    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
-                        tmp_path / "first", "-q", "--force")  # fmt: skip
+    code, err = run_cli(
+        capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out", tmp_path / "first", "-q", "--force"
+    )
     assert code == 2 and "the text changed" in err, err  # --force replaces OUT; it does not accept other text
 
-    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
-                        tmp_path / "second", "-q", "--calib-sha256", "")  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "convert",
+        "--config",
+        tmp_path / "first" / "gqaify.json",
+        "--out",
+        tmp_path / "second",
+        "-q",
+        "--calib-sha256",
+        "",
+    )
     assert code == 0, err
     again = json.loads((tmp_path / "second" / "gqaify.json").read_text())
     assert again["settings"]["calib_sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest() != digest
 
 
-@pytest.mark.parametrize(("tokens", "weights", "expected"), [(1000, [2, 1, 1], [500, 250, 250]),
-                                                             (10, None, [4, 3, 3]), (7, [1, 1e-9], [7, 0]),
-                                                             (16384, [1, 1, 1], [5462, 5461, 5461])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("tokens", "weights", "expected"),
+    [
+        (1000, [2, 1, 1], [500, 250, 250]),
+        (10, None, [4, 3, 3]),
+        (7, [1, 1e-9], [7, 0]),
+        (16384, [1, 1, 1], [5462, 5461, 5461]),
+    ],
+)
 def test_a_mixture_shares_the_tokens_exactly(tokens, weights, expected):
     from gqaify.conversion.options import Calibration
 
-    calibration = Calibration(["a", "b", "c"][: len(expected)], tokens, "train", "text", 48, "sequential", 0, 1e-3,
-                              True, weights=weights)  # fmt: skip
+    calibration = Calibration(
+        ["a", "b", "c"][: len(expected)], tokens, "train", "text", 48, "sequential", 0, 1e-3, True, weights=weights
+    )
     assert calibration.shares() == expected and sum(expected) == tokens
 
 
@@ -400,8 +489,23 @@ def test_a_mixture_reads_each_sources_share_and_a_rerun_refuses_a_changed_source
     prose, verse = tmp_path / "prose.txt", tmp_path / "verse.txt"
     prose.write_text(CORPUS * 4)
     verse.write_text(" ".join(reversed((CORPUS * 4).split())))
-    args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", f"p={prose}", verse, "--calib-weights", "3", "1",
-            "--calib-tokens", "1000", "--calib-seq-len", "48", "-q")  # fmt: skip
+    args = (
+        "--kv-heads",
+        "1",
+        "--method",
+        "lsq",
+        "--calib-data",
+        f"p={prose}",
+        verse,
+        "--calib-weights",
+        "3",
+        "1",
+        "--calib-tokens",
+        "1000",
+        "--calib-seq-len",
+        "48",
+        "-q",
+    )
     assert run_cli(capsys, "convert", src, tmp_path / "first", *args)[0] == 0
     record = json.loads((tmp_path / "first" / "gqaify.json").read_text())
     sources = record["calibration"]["sources"]
@@ -414,17 +518,21 @@ def test_a_mixture_reads_each_sources_share_and_a_rerun_refuses_a_changed_source
 
     verse.write_text(verse.read_text() + " more")
     before = tree_hashes(tmp_path)
-    code, err = run_cli(capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out",
-                        tmp_path / "second", "-q")  # fmt: skip
+    code, err = run_cli(
+        capsys, "convert", "--config", tmp_path / "first" / "gqaify.json", "--out", tmp_path / "second", "-q"
+    )
     assert code == 2 and err.count("\n") == 1 and "the text changed since the recorded conversion" in err, err
     assert tree_hashes(tmp_path) == before and not (tmp_path / "second").exists()
 
 
-@pytest.mark.parametrize(("extra", "expect"), [
-    (["--calib-weights", "1"], "--calib-weights gives 1 weights for 2 calib_data sources; give one per source"),
-    (["--calib-weights", "1", "-1"], "must be positive numbers"),
-    (["--calib-weights", "1000", "0.01"], "gets 0 of --calib-tokens 32,768 by --calib-weights 1000 0.01; a source"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        (["--calib-weights", "1"], "--calib-weights gives 1 weights for 2 calib_data sources; give one per source"),
+        (["--calib-weights", "1", "-1"], "must be positive numbers"),
+        (["--calib-weights", "1000", "0.01"], "gets 0 of --calib-tokens 32,768 by --calib-weights 1000 0.01; a source"),
+    ],
+)
 def test_bad_mixture_weights_are_refused_in_one_line(capsys, tmp_path, extra, expect):
     _, src = _tiny("llama", tmp_path / "src")
     (tmp_path / "a.txt").write_text(CORPUS)

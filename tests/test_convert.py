@@ -211,8 +211,12 @@ def test_hub_id_is_fetched_with_snapshot_download(mha_llama, tmp_path, monkeypat
     assert not (tmp_path / "out" / "consolidated.safetensors").exists()
     record = json.loads((tmp_path / "out" / "gqaify.json").read_text())
     assert record["source"] | {"sha256": None} == {
-        "name": "someone/tiny-llama", "kind": "hub", "path": None, "revision": commit, "sha256": None,
-    }  # fmt: skip
+        "name": "someone/tiny-llama",
+        "kind": "hub",
+        "path": None,
+        "revision": commit,
+        "sha256": None,
+    }
     assert "base_model: someone/tiny-llama" in (tmp_path / "out" / "README.md").read_text()
     ids = sample_ids(model.config.vocab_size)
     assert logits(load(tmp_path / "out"), ids).shape == logits(model, ids).shape
@@ -321,7 +325,6 @@ def test_push_to_hub_uploads_the_complete_folder_in_one_commit(mha_llama, tmp_pa
     import huggingface_hub
     from huggingface_hub import ModelCard
 
-
     FakeHub.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
     _, src = mha_llama
@@ -345,7 +348,6 @@ def test_a_failed_push_keeps_the_complete_folder_and_says_how_to_push_it(mha_lla
     import httpx2 as httpx
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
-
 
     class Refusing(FakeHub):
         def create_repo(self, repo_id, **kwargs):

@@ -61,7 +61,6 @@ def test_mixed_folder_is_refused(tmp_path):
 # -- the hub unreachable: one line at once, nothing written (the hub made unreachable by `hub_unreachable`) ---
 
 
-
 @pytest.fixture
 def model(tmp_path):
     return save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300), tmp_path / "m")
@@ -76,8 +75,9 @@ def test_a_hub_dataset_without_the_hub_is_one_line_at_once(capsys, tmp_path, mod
 
 def test_calibration_data_without_the_hub_is_one_line_at_once(capsys, tmp_path, model, hub_unreachable):
     out = tmp_path / "out"
-    err = one_line_refusal(capsys, "convert", model, out, "--kv-heads", "2", "--method", "lsq", "--calib-data",
-                           NOT_CACHED)  # fmt: skip
+    err = one_line_refusal(
+        capsys, "convert", model, out, "--kv-heads", "2", "--method", "lsq", "--calib-data", NOT_CACHED
+    )
     assert f"--calib-data {NOT_CACHED} is not a local path and the Hugging Face hub could not be reached (" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing written beside the model
 

@@ -66,10 +66,14 @@ def test_unsupported_architecture_lists_supported_ones(capsys, tmp_path):
     config = GPTJConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, rotary_dim=8)
     src = save(GPTJForCausalLM(config), tmp_path / "gptj")
     assert_refused(
-        capsys, src, tmp_path / "out", "--kv-heads", "1",
+        capsys,
+        src,
+        tmp_path / "out",
+        "--kv-heads",
+        "1",
         expect=f"unsupported architecture 'gptj' (GPTJForCausalLM); gqaify converts {len(ARCHITECTURES)} model types, "
         "listed by `python -m gqaify.coverage`",
-    )  # fmt: skip
+    )
 
 
 def test_missing_shard(capsys, source, tmp_path):
@@ -104,9 +108,15 @@ def test_quantized_sources_are_refused(capsys, source, tmp_path, method):
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": method, "bits": 4}
     (src / "config.json").write_text(json.dumps(config))
-    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "2",
-                   expect=f"SRC is quantized (quantization_config: {method}); gqaify pools full-precision weights: "
-                   "convert the unquantized checkpoint, or dequantize it first")  # fmt: skip
+    assert_refused(
+        capsys,
+        src,
+        tmp_path / "out",
+        "--kv-heads",
+        "2",
+        expect=f"SRC is quantized (quantization_config: {method}); gqaify pools full-precision weights: "
+        "convert the unquantized checkpoint, or dequantize it first",
+    )
 
 
 def test_source_not_found(capsys, tmp_path):
@@ -174,8 +184,16 @@ def test_console_script_success_and_bad_input(source, tmp_path):
 
 def test_sigkill_mid_conversion_leaves_no_output(tmp_path):
     """Kill the converter once its first shard is on disk: OUT must not exist, only the hidden staging folder."""
-    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256,
-                        intermediate_size=1024, num_hidden_layers=16, vocab_size=4096)  # fmt: skip
+    model = build_model(
+        "llama",
+        num_kv_heads=8,
+        num_attention_heads=8,
+        head_dim=32,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        vocab_size=4096,
+    )
     src = save(model, tmp_path / "src", max_shard_size="2MB")
     before = tree_hashes(src)
     out = tmp_path / "out"

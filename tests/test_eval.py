@@ -118,8 +118,14 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     root, parent, data = lm_pair
     report = gqaify.evaluate([str(parent), str(root / "gqa2"), str(root / "same")], str(data), tmp_path / "r", FAST)
     files = {p.name: p for p in (tmp_path / "r").iterdir()}
-    assert set(files) == {"report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png",
-                          "perplexity_by_text.png", "gqaify.json"}  # fmt: skip
+    assert set(files) == {
+        "report.json",
+        "report.md",
+        "perplexity_vs_kv.png",
+        "diagnostics.png",
+        "perplexity_by_text.png",
+        "gqaify.json",
+    }
     for png in ("perplexity_vs_kv.png", "diagnostics.png", "perplexity_by_text.png"):
         with Image.open(files[png]) as image:
             image.load()  # decodes every pixel: a truncated or corrupt file raises here
@@ -127,8 +133,16 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
             assert ImageStat.Stat(image.convert("L")).stddev[0] > 10, f"{png} is blank"
     loaded = json.loads(files["report.json"].read_text())
     assert {"data", "settings", "models"} <= set(loaded)
-    keys = {"model", "num_key_value_heads", "perplexity", "nll", "tokens_scored", "kv_cache_bytes_per_token",
-            "kv_cache_bytes_measured", "decode_tokens_per_s"}  # fmt: skip
+    keys = {
+        "model",
+        "num_key_value_heads",
+        "perplexity",
+        "nll",
+        "tokens_scored",
+        "kv_cache_bytes_per_token",
+        "kv_cache_bytes_measured",
+        "decode_tokens_per_s",
+    }
     assert all(keys <= set(m) for m in loaded["models"])
 
     parent_r, gqa2, same = report.models
@@ -199,8 +213,12 @@ def test_a_panel_reports_each_text_as_one_text_at_a_time(lm_pair, tmp_path):
 
     ids = AutoTokenizer.from_pretrained(parent)(CORPUS)["input_ids"]
     ids = torch.tensor(ids[: FAST.max_tokens] if FAST.max_tokens else ids)
-    expected = reference_kl(AutoModelForCausalLM.from_pretrained(root / "gqa2"),
-                            AutoModelForCausalLM.from_pretrained(parent), ids, FAST.seq_len)  # fmt: skip
+    expected = reference_kl(
+        AutoModelForCausalLM.from_pretrained(root / "gqa2"),
+        AutoModelForCausalLM.from_pretrained(parent),
+        ids,
+        FAST.seq_len,
+    )
     assert gqa2.texts[0].kl_to_parent == pytest.approx(expected / gqa2.texts[0].tokens_scored, rel=1e-4)
     stored = json.loads((tmp_path / "panel" / "report.json").read_text())
     assert [t["name"] for t in stored["data"]] == ["prose", "verse"]
@@ -211,8 +229,18 @@ def test_a_panel_reports_each_text_as_one_text_at_a_time(lm_pair, tmp_path):
 
 def test_a_panel_from_the_command_line_and_a_rerun_from_its_report(lm_pair, tmp_path, capsys):
     root, parent, data = lm_pair
-    args = ["eval", str(parent), str(root / "gqa2"), "--data", f"a={data}", f"b={data}", "--seq-len", "32",
-            "--no-speed", "-q"]  # fmt: skip
+    args = [
+        "eval",
+        str(parent),
+        str(root / "gqa2"),
+        "--data",
+        f"a={data}",
+        f"b={data}",
+        "--seq-len",
+        "32",
+        "--no-speed",
+        "-q",
+    ]
     assert main([*args, "--out", str(tmp_path / "r")]) == 0
     shown = capsys.readouterr().out
     assert "perplexity by text" in shown and "worst" in shown
@@ -239,16 +267,24 @@ def test_report_files_follow_the_umask(lm_pair, tmp_path):
     finally:
         os.umask(previous)
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == dict.fromkeys(
-        ["report.json", "report.md", "perplexity_vs_kv.png", "diagnostics.png", "perplexity_by_text.png",
-         "gqaify.json"], 0o644
-    )  # fmt: skip
+        [
+            "report.json",
+            "report.md",
+            "perplexity_vs_kv.png",
+            "diagnostics.png",
+            "perplexity_by_text.png",
+            "gqaify.json",
+        ],
+        0o644,
+    )
     assert (tmp_path / "r").stat().st_mode & 0o777 == 0o755
 
 
 def test_word_and_byte_normalisation(lm_pair, tmp_path):
     root, parent, data = lm_pair
-    report = gqaify.evaluate([str(parent)], str(data), tmp_path / "r", EvalSettings(seq_len=32, speed=False,
-                             progress=False, max_tokens=50))  # fmt: skip
+    report = gqaify.evaluate(
+        [str(parent)], str(data), tmp_path / "r", EvalSettings(seq_len=32, speed=False, progress=False, max_tokens=50)
+    )
     m = report.models[0]
     assert m.tokens_scored == 49 - 1  # 50 tokens in chunks of 32: the first token of each chunk is not scored
     nll_sum = m.nll * m.tokens_scored
@@ -299,9 +335,14 @@ def test_every_problem_is_reported_at_once(lm_pair, tmp_path, capsys, no_model_l
     code = main(["eval", *models, "--data", str(data), "--out", str(tmp_path / "r"), *bad])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    for expect in ("--seq-len 4096 exceeds the 128 positions", "--memory-budget 'lots' is not a size",
-                   "--decode-tokens 0 must be at least 1", "unknown --device 'tpu'", "MODEL not found: ",
-                   f"{tmp_path / 'r'} exists and is not a folder"):  # fmt: skip
+    for expect in (
+        "--seq-len 4096 exceeds the 128 positions",
+        "--memory-budget 'lots' is not a size",
+        "--decode-tokens 0 must be at least 1",
+        "unknown --device 'tpu'",
+        "MODEL not found: ",
+        f"{tmp_path / 'r'} exists and is not a folder",
+    ):
         assert expect in err, expect
     assert (tmp_path / "r").read_text() == "mine"
 
@@ -352,8 +393,9 @@ def test_bad_models_and_data(lm_pair, tmp_path, capsys):
 def test_models_with_different_tokenizers_are_flagged(lm_pair, tmp_path):
     root, parent, data = lm_pair
     other = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300, seed=3), tmp_path / "other")
-    report = gqaify.evaluate([str(parent), str(other)], str(data), tmp_path / "r", EvalSettings(seq_len=32,
-                             speed=False, progress=False))  # fmt: skip
+    report = gqaify.evaluate(
+        [str(parent), str(other)], str(data), tmp_path / "r", EvalSettings(seq_len=32, speed=False, progress=False)
+    )
     assert report.models[0].tokenizer != report.models[1].tokenizer
     assert report.models[1].diagnostics is None
     assert any("different tokenizers" in note for note in report.notes)
@@ -377,8 +419,19 @@ def test_max_tokens_cuts_the_text_once_when_tokenizers_differ(lm_pair, tmp_path)
 
 def test_cli_prints_the_table(lm_pair, tmp_path, capsys):
     root, parent, data = lm_pair
-    args = ["eval", str(parent), str(root / "gqa2"), "--data", str(data), "--out", str(tmp_path / "r"), "--seq-len",
-            "32", "--no-speed", "-q"]  # fmt: skip
+    args = [
+        "eval",
+        str(parent),
+        str(root / "gqa2"),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "r"),
+        "--seq-len",
+        "32",
+        "--no-speed",
+        "-q",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "kv heads" in out and "gqa2" in out and "report.md" in out

@@ -143,7 +143,6 @@ def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
-
 @needs_assets
 def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
     """README's three commands on the MHA twin of stories260K: the parent's text is the only data, and the
@@ -152,14 +151,62 @@ def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
 
     parent, text = MODELS / "stories260K-mha", tmp_path / "parent-text"
     assert main(["generate", str(parent), str(text), "--tokens", "6000", "--length", "128", "-q"]) == 0
-    assert main(["convert", str(parent), str(tmp_path / "mqa"), "--kv-heads", "1", "--method", "lsq",
-                 "--calib-data", str(text), "--calib-tokens", "2048", "--calib-seq-len", "128", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "convert",
+                str(parent),
+                str(tmp_path / "mqa"),
+                "--kv-heads",
+                "1",
+                "--method",
+                "lsq",
+                "--calib-data",
+                str(text),
+                "--calib-tokens",
+                "2048",
+                "--calib-seq-len",
+                "128",
+                "-q",
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "mqa" / "gqaify.json").read_text())
     assert record["calibration"]["data"] == [str(text)] and "held out" in record["calibration"]["holdout"]
-    assert main(["uptrain", "--model", str(tmp_path / "mqa"), "--data", str(text), "--distill_from", str(parent),
-                 "--distill_weight", "1", "--max_tokens", "8192", "--seq_len", "128", "--lr", "1e-3",
-                 "--eval_data", str(text), "--eval_split", "train", "--eval_tokens", "1024",
-                 "--output_dir", str(tmp_path / "up"), "--save_every", "0", "--no_progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "uptrain",
+                "--model",
+                str(tmp_path / "mqa"),
+                "--data",
+                str(text),
+                "--distill_from",
+                str(parent),
+                "--distill_weight",
+                "1",
+                "--max_tokens",
+                "8192",
+                "--seq_len",
+                "128",
+                "--lr",
+                "1e-3",
+                "--eval_data",
+                str(text),
+                "--eval_split",
+                "train",
+                "--eval_tokens",
+                "1024",
+                "--output_dir",
+                str(tmp_path / "up"),
+                "--save_every",
+                "0",
+                "--no_progress",
+            ]
+        )
+        == 0
+    )
     kl = [r["eval_kl"] for r in read_metrics(tmp_path / "up" / "metrics.jsonl") if "eval_kl" in r]
     assert len(kl) == 2 and kl[-1] < 0.8 * kl[0]
     config = json.loads((tmp_path / "up" / "final" / "config.json").read_text())

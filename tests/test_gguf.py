@@ -37,8 +37,12 @@ def stories_gguf(tmp_path_factory) -> dict[str, Path]:
     made = {}
     for name, kv in (("gqa2", "2"), ("mqa", "1")):
         assert main(["convert", str(STORIES_MHA), str(root / name), "--kv-heads", kv, "-q"]) == 0
-        assert main(["convert", str(STORIES_MHA), str(root / f"{name}.gguf"), "--kv-heads", kv, "--gguf-type",
-                     "f32", "-q"]) == 0  # fmt: skip
+        assert (
+            main(
+                ["convert", str(STORIES_MHA), str(root / f"{name}.gguf"), "--kv-heads", kv, "--gguf-type", "f32", "-q"]
+            )
+            == 0
+        )
         made[name], made[f"{name}.gguf"] = root / name, root / f"{name}.gguf"
     for out_type in ("f16", "bf16", "q8_0"):
         path = root / f"gqa2-{out_type}.gguf"
@@ -115,8 +119,11 @@ def test_a_vocabulary_llama_cpp_would_misread_is_refused_and_nothing_written(tmp
     if not (MODELS / "ref-mha-6L").is_dir():
         pytest.skip("needs ../shared/assets/models/ref-mha-6L")
     out = tmp_path / "ref.gguf"
-    done = subprocess.run([sys.executable, "-m", "gqaify", "convert", str(MODELS / "ref-mha-6L"), str(out),
-                           "--kv-heads", "2", "-q"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "gqaify", "convert", str(MODELS / "ref-mha-6L"), str(out), "--kv-heads", "2", "-q"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "convert_hf_to_gguf.py" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
@@ -181,10 +188,13 @@ def test_llama_cpp_decodes_the_gguf_as_transformers_decodes_the_safetensors(stor
 
 def engine_kv_cache_mib(path: Path, cells: int = 32768) -> float:
     """The size of llama.cpp's KV cache for `cells` tokens, as the engine reports it when it allocates it."""
-    code = ("import sys; from llama_cpp import Llama; "
-            "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code, str(path), str(cells)], capture_output=True, text=True,
-                          check=True)  # fmt: skip
+    code = (
+        "import sys; from llama_cpp import Llama; "
+        "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(cells)], capture_output=True, text=True, check=True
+    )
     match = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells", done.stderr)
     assert match is not None and int(match[2]) == cells, done.stderr[-2000:]
     return float(match[1])
@@ -195,8 +205,10 @@ def engine_kv_cache_mib(path: Path, cells: int = 32768) -> float:
 def test_llama_cpp_kv_cache_is_h_over_g_smaller(stories_gguf, tmp_path):
     mha = tmp_path / "mha.gguf"  # the parent itself, 8 K/V heads
     assert main(["convert", str(STORIES_MHA), str(mha), "--kv-heads", "8", "--gguf-type", "f32", "-q"]) == 0
-    sizes = {name: engine_kv_cache_mib(path) for name, path in
-             (("mha", mha), ("gqa2", stories_gguf["gqa2.gguf"]), ("mqa", stories_gguf["mqa.gguf"]))}  # fmt: skip
+    sizes = {
+        name: engine_kv_cache_mib(path)
+        for name, path in (("mha", mha), ("gqa2", stories_gguf["gqa2.gguf"]), ("mqa", stories_gguf["mqa.gguf"]))
+    }
     assert sizes["mha"] == 4 * sizes["gqa2"] == 8 * sizes["mqa"] > 0
 
 
@@ -241,16 +253,33 @@ def llama_cpp_converter() -> Path:
     script = cache / "llama.cpp" / "convert_hf_to_gguf.py"
     if not script.is_file():
         cache.mkdir(parents=True, exist_ok=True)
-        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                                  f"llama-cpp-python=={llama_cpp.__version__}", "-d", str(cache)],
-                                 capture_output=True, text=True)  # fmt: skip
+        fetched = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={llama_cpp.__version__}",
+                "-d",
+                str(cache),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if fetched.returncode != 0:
             pytest.skip(f"llama.cpp's converter could not be fetched: {fetched.stderr.strip()[-300:]}")
         (sdist,) = cache.glob("llama_cpp_python-*.tar.gz")
         with tarfile.open(sdist) as tar:
             keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-            members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
-                       and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(keep)]  # fmt: skip
+            members = [
+                m
+                for m in tar.getmembers()
+                if "/vendor/llama.cpp/" in m.name and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(keep)
+            ]
             for member in members:
                 member.name = "llama.cpp/" + member.name.split("/vendor/llama.cpp/", 1)[1]
             tar.extractall(cache, members=members, filter="data")
@@ -264,8 +293,19 @@ def test_llama_cpp_converter_makes_the_same_gguf_from_the_safetensors(stories_gg
     import gguf
 
     theirs = tmp_path / "theirs.gguf"
-    subprocess.run([sys.executable, str(llama_cpp_converter), str(stories_gguf["mqa"]), "--outfile", str(theirs),
-                    "--outtype", "f32"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(llama_cpp_converter),
+            str(stories_gguf["mqa"]),
+            "--outfile",
+            str(theirs),
+            "--outtype",
+            "f32",
+        ],
+        check=True,
+        capture_output=True,
+    )
     ours, reference = gguf.GGUFReader(stories_gguf["mqa.gguf"]), gguf.GGUFReader(theirs)
     assert {t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in ours.tensors} == {
         t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in reference.tensors
@@ -308,7 +348,8 @@ def test_a_gguf_out_that_is_the_gguf_source_is_named_as_the_source(capsys, stori
     line = one_line(err)
     assert code == 2 and f"OUT {src} is the source; name another file to write" in line and "--force" not in line
     assert src.read_bytes() == stories_gguf["gqa2.gguf"].read_bytes() and [p.name for p in tmp_path.iterdir()] == [
-        "gqa2.gguf"]  # fmt: skip
+        "gqa2.gguf"
+    ]
 
 
 @needs_assets
@@ -348,8 +389,9 @@ def test_a_users_tmp_file_and_folder_beside_a_gguf_out_are_never_touched(capsys,
 
 @needs_assets
 @pytest.mark.parametrize("force", [False, True])
-def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(capsys, stories_gguf, tmp_path, monkeypatch,
-                                                                      force):  # fmt: skip
+def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(
+    capsys, stories_gguf, tmp_path, monkeypatch, force
+):
     """Two conversions to one OUT.gguf: the one that finishes second is refused without --force (the rival's file
     kept whole), and with --force replaces it whole; they used to share one partial file and mix their tensors."""
     from gguf import GGUFReader
@@ -364,8 +406,9 @@ def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(capsys, sto
         out.write_bytes(rival)  # the other run's rename, while this one was writing
 
     monkeypatch.setattr(to_gguf, "write_gguf", write_then_a_rival_finishes)
-    code, err = run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "1", "-q",
-                        *(["--force"] if force else []))  # fmt: skip
+    code, err = run_cli(
+        capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "1", "-q", *(["--force"] if force else [])
+    )
     heads = GGUFReader(out).fields["llama.attention.head_count_kv"].parts[-1][0]
     if force:
         assert code == 0 and heads == 1, err
@@ -383,8 +426,10 @@ def test_the_record_inside_a_gguf_names_it_and_reruns_its_conversion(capsys, tmp
     from gqaify.conversion.to_gguf import RECORD_KEY
 
     out = tmp_path / "q8.gguf"
-    assert run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "2", "--gguf-type", "q8_0",
-                   "-q")[0] == 0  # fmt: skip
+    assert (
+        run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "2", "--gguf-type", "q8_0", "-q")[0]
+        == 0
+    )
     field = GGUFReader(out).fields[RECORD_KEY]
     record = json.loads(bytes(field.parts[field.data[0]]).decode())
     assert record["settings"]["out"] == str(out) and record["settings"]["gguf_type"] == "q8_0"
@@ -427,8 +472,10 @@ def test_a_damaged_gguf_source_is_one_line_at_once(capsys, stories_gguf, tmp_pat
     """Each was a traceback (exit 1), an unbounded loop, or a 6 GB default model built before failing."""
     src = tmp_path / "bad.gguf"
     src.write_bytes(DAMAGED[damage](stories_gguf["gqa2.gguf"].read_bytes()))
-    args = {"convert": [src, tmp_path / "out", "--kv-heads", "1"],
-            "eval": [src, "--data", MODELS.parent / "text" / "tinystories-valid-head.txt", "--out", tmp_path / "out"]}
+    args = {
+        "convert": [src, tmp_path / "out", "--kv-heads", "1"],
+        "eval": [src, "--data", MODELS.parent / "text" / "tinystories-valid-head.txt", "--out", tmp_path / "out"],
+    }
     started = time.perf_counter()
     code, err = run_cli(capsys, command, *args[command])
     assert code == 2 and time.perf_counter() - started < 10, err

@@ -42,13 +42,20 @@ needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, 
 
 @pytest.mark.parametrize(
     ("argv", "said"),
-    [([*EVAL, "--data", NOT_CACHED], "--data gqaify-tests/"),
-     (["convert", "{src}", "{tmp}/out", "--kv-heads", "2", "--method", "lsq", "--calib-data", NOT_CACHED],
-      "--calib-data gqaify-tests/"),
-     pytest.param([*EVAL, "--data", "{tmp}/text.txt", "--tasks", "hellaswag"], "task hellaswag needs Rowan/hellaswag",
-                  marks=needs_lm_eval)],
+    [
+        ([*EVAL, "--data", NOT_CACHED], "--data gqaify-tests/"),
+        (
+            ["convert", "{src}", "{tmp}/out", "--kv-heads", "2", "--method", "lsq", "--calib-data", NOT_CACHED],
+            "--calib-data gqaify-tests/",
+        ),
+        pytest.param(
+            [*EVAL, "--data", "{tmp}/text.txt", "--tasks", "hellaswag"],
+            "task hellaswag needs Rowan/hellaswag",
+            marks=needs_lm_eval,
+        ),
+    ],
     ids=["eval-data", "convert-calib-data", "eval-tasks"],
-)  # fmt: skip
+)
 def test_the_hub_unreachable_is_one_line_on_the_real_stderr(tmp_path, source, argv, said):
     """In a fresh process, as a user runs it: stderr holds the one line and nothing else (the 22 lines of retry
     warnings, each printed twice, went to handlers the libraries bound to stderr, which an in-process capture may
@@ -59,8 +66,9 @@ def test_the_hub_unreachable_is_one_line_on_the_real_stderr(tmp_path, source, ar
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "gqaify", *argv], capture_output=True, text=True, env=env)
     elapsed = time.monotonic() - start
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("gqaify: error: "), \
-        done.stderr  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("gqaify: error: "), (
+        done.stderr
+    )
     assert said in done.stderr and "could not be reached" in done.stderr
     assert elapsed < 3 * QUICK, f"{elapsed:.1f} s"  # imports and the harness's task index included
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "text.txt"]

@@ -22,26 +22,40 @@ def loaded_after(code: str) -> list[str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--bogus"], ["bogus"]])
 def test_help_and_usage_errors_load_nothing_heavy(argv):
-    code = f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), " \
-           f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"  # fmt: skip
+    code = (
+        f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
+        f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"
+    )
     assert loaded_after(code) == []
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["convert", "--help"], ["eval", "--help"], ["uptrain", "--help"], ["convert", "a", "b", "--kv-heads", "two"],
-     ["eval", "m", "--data", "d"], ["convert", "--config", "nowhere.yaml"]],
-)  # fmt: skip
+    [
+        ["convert", "--help"],
+        ["eval", "--help"],
+        ["uptrain", "--help"],
+        ["convert", "a", "b", "--kv-heads", "two"],
+        ["eval", "m", "--data", "d"],
+        ["convert", "--config", "nowhere.yaml"],
+    ],
+)
 def test_a_command_parses_its_settings_without_transformers(argv):
     """The settings parser is gqaify's own (transformers' HfArgumentParser loaded its package: 2 s of --help)."""
-    code = f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), " \
-           f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"  # fmt: skip
+    code = (
+        f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
+        f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"
+    )
     assert loaded_after(code) == []
 
 
 def test_import_gqaify_is_light_and_names_resolve_on_use():
-    assert loaded_after("import gqaify; gqaify.ConvertSettings; gqaify.EvalSettings; gqaify.UptrainSettings; "
-                        "gqaify.__version__") == []
+    assert (
+        loaded_after(
+            "import gqaify; gqaify.ConvertSettings; gqaify.EvalSettings; gqaify.UptrainSettings; gqaify.__version__"
+        )
+        == []
+    )
     assert "torch" in loaded_after("import gqaify; gqaify.convert")
 
 
@@ -75,8 +89,10 @@ def import_graph() -> dict[str, set[str]]:
     for path in src.rglob("*.py"):
         parts = list(path.relative_to(src).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return {name: {m for m in imported_names(ast.parse(path.read_text())) if m in modules and m != name}
-            for name, path in modules.items()}  # fmt: skip
+    return {
+        name: {m for m in imported_names(ast.parse(path.read_text())) if m in modules and m != name}
+        for name, path in modules.items()
+    }
 
 
 BY_NAME = {"import_module", "__import__"}
@@ -101,16 +117,22 @@ def imported_names(tree) -> set[str]:
             else:
                 by_name = True
     if by_name:
-        imported |= {n.value.split(":")[0] for n in ast.walk(tree) if isinstance(n, ast.Constant)
-                     and isinstance(n.value, str) and n.value.startswith("gqaify.")}  # fmt: skip
+        imported |= {
+            n.value.split(":")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("gqaify.")
+        }
     return imported
 
 
 @pytest.mark.parametrize(
     "source",
-    ['importlib.import_module("gqaify.eval.core")', '__import__("gqaify.eval.core")',
-     'WHERE = {"eval": "gqaify.eval.core:EVAL"}\ndef f(k):\n    return importlib.import_module(WHERE[k])'],
-)  # fmt: skip
+    [
+        'importlib.import_module("gqaify.eval.core")',
+        '__import__("gqaify.eval.core")',
+        'WHERE = {"eval": "gqaify.eval.core:EVAL"}\ndef f(k):\n    return importlib.import_module(WHERE[k])',
+    ],
+)
 def test_an_import_by_name_is_seen(source):
     import ast
 
@@ -126,8 +148,12 @@ def test_imports_run_from_higher_layers_to_lower_ones():
     layer = {piece: i for i, pieces in enumerate(LAYERS) for piece in pieces}
     graph = import_graph()
     assert {part(m) for m in graph} == set(layer), "place each new module in LAYERS"
-    upward = [f"{m} imports {t}" for m, targets in graph.items() for t in targets
-              if part(m) != part(t) and layer[part(t)] >= layer[part(m)]]  # fmt: skip
+    upward = [
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if part(m) != part(t) and layer[part(t)] >= layer[part(m)]
+    ]
     assert upward == []
 
 

@@ -169,8 +169,10 @@ def _moments(src, spec, geometry):
     calibration = ConvertSettings(calib_data=str(TEXT / "tinyshakespeare.txt"), calib_tokens=2048).calibration()
     ids = read_calibration(calibration, AutoTokenizer.from_pretrained(src)).parts[0]
     model = load(src)
-    sums = [torch.zeros(geometry.hidden_size + 1, geometry.hidden_size + 1, dtype=torch.float64)
-            for _ in range(geometry.num_layers)]  # fmt: skip
+    sums = [
+        torch.zeros(geometry.hidden_size + 1, geometry.hidden_size + 1, dtype=torch.float64)
+        for _ in range(geometry.num_layers)
+    ]
 
     def hook(layer):
         def add(module, args):
@@ -179,8 +181,9 @@ def _moments(src, spec, geometry):
 
         return add
 
-    handles = [model.model.layers[i].self_attn.k_proj.register_forward_pre_hook(hook(i))
-               for i in range(geometry.num_layers)]  # fmt: skip
+    handles = [
+        model.model.layers[i].self_attn.k_proj.register_forward_pre_hook(hook(i)) for i in range(geometry.num_layers)
+    ]
     with torch.no_grad():
         for window in ids.split(512):
             model(window[None])
@@ -201,11 +204,14 @@ def test_calibrated_conversions_start_far_closer_to_the_parent_than_the_papers_m
     found = {}
     gqaify.convert(src, tmp_path / "mean", 2, progress=False)  # the GQA paper's conversion: no calibration
     found["mean", "none"] = perplexity(load(tmp_path / "mean"), ids, 512, 512, progress=False).perplexity
-    for method, grouping, mode in (("aligned", "contiguous", "sequential"), ("lsq", "contiguous", "sequential"),
-                                   ("lsq", "similarity", "sequential"), ("lsq", "contiguous", "parallel")):  # fmt: skip
+    for method, grouping, mode in (
+        ("aligned", "contiguous", "sequential"),
+        ("lsq", "contiguous", "sequential"),
+        ("lsq", "similarity", "sequential"),
+        ("lsq", "contiguous", "parallel"),
+    ):
         out = tmp_path / f"{method}-{grouping}-{mode}"
-        gqaify.convert(src, out, 2, method=method, **calibration, calib_mode=mode, grouping=grouping,
-                       progress=False)  # fmt: skip
+        gqaify.convert(src, out, 2, method=method, **calibration, calib_mode=mode, grouping=grouping, progress=False)
         found[method, grouping, mode] = perplexity(load(out), ids, 512, 512, progress=False).perplexity
     mean = found["mean", "none"]
     assert all(ppl < 0.5 * mean for key, ppl in found.items() if key[0] != "mean"), found
@@ -223,8 +229,7 @@ def test_sequential_lsq_starts_closer_to_the_parent_than_parallel_lsq_on_ref_mha
     calibration = dict(calib_data=str(TEXT / "wikitext-2-valid-tokenized.txt"), calib_tokens=16384, calib_seq_len=512)
     found = {}
     for mode in ("parallel", "sequential"):
-        gqaify.convert(src, tmp_path / mode, 2, method="lsq", **calibration, calib_mode=mode,
-                       progress=False)  # fmt: skip
+        gqaify.convert(src, tmp_path / mode, 2, method="lsq", **calibration, calib_mode=mode, progress=False)
         found[mode] = perplexity(load(tmp_path / mode), ids, 512, 512, progress=False).perplexity
     assert found["sequential"] < 0.95 * found["parallel"], found
 
@@ -250,8 +255,9 @@ def test_the_recorded_permutation_is_the_grouping_the_output_has(calibration, tm
     out = tmp_path / "out"
     gqaify.convert(src, out, 2, method="mean", **calibration, grouping="similarity", progress=False)
     record = json.loads((out / "gqaify.json").read_text())
-    source, converted = ({k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
-                         for folder in (src, out))  # fmt: skip
+    source, converted = (
+        {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()} for folder in (src, out)
+    )
     for layer, order in enumerate(record["permutations"]):
         name = f"model.layers.{layer}.self_attn.k_proj.weight"
         heads = source[name].view(4, -1, source[name].shape[-1])[order]  # (head, head_dim, hidden), reordered

@@ -13,8 +13,11 @@ import pytest
 from conftest import ASSETS, REPO, needs_assets
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-SNIPPETS = {f"{page.stem}-{i}": code for page in PAGES
-            for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))}  # fmt: skip
+SNIPPETS = {
+    f"{page.stem}-{i}": code
+    for page in PAGES
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+}
 
 
 def expected_output(code: str) -> list[str]:

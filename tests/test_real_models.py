@@ -103,17 +103,20 @@ def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
     src = MODELS / "ref-mha-6L"
     gqaify.convert(src, tmp_path / "gqa2", kv_heads=2, progress=False)
     settings = gqaify.EvalSettings(seq_len=512, max_tokens=4096, speed=False, progress=False)
-    report = gqaify.evaluate([str(src), str(tmp_path / "gqa2")], str(TEXT / "wikitext-2-raw-test.txt"), tmp_path / "r",
-                             settings)  # fmt: skip
+    report = gqaify.evaluate(
+        [str(src), str(tmp_path / "gqa2")], str(TEXT / "wikitext-2-raw-test.txt"), tmp_path / "r", settings
+    )
     tokenizer = AutoTokenizer.from_pretrained(src)
     ids = torch.tensor(tokenizer((TEXT / "wikitext-2-raw-test.txt").read_text(), verbose=False).input_ids[:4096])
     for entry, model_dir in zip(report.models, [src, tmp_path / "gqa2"], strict=True):
         nll_sum, n_tokens = transformers_doc_loop(load(model_dir), ids, 512, 512)
         assert entry.tokens_scored == n_tokens
         assert entry.perplexity == pytest.approx(math.exp(nll_sum / n_tokens), rel=1e-4)
-        assert entry.kv_cache_bytes_measured == entry.kv_cache_bytes_analytic == 512 * 2 * 6 * 32 * 4 * (
-            8 if entry is report.models[0] else 2
-        )  # fmt: skip
+        assert (
+            entry.kv_cache_bytes_measured
+            == entry.kv_cache_bytes_analytic
+            == 512 * 2 * 6 * 32 * 4 * (8 if entry is report.models[0] else 2)
+        )
     parent, gqa2 = report.models
     assert gqa2.kv_ratio_to_parent == 4 and gqa2.perplexity > 5 * parent.perplexity
     assert gqa2.diagnostics["kl_nats_per_token"] > 1

@@ -34,8 +34,16 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def big_source(tmp_path_factory) -> Path:
     """An MHA llama that takes a second or two to convert into small shards: time to send it a signal."""
-    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256,
-                        intermediate_size=1024, num_hidden_layers=16, vocab_size=320)  # fmt: skip
+    model = build_model(
+        "llama",
+        num_kv_heads=8,
+        num_attention_heads=8,
+        head_dim=32,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        vocab_size=320,
+    )
     directory = tmp_path_factory.mktemp("big") / "model"
     save_with_tokenizer(model, directory)
     for f in directory.glob("model*.safetensors*"):  # re-save in 2 MB shards
@@ -100,8 +108,20 @@ def test_force_replaces_an_empty_folder_and_an_untouched_conversion(source, tmp_
 
 
 def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "gqaify", "convert", str(src), str(out), "--kv-heads", "1", "--max-shard-size",
-            "200KB", "-q", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gqaify",
+        "convert",
+        str(src),
+        str(out),
+        "--kv-heads",
+        "1",
+        "--max-shard-size",
+        "200KB",
+        "-q",
+        *extra,
+    ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -124,8 +144,9 @@ def test_sigterm_mid_conversion_cleans_up_and_exits_143(big_source, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGTERM, 143, "stopped by SIGTERM"),
-                                                         (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize(
+    ("signum", "status", "said"), [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")]
+)
 def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, monkeypatch, signum, status, said):
     """torch, inside safetensors' loader, once turned SIGTERM's exception into a ValueError: exit 1 and "a bug in
     gqaify" for a run the user stopped. The recorded signal makes it a stop; an error without one stays a bug."""
@@ -166,8 +187,11 @@ def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_sou
     process.wait()
     left = leftovers(tmp_path)
     assert len(left) == 1 and not out.exists()
-    done = subprocess.run([sys.executable, "-m", "gqaify", "convert", str(big_source), str(out), "--kv-heads", "1",
-                           "-q"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "gqaify", "convert", str(big_source), str(out), "--kv-heads", "1", "-q"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert f"removed {tmp_path / left[0]}" in done.stderr and "left by a run that was killed" in done.stderr
     assert leftovers(tmp_path) == [] and (out / "gqaify.json").is_file()
@@ -374,13 +398,17 @@ def read_only(tmp_path):
     subprocess.run(["umount", str(folder)], check=True)
 
 
-@pytest.mark.parametrize(("where", "extra", "expect"), [
-    ("ro/sub", [], "cannot write {out}: its parent is not a writable folder; choose another --out"),
-    ("ro", [], "{out} is read-only; choose another --out"),
-    ("ro", ["--force"], "{out} is read-only; choose another --out"),
-])  # fmt: skip
-def test_eval_into_a_read_only_folder_is_refused_before_any_work(capsys, source, text, read_only, no_model_loaded,
-                                                                 where, extra, expect):  # fmt: skip
+@pytest.mark.parametrize(
+    ("where", "extra", "expect"),
+    [
+        ("ro/sub", [], "cannot write {out}: its parent is not a writable folder; choose another --out"),
+        ("ro", [], "{out} is read-only; choose another --out"),
+        ("ro", ["--force"], "{out} is read-only; choose another --out"),
+    ],
+)
+def test_eval_into_a_read_only_folder_is_refused_before_any_work(
+    capsys, source, text, read_only, no_model_loaded, where, extra, expect
+):
     """It used to run the whole evaluation, then end in a traceback (exit 1)."""
     out = read_only.parent / where
     code, err = run_eval(capsys, source, text, out, *extra)
@@ -435,8 +463,9 @@ def test_eval_when_plotting_meets_a_full_disk(capsys, source, text, tmp_path, mo
 def _cli_with(patch: str, *argv) -> subprocess.Popen:
     """`gqaify ARGV` in a process of its own, after the Python lines `patch` ran (to observe or slow a step)."""
     script = f"import sys\n{patch}\nfrom gqaify.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-    return subprocess.Popen([sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @needs_assets
@@ -453,9 +482,25 @@ def said(*args):
         continuations(*args)
 core.continuations = said
 """
-    process = _cli_with(said, "eval", MODELS / "stories260K", "--data", ASSETS / "text" / "tinyshakespeare.txt",
-                        "--out", tmp_path / "r", "--seq-len", "256", "--max-tokens", "512", "--no-speed", "-q",
-                        "--generate", "Once upon a time " * 20, "--generate-tokens", "400")  # fmt: skip
+    process = _cli_with(
+        said,
+        "eval",
+        MODELS / "stories260K",
+        "--data",
+        ASSETS / "text" / "tinyshakespeare.txt",
+        "--out",
+        tmp_path / "r",
+        "--seq-len",
+        "256",
+        "--max-tokens",
+        "512",
+        "--no-speed",
+        "-q",
+        "--generate",
+        "Once upon a time " * 20,
+        "--generate-tokens",
+        "400",
+    )
     assert process.stdout.readline() == "generating\n", process.communicate()
     time.sleep(1)
     process.send_signal(signal.SIGTERM)
@@ -488,8 +533,10 @@ core.convert = slow_lsq
     mean = work / "model-mqa-mean"
     assert process.returncode == 143, err
     said = err.strip().splitlines()[-1]
-    assert said == (f"gqaify: stopped by SIGTERM; this run of the demo completed, and kept, {mean}; the step it was "
-                    "on left nothing; gqaify demo runs every step again")  # fmt: skip
+    assert said == (
+        f"gqaify: stopped by SIGTERM; this run of the demo completed, and kept, {mean}; the step it was "
+        "on left nothing; gqaify demo runs every step again"
+    )
     assert sorted(p.name for p in work.iterdir()) == ["model-mqa-mean"] and (mean / "gqaify.json").is_file()
 
 

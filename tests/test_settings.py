@@ -56,11 +56,34 @@ def test_every_field_is_an_option_with_its_help(capsys):
 
 
 def test_a_file_options_and_keywords_give_the_same_settings(tmp_path):
-    values = {"src": "org/model", "out": "o", "kv_heads": 2, "method": "lsq", "calib_data": "c.txt",
-              "calib_tokens": 4096, "dtype": "bfloat16", "force": True, "progress": False}  # fmt: skip
+    values = {
+        "src": "org/model",
+        "out": "o",
+        "kv_heads": 2,
+        "method": "lsq",
+        "calib_data": "c.txt",
+        "calib_tokens": 4096,
+        "dtype": "bfloat16",
+        "force": True,
+        "progress": False,
+    }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(values))
-    options = ["org/model", "o", "--kv-heads", "2", "--method", "lsq", "--calib_data", "c.txt", "--calib-tokens",
-               "4096", "--dtype", "bfloat16", "--force", "-q"]  # fmt: skip
+    options = [
+        "org/model",
+        "o",
+        "--kv-heads",
+        "2",
+        "--method",
+        "lsq",
+        "--calib_data",
+        "c.txt",
+        "--calib-tokens",
+        "4096",
+        "--dtype",
+        "bfloat16",
+        "--force",
+        "-q",
+    ]
     assert parse(CONVERT, ["--config", str(tmp_path / "c.yaml")]) == ConvertSettings(**values)
     assert parse(CONVERT, options) == ConvertSettings(**values)
 
@@ -113,9 +136,27 @@ def test_gqaify_json_reruns_the_conversion(capsys, source, tmp_path, monkeypatch
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
     first = tmp_path / "first"
     monkeypatch.chdir(tmp_path)
-    code, err = run_cli(capsys, "convert", os.path.relpath(source), "first", "--kv-heads", "2", "--method", "lsq",
-                        "--calib-data", "calib.txt", "--calib-tokens", "1024", "--calib-seq-len", "48",
-                        "--dtype", "bfloat16", "--max-shard-size", "20KB", "-q")  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "convert",
+        os.path.relpath(source),
+        "first",
+        "--kv-heads",
+        "2",
+        "--method",
+        "lsq",
+        "--calib-data",
+        "calib.txt",
+        "--calib-tokens",
+        "1024",
+        "--calib-seq-len",
+        "48",
+        "--dtype",
+        "bfloat16",
+        "--max-shard-size",
+        "20KB",
+        "-q",
+    )
     assert code == 0, err
     record = json.loads((first / "gqaify.json").read_text())
     assert record["settings"]["src"] == str(source.resolve()) and record["settings"]["out"] == str(first.resolve())
@@ -151,8 +192,19 @@ def test_rerunning_into_the_same_folder_needs_force(capsys, source, tmp_path):
 def test_report_json_reruns_the_evaluation(capsys, tmp_path):
     parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=300), tmp_path / "parent")
     (tmp_path / "text.txt").write_text(CORPUS)
-    code, err = run_cli(capsys, "eval", parent, "--data", tmp_path / "text.txt", "--out", tmp_path / "r",
-                        "--seq-len", "32", "--no-speed", "-q")  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "eval",
+        parent,
+        "--data",
+        tmp_path / "text.txt",
+        "--out",
+        tmp_path / "r",
+        "--seq-len",
+        "32",
+        "--no-speed",
+        "-q",
+    )
     assert code == 0, err
     code, err = run_cli(capsys, "eval", "--config", tmp_path / "r" / "report.json", "--out", tmp_path / "again")
     assert code == 0, err
@@ -183,11 +235,18 @@ def alias_bomb(key: str) -> str:
 def test_a_yaml_alias_bomb_is_refused_at_once_in_bounded_memory(tmp_path, key):
     """It grew by 25 MB/s under a known key (a type error's repr expanded every alias) until killed."""
     (tmp_path / "bomb.yaml").write_text(alias_bomb(key))
-    limited = "import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n" \
-              "from gqaify.cli import main\nsys.exit(main(sys.argv[1:]))"  # fmt: skip
+    limited = (
+        "import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "from gqaify.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", limited, "convert", "--config", "bomb.yaml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", limited, "convert", "--config", "bomb.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - started < 20
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--config bomb.yaml uses a YAML alias (*name) (line 3); write the value itself" in done.stderr
@@ -216,10 +275,13 @@ def test_a_huge_json_file_is_refused_before_it_is_read_whole(capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1 and "big.json is larger than 16 MiB" in err, err
 
 
-@pytest.mark.parametrize(("text", "expect"), [
-    ("src: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests values more than 32 deep (line 1)"),
-    ('{"src": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests values too deeply"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("src: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests values more than 32 deep (line 1)"),
+        ('{"src": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests values too deeply"),
+    ],
+)
 def test_deep_nesting_is_refused_in_one_line(capsys, tmp_path, text, expect):
     """A RecursionError, reported as an internal error."""
     (tmp_path / "deep.yaml").write_text(text)
@@ -265,8 +327,10 @@ def test_a_pipe_is_read(tmp_path):
     writer.join()
 
 
-@pytest.mark.parametrize(("stage", "key"), [(CONVERT, "config"), (EVAL, "config"), (GENERATE, "config"),
-                                              (UPTRAIN, "recipe"), (UPTRAIN, "config")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "key"),
+    [(CONVERT, "config"), (EVAL, "config"), (GENERATE, "config"), (UPTRAIN, "recipe"), (UPTRAIN, "config")],
+)
 def test_a_file_naming_another_file_is_told_so(capsys, tmp_path, stage, key):
     """It was told "unknown key 'config' (did you mean config?)"."""
     (tmp_path / "c.yaml").write_text(f"{key}: other.yaml\n")
@@ -281,8 +345,23 @@ def records(source, tmp_path_factory):
     folder = tmp_path_factory.mktemp("records")
     (folder / "text.txt").write_text(CORPUS)
     assert main(["convert", str(source), str(folder / "converted"), "--kv-heads", "1", "-q"]) == 0
-    assert main(["eval", str(folder / "converted"), "--data", str(folder / "text.txt"), "--out",
-                 str(folder / "report"), "--seq-len", "32", "--no-speed", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(folder / "converted"),
+                "--data",
+                str(folder / "text.txt"),
+                "--out",
+                str(folder / "report"),
+                "--seq-len",
+                "32",
+                "--no-speed",
+                "-q",
+            ]
+        )
+        == 0
+    )
     return folder / "converted" / "gqaify.json", folder / "report" / "report.json"
 
 
@@ -291,8 +370,10 @@ def test_another_commands_record_is_named_with_its_command(capsys, records):
     conversion, report = records
     code, err = run_cli(capsys, "convert", "--config", report)
     assert code == 2 and err.count("\n") == 1, err
-    assert err == f"gqaify: error: --config {report} is an eval report, not convert's; use `gqaify eval --config " \
-                  f"{report}`\n"  # fmt: skip
+    assert (
+        err == f"gqaify: error: --config {report} is an eval report, not convert's; use `gqaify eval --config "
+        f"{report}`\n"
+    )
     code, err = run_cli(capsys, "eval", "--config", conversion)
     assert code == 2 and f"is a conversion record, not eval's; use `gqaify convert --config {conversion}`" in err
     code, err = run_cli(capsys, "uptrain", "--recipe", conversion)
@@ -326,8 +407,23 @@ def test_paths_with_a_newline_stay_on_one_line_of_what_eval_prints(capsys, sourc
     model, out = tmp_path / "new\nline", tmp_path / "re\nport"
     shutil.copytree(source, model)
     (tmp_path / "text.txt").write_text(CORPUS)
-    assert main(["eval", str(model), "--data", str(tmp_path / "text.txt"), "--out", str(out), "--seq-len", "32",
-                 "--no-speed", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(model),
+                "--data",
+                str(tmp_path / "text.txt"),
+                "--out",
+                str(out),
+                "--seq-len",
+                "32",
+                "--no-speed",
+                "-q",
+            ]
+        )
+        == 0
+    )
     # the table's header, rule and row; the panel's title, header (the model's name), rule and row; the report
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 9 and lines[2].startswith(f"{str(model)!r}  ") and lines[5].endswith(repr("new\nline")), lines
@@ -336,8 +432,9 @@ def test_paths_with_a_newline_stay_on_one_line_of_what_eval_prints(capsys, sourc
 
 
 def test_uptrain_summary_paths_stay_on_one_line():
-    result = types.SimpleNamespace(steps=1, tokens=10, loss=1.0, eval_perplexity=None, final="a\nb",
-                                   metrics="m\tx.csv", plot="p\n.png")  # fmt: skip
+    result = types.SimpleNamespace(
+        steps=1, tokens=10, loss=1.0, eval_perplexity=None, final="a\nb", metrics="m\tx.csv", plot="p\n.png"
+    )
     lines = format_uptrain_summary(result).splitlines()
     assert lines[1:] == ["  model           'a\\nb'", "  metrics         'm\\tx.csv', plot 'p\\n.png'"]
 
@@ -347,10 +444,21 @@ def test_a_seed_past_what_the_generators_take_is_one_line_before_anything_is_wri
     """--seed 99999999999999999999999 was a traceback in convert and generate, and left generate's OUT behind."""
     src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), tmp_path / "src")
     (tmp_path / "t.txt").write_text(CORPUS)
-    args = {"convert": [str(src), str(tmp_path / "out"), "--kv-heads", "2", "--seed"],
-            "generate": [str(src), str(tmp_path / "out"), "--tokens", "64", "--seed"],
-            "uptrain": ["--model", str(src), "--output_dir", str(tmp_path / "out"), "--data", str(tmp_path / "t.txt"),
-                        "--max_tokens", "64", "--seed"]}[command]  # fmt: skip
+    args = {
+        "convert": [str(src), str(tmp_path / "out"), "--kv-heads", "2", "--seed"],
+        "generate": [str(src), str(tmp_path / "out"), "--tokens", "64", "--seed"],
+        "uptrain": [
+            "--model",
+            str(src),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--data",
+            str(tmp_path / "t.txt"),
+            "--max_tokens",
+            "64",
+            "--seed",
+        ],
+    }[command]
     capsys.readouterr()
     code = main([command, *args, "99999999999999999999999"])
     err = capsys.readouterr().err

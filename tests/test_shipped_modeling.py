@@ -88,8 +88,9 @@ def test_the_measured_cache_is_h_over_g_smaller(model_type, kv_heads, tmp_path):
 def test_sdpa_reads_the_g_heads_as_eager_does(model_type, tmp_path):
     save(mha_parent(model_type), tmp_path / "mha")
     gqaify.convert(tmp_path / "mha", tmp_path / "out", kv_heads=2, progress=False)
-    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="sdpa", dtype=torch.float32,
-                                                trust_remote_code=True).eval()  # fmt: skip
+    sdpa = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="sdpa", dtype=torch.float32, trust_remote_code=True
+    ).eval()
     ids = sample_ids(sdpa.config.vocab_size)
     torch.testing.assert_close(logits(sdpa, ids), logits(load(tmp_path / "out"), ids), atol=1e-5, rtol=1e-5)
 
@@ -112,8 +113,17 @@ def test_eval_loads_the_shipped_class_only_when_trusted(tmp_path, capsys):
     save_with_tokenizer(mha_parent("gpt_neox", vocab_size=320), tmp_path / "mha")
     gqaify.convert(tmp_path / "mha", tmp_path / "mqa", kv_heads=1, progress=False)
     (tmp_path / "text.txt").write_text(CORPUS)
-    args = ("eval", tmp_path / "mha", tmp_path / "mqa", "--data", tmp_path / "text.txt", "--seq-len", "32",
-            "--no-speed", "-q")  # fmt: skip
+    args = (
+        "eval",
+        tmp_path / "mha",
+        tmp_path / "mqa",
+        "--data",
+        tmp_path / "text.txt",
+        "--seq-len",
+        "32",
+        "--no-speed",
+        "-q",
+    )
     code, err = run_cli(capsys, *args, "--out", tmp_path / "report")
     assert code == 2 and err.count("\n") == 1, err
     assert "modeling_gqaify.py" in err and "--trust-remote-code" in err
@@ -131,8 +141,18 @@ def test_eval_loads_the_shipped_class_only_when_trusted(tmp_path, capsys):
 def test_calibrated_methods_are_refused_with_the_reason(tmp_path, capsys):
     save_with_tokenizer(mha_parent("opt", vocab_size=320), tmp_path / "mha")
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    code, err = run_cli(capsys, "convert", tmp_path / "mha", tmp_path / "out", "--kv-heads", "1", "--method", "lsq",
-                        "--calib-data", tmp_path / "calib.txt")  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "convert",
+        tmp_path / "mha",
+        tmp_path / "out",
+        "--kv-heads",
+        "1",
+        "--method",
+        "lsq",
+        "--calib-data",
+        tmp_path / "calib.txt",
+    )
     assert code == 2 and "cannot be calibrated" in err and "--method mean" in err, err
     assert not (tmp_path / "out").exists()
     # the premise: transformers' class, which calibration builds, ignores the K/V head count
@@ -149,9 +169,25 @@ def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):
 
     save_with_tokenizer(mha_parent("gpt2", vocab_size=320), tmp_path / "mha")
     (tmp_path / "train.txt").write_text(CORPUS * 3)
-    argv = ["--model", str(tmp_path / "mha"), "--kv_heads", "1", "--output_dir", str(tmp_path / "run"), "--data",
-            str(tmp_path / "train.txt"), "--seq_len", "16", "--micro_batch_size", "2", "--max_tokens", "320",
-            "--save_every", "0", "--no_progress"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tmp_path / "mha"),
+        "--kv_heads",
+        "1",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--data",
+        str(tmp_path / "train.txt"),
+        "--seq_len",
+        "16",
+        "--micro_batch_size",
+        "2",
+        "--max_tokens",
+        "320",
+        "--save_every",
+        "0",
+        "--no_progress",
+    ]
     done = run_uptrain(argv)
     code, err = done.returncode, done.stderr
     assert code == 2 and "--trust-remote-code" in err, err
@@ -162,5 +198,3 @@ def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):
     model = load(final)
     assert type(model).__name__ == "GQAGPT2LMHeadModel" and model.config.num_key_value_heads == 1
     assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 64 + 2 * 16)
-
-

@@ -155,8 +155,9 @@ def refused(capsys, tmp_path, *options) -> str:
     parent = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=300), tmp_path / "m")
     (tmp_path / "t.txt").write_text(CORPUS)
     out = tmp_path / "report"
-    code, err = run_cli(capsys, "eval", parent, "--data", tmp_path / "t.txt", "--out", out, "--no-speed",
-                         "--seq-len", "32", *options)  # fmt: skip
+    code, err = run_cli(
+        capsys, "eval", parent, "--data", tmp_path / "t.txt", "--out", out, "--no-speed", "--seq-len", "32", *options
+    )
     assert code == 2, err
     assert err.count("\n") == 1, err
     assert not out.exists()
@@ -194,19 +195,24 @@ def test_a_task_file_that_does_not_parse_is_named_with_its_error(capsys, tmp_pat
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "badtask.yaml").write_text("task: badtask\ndataset_path: x\n  doc_to_text: [oops\n")
     err = refused(capsys, tmp_path, "--tasks", "badtask", "--include-path", tmp_path / "tasks")
-    assert f"unknown task 'badtask'; {tmp_path / 'tasks' / 'badtask.yaml'} in --include-path could not be read " \
-           "(line 3, column 14: mapping values are not allowed" in err, err  # fmt: skip
+    assert (
+        f"unknown task 'badtask'; {tmp_path / 'tasks' / 'badtask.yaml'} in --include-path could not be read "
+        "(line 3, column 14: mapping values are not allowed" in err
+    ), err
 
 
-@pytest.mark.parametrize("options, expect", [
-    (["--tasks", "story_endings", "--limit", "0"], "--limit 0 must be above 0"),
-    (["--tasks", "story_endings", "--limit", "nan"], "--limit nan must be above 0"),
-    (["--tasks", "story_endings", "--limit", "1.5"], "--limit 1.5 is neither a whole number of items per task nor"),
-    (["--tasks", "story_endings", "--limit", "inf"], "--limit inf is neither a whole number"),
-    (["--tasks", "story_endings", "--include-path", "nowhere"], "--include-path nowhere is not a folder"),
-    (["--limit", "5"], "--limit applies to --tasks"),
-    (["--generate", "--generate-tokens", "0"], "--generate-tokens 0 must be at least 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, expect",
+    [
+        (["--tasks", "story_endings", "--limit", "0"], "--limit 0 must be above 0"),
+        (["--tasks", "story_endings", "--limit", "nan"], "--limit nan must be above 0"),
+        (["--tasks", "story_endings", "--limit", "1.5"], "--limit 1.5 is neither a whole number of items per task nor"),
+        (["--tasks", "story_endings", "--limit", "inf"], "--limit inf is neither a whole number"),
+        (["--tasks", "story_endings", "--include-path", "nowhere"], "--include-path nowhere is not a folder"),
+        (["--limit", "5"], "--limit applies to --tasks"),
+        (["--generate", "--generate-tokens", "0"], "--generate-tokens 0 must be at least 1"),
+    ],
+)
 def test_bad_task_settings_are_refused(capsys, tmp_path, options, expect):
     assert expect in refused(capsys, tmp_path, *options)
 
@@ -215,8 +221,20 @@ def test_uptrain_eval_limit_follows_the_same_rule(capsys, tmp_path):
     model = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=300), tmp_path / "m")
     (tmp_path / "t.txt").write_text(CORPUS)
     out = tmp_path / "run"
-    code, err = run_cli(capsys, "uptrain", "--model", model, "--data", tmp_path / "t.txt", "--output_dir", out,
-                        "--eval_tasks", "story_endings", "--eval_limit", "2.5")  # fmt: skip
+    code, err = run_cli(
+        capsys,
+        "uptrain",
+        "--model",
+        model,
+        "--data",
+        tmp_path / "t.txt",
+        "--output_dir",
+        out,
+        "--eval_tasks",
+        "story_endings",
+        "--eval_limit",
+        "2.5",
+    )
     assert code == 2 and err.count("\n") == 1 and "eval_limit 2.5 is neither a whole number" in err, err
     assert not out.exists()
 

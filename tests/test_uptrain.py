@@ -116,8 +116,22 @@ def test_epoch_order_is_a_function_of_seed_and_epoch():
 
 def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     out = tmp_path / "run"
-    result = uptrain(parse(args(tiny, out, "--eval_data", str(tiny["eval"]), "--eval_every", "5",
-                                "--parent", str(tiny["parent"]), "--log_to", "csv")))  # fmt: skip
+    result = uptrain(
+        parse(
+            args(
+                tiny,
+                out,
+                "--eval_data",
+                str(tiny["eval"]),
+                "--eval_every",
+                "5",
+                "--parent",
+                str(tiny["parent"]),
+                "--log_to",
+                "csv",
+            )
+        )
+    )
     assert result.steps == 20 and result.tokens == 1280  # 1280 tokens / (2 x 2 x 16) per step
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert model.config.num_key_value_heads == 2 and model.dtype == torch.float32
@@ -149,8 +163,24 @@ def test_eval_tasks_are_scored_at_each_evaluation_and_logged(tiny, tmp_path):
     model = tmp_path / "stories260K-gqa2"  # 512 positions: the tiny model's 64 cannot hold a story's sentences
     convert(MODELS / "stories260K-mha", model, 2, progress=False)
     out = tmp_path / "run"
-    uptrain(parse(args(tiny, out, "--model", str(model), "--eval_tasks", "story_endings", "--eval_include_path",
-                       str(REPO / "tests" / "tasks"), "--eval_limit", "8", "--eval_every", "10")))  # fmt: skip
+    uptrain(
+        parse(
+            args(
+                tiny,
+                out,
+                "--model",
+                str(model),
+                "--eval_tasks",
+                "story_endings",
+                "--eval_include_path",
+                str(REPO / "tests" / "tasks"),
+                "--eval_limit",
+                "8",
+                "--eval_every",
+                "10",
+            )
+        )
+    )
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "story_endings/acc" in r]
     assert [r["step"] for r in rows] == [0, 10, 20]  # no eval_data: the tasks alone are evaluated
     assert all(r["story_endings/acc"] * 8 == round(r["story_endings/acc"] * 8) for r in rows)  # 8 items each
@@ -169,7 +199,6 @@ def test_push_to_hub_uploads_final_once_complete(tiny, tmp_path, monkeypatch):
     """final/ (card and provenance included) in one commit after the run; a bad repository id is refused before
     anything is written; a finished run rerun with push_to_hub pushes without training again."""
     import huggingface_hub
-
 
     FakeHub.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHub)
@@ -197,8 +226,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     settings = ("--max_tokens", "16000", "--save_every", "25", *trainable)  # 250 steps
     assert run_uptrain(args(tiny, whole, *settings)).returncode == 0
-    process = subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *args(tiny, cut, *settings)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gqaify", "uptrain", *args(tiny, cut, *settings)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not list((cut / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -220,12 +252,26 @@ def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     common = args(tiny, two, "--grad_accum", "1")
     # accelerate's --cpu starts one process unless MPI is set up; ACCELERATE_USE_CPU with torchrun gives gloo.
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "-m", "gqaify.uptrain"]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "gqaify.uptrain",
+    ]
     # bounded: once, under a loaded machine, one process never returned after the run had completed
-    done = subprocess.run([*launch, *common, "--dist_timeout", "300"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [*launch, *common, "--dist_timeout", "300"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((two / "run.json").read_text())["settings"]["processes"] == 2
     assert len(losses(two)) == 20
@@ -258,8 +304,23 @@ def test_distillation_from_stored_top_k_needs_no_teacher_and_does_as_well_as_one
     from gqaify.cli import main
 
     corpus = tmp_path / "corpus"
-    assert main(["generate", str(tiny["parent"]), str(corpus), "--tokens", "4000", "--length", "40",
-                 "--top-logprobs", "16", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                str(tiny["parent"]),
+                str(corpus),
+                "--tokens",
+                "4000",
+                "--length",
+                "40",
+                "--top-logprobs",
+                "16",
+                "-q",
+            ]
+        )
+        == 0
+    )
     parent = AutoModelForCausalLM.from_pretrained(tiny["parent"]).eval()
     rows = [json.loads(line) for line in (corpus / "data" / "train-00000.jsonl").read_text().splitlines()]
     ids = torch.tensor([[i for row in rows for i in row["input_ids"]][:256]])  # text the parent wrote
@@ -281,8 +342,15 @@ def test_distillation_from_stored_top_k_needs_no_teacher_and_does_as_well_as_one
 def test_stored_blocks_pack_ids_and_top_k_side_by_side(tmp_path):
     from gqaify.uptrain.data import packed_stored_blocks
 
-    rows = [{"text": "", "input_ids": list(range(n)), "top_ids": [[i, i + 1] for i in range(n)],
-             "top_logprobs": [[-0.1 * i, -1.0 - i] for i in range(n)]} for n in (5, 9, 7)]  # fmt: skip
+    rows = [
+        {
+            "text": "",
+            "input_ids": list(range(n)),
+            "top_ids": [[i, i + 1] for i in range(n)],
+            "top_logprobs": [[-0.1 * i, -1.0 - i] for i in range(n)],
+        }
+        for n in (5, 9, 7)
+    ]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     blocks = packed_stored_blocks(str(tmp_path / "c.jsonl"), "train", seq_len=4)
     stream = [i for n in (5, 9, 7) for i in range(n)]
@@ -326,10 +394,31 @@ def test_trainable_subset_leaves_other_weights_bit_identical(tiny, tmp_path, tra
 @needs_assets
 def test_loss_goes_down_on_ref_mha_6L_converted_to_gqa2(tmp_path):
     recipe = REPO / "recipes" / "ref-mha-6L-gqa2.yaml"
-    settings = parse(["--recipe", str(recipe), "--model", str(MODELS / "ref-mha-6L"), "--output_dir",
-                      str(tmp_path / "run"), "--data", str(MODELS.parent / "text" / "tinystories-train-sample.txt"),
-                      "--distill_from", "", "--max_tokens", "24576", "--micro_batch_size",
-                      "4", "--grad_accum", "1", "--eval_data", "", "--save_every", "0", "--no_progress"])  # fmt: skip
+    settings = parse(
+        [
+            "--recipe",
+            str(recipe),
+            "--model",
+            str(MODELS / "ref-mha-6L"),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--data",
+            str(MODELS.parent / "text" / "tinystories-train-sample.txt"),
+            "--distill_from",
+            "",
+            "--max_tokens",
+            "24576",
+            "--micro_batch_size",
+            "4",
+            "--grad_accum",
+            "1",
+            "--eval_data",
+            "",
+            "--save_every",
+            "0",
+            "--no_progress",
+        ]
+    )
     uptrain(settings)
     curve = losses(tmp_path / "run")
     assert len(curve) == 24 and sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5
@@ -357,10 +446,15 @@ def test_unknown_recipe_key_names_the_nearest(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "ours"),
-    [("learning_rate", "lr?)"), ("per_device_train_batch_size", "micro_batch_size?)"),
-     ("gradient_accumulation_steps", "grad_accum?)"), ("warmup_ratio", "warmup? a fraction"),
-     ("num_train_epochs", "max_tokens? gqaify budgets training tokens, not epochs)"), ("bf16", "mixed_precision?")],
-)  # fmt: skip
+    [
+        ("learning_rate", "lr?)"),
+        ("per_device_train_batch_size", "micro_batch_size?)"),
+        ("gradient_accumulation_steps", "grad_accum?)"),
+        ("warmup_ratio", "warmup? a fraction"),
+        ("num_train_epochs", "max_tokens? gqaify budgets training tokens, not epochs)"),
+        ("bf16", "mixed_precision?"),
+    ],
+)
 def test_training_arguments_names_are_answered_with_ours(tmp_path, name, ours):
     (tmp_path / "r.yaml").write_text(f"model: m\n{name}: 1\n")
     line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
@@ -381,10 +475,13 @@ def test_unknown_option_names_the_nearest():
     assert "unknown option --max_token (did you mean --max_tokens?)" in line
 
 
-@pytest.mark.parametrize("options, expect", [
-    (["--eval_limit", "5"], "eval_limit applies to eval_tasks"),
-    (["--eval_tasks", "x", "--eval_limit", "-1"], "eval_limit -1 must be above 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, expect",
+    [
+        (["--eval_limit", "5"], "eval_limit applies to eval_tasks"),
+        (["--eval_tasks", "x", "--eval_limit", "-1"], "eval_limit -1 must be above 0"),
+    ],
+)
 def test_bad_eval_task_settings(tiny, tmp_path, options, expect):
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", *options)))
     assert expect in line and not (tmp_path / "run").exists()
@@ -441,9 +538,13 @@ def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, t
 def _start_uptrain(argv: list[str]) -> subprocess.Popen:
     # A shell's background job (`pytest ... &`, CI runners) starts with SIGINT ignored, and Python then keeps it
     # ignored: restore the default in the child so that it gets Ctrl-C as a terminal would deliver it.
-    return subprocess.Popen([sys.executable, "-m", "gqaify", "uptrain", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "gqaify", "uptrain", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -467,13 +568,35 @@ def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, 
 
 def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
     """The conversion step of uptraining (a large model into small shards), stopped mid-write."""
-    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256,
-                        intermediate_size=1024, num_hidden_layers=16, vocab_size=320)  # fmt: skip
+    model = build_model(
+        "llama",
+        num_kv_heads=8,
+        num_attention_heads=8,
+        head_dim=32,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        vocab_size=320,
+    )
     parent = save_with_tokenizer(model, tmp_path / "parent")
     (tmp_path / "train.txt").write_text(CORPUS * 3)
     out = tmp_path / "run"
-    process = _start_uptrain(["--model", str(parent), "--kv_heads", "1", "--output_dir", str(out), "--data",
-                              str(tmp_path / "train.txt"), "--seq_len", "16", "--max_tokens", "640"])  # fmt: skip
+    process = _start_uptrain(
+        [
+            "--model",
+            str(parent),
+            "--kv_heads",
+            "1",
+            "--output_dir",
+            str(out),
+            "--data",
+            str(tmp_path / "train.txt"),
+            "--seq_len",
+            "16",
+            "--max_tokens",
+            "640",
+        ]
+    )
     deadline = time.monotonic() + 120
     while not list(out.glob(".converted.gqaify-*/*.safetensors")):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -487,9 +610,26 @@ def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
 def test_calibration_inside_uptrain_reads_the_split_and_text_column(tiny, tmp_path):
     rows = [{"body": line} for line in (CORPUS * 6).split(". ")]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--data", str(tmp_path / "d.jsonl"),
-             "--text_column", "body", "--split", "validation", "--calib_data", str(tmp_path / "d.jsonl"),
-             "--calib_tokens", "1024", "--max_tokens", "320")  # fmt: skip
+    extra = (
+        "--model",
+        str(tiny["parent"]),
+        "--kv_heads",
+        "2",
+        "--method",
+        "lsq",
+        "--data",
+        str(tmp_path / "d.jsonl"),
+        "--text_column",
+        "body",
+        "--split",
+        "validation",
+        "--calib_data",
+        str(tmp_path / "d.jsonl"),
+        "--calib_tokens",
+        "1024",
+        "--max_tokens",
+        "320",
+    )
     done = run_uptrain(args(tiny, tmp_path / "run", *extra))
     assert done.returncode == 0, done.stderr
     calibration = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())["calibration"]
@@ -505,8 +645,13 @@ def test_an_epoch_that_ends_inside_an_accumulation_window_counts_only_its_tokens
     (tmp_path / "six.txt").write_text(cut)
     blocks = packed_blocks(str(tmp_path / "six.txt"), "train", "text", tokenizer, seq_len=16)
     assert len(blocks) == 6
-    result = uptrain(parse(args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "six.txt"),
-                                "--max_tokens", str(4 * 64))))  # fmt: skip
+    result = uptrain(
+        parse(
+            args(
+                tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "six.txt"), "--max_tokens", str(4 * 64)
+            )
+        )
+    )
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["tokens"] for r in rows] == [64, 96, 160, 192]
     assert result.steps == 4 and result.tokens == 192
@@ -530,10 +675,13 @@ def test_processes_wait_for_each_other_as_long_as_dist_timeout(tiny, tmp_path):
     assert accelerator.init_handler.timeout.total_seconds() == 7200
 
 
-@pytest.mark.parametrize(("launched", "setting", "expected"), [("bf16", None, "bf16"), ("bf16", "no", "no"),
-                                                                 (None, None, "no"), (None, "bf16", "bf16")])
-def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(tiny, tmp_path, monkeypatch, launched, setting,
-                                                                       expected):  # fmt: skip
+@pytest.mark.parametrize(
+    ("launched", "setting", "expected"),
+    [("bf16", None, "bf16"), ("bf16", "no", "no"), (None, None, "no"), (None, "bf16", "bf16")],
+)
+def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(
+    tiny, tmp_path, monkeypatch, launched, setting, expected
+):
     """`accelerate launch --config_file single-gpu.yaml` (mixed_precision: bf16) must train in bf16: a default in
     the settings would override the launcher's choice without a word."""
     from accelerate.state import AcceleratorState
@@ -633,8 +781,22 @@ def test_calibrated_method_needs_calib_data(tiny, tmp_path):
 
 
 def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
-    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--grouping", "similarity",
-             "--calib_data", str(tiny["train"]), "--calib_tokens", "1024", "--max_tokens", "320")  # fmt: skip
+    extra = (
+        "--model",
+        str(tiny["parent"]),
+        "--kv_heads",
+        "2",
+        "--method",
+        "lsq",
+        "--grouping",
+        "similarity",
+        "--calib_data",
+        str(tiny["train"]),
+        "--calib_tokens",
+        "1024",
+        "--max_tokens",
+        "320",
+    )
     done = run_uptrain(args(tiny, tmp_path / "run", *extra))
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "run" / "final" / "gqaify.json").read_text())
@@ -669,7 +831,6 @@ def test_lora_trains_only_attention_and_its_merged_model_equals_the_adapted_one(
         assert not torch.allclose(expected, AutoModelForCausalLM.from_pretrained(tiny["converted"])(ids).logits)
 
 
-
 def test_eval_data_as_a_panel_logs_each_text_and_the_first_as_before(tiny, tmp_path):
     """Two texts: each text's perplexity and KL logged, the first's also as eval_perplexity/eval_kl, the mean KL
     and the worst ratio to the parent's perplexity; each equal to eval's perplexity on the same tokens."""
@@ -680,8 +841,21 @@ def test_eval_data_as_a_panel_logs_each_text_and_the_first_as_before(tiny, tmp_p
     other = tmp_path / "other.txt"
     other.write_text(" ".join(reversed(CORPUS.split())))
     out = tmp_path / "run"
-    uptrain(parse(args(tiny, out, "--eval_data", f"first={tiny['eval']}", str(other), "--distill_from",
-                       str(tiny["parent"]), "--max_tokens", "128")))  # fmt: skip
+    uptrain(
+        parse(
+            args(
+                tiny,
+                out,
+                "--eval_data",
+                f"first={tiny['eval']}",
+                str(other),
+                "--distill_from",
+                str(tiny["parent"]),
+                "--max_tokens",
+                "128",
+            )
+        )
+    )
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "eval_perplexity" in r]
     record = json.loads((out / "run.json").read_text())
     parents = record["parent_perplexities"]
@@ -725,8 +899,9 @@ def test_uptrain_on_a_mixture_and_a_mixture_with_stored_log_probabilities_refuse
     result = uptrain(parse(args(tiny, out, "--data", str(tiny["train"]), f"rev={other}", "--data_weights", "1", "2")))
     assert result.steps == 20 and (out / "final" / "model.safetensors").is_file()
     assert json.loads((out / "run.json").read_text())["settings"]["data_weights"] == [1.0, 2.0]
-    line = one_line_error(run_uptrain(args(tiny, tmp_path / "r2", "--data", str(tiny["train"]), str(other),
-                                           "--distill_from_data")))  # fmt: skip
+    line = one_line_error(
+        run_uptrain(args(tiny, tmp_path / "r2", "--data", str(tiny["train"]), str(other), "--distill_from_data"))
+    )
     assert "distill_from_data reads the log-probabilities stored with one corpus" in line
     assert not (tmp_path / "r2").exists()
 

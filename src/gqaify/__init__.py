@@ -35,9 +35,18 @@ _EXPORTS = {
 _SUBMODULES = ("conversion", "eval", "uptrain")
 
 __all__ = [
-    "ConversionResult", "ConvertSettings", "EvalSettings", "UptrainSettings", "__version__", "conversion", "convert",
-    "convert_with", "eval", "evaluate", "uptrain",
-]  # fmt: skip
+    "ConversionResult",
+    "ConvertSettings",
+    "EvalSettings",
+    "UptrainSettings",
+    "__version__",
+    "conversion",
+    "convert",
+    "convert_with",
+    "eval",
+    "evaluate",
+    "uptrain",
+]
 
 if TYPE_CHECKING:
     from gqaify import conversion, eval, uptrain  # noqa: A004 (gqaify.eval is a package, not the builtin)

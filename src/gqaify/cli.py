@@ -26,11 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     for command, summary, run in (
         ("convert", "rewrite a checkpoint's K/V heads from H to G", _run_convert),
         ("eval", "perplexity, KV cache and decode speed of models beside the first (the parent)", _run_eval),
-        ("generate", "sample a corpus from a model (the parent's own text) for calibration and uptraining",
-         _run_generate),
-        ("uptrain", "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain "
-                    "for more)", _run_uptrain),
-    ):  # fmt: skip
+        (
+            "generate",
+            "sample a corpus from a model (the parent's own text) for calibration and uptraining",
+            _run_generate,
+        ),
+        (
+            "uptrain",
+            "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
+            _run_uptrain,
+        ),
+    ):
         sub.add_parser(command, help=summary, add_help=False).set_defaults(run=run)
 
     recipes = sub.add_parser(

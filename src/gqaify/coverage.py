@@ -64,8 +64,10 @@ def _has_attribute(config) -> bool:
 
 def audit() -> list[Row]:
     """One row per model type gqaify converts or refuses, and per K/V-head type it does neither for."""
-    rows = [Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec))
-            for t, spec in ARCHITECTURES.items()]  # fmt: skip
+    rows = [
+        Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec))
+        for t, spec in ARCHITECTURES.items()
+    ]
     rows += [Row(t, "refused", reason) for t, reason in REFUSED.items()]
     known = set(ARCHITECTURES) | set(REFUSED)
     rows += [Row(t, "unaccounted", "") for t in kv_head_types() if t not in known]

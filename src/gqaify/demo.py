@@ -139,10 +139,24 @@ def _run_steps(workdir: Path, model: str | None) -> None:
     mean, best = workdir / f"{stem}-mean", workdir / f"{stem}-lsq"
     print(f"converting {source} -> {mean} (MQA, mean-pooled: the GQA paper's conversion)")
     print(format_summary(convert(source, mean, kv_heads=1, method="mean", force=True)))
-    print(f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
-          "WikiText-2 validation)")  # fmt: skip
-    print(format_summary(convert(source, best, kv_heads=1, method="lsq", calib_data=calib_data,
-                                 calib_tokens=DEMO_CALIB_TOKENS, calib_split=calib_split, force=True)))  # fmt: skip
+    print(
+        f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
+        "WikiText-2 validation)"
+    )
+    print(
+        format_summary(
+            convert(
+                source,
+                best,
+                kv_heads=1,
+                method="lsq",
+                calib_data=calib_data,
+                calib_tokens=DEMO_CALIB_TOKENS,
+                calib_split=calib_split,
+                force=True,
+            )
+        )
+    )
 
     loaded = AutoModelForCausalLM.from_pretrained(best)
     tokenizer = AutoTokenizer.from_pretrained(best)
@@ -159,10 +173,11 @@ def _run_steps(workdir: Path, model: str | None) -> None:
 
     report_dir = workdir / "eval"
     also = " (and TinyStories validation beside it)" if len(demo_panel(data)) > 1 else ""
-    print(f"\nevaluating the parent and both conversions on {origin}{also}: 4,096 tokens of each, windows of "
-          "1,024, decode speed on CPU ...")  # fmt: skip
-    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2,
-                            force=True)  # fmt: skip
+    print(
+        f"\nevaluating the parent and both conversions on {origin}{also}: 4,096 tokens of each, windows of "
+        "1,024, decode speed on CPU ..."
+    )
+    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2, force=True)
     report = evaluate([source, str(mean), str(best)], demo_panel(data), report_dir, settings)
     print(format_table(report))
     print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
@@ -184,9 +199,30 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
     from gqaify.uptrain.train import run as uptrain
 
     train_data, split = calibration_text(eval_data)
-    overrides = ["--recipe", str(RECIPE), "--model", str(converted), "--distill_from", parent, "--output_dir",
-                 str(out), "--max_tokens", str(DEMO_UPTRAIN_TOKENS), "--eval_every", "4", "--save_every", "4",
-                 "--eval_data", eval_data, "--eval_split", "test", "--data", train_data, "--split", split]  # fmt: skip
+    overrides = [
+        "--recipe",
+        str(RECIPE),
+        "--model",
+        str(converted),
+        "--distill_from",
+        parent,
+        "--output_dir",
+        str(out),
+        "--max_tokens",
+        str(DEMO_UPTRAIN_TOKENS),
+        "--eval_every",
+        "4",
+        "--save_every",
+        "4",
+        "--eval_data",
+        eval_data,
+        "--eval_split",
+        "test",
+        "--data",
+        train_data,
+        "--split",
+        split,
+    ]
     settings = dataclasses.replace(parse(overrides), kv_heads=None)  # already converted
     if (out / "run.json").exists() and json.loads((out / "run.json").read_text()).get("completed"):
         shutil.rmtree(out)  # a fresh demo each time; an interrupted one resumes

@@ -1,9 +1,9 @@
 """How gqaify fails: each kind of failure has its exit status and says what happened on one line.
 
-    UserError       bad input: names the problem and the fix                       exit 2, nothing written
-    ResourceError   the machine ran out of something (disk space): says what/how much   exit 1, no traceback
-    Interrupted     Ctrl-C or SIGTERM: says what is left on disk, and how to resume    exit 130 or 143
-    anything else   a bug in gqaify: the traceback is printed                          exit 1
+UserError       bad input: names the problem and the fix                       exit 2, nothing written
+ResourceError   the machine ran out of something (disk space): says what/how much   exit 1, no traceback
+Interrupted     Ctrl-C or SIGTERM: says what is left on disk, and how to resume    exit 130 or 143
+anything else   a bug in gqaify: the traceback is printed                          exit 1
 """
 
 from __future__ import annotations

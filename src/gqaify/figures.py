@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def figure(path: str | os.PathLike, size: tuple[float, float], dpi: float = 120,
-           save_dpi: float | str = "figure") -> Iterator[Axes]:  # fmt: skip
+def figure(
+    path: str | os.PathLike, size: tuple[float, float], dpi: float = 120, save_dpi: float | str = "figure"
+) -> Iterator[Axes]:
     """The axes of one figure, laid out and saved to `path` (PNG) when the block completes; closed either way.
 
     Args:

@@ -124,8 +124,10 @@ def problem(path: Path, option: str) -> str | None:
         return f"{option} {path} names no architecture (general.architecture); it is no model gqaify can read"
     missing = [f"{arch}.{key}" for key in REQUIRED if f"{arch}.{key}" not in header.fields]
     if missing:
-        return f"{option} {path} lacks {', '.join(missing)}: without them transformers would build a default model, " \
-               "not this one; check the file"  # fmt: skip
+        return (
+            f"{option} {path} lacks {', '.join(missing)}: without them transformers would build a default model, "
+            "not this one; check the file"
+        )
     return None
 
 

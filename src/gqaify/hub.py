@@ -95,8 +95,7 @@ def push_folder(folder: Path, repo_id: str, message: str, private: bool | None =
     try:
         with muted("huggingface_hub"):  # a warning per retry; the failure itself is the one line below
             api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
-                                       commit_message=message)  # fmt: skip
+            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", commit_message=message)
     except Exception as exc:
         if not isinstance(exc, _hub_errors()):
             raise
@@ -117,5 +116,3 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
         with contextlib.suppress(ImportError):
             errors.append(importlib.import_module(client).HTTPError)
     return tuple(errors)
-
-

@@ -77,8 +77,9 @@ class Capacity:
         return "positions" if self.positions is not None and self.positions < self.max_context else "memory"
 
 
-def capacity(geometry, dtype, windows, weights_bytes: int, budget_bytes: int, context: int,
-             positions: int | None = None) -> Capacity:  # fmt: skip
+def capacity(
+    geometry, dtype, windows, weights_bytes: int, budget_bytes: int, context: int, positions: int | None = None
+) -> Capacity:
     free = budget_bytes - weights_bytes
     if free <= 0:
         return Capacity(budget_bytes, weights_bytes, 0, 0, context, positions)

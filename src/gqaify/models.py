@@ -53,8 +53,13 @@ def untrusted_problem(subject: str) -> str:
     )
 
 
-def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu", option: str = "MODEL",
-               trust_remote_code: bool = False):  # fmt: skip
+def load_model(
+    name: str,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    option: str = "MODEL",
+    trust_remote_code: bool = False,
+):
     """(model in eval mode on `device`, tokenizer) of `name`. GGUF weights are dequantized to float32.
 
     Args:
@@ -72,8 +77,9 @@ def load_model(name: str, dtype: str | torch.dtype = "auto", device: torch.devic
     if "gguf_file" in kwargs and chosen == "auto":
         chosen = torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=chosen,
-                                                     trust_remote_code=trust_remote_code, **kwargs)  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            where, config=config, dtype=chosen, trust_remote_code=trust_remote_code, **kwargs
+        )
         model = model.to(device).eval()
         return model, AutoTokenizer.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class

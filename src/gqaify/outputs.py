@@ -172,8 +172,9 @@ def written_whole(path: Path, full_disk: str | None = None, main_process: bool =
 
 
 @contextlib.contextmanager
-def _put_in_place_when_whole(partial: Path, put_in_place: Callable[[], None],
-                             full_disk: Callable[[], str] | None) -> Iterator[None]:  # fmt: skip
+def _put_in_place_when_whole(
+    partial: Path, put_in_place: Callable[[], None], full_disk: Callable[[], str] | None
+) -> Iterator[None]:
     """Call `put_in_place` when the block completes; if the block or it fails, remove `partial`, and turn a full
     disk into a `ResourceError` with the message `full_disk()` (where given)."""
     try:
@@ -432,8 +433,10 @@ def file_into_place(partial: Path, out: Path, replaceable: Callable[[], str | No
         if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP):  # no hard links here: rename
             raise
         if out.exists() or out.is_symlink():
-            raise UserError(f"{out} already exists: it appeared while this run was writing; pass --force to "
-                            f"replace it, or choose another {option}") from exc  # fmt: skip
+            raise UserError(
+                f"{out} already exists: it appeared while this run was writing; pass --force to "
+                f"replace it, or choose another {option}"
+            ) from exc
         os.replace(partial, out)
 
 

@@ -169,8 +169,11 @@ class Range:
         said = []
         if self.low is not None:
             zero = self.low == 0
-            said.append(("a positive number" if zero else f"above {low}") if self.low_open
-                        else ("0 or more" if zero else f"at least {low}"))  # fmt: skip
+            said.append(
+                ("a positive number" if zero else f"above {low}")
+                if self.low_open
+                else ("0 or more" if zero else f"at least {low}")
+            )
         if self.high is not None:
             said.append(f"below {high}" if self.high_open else f"at most {high}")
         return " and ".join(said)
@@ -232,8 +235,10 @@ class OnePerItem:
     def problem(self, field: str, weights: list[float], ctx: Context) -> str | None:
         items = ctx.value(self.field) or []
         if len(weights) != len(items):
-            return f"{ctx.name(field)} gives {len(weights)} weights for {len(items)} {self.field} sources; give one " \
-                   "per source"  # fmt: skip
+            return (
+                f"{ctx.name(field)} gives {len(weights)} weights for {len(items)} {self.field} sources; give one "
+                "per source"
+            )
         if not all(math.isfinite(w) and w > 0 for w in weights):
             return f"{ctx.name(field)} {shown(weights)} must be positive numbers; e.g. 2 1 1 gives the first half"
         return None
@@ -329,8 +334,10 @@ class Stage:
 
     def _required_problem(self, field: str, value) -> str:
         missing = "is empty" if isinstance(value, str) else "is required"
-        return f"{self.named(field)} {missing}; give it on the command line or as {field}: in the " \
-               f"{self.config_flags[0]} file"  # fmt: skip
+        return (
+            f"{self.named(field)} {missing}; give it on the command line or as {field}: in the "
+            f"{self.config_flags[0]} file"
+        )
 
 
 def _unset(value) -> bool:
@@ -350,8 +357,11 @@ def _first_problem(f: dataclasses.Field, value, ctx: Context) -> str | None:
 def required_problems(stage: Stage, settings: Settings) -> list[str]:
     """The required fields of `settings` that are not given (the first of `Stage.declared_problems`, alone: for
     a caller that needs them set before it checks anything else)."""
-    return [stage._required_problem(f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)
-            if f.metadata.get(_REQUIRED) and _unset(getattr(settings, f.name))]  # fmt: skip
+    return [
+        stage._required_problem(f.name, getattr(settings, f.name))
+        for f in dataclasses.fields(settings)
+        if f.metadata.get(_REQUIRED) and _unset(getattr(settings, f.name))
+    ]
 
 
 # -- the command line ----------------------------------------------------------------------------------------
@@ -413,11 +423,19 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
         for f in fields:
             add_field_option(group, f, hints[f.name])
     for p in stage.positionals:
-        parser.add_argument(f"positional {p.field}", nargs=p.nargs, metavar=p.metavar, default=None,
-                            help=f"the same as --{p.field.replace('_', '-')}")  # fmt: skip
-    parser.add_argument(*stage.config_flags, metavar="FILE",
-                        help="YAML file of settings (its keys are the options below), or the gqaify.json or "
-                             "report.json gqaify wrote (its settings: a rerun); options given here win")  # fmt: skip
+        parser.add_argument(
+            f"positional {p.field}",
+            nargs=p.nargs,
+            metavar=p.metavar,
+            default=None,
+            help=f"the same as --{p.field.replace('_', '-')}",
+        )
+    parser.add_argument(
+        *stage.config_flags,
+        metavar="FILE",
+        help="YAML file of settings (its keys are the options below), or the gqaify.json or "
+        "report.json gqaify wrote (its settings: a rerun); options given here win",
+    )
     for s in stage.switches:
         parser.add_argument(*s.flags, dest=s.field, action="store_const", const=s.value, help=s.help)
     return parser
@@ -451,8 +469,13 @@ def add_field_option(parser, f: dataclasses.Field, hint) -> None:
     if hint is bool:
         parser.add_argument(*flags, action="store_const", const=True, **kwargs)
         if default is True:
-            parser.add_argument(*_flags(f"no_{f.name}"), action="store_false", dest=f.name,
-                                default=argparse.SUPPRESS, help=f"the opposite of {flags[0]}")  # fmt: skip
+            parser.add_argument(
+                *_flags(f"no_{f.name}"),
+                action="store_false",
+                dest=f.name,
+                default=argparse.SUPPRESS,
+                help=f"the opposite of {flags[0]}",
+            )
     elif typing.get_origin(hint) is list:
         nargs = "*" if f.metadata.get(_EMPTY_LIST) else "+"
         parser.add_argument(*flags, nargs=nargs, **_typed(typing.get_args(hint)[0]), **kwargs)
@@ -528,8 +551,10 @@ def _read_text(path: Path, where: str) -> str:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise UserError(f"{where} does not exist; check the path (gqaify recipes lists the shipped recipes, which "
-                        "--recipe finds by name)") from None
+        raise UserError(
+            f"{where} does not exist; check the path (gqaify recipes lists the shipped recipes, which "
+            "--recipe finds by name)"
+        ) from None
     except OSError as exc:
         raise UserError(f"{where} cannot be read ({exc.strerror}); check the path") from None
     if stat.S_ISDIR(mode):
@@ -544,8 +569,10 @@ def _read_text(path: Path, where: str) -> str:
     except OSError as exc:
         raise UserError(f"{where} cannot be read ({exc.strerror}); check the path") from None
     if len(data) > MAX_JSON_BYTES:
-        raise UserError(f"{where} is larger than {MAX_JSON_BYTES >> 20} MiB; settings files are a few hundred "
-                        "bytes: name the settings file")  # fmt: skip
+        raise UserError(
+            f"{where} is larger than {MAX_JSON_BYTES >> 20} MiB; settings files are a few hundred "
+            "bytes: name the settings file"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -561,8 +588,10 @@ def _parse(text: str, where: str):
     except ValueError:  # not JSON: YAML
         pass
     if len(text.encode("utf-8")) > MAX_YAML_BYTES:
-        raise UserError(f"{where} is larger than {MAX_YAML_BYTES >> 20} MiB of YAML; settings files are a few "
-                        "hundred bytes: name the settings file")  # fmt: skip
+        raise UserError(
+            f"{where} is larger than {MAX_YAML_BYTES >> 20} MiB of YAML; settings files are a few "
+            "hundred bytes: name the settings file"
+        )
     try:
         return yaml.load(text, Loader=_SettingsLoader) or {}
     except _Refused as exc:
@@ -591,8 +620,7 @@ class _SettingsLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         mark = self.peek_event().start_mark
         if self.check_event(yaml.AliasEvent):
-            raise _Refused("uses a YAML alias (*name)", "write the value itself: settings files allow no aliases",
-                           mark)  # fmt: skip
+            raise _Refused("uses a YAML alias (*name)", "write the value itself: settings files allow no aliases", mark)
         if self._depth >= MAX_DEPTH:
             raise _Refused(f"nests values more than {MAX_DEPTH} deep", "write values and lists of values", mark)
         self._depth += 1
@@ -619,8 +647,10 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
     flags = {f.lstrip("-").replace("-", "_") for f in stage.config_flags}
     nested = [key for key in values if key in flags]
     if nested:
-        raise UserError(f"{where}: a settings file cannot name another ({nested[0]}: ...); gqaify reads one, "
-                        "so copy that file's settings into this one")  # fmt: skip
+        raise UserError(
+            f"{where}: a settings file cannot name another ({nested[0]}: ...); gqaify reads one, "
+            "so copy that file's settings into this one"
+        )
     known = set(stage.field_names())
     unknown = [key for key in values if key not in known]
     if not unknown:
@@ -629,8 +659,11 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
     if owner is not None:
         what = f"is {owner.record_kind}" if record else f"holds gqaify {owner.command}'s settings"
         readable = set(values) <= set(owner.field_names())  # else only the other command's own run reads it
-        fix = (f"use `gqaify {owner.command} {owner.config_flags[0]} {shlex.quote(str(path))}`" if readable
-               else f"name {stage.command}'s settings file instead")  # fmt: skip
+        fix = (
+            f"use `gqaify {owner.command} {owner.config_flags[0]} {shlex.quote(str(path))}`"
+            if readable
+            else f"name {stage.command}'s settings file instead"
+        )
         raise UserError(f"{where} {what}, not {stage.command}'s; {fix}")
     problems = [f"unknown key {shown(key)}{nearest(stage, str(key))}" for key in unknown[:5]]
     more = [f"and {len(unknown) - 5} more unknown keys"] if len(unknown) > 5 else []

@@ -99,8 +99,10 @@ def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
     for named, share, weight in zip(named_texts(c.data), c.shares(), weights, strict=True):
         if share < 2:
             said = " ".join(f"{w:g}" for w in weights)
-            raise UserError(f"--calib-data {named.source} gets {share} of --calib-tokens {c.tokens:,} by "
-                            f"--calib-weights {said}; a source needs at least 2: raise its weight or --calib-tokens")
+            raise UserError(
+                f"--calib-data {named.source} gets {share} of --calib-tokens {c.tokens:,} by "
+                f"--calib-weights {said}; a source needs at least 2: raise its weight or --calib-tokens"
+            )
         text = load_text(named.source, c.split, c.text_column, "--calib-data", max_chars=share * _CHARS_PER_TOKEN).text
         ids = tokenize(tokenizer, text, share, f"--calib-data {named.source}").ids
         if len(ids) < share:
@@ -247,8 +249,16 @@ def _large_allocations_mapped(function: Callable) -> Callable:
 
 
 @_large_allocations_mapped
-def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: Calibration, text: CalibrationText,
-              request: FitRequest, folder: Path, progress: bool = True) -> CalibratedLayers:  # fmt: skip
+def calibrate(
+    source: Source,
+    spec: ArchSpec,
+    geometry: Geometry,
+    calibration: Calibration,
+    text: CalibrationText,
+    request: FitRequest,
+    folder: Path,
+    progress: bool = True,
+) -> CalibratedLayers:
     """Fit every layer of `source` as `request` asks, on `text` (read by `read_calibration` and checked against the
     model's size); write the fits to `folder`.
 
@@ -293,22 +303,39 @@ def calibrate(source: Source, spec: ArchSpec, geometry: Geometry, calibration: C
     return CalibratedLayers(folder, text.tokens, fits, orders, seconds, str(device))
 
 
-def _fit_layer(spec: ArchSpec, layout: LayerLayout, c: Calibration, request: FitRequest,
-               weights: dict[str, torch.Tensor], state: _Walk) -> tuple[dict, LayerFit, list[int] | None]:  # fmt: skip
+def _fit_layer(
+    spec: ArchSpec,
+    layout: LayerLayout,
+    c: Calibration,
+    request: FitRequest,
+    weights: dict[str, torch.Tensor],
+    state: _Walk,
+) -> tuple[dict, LayerFit, list[int] | None]:
     """The layer in progress (the module docstring's steps 1 to 4): (its head-indexed tensors as they will be
     saved, what was measured, the order of its heads under similarity grouping); `state` moves on by one layer."""
     tick = time.perf_counter()
     prefix = spec.decoder_layer.format(layer=state.layer) + "."
     heads = {name: weights[name] for name in layout.inputs(weights)}
-    raise_if_problems(nonfinite_problem(heads, "calibration cannot fit it (convert without --calib-data and with "
-                                               "--allow-nonfinite to copy it as it is)"))  # fmt: skip
+    raise_if_problems(
+        nonfinite_problem(
+            heads,
+            "calibration cannot fit it (convert without --calib-data and with --allow-nonfinite to copy it as it is)",
+        )
+    )
     local = {name.removeprefix(prefix): t for name, t in weights.items()}
     attention_path = spec.attention.format(layer=state.layer).removeprefix(prefix)
     input_module = f"{attention_path}.{spec.k_proj or spec.qkv_proj}"  # q, k and v read the same input
-    with walk.loaded(state.parent_model.get_submodule(prefix[:-1]), local, state.device,
-                     f"layer {state.layer}") as block:  # fmt: skip
-        targets = _parent_pass(block, block.get_submodule(input_module), block.get_submodule(attention_path), state,
-                               layout.geometry.hidden_size, c.repair)  # fmt: skip
+    with walk.loaded(
+        state.parent_model.get_submodule(prefix[:-1]), local, state.device, f"layer {state.layer}"
+    ) as block:
+        targets = _parent_pass(
+            block,
+            block.get_submodule(input_module),
+            block.get_submodule(attention_path),
+            state,
+            layout.geometry.hidden_size,
+            c.repair,
+        )
     state.parent = targets.outputs
     ctx = replace(request.ctx, second_moment=targets.moment.mean())
     attn, order = layout.split(heads), None
@@ -322,8 +349,12 @@ def _fit_layer(spec: ArchSpec, layout: LayerLayout, c: Calibration, request: Fit
     state.seconds["fit"] += time.perf_counter() - tick
     if state.ours is not None:
         ours = {name.removeprefix(prefix): t.clone() for name, t in tensors.items()}
-        with walk.loaded(state.converted_model.get_submodule(prefix[:-1]), {**local, **ours}, state.device,
-                         f"converted layer {state.layer}") as block:  # fmt: skip
+        with walk.loaded(
+            state.converted_model.get_submodule(prefix[:-1]),
+            {**local, **ours},
+            state.device,
+            f"converted layer {state.layer}",
+        ) as block:
             o_proj = block.get_submodule(f"{attention_path}.{spec.o_proj}")
             ours, more = _repair_and_run(block, o_proj, c, state, targets, list(ours))
         tensors = {prefix + name: t for name, t in ours.items()}
@@ -351,8 +382,9 @@ def _parent_pass(block, fit_input, attention, state: _Walk, hidden_size: int, re
     return _Targets(outputs, attention_outputs, moment)
 
 
-def _repair_and_run(block, o_proj, c: Calibration, state: _Walk, targets: _Targets,
-                    names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+def _repair_and_run(
+    block, o_proj, c: Calibration, state: _Walk, targets: _Targets, names: list[str]
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Repair and refine the converted layer `block` (its `o_proj`; `names`, its tensors that the fit wrote), run
     it on the converted stream (`state.ours` moves on); (those tensors as they now are, what was measured:
     `LayerFit`'s sequential fields)."""
@@ -361,15 +393,27 @@ def _repair_and_run(block, o_proj, c: Calibration, state: _Walk, targets: _Targe
     if c.repair:
         with state.timing("repair"):
             result = repair_output(block, o_proj, ours, inputs, targets.attention, device)
-        measured.update(repaired=result.applied, repair_shrink=result.shrink,
-                        attention_error=(round(result.error_before, 6), round(result.error_after, 6)))  # fmt: skip
+        measured.update(
+            repaired=result.applied,
+            repair_shrink=result.shrink,
+            attention_error=(round(result.error_before, 6), round(result.error_after, 6)),
+        )
     if c.refine_steps:
         LOG.info("layer %d: refining, %d steps", state.layer, c.refine_steps)
         parameters = dict(block.named_parameters())
         trainable = [parameters[name] for name in names if name in parameters]
         with state.timing("refine"):
-            result = refine(block, trainable, ours, inputs, targets.outputs, c.refine_steps, c.refine_lr,
-                            seed=state.layer, device=device)  # fmt: skip
+            result = refine(
+                block,
+                trainable,
+                ours,
+                inputs,
+                targets.outputs,
+                c.refine_steps,
+                c.refine_lr,
+                seed=state.layer,
+                device=device,
+            )
         measured.update(refined=result.steps, refine_loss=(round(result.loss_before, 6), round(result.loss_after, 6)))
     with state.timing("run"), torch.no_grad():
         state.ours = ours = [walk.run(block, x, kw, device) for x, kw in zip(ours, inputs, strict=True)]

@@ -103,8 +103,9 @@ def _grouping(record: dict) -> str:
         if calibration.get("refine_steps"):
             how += f", {calibration['refine_steps']} refinement steps per layer"
         sources = calibration.get("sources") or [{"data": calibration["data"], "tokens": calibration["tokens"]}]
-        read = " and ".join(f"`{source['data']}`" + (f" ({source['tokens']:,})" if len(sources) > 1 else "")
-                            for source in sources)  # fmt: skip
+        read = " and ".join(
+            f"`{source['data']}`" + (f" ({source['tokens']:,})" if len(sources) > 1 else "") for source in sources
+        )
         text += f", calibrated on {calibration['tokens']:,} tokens of {read} {how}"
     return text
 
@@ -138,8 +139,10 @@ def _first_text(eval_data: str | list[str]) -> str:
 
 def _uptrained(u: dict) -> str:
     data = [u["data"]] if isinstance(u["data"], str) else u["data"]
-    text = f"Uptrained by gqaify on {u['tokens']:,} tokens of {' and '.join(f'`{d}`' for d in data)} " \
-           f"({u['steps']:,} steps)"  # fmt: skip
+    text = (
+        f"Uptrained by gqaify on {u['tokens']:,} tokens of {' and '.join(f'`{d}`' for d in data)} "
+        f"({u['steps']:,} steps)"
+    )
     if u.get("distill_from"):
         text += f", distilled from `{u['distill_from']}`"
     if u.get("perplexity_before") is not None and u.get("perplexity_after") is not None:

@@ -45,11 +45,19 @@ OUTPUT_PATTERN = "model{suffix}.safetensors"  # the names save_pretrained writes
 
 # safetensors' dtype codes (the header's "dtype" field)
 DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
-}  # fmt: skip
+}
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -270,9 +278,11 @@ class ShardWriter:
         self.directory = directory
         self.plan = plan
         self.split = split_state_dict_into_shards_factory(
-            plan, get_storage_size=lambda meta: meta.nbytes, filename_pattern=OUTPUT_PATTERN,
+            plan,
+            get_storage_size=lambda meta: meta.nbytes,
+            filename_pattern=OUTPUT_PATTERN,
             max_shard_size=max_shard_size,
-        )  # fmt: skip
+        )
         self._remaining = {f: list(names) for f, names in self.split.filename_to_tensors.items()}
         self._open: dict[str, object] = {}  # filename -> unbuffered file, while the shard is being written
         self._sources: dict[Path, object] = {}

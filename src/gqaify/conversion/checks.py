@@ -95,8 +95,10 @@ def config_problems(config: dict, kv_heads, calibration: Calibration | None) -> 
     if isinstance(kv_heads, int) and kv_heads >= 1:
         problems += _kv_heads_problems(spec, geometry, kv_heads, model_name)
     if calibration is not None and spec.no_calibration:
-        problems.append(f"{model_name} cannot be calibrated: {spec.no_calibration}; convert it with --method mean "
-                        "or norm-mean, without --calib-data")  # fmt: skip
+        problems.append(
+            f"{model_name} cannot be calibrated: {spec.no_calibration}; convert it with --method mean "
+            "or norm-mean, without --calib-data"
+        )
     elif calibration is not None:
         problems += problems_in(calibration.size_problem(calibration.tokens, geometry.hidden_size))
     return ConfigCheck(problems, spec, geometry)
@@ -158,6 +160,8 @@ def _overlap(source_dir: Path, out: Path) -> str | None:
 def method_problem(method: Method, name: str, model_name: str, qk_norms: bool) -> str | None:
     """Why `method` cannot rewrite this model's attention (its Q/K norms stop a rotation folded into q_proj)."""
     if method.folds and qk_norms:
-        return (f"--method {name} folds rotations into q_proj rows, which the Q/K norms of {model_name} do not let "
-                "through unchanged; use mean or norm-mean (with --grouping similarity if you like)")  # fmt: skip
+        return (
+            f"--method {name} folds rotations into q_proj rows, which the Q/K norms of {model_name} do not let "
+            "through unchanged; use mean or norm-mean (with --grouping similarity if you like)"
+        )
     return None

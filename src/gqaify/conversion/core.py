@@ -161,8 +161,11 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     size = sum(meta.nbytes for meta in output.tensors.values()) + _SPACE_MARGIN
     size += sum(path.stat().st_size for path in source.side_files())
     if calibration is not None:  # the fitted layers wait on disk, in float32, until the stream writes them
-        size += sum(output.tensors[name].nbytes // output.tensors[name].dtype.itemsize * 4
-                    for names in output.layer_outputs for name in names)  # fmt: skip
+        size += sum(
+            output.tensors[name].nbytes // output.tensors[name].dtype.itemsize * 4
+            for names in output.layer_outputs
+            for name in names
+        )
     return _Plan(spec, geometry, layouts, output, request.shard_bytes, calibration, qk_norms, text, size)
 
 
@@ -179,12 +182,18 @@ def _fit(s: ConvertSettings, source: Source, plan: _Plan, ctx: MethodContext, fo
     if plan.calibration is None:
         return None
     fitting = FitRequest(METHODS[s.method], s.kv_heads, s.grouping, ctx, keys_measurable=not plan.qk_norms)
-    return calibrate(source, plan.spec, plan.geometry, plan.calibration, plan.text, fitting, folder / _FITS,
-                     s.progress)  # fmt: skip
+    return calibrate(source, plan.spec, plan.geometry, plan.calibration, plan.text, fitting, folder / _FITS, s.progress)
 
 
-def _stream(s: ConvertSettings, source: Source, plan: _Plan, ctx: MethodContext, calibrated: CalibratedLayers | None,
-            hasher: SourceHasher, folder: Path) -> ShardWriter:  # fmt: skip
+def _stream(
+    s: ConvertSettings,
+    source: Source,
+    plan: _Plan,
+    ctx: MethodContext,
+    calibrated: CalibratedLayers | None,
+    hasher: SourceHasher,
+    folder: Path,
+) -> ShardWriter:
     """Every tensor into `folder`'s shards (unchanged ones as bytes, the attention converted), then config.json and
     the side files; the fitted layers' folder is removed."""
     converter = LayerConverter(METHODS[s.method], s.kv_heads, ctx, calibrated)
@@ -197,18 +206,29 @@ def _stream(s: ConvertSettings, source: Source, plan: _Plan, ctx: MethodContext,
     return writer
 
 
-def _record(s: ConvertSettings, out: Path, source: Source, plan: _Plan, ctx: MethodContext,
-            calibrated: CalibratedLayers | None, hasher: SourceHasher) -> dict:  # fmt: skip
+def _record(
+    s: ConvertSettings,
+    out: Path,
+    source: Source,
+    plan: _Plan,
+    ctx: MethodContext,
+    calibrated: CalibratedLayers | None,
+    hasher: SourceHasher,
+) -> dict:
     """The conversion's record (gqaify.json; inside a GGUF, `to_gguf.RECORD_KEY`): enough to rerun it."""
-    record = provenance(source, plan.spec, plan.geometry, s.kv_heads, s.method, s.dtype, s.seed,
-                        hasher.results(source.tensors.files))  # fmt: skip
+    record = provenance(
+        source, plan.spec, plan.geometry, s.kv_heads, s.method, s.dtype, s.seed, hasher.results(source.tensors.files)
+    )
     text = plan.text
     settings = resolved_record(s, source, out, text.sha256 if text is not None else None)
     record.update(grouping=s.grouping, calibration=None, settings=settings)
     if calibrated is not None:
         record.update(
-            calibration={**plan.calibration.record(text.sources, text.sha256), "device": calibrated.device,
-                         "seconds": calibrated.seconds},  # fmt: skip
+            calibration={
+                **plan.calibration.record(text.sources, text.sha256),
+                "device": calibrated.device,
+                "seconds": calibrated.seconds,
+            },
             rotary_dim=ctx.rotary_dim,
             permutations=calibrated.orders,
             fit_error=[fit.record() for fit in calibrated.fits],
@@ -216,8 +236,9 @@ def _record(s: ConvertSettings, out: Path, source: Source, plan: _Plan, ctx: Met
     return record
 
 
-def _result(s: ConvertSettings, plan: _Plan, calibrated: CalibratedLayers | None, written: Written,
-            seconds: float) -> ConversionResult:  # fmt: skip
+def _result(
+    s: ConvertSettings, plan: _Plan, calibrated: CalibratedLayers | None, written: Written, seconds: float
+) -> ConversionResult:
     output, geometry = plan.output, plan.geometry
     kv_dtype = output.tensors[output.layer_outputs[0][0]].dtype
     converted = sum(len(names) for names in output.layer_outputs)
@@ -250,8 +271,9 @@ def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256:
     out: `NOT_RECORDED`)."""
     calib_data = None if s.calib_data is None else [_resolved_text(value) for value in s.calib_data]
     src = source.name if source.kind == "hub" else str(Path(source.name).expanduser().resolve())
-    resolved = replace(s, src=src, out=str(out), revision=source.revision, calib_data=calib_data,
-                       calib_sha256=calib_sha256)  # fmt: skip
+    resolved = replace(
+        s, src=src, out=str(out), revision=source.revision, calib_data=calib_data, calib_sha256=calib_sha256
+    )
     return recorded(resolved, NOT_RECORDED)
 
 

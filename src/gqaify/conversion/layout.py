@@ -66,8 +66,9 @@ class _Module:
 class LayerLayout:
     """The head-indexed tensors of attention layer `layer` of a checkpoint."""
 
-    def __init__(self, spec: ArchSpec, geometry: Geometry, layer: int, with_queries: bool = False,
-                 rotary_dim: int | None = None):  # fmt: skip
+    def __init__(
+        self, spec: ArchSpec, geometry: Geometry, layer: int, with_queries: bool = False, rotary_dim: int | None = None
+    ):
         self.geometry = geometry
         self.layer = layer
         self.qkv_layout = spec.qkv_layout
@@ -222,8 +223,12 @@ class LayerLayout:
         if order is None:
             return attn
         rotated = ("q", "k", "q_norm", "k_norm")
-        return Attention(*({k: t[:, order] if k.split(".")[0] in rotated else t for k, t in heads.items()}
-                           for heads in (attn.kv, attn.queries)))  # fmt: skip
+        return Attention(
+            *(
+                {k: t[:, order] if k.split(".")[0] in rotated else t for k, t in heads.items()}
+                for heads in (attn.kv, attn.queries)
+            )
+        )
 
     def join(self, attn: Attention, num_kv_heads: int) -> dict[str, torch.Tensor]:
         """Inverse of `split` for a layer with `num_kv_heads` heads; float32 tensors keyed by output name."""

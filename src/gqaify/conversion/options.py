@@ -137,8 +137,14 @@ class Calibration:
     def record(self, sources: list[CalibrationSource], sha256: str) -> dict:
         """What gqaify.json's "calibration" says: these fields, the tokens read (from each source, and in all) and
         the SHA-256 of the text read."""
-        return {**asdict(self), "tokens_requested": self.tokens, "tokens": sum(s.tokens for s in sources),
-                "sources": [asdict(s) for s in sources], "sha256": sha256, "holdout": HOLDOUT_NOTE}  # fmt: skip
+        return {
+            **asdict(self),
+            "tokens_requested": self.tokens,
+            "tokens": sum(s.tokens for s in sources),
+            "sources": [asdict(s) for s in sources],
+            "sha256": sha256,
+            "holdout": HOLDOUT_NOTE,
+        }
 
 
 @dataclass(frozen=True)
@@ -182,8 +188,10 @@ def _calibrated(method: str) -> bool:
 def _sha256_problem(sha256: str, name: str) -> str | None:
     if not sha256 or _is_sha256(sha256):  # '': any text
         return None
-    return f"{name} {sha256!r} is not a SHA-256 (64 hex digits); copy it from the gqaify.json that recorded it, " \
-           "or leave it unset"  # fmt: skip
+    return (
+        f"{name} {sha256!r} is not a SHA-256 (64 hex digits); copy it from the gqaify.json that recorded it, "
+        "or leave it unset"
+    )
 
 
 @dataclass(frozen=True)
@@ -199,24 +207,30 @@ class MethodSettings(Settings):
     method: MethodName = setting(
         "mean",
         "how each group of heads becomes one: "
-        + "; ".join(f"{name}: {info.summary}" + (" [needs calib_data]" if info.calibrated else "")
-                    for name, info in METHOD_INFO.items()),
+        + "; ".join(
+            f"{name}: {info.summary}" + (" [needs calib_data]" if info.calibrated else "")
+            for name, info in METHOD_INFO.items()
+        ),
         check=Needs("calib_data", "is fitted on calibration text (text other than your eval text)", _calibrated),
-    )  # fmt: skip
+    )
     grouping: GroupingName = setting(
-        "contiguous", "which heads share a K/V head: neighbours as repeat_kv (contiguous), or the heads that agree "
+        "contiguous",
+        "which heads share a K/V head: neighbours as repeat_kv (contiguous), or the heads that agree "
         "most on the calibration text (similarity; needs calib_data)",
         check=Needs("calib_data", "compares heads on calibration text", "similarity".__eq__),
-    )  # fmt: skip
+    )
     calib_data: list[str] | None = setting(
-        None, "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
+        None,
+        "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
         "per-layer fit error; several (NAME=SOURCE or SOURCE) make a mixture, their windows interleaved; use text "
-        "other than your eval text", check=named_texts_problem
-    )  # fmt: skip
+        "other than your eval text",
+        check=named_texts_problem,
+    )
     calib_weights: list[float] | None = setting(
-        None, "one weight per calib_data source: its share of calib_tokens (default: equal shares)",
+        None,
+        "one weight per calib_data source: its share of calib_tokens (default: equal shares)",
         check=(Needs("calib_data", "weighs calibration sources"), OnePerItem("calib_data")),
-    )  # fmt: skip
+    )
     calib_tokens: int = setting(
         32768, "calibration tokens read from calib_data (in all)", check=Range(2, fix="tens of thousands are typical")
     )
@@ -224,23 +238,30 @@ class MethodSettings(Settings):
     calib_text_column: str = setting("text", "column of calib_data holding the text")
     calib_seq_len: int = setting(1024, "calibration window length in tokens", check=Range(2))
     calib_sha256: str | None = setting(
-        None, "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
-        "text that changed since); '' accepts any text", check=_sha256_problem
-    )  # fmt: skip
+        None,
+        "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
+        "text that changed since); '' accepts any text",
+        check=_sha256_problem,
+    )
     calib_mode: CalibMode = setting(
-        "sequential", "sequential: layer by layer on the converted model's own activations, each layer repaired "
-        "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)"
-    )  # fmt: skip
+        "sequential",
+        "sequential: layer by layer on the converted model's own activations, each layer repaired "
+        "against the parent's outputs; parallel: every layer on the parent's activations (for comparison)",
+    )
     refine_steps: int = setting(
-        0, "Adam steps per layer refining its attention against the parent layer's output (sequential only)",
-        check=(Range(0, says="a whole number, 0 or more"),
-               Limit(REFINE_STEPS_MAX, "each step is one window through one layer; tens to thousands are typical"),
-               Needs("calib_mode", "refines each layer on the converted stream", value="sequential")),
-    )  # fmt: skip
+        0,
+        "Adam steps per layer refining its attention against the parent layer's output (sequential only)",
+        check=(
+            Range(0, says="a whole number, 0 or more"),
+            Limit(REFINE_STEPS_MAX, "each step is one window through one layer; tens to thousands are typical"),
+            Needs("calib_mode", "refines each layer on the converted stream", value="sequential"),
+        ),
+    )
     refine_lr: float = setting(
-        1e-3, "learning rate of refine_steps",
+        1e-3,
+        "learning rate of refine_steps",
         check=(Finite("give a positive one (e.g. 1e-3)"), Range(0, low_open=True)),
-    )  # fmt: skip
+    )
     repair: bool = setting(True, "refit each layer's o_proj against the parent's attention output (sequential)")
 
 
@@ -256,15 +277,17 @@ class ConvertSettings(MethodSettings):
         None, "the folder to create; written beside it and renamed into place when complete", required=True
     )
     kv_heads: int | None = setting(
-        None, "G, the new number of K/V heads; must divide the source's; 1 = MQA", required=True,
+        None,
+        "G, the new number of K/V heads; must divide the source's; 1 = MQA",
+        required=True,
         check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
-    )  # fmt: skip
+    )
     dtype: DtypeName = setting("auto", "output dtype of floating-point tensors (auto: keep each tensor's)")
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(
-        None, "with OUT ending in .gguf (one file llama.cpp serves): the type of its matrices (default f16; norms "
-        "stay f32)"
-    )  # fmt: skip
+        None,
+        "with OUT ending in .gguf (one file llama.cpp serves): the type of its matrices (default f16; norms stay f32)",
+    )
     revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
     seed: int = setting(0, "seed for --method random", check=SEED)
     allow_nonfinite: bool = setting(False, "convert K/V weights that hold NaN or Inf instead of refusing")
@@ -283,9 +306,19 @@ class ConvertSettings(MethodSettings):
         """The calibration these settings ask for, or None without calib_data."""
         if self.calib_data is None:
             return None
-        return Calibration(self.calib_data, self.calib_tokens, self.calib_split, self.calib_text_column,
-                           self.calib_seq_len, self.calib_mode, self.refine_steps, self.refine_lr,
-                           self.repair, self.calib_sha256 or None, self.calib_weights)  # fmt: skip
+        return Calibration(
+            self.calib_data,
+            self.calib_tokens,
+            self.calib_split,
+            self.calib_text_column,
+            self.calib_seq_len,
+            self.calib_mode,
+            self.refine_steps,
+            self.refine_lr,
+            self.repair,
+            self.calib_sha256 or None,
+            self.calib_weights,
+        )
 
 
 # What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.

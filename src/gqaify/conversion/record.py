@@ -1,13 +1,13 @@
 """What a converted folder says about itself: config.json, the side files, gqaify.json and the model card.
 
-    config.json   the source's, with the new num_key_value_heads (and dtype, when cast)
-    side files    tokenizer, generation config, chat template, licence: copied as they are
-    modeling_gqaify.py   only for a type transformers has no K/V head count for (gpt2, gpt_neox, opt): the
-                  class with K/V heads, registered in config.json's `auto_map` for `trust_remote_code=True`
-    README.md     the model card (`card.py`)
-    gqaify.json   provenance: source (name, revision, SHA-256 of every weight file), method, groups, grouping,
-                  calibration (with the SHA-256 of its text) and fit error, tool version, the settings (a rerun),
-                  and every file written (what --force may replace)
+config.json   the source's, with the new num_key_value_heads (and dtype, when cast)
+side files    tokenizer, generation config, chat template, licence: copied as they are
+modeling_gqaify.py   only for a type transformers has no K/V head count for (gpt2, gpt_neox, opt): the
+              class with K/V heads, registered in config.json's `auto_map` for `trust_remote_code=True`
+README.md     the model card (`card.py`)
+gqaify.json   provenance: source (name, revision, SHA-256 of every weight file), method, groups, grouping,
+              calibration (with the SHA-256 of its text) and fit error, tool version, the settings (a rerun),
+              and every file written (what --force may replace)
 """
 
 from __future__ import annotations
@@ -46,8 +46,16 @@ def write_config_and_side_files(source: Source, spec: ArchSpec, folder: Path, kv
         shutil.copyfile(path, folder / path.name)
 
 
-def provenance(source: Source, spec: ArchSpec, geometry: Geometry, kv_heads: int, method: str, dtype: str,
-               seed: int, hashes: dict[str, str]) -> dict:  # fmt: skip
+def provenance(
+    source: Source,
+    spec: ArchSpec,
+    geometry: Geometry,
+    kv_heads: int,
+    method: str,
+    dtype: str,
+    seed: int,
+    hashes: dict[str, str],
+) -> dict:
     """The record of a conversion (without what calibration adds, and without the file list)."""
     record = {
         "tool": "gqaify",

@@ -74,8 +74,14 @@ def _relative_error(windows: list[tuple[torch.Tensor, torch.Tensor]], o: torch.T
     return float(error / total.clamp_min(torch.finfo(torch.float64).tiny))
 
 
-def repair_output(layer: torch.nn.Module, o_proj: torch.nn.Linear, hidden: list[torch.Tensor], kwargs: list[dict],
-                  targets: list[torch.Tensor], device: torch.device) -> RepairResult:  # fmt: skip
+def repair_output(
+    layer: torch.nn.Module,
+    o_proj: torch.nn.Linear,
+    hidden: list[torch.Tensor],
+    kwargs: list[dict],
+    targets: list[torch.Tensor],
+    device: torch.device,
+) -> RepairResult:
     """Refit `o_proj` (in place) so that the attention's output on `hidden` matches `targets`.
 
     Args:
@@ -112,9 +118,17 @@ class RefineResult:
     loss_after: float
 
 
-def refine(layer: torch.nn.Module, trainable: list[torch.nn.Parameter], hidden: list[torch.Tensor],
-           kwargs: list[dict], targets: list[torch.Tensor], steps: int, lr: float, seed: int,
-           device: torch.device) -> RefineResult:  # fmt: skip
+def refine(
+    layer: torch.nn.Module,
+    trainable: list[torch.nn.Parameter],
+    hidden: list[torch.Tensor],
+    kwargs: list[dict],
+    targets: list[torch.Tensor],
+    steps: int,
+    lr: float,
+    seed: int,
+    device: torch.device,
+) -> RefineResult:
     """`steps` Adam steps on `trainable` (parameters of `layer`), one fitting window each in a seeded order,
     minimising the mean squared error of the layer's output on `hidden` against `targets` (the parent layer's
     outputs); undone if the held-out windows end up worse."""

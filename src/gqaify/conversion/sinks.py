@@ -48,8 +48,10 @@ class FolderSink:
 
     def problems(self, s: ConvertSettings) -> Found:
         if s.gguf_type is not None:
-            return (f"--gguf-type {s.gguf_type} is the type of a GGUF file's matrices; name OUT with .gguf to write "
-                    "one, or drop --gguf-type")  # fmt: skip
+            return (
+                f"--gguf-type {s.gguf_type} is the type of a GGUF file's matrices; name OUT with .gguf to write "
+                "one, or drop --gguf-type"
+            )
         return None
 
     def source_problems(self, source: Source) -> Found:
@@ -94,8 +96,10 @@ class GgufSink:
             return f"OUT {self.out} is the source; name another file to write"
         problems = [to_gguf.destination_problem(self.out, self.force), to_gguf.type_problem(s.gguf_type)]
         if s.push_to_hub is not None:
-            problems.append("--push-to-hub uploads a converted folder; upload a .gguf file with "
-                            f"`huggingface-cli upload {s.push_to_hub} {self.out}`")  # fmt: skip
+            problems.append(
+                "--push-to-hub uploads a converted folder; upload a .gguf file with "
+                f"`huggingface-cli upload {s.push_to_hub} {self.out}`"
+            )
         return problems
 
     def source_problems(self, source: Source) -> Found:

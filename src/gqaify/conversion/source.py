@@ -202,8 +202,9 @@ def _open_gguf(path: Path) -> Iterator[Source]:
         raise UserError(f"cannot read {path} as a GGUF model ({exc}); check the file or use the HF checkpoint") from exc
     with tempfile.TemporaryDirectory(prefix="gqaify-gguf-") as staging:
         directory = Path(staging)
-        source = Source(str(path), "gguf", directory, _export_config(config, directory),
-                        provenance={"gguf_file": path.name})  # fmt: skip
+        source = Source(
+            str(path), "gguf", directory, _export_config(config, directory), provenance={"gguf_file": path.name}
+        )
         source._open_tensors = lambda: _dequantize(source, path)
         yield source
 

@@ -36,8 +36,14 @@ class Plan:
     layer_outputs: list[list[str]]
 
 
-def plan_output(source: Source, spec: ArchSpec, geometry: Geometry, layouts: list[LayerLayout], kv_heads: int,
-          cast: torch.dtype | None) -> Plan:  # fmt: skip
+def plan_output(
+    source: Source,
+    spec: ArchSpec,
+    geometry: Geometry,
+    layouts: list[LayerLayout],
+    kv_heads: int,
+    cast: torch.dtype | None,
+) -> Plan:
     """The output, tensor by tensor, from the source's metadata.
 
     Raises:
@@ -75,8 +81,9 @@ def plan_output(source: Source, spec: ArchSpec, geometry: Geometry, layouts: lis
     return Plan(tensors, layouts, layer_of, layer_inputs, layer_outputs)
 
 
-def stream_tensors(source, plan: Plan, writer: ShardWriter, converter: LayerConverter, hasher, allow_nonfinite: bool,
-            progress: bool) -> None:  # fmt: skip
+def stream_tensors(
+    source, plan: Plan, writer: ShardWriter, converter: LayerConverter, hasher, allow_nonfinite: bool, progress: bool
+) -> None:
     """Write every planned tensor: copied through as bytes where it can be, converted layer by layer.
 
     Raises:

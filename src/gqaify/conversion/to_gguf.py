@@ -82,17 +82,22 @@ def gguf_problem(config: dict) -> str | None:
     """Why a checkpoint with `config` cannot be written as GGUF, or None."""
     model_type = config.get("model_type")
     if model_type not in GGUF_ARCHITECTURES:
-        return (f"GGUF output is written for {', '.join(sorted(GGUF_ARCHITECTURES))} models, not {model_type}; "
-                "write safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
+        return (
+            f"GGUF output is written for {', '.join(sorted(GGUF_ARCHITECTURES))} models, not {model_type}; "
+            "write safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py"
+        )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", "default") != "default":
-        return (f"GGUF output writes the plain rotary embedding, and this model's is {rope['rope_type']}; write "
-                "safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py")  # fmt: skip
+        return (
+            f"GGUF output writes the plain rotary embedding, and this model's is {rope['rope_type']}; write "
+            "safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py"
+        )
     return None
 
 
-def write_gguf(folder: Path, out: Path, out_type: str = "f16", tokenizer_gguf: Path | None = None,
-               record: str | None = None) -> None:  # fmt: skip
+def write_gguf(
+    folder: Path, out: Path, out_type: str = "f16", tokenizer_gguf: Path | None = None, record: str | None = None
+) -> None:
     """Write the converted checkpoint in `folder` as the GGUF file `out` (`core._convert_to_gguf` gives it a temporary
     name, renamed into place when whole).
 
@@ -260,8 +265,9 @@ def _tensors(folder: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
-        "model.safetensors"]  # fmt: skip
+    shards = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     listed = []
     for shard in shards:
         with safe_open(folder / shard, "pt") as f:

@@ -65,16 +65,16 @@ class _StopForward(Exception):
     """Raised by a hook to end a forward pass once what was wanted has been seen."""
 
 
-def capture(model, spec: ArchSpec, outside: dict[str, torch.Tensor], windows: list[torch.Tensor],
-            device: torch.device) -> tuple[list[torch.Tensor], list[list[dict]]]:  # fmt: skip
+def capture(
+    model, spec: ArchSpec, outside: dict[str, torch.Tensor], windows: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], list[list[dict]]]:
     """(layer 0's hidden states per window, every layer's keyword inputs per window), on the CPU.
 
     Args:
         model: a skeleton; `outside` (the weights outside the decoder layers) are loaded into it here.
         windows: token ids (T,) per window.
     """
-    model.load_state_dict({name: t.to(device, torch.float32) for name, t in outside.items()}, strict=False,
-                          assign=True)  # fmt: skip
+    model.load_state_dict({name: t.to(device, torch.float32) for name, t in outside.items()}, strict=False, assign=True)
     for module in model.modules():  # buffers (RoPE frequencies) to the device too; the layers stay on meta
         for name, buffer in module.named_buffers(recurse=False):
             if not buffer.is_meta:
@@ -156,8 +156,14 @@ def run(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict, device: torc
     return forward(layer, hidden, kwargs, device).cpu()
 
 
-def run_until(layer: torch.nn.Module, module: torch.nn.Module, hidden: torch.Tensor, kwargs: dict,
-              device: torch.device, output: bool = False) -> torch.Tensor:  # fmt: skip
+def run_until(
+    layer: torch.nn.Module,
+    module: torch.nn.Module,
+    hidden: torch.Tensor,
+    kwargs: dict,
+    device: torch.device,
+    output: bool = False,
+) -> torch.Tensor:
     """What `module` (inside `layer`) receives (or, with `output`, returns) for one window; the rest of the
     layer is not run."""
     with watching(module, output, stop=True) as seen:
@@ -167,8 +173,7 @@ def run_until(layer: torch.nn.Module, module: torch.nn.Module, hidden: torch.Ten
 
 
 @contextmanager
-def watching(module: torch.nn.Module, output: bool = False, stop: bool = False
-             ) -> Iterator[Callable[[], torch.Tensor]]:  # fmt: skip
+def watching(module: torch.nn.Module, output: bool = False, stop: bool = False) -> Iterator[Callable[[], torch.Tensor]]:
     """While the block runs, the last input (or output) of `module`: a function returning it. With `stop`, the
     forward pass ends there (`_StopForward`, for the caller to catch)."""
     got = {}

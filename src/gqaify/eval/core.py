@@ -56,8 +56,12 @@ def evaluate(
         ResourceError: the disk filled up while writing the report; nothing is left behind.
     """
     data = [data] if isinstance(data, (str, os.PathLike)) else data
-    s = replace(settings or EvalSettings(), models=[os.fspath(m) for m in models], data=[os.fspath(d) for d in data],
-                out=os.fspath(out))  # fmt: skip
+    s = replace(
+        settings or EvalSettings(),
+        models=[os.fspath(m) for m in models],
+        data=[os.fspath(d) for d in data],
+        out=os.fspath(out),
+    )
     stride = s.seq_len if s.stride is None else s.stride
     request = s.task_request()
     if s.out.strip():
@@ -67,8 +71,10 @@ def evaluate(
     prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
     panel = _Panel(s, [(t, load_text(t.source, s.split, s.text_column)) for t in named_texts(s.data)])
     report = Report(
-        data=[TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
-              for t, loaded in panel.texts],  # fmt: skip
+        data=[
+            TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
+            for t, loaded in panel.texts
+        ],
         settings={**recorded(s, frozenset({"force"})), "stride": stride, "device": str(device)},
     )
     parent = None
@@ -76,10 +82,12 @@ def evaluate(
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
         same_vocabulary = getattr(configs[i], "vocab_size", None) == getattr(configs[0], "vocab_size", None)
-        reference = parent if parent is not None and fingerprint == report.models[0].tokenizer and same_vocabulary \
-            else None  # fmt: skip
-        scores = panel.score(name, model, tokenizer, fingerprint, stride, reference,
-                             report.models[0].texts if report.models else None)  # fmt: skip
+        reference = (
+            parent if parent is not None and fingerprint == report.models[0].tokenizer and same_vocabulary else None
+        )
+        scores = panel.score(
+            name, model, tokenizer, fingerprint, stride, reference, report.models[0].texts if report.models else None
+        )
         ids = panel.ids(fingerprint)
         LOG.info("measuring %s", name)
         entry = _model_report(name, model, configs[i], fingerprint, scores, ids, s, budget)
@@ -127,8 +135,12 @@ class _Panel:
         key = named.name, fingerprint
         if key not in self.tokens:
             span = self.spans[named.name]
-            found = tokenize(tokenizer, loaded.text[:span], self.s.max_tokens if span is None else None,
-                             f"--data {named.source} with the tokenizer of {model_name}")  # fmt: skip
+            found = tokenize(
+                tokenizer,
+                loaded.text[:span],
+                self.s.max_tokens if span is None else None,
+                f"--data {named.source} with the tokenizer of {model_name}",
+            )
             self.spans[named.name] = found.chars
             piece = loaded.text[: found.chars]
             self.tokens[key] = found.ids, max(len(piece.split()), 1), max(len(piece.encode()), 1)
@@ -139,8 +151,9 @@ class _Panel:
         """The first text's tokens (the KV cache, decode speed and diagnostics are measured on them)."""
         return self.tokens[self.texts[0][0].name, fingerprint][0]
 
-    def score(self, name: str, model, tokenizer, fingerprint: str, stride: int, parent,
-              parent_scores: list[TextScore] | None) -> list[TextScore]:  # fmt: skip
+    def score(
+        self, name: str, model, tokenizer, fingerprint: str, stride: int, parent, parent_scores: list[TextScore] | None
+    ) -> list[TextScore]:
         """`model` on every text; with `parent` (same tokenizer), its KL from the parent and its ratio to
         `parent_scores`, the parent's own."""
         s, scores = self.s, []
@@ -149,8 +162,16 @@ class _Panel:
             LOG.info("evaluating %s on %s (%d tokens)", name, named.name, len(ids))
             desc = f"{Path(name).name[:20]} · {named.name[:16]}"
             ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
-            score = TextScore(named.name, ppl.tokens_scored, ppl.nll, ppl.perplexity, math.exp(ppl.nll_sum / words),
-                              ppl.nll_sum / (nbytes * math.log(2)), words, nbytes)  # fmt: skip
+            score = TextScore(
+                named.name,
+                ppl.tokens_scored,
+                ppl.nll,
+                ppl.perplexity,
+                math.exp(ppl.nll_sum / words),
+                ppl.nll_sum / (nbytes * math.log(2)),
+                words,
+                nbytes,
+            )
             if parent is not None:
                 score.ratio_to_parent = ppl.perplexity / parent_scores[i].perplexity
                 score.kl_to_parent = ppl.kl

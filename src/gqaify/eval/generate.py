@@ -23,8 +23,9 @@ def continuations(model, tokenizer, prompts: list[str], new_tokens: int) -> list
     from transformers import GenerationConfig
 
     pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=pad)  # fmt: skip
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad
+    )
     device = next(model.parameters()).device
     texts = []
     for prompt in prompts:
@@ -45,9 +46,11 @@ def length_problem(tokenizer, prompts: list[str], new_tokens: int, positions: in
     if n + new_tokens <= positions:
         return None
     if n < positions:
-        return (f"--generate-tokens {new_tokens:,} after the {n:,}-token --generate prompt {i} exceeds the "
-                f"{positions:,} positions of {name}; lower --generate-tokens to {positions - n:,} or shorten the "
-                "prompt")  # fmt: skip
+        return (
+            f"--generate-tokens {new_tokens:,} after the {n:,}-token --generate prompt {i} exceeds the "
+            f"{positions:,} positions of {name}; lower --generate-tokens to {positions - n:,} or shorten the "
+            "prompt"
+        )
     fix = f"to {positions - new_tokens:,} tokens at most" if new_tokens < positions else "and lower --generate-tokens"
     subject = f"--generate prompt {i} is {n:,} tokens, leaving no room in the {positions:,} positions of {name}"
     return f"{subject}; shorten it {fix}"

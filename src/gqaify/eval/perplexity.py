@@ -111,8 +111,9 @@ def perplexity(
                 targets = inputs[:, length - n_scored :]  # (B, n_scored)
                 nll_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
                 if parent is not None:
-                    reference = parent(inputs.to(parent.device), use_cache=False,
-                                       logits_to_keep=keep.to(parent.device)).logits  # fmt: skip
+                    reference = parent(
+                        inputs.to(parent.device), use_cache=False, logits_to_keep=keep.to(parent.device)
+                    ).logits
                     kl_sum += kl_sum_of(logits.flatten(0, 1), reference.flatten(0, 1).to(logits.device))
                 scored += targets.numel()
                 bar.update(targets.numel())

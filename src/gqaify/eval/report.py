@@ -26,16 +26,18 @@ COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "m
 def table_rows(report: Report) -> list[list[str]]:
     rows = []
     for m in report.models:
-        rows.append([
-            printable(m.model),  # a path may hold a newline; a row is one line
-            str(m.num_key_value_heads),
-            f"{m.perplexity:,.2f}",
-            "—" if m.delta_perplexity is None else f"{m.delta_perplexity:+,.2f}",
-            f"{m.kv_cache_bytes_per_token:,.0f}",
-            f"{m.kv_ratio_to_parent:g}×",
-            _context(m),
-            "—" if m.decode_tokens_per_s is None else f"{m.decode_tokens_per_s:,.1f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                printable(m.model),  # a path may hold a newline; a row is one line
+                str(m.num_key_value_heads),
+                f"{m.perplexity:,.2f}",
+                "—" if m.delta_perplexity is None else f"{m.delta_perplexity:+,.2f}",
+                f"{m.kv_cache_bytes_per_token:,.0f}",
+                f"{m.kv_ratio_to_parent:g}×",
+                _context(m),
+                "—" if m.decode_tokens_per_s is None else f"{m.decode_tokens_per_s:,.1f}",
+            ]
+        )
     return rows
 
 
@@ -54,10 +56,24 @@ def panel_rows(report: Report) -> list[list[str]]:
         rows.append(cells)
     if len(report.data) > 1:
         summaries = [m.panel for m in report.models]
-        rows.append(["mean", "", *[_summary(p, p and p.mean_ratio_to_parent, p and p.mean_kl_to_parent, "")
-                                   for p in summaries]])  # fmt: skip
-        rows.append(["worst", "", *[_summary(p, p and p.worst_ratio_to_parent, p and p.worst_kl_to_parent,
-                                             p and f" ({printable(p.worst_text)})") for p in summaries]])  # fmt: skip
+        rows.append(
+            ["mean", "", *[_summary(p, p and p.mean_ratio_to_parent, p and p.mean_kl_to_parent, "") for p in summaries]]
+        )
+        rows.append(
+            [
+                "worst",
+                "",
+                *[
+                    _summary(
+                        p,
+                        p and p.worst_ratio_to_parent,
+                        p and p.worst_kl_to_parent,
+                        p and f" ({printable(p.worst_text)})",
+                    )
+                    for p in summaries
+                ],
+            ]
+        )
     return rows
 
 
@@ -74,11 +90,20 @@ def _context(m) -> str:
 
 def format_table(report: Report) -> str:
     """The summary table and the panel's, as aligned plain text, for the terminal."""
-    tasks = [f"{task} ({metric}): " + ", ".join(f"{name} {value}" for name, value in cells)
-             for task, metric, cells in _headline_rows(report)]  # fmt: skip
-    return "\n".join([*_aligned([COLUMNS, *table_rows(report)]), "", "perplexity by text (ratio to the parent, KL "
-                      "from it in nats/token):", *_aligned(panel_rows(report)), *tasks,
-                      *[f"note: {n}" for n in report.notes]])  # fmt: skip
+    tasks = [
+        f"{task} ({metric}): " + ", ".join(f"{name} {value}" for name, value in cells)
+        for task, metric, cells in _headline_rows(report)
+    ]
+    return "\n".join(
+        [
+            *_aligned([COLUMNS, *table_rows(report)]),
+            "",
+            "perplexity by text (ratio to the parent, KL from it in nats/token):",
+            *_aligned(panel_rows(report)),
+            *tasks,
+            *[f"note: {n}" for n in report.notes],
+        ]
+    )
 
 
 def _aligned(rows: list[list[str]]) -> list[str]:
@@ -106,8 +131,10 @@ def _headline_rows(report: Report) -> list[tuple[str, str, list[tuple[str, str]]
     per_model = _headlines(report)
     rows = []
     for task, first in per_model[0].items():
-        cells = [(printable(Path(m.model).name), f"{found[task].value:.4f}" if task in found else "—")
-                 for m, found in zip(report.models, per_model, strict=True)]  # fmt: skip
+        cells = [
+            (printable(Path(m.model).name), f"{found[task].value:.4f}" if task in found else "—")
+            for m, found in zip(report.models, per_model, strict=True)
+        ]
         rows.append((task, first.metric, cells))
     return rows
 
@@ -170,8 +197,10 @@ def _md(text: str) -> str:
 
 def panel_lines(report: Report) -> list[str]:
     """The panel's section of report.md: every text, and every model on each."""
-    texts = "; ".join(f"**{_md(t.name)}** `{_md(t.source)}` ({_md(t.split)}, column `{_md(t.text_column)}`, "
-                      f"{t.rows:,} rows)" for t in report.data)  # fmt: skip
+    texts = "; ".join(
+        f"**{_md(t.name)}** `{_md(t.source)}` ({_md(t.split)}, column `{_md(t.text_column)}`, {t.rows:,} rows)"
+        for t in report.data
+    )
     header, *rows = panel_rows(report)
     return [
         "## Perplexity by text",
@@ -249,8 +278,13 @@ def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
     with figure(path, PLOT_SIZE) as ax:
         for i, m in enumerate(report.models):
             ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
-            ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (m.kv_cache_bytes_per_token, m.perplexity),
-                        textcoords="offset points", xytext=(6, 4), fontsize=8)  # fmt: skip
+            ax.annotate(
+                f"{Path(m.model).name} (G={m.num_key_value_heads})",
+                (m.kv_cache_bytes_per_token, m.perplexity),
+                textcoords="offset points",
+                xytext=(6, 4),
+                fontsize=8,
+            )
         ax.set_yscale("log")
         _against_kv(ax, "perplexity", "Perplexity", x_margin=0.2)
 
@@ -263,8 +297,12 @@ def plot_panel(report: Report, path: Path) -> None:
         width = 0.8 / max(len(others), 1)
         for j, m in enumerate(others):
             ratios = [t.ratio_to_parent or float("nan") for t in m.texts]
-            ax.bar([i + (j - (len(others) - 1) / 2) * width for i in range(len(ratios))], ratios, width,
-                   label=f"{Path(m.model).name} (G={m.num_key_value_heads})")  # fmt: skip
+            ax.bar(
+                [i + (j - (len(others) - 1) / 2) * width for i in range(len(ratios))],
+                ratios,
+                width,
+                label=f"{Path(m.model).name} (G={m.num_key_value_heads})",
+            )
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
         ax.set_xticks(range(len(report.data)), [t.name for t in report.data], rotation=20, ha="right", fontsize=8)
         ax.set_yscale("log")
@@ -274,8 +312,14 @@ def plot_panel(report: Report, path: Path) -> None:
         if others:
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, "no converted model shares the parent's tokenizer", ha="center", va="center",
-                    transform=ax.transAxes)  # fmt: skip
+            ax.text(
+                0.5,
+                0.5,
+                "no converted model shares the parent's tokenizer",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
 
 
 def plot_tasks_vs_kv(report: Report, path: Path) -> None:
@@ -288,12 +332,25 @@ def plot_tasks_vs_kv(report: Report, path: Path) -> None:
                 if task not in found:
                     continue
                 score, kv = found[task], m.kv_cache_bytes_per_token
-                drawn = ax.errorbar([kv], [score.value], yerr=[score.stderr or 0.0], marker="*" if i == 0 else "o",
-                                    markersize=12 if i == 0 else 6, capsize=3, linestyle="none", color=color,
-                                    label=f"{task} ({first.metric})" if i == 0 else None)  # fmt: skip
+                drawn = ax.errorbar(
+                    [kv],
+                    [score.value],
+                    yerr=[score.stderr or 0.0],
+                    marker="*" if i == 0 else "o",
+                    markersize=12 if i == 0 else 6,
+                    capsize=3,
+                    linestyle="none",
+                    color=color,
+                    label=f"{task} ({first.metric})" if i == 0 else None,
+                )
                 color = drawn[0].get_color()
-                ax.annotate(f"{Path(m.model).name} (G={m.num_key_value_heads})", (kv, score.value),
-                            textcoords="offset points", xytext=(7, -3), fontsize=7)  # fmt: skip
+                ax.annotate(
+                    f"{Path(m.model).name} (G={m.num_key_value_heads})",
+                    (kv, score.value),
+                    textcoords="offset points",
+                    xytext=(7, -3),
+                    fontsize=7,
+                )
         _against_kv(ax, "score", "Task scores", x_margin=0.6)
         ax.legend(fontsize=8, loc="lower right")
 
@@ -310,8 +367,14 @@ def plot_diagnostics(report: Report, path: Path) -> None:
         if drawn:
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, "no converted model shares the parent's tokenizer and layers", ha="center",
-                    va="center", transform=ax.transAxes)  # fmt: skip
+            ax.text(
+                0.5,
+                0.5,
+                "no converted model shares the parent's tokenizer and layers",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
         ax.set_xlabel("layer")
         ax.set_ylabel("attention output relative error vs parent")
         ax.set_ylim(bottom=0)
@@ -338,5 +401,6 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
     with staged(out, force, REPORT_BYTES, "--out") as staging:
         for name, write in writers.items():
             write(staging / name)
-        write_provenance(staging, {"tool": "gqaify", "version": __version__, "command": "eval",
-                                   "settings": report.settings})  # fmt: skip
+        write_provenance(
+            staging, {"tool": "gqaify", "version": __version__, "command": "eval", "settings": report.settings}
+        )

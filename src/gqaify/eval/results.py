@@ -103,5 +103,11 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"tool": "gqaify", "version": __version__, "data": [asdict(t) for t in self.data],
-                "settings": self.settings, "models": [asdict(m) for m in self.models], "notes": self.notes}  # fmt: skip
+        return {
+            "tool": "gqaify",
+            "version": __version__,
+            "data": [asdict(t) for t in self.data],
+            "settings": self.settings,
+            "models": [asdict(m) for m in self.models],
+            "notes": self.notes,
+        }

@@ -19,10 +19,12 @@ class EvalSettings(Settings):
         [], "the parent first, then the models to compare (hub ids, folders, .gguf files)", required=True
     )
     data: list[str] = setting(
-        [], "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config], named "
+        [],
+        "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config], named "
         "NAME=SOURCE or by its file's stem; several make a panel: each reported, with the mean and worst",
-        required=True, check=named_texts_problem,
-    )  # fmt: skip
+        required=True,
+        check=named_texts_problem,
+    )
     out: str | None = setting(None, "folder for the report", required=True)
     force: bool = setting(False, "replace --out if it is empty or a report gqaify wrote (nothing else)")
     split: str = setting("test", "dataset split of data")
@@ -67,8 +69,13 @@ class EvalSettings(Settings):
 
     def task_request(self) -> TaskRequest:
         """The lm-evaluation-harness tasks to score (no names: none)."""
-        return TaskRequest.of(self.tasks, num_fewshot=self.num_fewshot, limit=self.limit,
-                              include_path=self.include_path, batch_size=self.batch_size)  # fmt: skip
+        return TaskRequest.of(
+            self.tasks,
+            num_fewshot=self.num_fewshot,
+            limit=self.limit,
+            include_path=self.include_path,
+            batch_size=self.batch_size,
+        )
 
 
 # Names users bring from lm-evaluation-harness, transformers' generate and perplexity guides, and what gqaify calls

@@ -59,8 +59,10 @@ class TaskRequest:
         if self.limit is not None and not self.limit > 0:  # nan too
             problems.append(f"{flags['limit']} {self.limit:g} must be above 0 (items per task, or a fraction below 1)")
         elif self.limit is not None and self.limit >= 1 and not float(self.limit).is_integer():
-            problems.append(f"{flags['limit']} {self.limit:g} is neither a whole number of items per task nor a "
-                            "fraction below 1; give e.g. 200 (items) or 0.5 (half of each task)")  # fmt: skip
+            problems.append(
+                f"{flags['limit']} {self.limit:g} is neither a whole number of items per task nor a "
+                "fraction below 1; give e.g. 200 (items) or 0.5 (half of each task)"
+            )
         if self.num_fewshot is not None and self.num_fewshot < 0:
             problems.append(f"{flags['num_fewshot']} {self.num_fewshot} must be 0 or more")
         if self.include_path and not Path(self.include_path).expanduser().is_dir():
@@ -136,8 +138,9 @@ class Harness:
                 f"{self.include_flag} could not be read ({broken[path]}){others}, so the harness skipped it: fix it"
             )
         where = f"; give a local task's folder with {self.include_flag}" if not self.request.include_path else ""
-        return UserError(f"{self.flag}: unknown task {name!r}{nearest}; `lm-eval ls tasks` lists the harness's "
-                         f"tasks{where}")  # fmt: skip
+        return UserError(
+            f"{self.flag}: unknown task {name!r}{nearest}; `lm-eval ls tasks` lists the harness's tasks{where}"
+        )
 
     def _load(self, name: str) -> None:
         """Build the task once: it reads its dataset, which is where a missing dataset shows."""
@@ -154,8 +157,10 @@ class Harness:
             ) from exc
         except Exception as exc:  # a task YAML or its dataset loader is the user's input, not gqaify's
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise UserError(f"{self.flag}: task {name} could not be loaded ({type(exc).__name__}: {first_line}); "
-                            "check the task's YAML and its dataset") from exc  # fmt: skip
+            raise UserError(
+                f"{self.flag}: task {name} could not be loaded ({type(exc).__name__}: {first_line}); "
+                "check the task's YAML and its dataset"
+            ) from exc
 
     def score(self, model, tokenizer) -> list[TaskScore]:
         """Every metric of every task (and group) for `model`, in the harness's order."""
@@ -229,8 +234,11 @@ def scores_of(results: dict) -> list[TaskScore]:
             if not filter_ or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
             stderr = metrics.get(f"{metric}_stderr,{filter_}")
-            scores.append(TaskScore(task, metric, filter_, float(value),
-                                    float(stderr) if isinstance(stderr, (int, float)) else None, n))  # fmt: skip
+            scores.append(
+                TaskScore(
+                    task, metric, filter_, float(value), float(stderr) if isinstance(stderr, (int, float)) else None, n
+                )
+            )
     return scores
 
 

@@ -87,8 +87,10 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     prompts = _prompt_ids(s, parent.tokenizer, lines)
     _check_positions(s, parent.model, prompts)
     if s.top_logprobs > (vocab := parent.model.config.vocab_size):
-        raise UserError(f"--top-logprobs {s.top_logprobs} is more than the {vocab:,} tokens of {s.model}'s "
-                        f"vocabulary; give {vocab:,} or fewer")  # fmt: skip
+        raise UserError(
+            f"--top-logprobs {s.top_logprobs} is more than the {vocab:,} tokens of {s.model}'s "
+            f"vocabulary; give {vocab:,} or fewer"
+        )
     record = record or {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
     out.mkdir(parents=True, exist_ok=True)
     _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=False)  # before any shard
@@ -98,12 +100,14 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     return Corpus(out, shards, samples, tokens, len(done))
 
 
-def _sample_into(out: Path, record: dict, parent: Parent, prompts, s: GenerateSettings, shard: int,
-                 total: int) -> tuple[int, int, int]:  # fmt: skip
+def _sample_into(
+    out: Path, record: dict, parent: Parent, prompts, s: GenerateSettings, shard: int, total: int
+) -> tuple[int, int, int]:
     """Sample shards from `shard` on until `s.tokens` are written; (shards, samples, tokens) in OUT."""
     samples = shard * s.batch_size
-    bar = tqdm(total=s.tokens, initial=min(total, s.tokens), unit="tok", desc="generate",
-               disable=not s.progress or None)  # fmt: skip
+    bar = tqdm(
+        total=s.tokens, initial=min(total, s.tokens), unit="tok", desc="generate", disable=not s.progress or None
+    )
     try:
         while total < s.tokens:
             rows = _sample_shard(parent, prompts, s, shard)
@@ -160,13 +164,21 @@ def _record_to_continue(out: Path, s: GenerateSettings) -> dict | None:
     return record
 
 
-def _write_record(out: Path, record: dict, s: GenerateSettings, shards: int, samples: int, tokens: int,
-                  complete: bool) -> None:  # fmt: skip
+def _write_record(
+    out: Path, record: dict, s: GenerateSettings, shards: int, samples: int, tokens: int, complete: bool
+) -> None:
     from gqaify.settings import recorded
 
     files = sorted(p.name for p in out.iterdir() if p.name != PROVENANCE_FILE)
-    value = {**record, "settings": recorded(s), "shards": shards, "samples": samples, "tokens": tokens,
-             "complete": complete, "files": files}  # fmt: skip
+    value = {
+        **record,
+        "settings": recorded(s),
+        "shards": shards,
+        "samples": samples,
+        "tokens": tokens,
+        "complete": complete,
+        "files": files,
+    }
     _write_atomic(out / PROVENANCE_FILE, json.dumps(value, indent=2) + "\n")
 
 
@@ -269,8 +281,10 @@ def _prompt_ids(s: GenerateSettings, tokenizer, lines: list[str] | None) -> list
     if s.chat and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"--chat: {s.model} has no chat template; drop --chat to use the prompts as plain text")
     if s.chat:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False) for p in lines]  # fmt: skip
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in lines
+        ]
         return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tokenizer(p)["input_ids"] for p in lines]
 
@@ -315,11 +329,18 @@ def _sample_shard(parent: Parent, prompts, s: GenerateSettings, shard: int) -> l
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in starts], device=device)
     common = {"pad_token_id": pad, "eos_token_id": list(parent.ends) or None}
     if s.greedy_tokens:
-        ids, mask = _generate(model, ids, mask, GenerationConfig(max_new_tokens=s.greedy_tokens, do_sample=False,
-                                                                 **common))  # fmt: skip
+        ids, mask = _generate(
+            model, ids, mask, GenerationConfig(max_new_tokens=s.greedy_tokens, do_sample=False, **common)
+        )
     torch.manual_seed(seed)
-    sampled = GenerationConfig(max_new_tokens=s.length - s.greedy_tokens, do_sample=True, temperature=s.temperature,
-                               top_p=s.top_p, top_k=0, **common)  # fmt: skip
+    sampled = GenerationConfig(
+        max_new_tokens=s.length - s.greedy_tokens,
+        do_sample=True,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=0,
+        **common,
+    )
     ids, _ = _generate(model, ids, mask, sampled)
     rows = [_row(tokenizer, start, ids[i, width:].tolist(), parent.ends, s.chat) for i, start in enumerate(starts)]
     if s.top_logprobs:

@@ -33,32 +33,38 @@ class GenerateSettings(Settings):
     )
     batch_size: int = setting(16, "samples per generate call (one shard of the corpus)", check=Range(1))
     temperature: float = setting(
-        1.0, "softmax temperature (1: the parent's own distribution)",
+        1.0,
+        "softmax temperature (1: the parent's own distribution)",
         check=Range(0, low_open=True, fix="1 samples the parent as is"),
-    )  # fmt: skip
+    )
     top_p: float = setting(
-        1.0, "nucleus sampling mass (1: the whole distribution)",
+        1.0,
+        "nucleus sampling mass (1: the whole distribution)",
         check=Range(0, 1, low_open=True, fix="1 keeps the whole distribution"),
-    )  # fmt: skip
+    )
     greedy_tokens: int = setting(
-        0, "the first N new tokens of each sample by top-1, the rest sampled (LLM-QAT's rule; 0: all sampled)",
+        0,
+        "the first N new tokens of each sample by top-1, the rest sampled (LLM-QAT's rule; 0: all sampled)",
         check=Range(0, "length", high_open=True),
-    )  # fmt: skip
+    )
     start: Literal["bos", "random-token"] = setting(
-        "bos", "without prompts: each sample starts at the beginning-of-text token, or at a token drawn "
+        "bos",
+        "without prompts: each sample starts at the beginning-of-text token, or at a token drawn "
         "uniformly from the vocabulary (LLM-QAT)",
         check=Excludes("prompts", "both choose how a sample begins", when="bos".__ne__),
-    )  # fmt: skip
+    )
     prompts: str | None = setting(None, "text file of prompts, one per line, used in turn (instead of start)")
     chat: bool = setting(
-        False, "wrap each prompt as a user turn in the model's chat template (instruct models)",
+        False,
+        "wrap each prompt as a user turn in the model's chat template (instruct models)",
         check=Needs("prompts", "wraps prompts in the chat template"),
-    )  # fmt: skip
+    )
     top_logprobs: int = setting(
-        0, "store the parent's K most likely next tokens and their log-probabilities at every position of each "
+        0,
+        "store the parent's K most likely next tokens and their log-probabilities at every position of each "
         "sample, so that uptrain's distill_from_data needs no teacher (0: text only)",
         check=(Range(0), Limit(TOP_LOGPROBS_MAX, "each kept costs 8 bytes or more at every position stored")),
-    )  # fmt: skip
+    )
     seed: int = setting(0, "seed: the same seed and settings write the same tokens", check=SEED)
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's; a .gguf: float32)")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")

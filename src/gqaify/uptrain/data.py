@@ -102,10 +102,12 @@ def mixed(blocks: list, weights: list[float] | None, seed: int) -> tuple[object,
     import datasets
 
     weights = weights or [1.0] * len(blocks)
-    marked = [b.map(lambda batch, i=i: {"source": [i] * len(batch["input_ids"])}, batched=True)
-              for i, b in enumerate(blocks)]  # fmt: skip
-    together = datasets.interleave_datasets(marked, probabilities=[w / sum(weights) for w in weights], seed=seed,
-                                            stopping_strategy="all_exhausted")  # fmt: skip
+    marked = [
+        b.map(lambda batch, i=i: {"source": [i] * len(batch["input_ids"])}, batched=True) for i, b in enumerate(blocks)
+    ]
+    together = datasets.interleave_datasets(
+        marked, probabilities=[w / sum(weights) for w in weights], seed=seed, stopping_strategy="all_exhausted"
+    )
     if isinstance(together, datasets.IterableDataset):
         return together.remove_columns("source").with_format("torch"), None
     sources = together.with_format(None)["source"]

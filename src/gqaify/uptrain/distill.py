@@ -22,8 +22,9 @@ import torch.nn.functional as F
 KL_CHUNK_TOKENS = 1024  # tokens per chunk: 1,024 x 49,152 x 4 bytes = 0.2 GB of float32 per intermediate
 
 
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-                    chunk: int = KL_CHUNK_TOKENS) -> torch.Tensor:  # fmt: skip
+def distillation_kl(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS
+) -> torch.Tensor:
     """KL(teacher || student) per token, averaged over tokens, of the temperature-softened next-token
     distributions, times temperature² (Hinton et al.) so its gradients keep their scale as T changes.
 
@@ -66,8 +67,9 @@ class _ChunkedKL(torch.autograd.Function):
         return out.view(student.shape), None, None, None
 
 
-def stored_kl(student_logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
-              chunk: int = KL_CHUNK_TOKENS) -> torch.Tensor:  # fmt: skip
+def stored_kl(
+    student_logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, chunk: int = KL_CHUNK_TOKENS
+) -> torch.Tensor:
     """KL(parent || student) per token, averaged over tokens, from the parent's k most likely next tokens and their
     log-probabilities stored with the text (`gqaify generate --top-logprobs K`): no teacher runs.
 
@@ -139,8 +141,10 @@ def _chunks(first: torch.Tensor, chunk: int, *others: torch.Tensor):
 def _log_softmaxes(student: torch.Tensor, teacher: torch.Tensor, temperature: float):
     """(log q, log p) of a chunk, in float32 at least."""
     dtype = _dtype(student)
-    return (F.log_softmax(student.to(dtype) / temperature, dim=-1),
-            F.log_softmax(teacher.to(dtype) / temperature, dim=-1))  # fmt: skip
+    return (
+        F.log_softmax(student.to(dtype) / temperature, dim=-1),
+        F.log_softmax(teacher.to(dtype) / temperature, dim=-1),
+    )
 
 
 def _dtype(logits: torch.Tensor) -> torch.dtype:

@@ -33,8 +33,9 @@ def with_adapters(model, rank: int, alpha: float) -> torch.nn.Module:
     """`model` wrapped by peft with LoRA adapters of rank `rank` on its attention projections; only they train."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                        target_modules=target_pattern(model.config.model_type))  # fmt: skip
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=target_pattern(model.config.model_type)
+    )
     return get_peft_model(model, config)
 
 

@@ -183,12 +183,16 @@ def rotate(root: Path, keep: int) -> None:
         for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # emptied by the above; a folder holding the user's files stays
-        LOG.warning("kept %s: it holds files gqaify did not write (%s); its checkpoint files were removed", old,
-                    ", ".join(sorted(present - ours)[:3]))  # fmt: skip
+        LOG.warning(
+            "kept %s: it holds files gqaify did not write (%s); its checkpoint files were removed",
+            old,
+            ", ".join(sorted(present - ours)[:3]),
+        )
 
 
-def save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress,
-                run: dict) -> None:  # fmt: skip
+def save_final(
+    accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress, run: dict
+) -> None:
     """output_dir/final: a plain checkpoint in the converted model's dtype, gqaify.json provenance, and the model
     card with what uptraining measured (and the recovery plot)."""
     state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
@@ -203,9 +207,14 @@ def save_final(accelerator, model, tokenizer, model_path: str, out: Path, dtype,
         tokenizer.save_pretrained(partial)
         provenance_file = Path(model_path) / PROVENANCE_FILE
         provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
-        provenance["uptrain"] = {"version": __version__, "from": model_path, "steps": progress.step,
-                                 "tokens": progress.tokens, "settings": asdict(s),
-                                 "data_sha256": run.get("data_sha256")}  # fmt: skip
+        provenance["uptrain"] = {
+            "version": __version__,
+            "from": model_path,
+            "steps": progress.step,
+            "tokens": progress.tokens,
+            "settings": asdict(s),
+            "data_sha256": run.get("data_sha256"),
+        }
         if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
             _save_card(partial, provenance, out, s, progress, run)
         write_provenance(partial, {"tool": "gqaify", **provenance})
@@ -217,12 +226,15 @@ def _save_card(folder: Path, provenance: dict, out: Path, s, progress: Progress,
 
     _, perplexities = eval_curve(read_metrics(out / METRICS))
     uptrained = {
-        "tokens": progress.tokens, "steps": progress.step, "data": s.data, "eval_data": s.eval_data,
+        "tokens": progress.tokens,
+        "steps": progress.step,
+        "data": s.data,
+        "eval_data": s.eval_data,
         "distill_from": s.distill_from if s.distill_weight > 0 else None,
         "perplexity_before": perplexities[0] if perplexities else None,
         "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
         "parent_perplexity": run.get("parent_perplexity"),
-    }  # fmt: skip
+    }
     if (out / "recovery.png").is_file():
         shutil.copyfile(out / "recovery.png", folder / "recovery.png")
         uptrained["plot"] = "recovery.png"

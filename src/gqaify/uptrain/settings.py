@@ -30,8 +30,12 @@ from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
 Tracker = Literal[TRACKERS]
-TASK_FLAGS = {"names": "eval_tasks", "num_fewshot": "eval_num_fewshot", "limit": "eval_limit",
-              "include_path": "eval_include_path"}  # fmt: skip
+TASK_FLAGS = {
+    "names": "eval_tasks",
+    "num_fewshot": "eval_num_fewshot",
+    "limit": "eval_limit",
+    "include_path": "eval_include_path",
+}
 POSITIVE = Range(1, says="a positive integer")
 # The fields of the conversion: checked only when there is one to run (kv_heads set)
 CONVERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(MethodSettings))
@@ -50,8 +54,9 @@ class UptrainSettings(MethodSettings):
     by the fields of `MethodSettings`."""
 
     # -- the model
-    model: str | None = setting(None, "a converted checkpoint, or a source to convert when kv_heads is set",
-                                required=True)  # fmt: skip
+    model: str | None = setting(
+        None, "a converted checkpoint, or a source to convert when kv_heads is set", required=True
+    )
     kv_heads: int | None = setting(
         None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
     )
@@ -61,29 +66,38 @@ class UptrainSettings(MethodSettings):
     output_dir: str | None = setting(None, "folder for checkpoints, metrics, plot and final/", required=True)
     # -- the data
     data: list[str] = setting(
-        [], "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]; several (NAME=SOURCE or "
-        "SOURCE) make a mixture, each block drawn from a source by data_weights", required=True,
+        [],
+        "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]; several (NAME=SOURCE or "
+        "SOURCE) make a mixture, each block drawn from a source by data_weights",
+        required=True,
         check=named_texts_problem,
-    )  # fmt: skip
+    )
     data_weights: list[float] | None = setting(
-        None, "one weight per data source: the chance that a block comes from it (default: equal)",
+        None,
+        "one weight per data source: the chance that a block comes from it (default: equal)",
         check=OnePerItem("data"),
-    )  # fmt: skip
+    )
     split: str = setting("train", "split of `data`")
     text_column: str = setting("text", "column holding the text (data and eval_data)")
     streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
     seq_len: int = setting(256, "tokens per packed training block", check=POSITIVE)
     # -- the budget and batch
     max_tokens: int | None = setting(
-        None, "training tokens in all (the budget)",
-        check=(Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
-               Excludes("budget_fraction", "both set the token budget")),
-    )  # fmt: skip
+        None,
+        "training tokens in all (the budget)",
+        check=(
+            Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
+            Excludes("budget_fraction", "both set the token budget"),
+        ),
+    )
     budget_fraction: float | None = setting(
-        None, "budget as a fraction of pretraining_tokens (instead of max_tokens)",
-        check=(Range(0, 1, low_open=True, fix="e.g. 0.05 as in the GQA paper"),
-               Needs("pretraining_tokens", "is a fraction of the parent's pre-training tokens")),
-    )  # fmt: skip
+        None,
+        "budget as a fraction of pretraining_tokens (instead of max_tokens)",
+        check=(
+            Range(0, 1, low_open=True, fix="e.g. 0.05 as in the GQA paper"),
+            Needs("pretraining_tokens", "is a fraction of the parent's pre-training tokens"),
+        ),
+    )
     pretraining_tokens: int | None = setting(
         None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
     )
@@ -101,9 +115,10 @@ class UptrainSettings(MethodSettings):
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward")
     trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
-        "all", "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
+        "all",
+        "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
         check=_peft_problem,
-    )  # fmt: skip
+    )
     lora_rank: int = setting(16, "rank of the adapters, for trainable lora", check=POSITIVE)
     lora_alpha: float = setting(
         32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora", check=Range(0, low_open=True)
@@ -111,18 +126,20 @@ class UptrainSettings(MethodSettings):
     # -- distillation
     distill_from: str | None = setting(None, "teacher (the parent): adds KL to its next-token distribution")
     distill_from_data: bool = setting(
-        False, "distil from the parent's top-k log-probabilities stored with `data` (gqaify generate "
+        False,
+        "distil from the parent's top-k log-probabilities stored with `data` (gqaify generate "
         "--top-logprobs K) instead of running distill_from: no teacher in memory",
         check=Excludes("distill_from", "name two teachers"),
-    )  # fmt: skip
+    )
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
     temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
     # -- evaluation, checkpoints, logging
     eval_data: list[str] | None = setting(
-        None, "held-out text for perplexity (and the KL from the teacher), same loaders as gqaify eval; several "
+        None,
+        "held-out text for perplexity (and the KL from the teacher), same loaders as gqaify eval; several "
         "(NAME=SOURCE or SOURCE) make a panel: each logged, with the mean KL and the worst ratio to the parent",
         check=named_texts_problem,
-    )  # fmt: skip
+    )
     eval_split: str = setting("test", "split of eval_data")
     eval_tokens: int = setting(16384, "evaluate on the first N tokens of each eval_data text", check=POSITIVE)
     eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)", check=POSITIVE)
@@ -162,15 +179,23 @@ class UptrainSettings(MethodSettings):
         problems = UPTRAIN.declared_problems(self, leave_out=frozenset() if converts else CONVERSION_FIELDS)
         if self.max_tokens is None and self.budget_fraction is None:
             problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
-        if (self.distill_from is None and not self.distill_from_data and self.distill_weight > 0
-                and self.distill_weight != UptrainSettings.distill_weight):  # fmt: skip
+        if (
+            self.distill_from is None
+            and not self.distill_from_data
+            and self.distill_weight > 0
+            and self.distill_weight != UptrainSettings.distill_weight
+        ):
             problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
         if self.distill_from_data and len(self.data) > 1:
-            problems.append("distill_from_data reads the log-probabilities stored with one corpus; give data one "
-                            "source, or name the teacher with distill_from to train on a mixture")  # fmt: skip
+            problems.append(
+                "distill_from_data reads the log-probabilities stored with one corpus; give data one "
+                "source, or name the teacher with distill_from to train on a mixture"
+            )
         if self.distill_from_data and self.temperature != 1:
-            problems.append(f"temperature {self.temperature} with distill_from_data: the stored log-probabilities are "
-                            "the parent's at temperature 1 and cannot be rescaled; drop temperature")  # fmt: skip
+            problems.append(
+                f"temperature {self.temperature} with distill_from_data: the stored log-probabilities are "
+                "the parent's at temperature 1 and cannot be rescaled; drop temperature"
+            )
         return problems + self.task_request().problems()
 
     def conversion(self, out: str | Path) -> ConvertSettings:
@@ -178,8 +203,9 @@ class UptrainSettings(MethodSettings):
         they are here, calibration text read as the training data is unless calib_split or calib_text_column say
         otherwise (its dtype, seed and shards are the conversion's defaults)."""
         method = {f.name: getattr(self, f.name) for f in dataclasses.fields(MethodSettings)}
-        method.update(calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column
-                      or self.text_column)  # fmt: skip
+        method.update(
+            calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column or self.text_column
+        )
         return ConvertSettings(src=self.model, out=str(out), kv_heads=self.kv_heads, progress=self.progress, **method)
 
     @property
@@ -188,8 +214,13 @@ class UptrainSettings(MethodSettings):
 
     def task_request(self) -> TaskRequest:
         """The lm-evaluation-harness tasks scored at each evaluation (no names: none)."""
-        return TaskRequest.of(self.eval_tasks, num_fewshot=self.eval_num_fewshot, limit=self.eval_limit,
-                              include_path=self.eval_include_path, flags=TASK_FLAGS)  # fmt: skip
+        return TaskRequest.of(
+            self.eval_tasks,
+            num_fewshot=self.eval_num_fewshot,
+            limit=self.eval_limit,
+            include_path=self.eval_include_path,
+            flags=TASK_FLAGS,
+        )
 
     def budget(self) -> int:
         """The token budget: max_tokens, else budget_fraction × pretraining_tokens."""
@@ -200,9 +231,21 @@ class UptrainSettings(MethodSettings):
 
 # Settings that may change between a run and its resumption without changing what is trained.
 RESUMABLE_CHANGES = frozenset(
-    {"eval_every", "save_every", "save_total_limit", "log_every", "log_to", "progress", "dist_timeout", "push_to_hub",
-     "eval_tasks", "eval_num_fewshot", "eval_limit", "eval_include_path"}
-)  # fmt: skip
+    {
+        "eval_every",
+        "save_every",
+        "save_total_limit",
+        "log_every",
+        "log_to",
+        "progress",
+        "dist_timeout",
+        "push_to_hub",
+        "eval_tasks",
+        "eval_num_fewshot",
+        "eval_limit",
+        "eval_include_path",
+    }
+)
 
 # Names users bring from transformers' TrainingArguments and TRL, and what gqaify calls them (with a note where
 # the meaning differs): an unknown key or option that is one of these is answered with its gqaify name.

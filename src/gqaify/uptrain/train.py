@@ -64,6 +64,7 @@ LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
 logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
+
 @dataclass(frozen=True)
 class UptrainResult:
     final: Path
@@ -215,8 +216,13 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
     s, accelerator, steps, progress = run.s, run.accelerator, run.steps, loop.progress
     model, loader, optimizer, scheduler = loop.model, loop.loader, loop.optimizer, loop.scheduler
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
-    bar = tqdm(total=steps, initial=progress.step, unit="step", desc="uptrain",
-               disable=not (s.progress and accelerator.is_main_process) or None)  # fmt: skip
+    bar = tqdm(
+        total=steps,
+        initial=progress.step,
+        unit="step",
+        desc="uptrain",
+        disable=not (s.progress and accelerator.is_main_process) or None,
+    )
     started, tokens_at_start = time.perf_counter(), progress.tokens
     step_loss = torch.zeros(2, device=accelerator.device)  # (loss, LM loss) summed over micro-batches
     window = 0  # micro-batches since the last optimizer step: grad_accum, or fewer where an epoch ends
@@ -248,8 +254,14 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
             if progress.step % s.log_every == 0 or progress.step == steps:
-                row = {"tokens": progress.tokens, "loss": loss, "lm_loss": lm_loss, "lr": scheduler.get_last_lr()[0],
-                       "tokens_per_s": rate, "time": time.time()}  # fmt: skip
+                row = {
+                    "tokens": progress.tokens,
+                    "loss": loss,
+                    "lm_loss": lm_loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": rate,
+                    "time": time.time(),
+                }
                 accelerator.log(row, step=progress.step)
             if evaluate and (progress.step == steps or s.eval_every and progress.step % s.eval_every == 0):
                 evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
@@ -321,8 +333,9 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
         if s.distill_from_data:
             blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming) for t in sources]
         else:
-            blocks = [packed_blocks(t.source, s.split, s.text_column, tokenizer, s.seq_len, s.streaming)
-                      for t in sources]  # fmt: skip
+            blocks = [
+                packed_blocks(t.source, s.split, s.text_column, tokenizer, s.seq_len, s.streaming) for t in sources
+            ]
         if len(blocks) == 1:
             blocks = blocks[0]
         else:
@@ -388,8 +401,9 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
     """
     if not s.distill_from:
         return None
-    teacher, _ = load_model(s.distill_from, "auto", accelerator.device, option="distill_from",
-                            trust_remote_code=s.trust_remote_code)  # fmt: skip
+    teacher, _ = load_model(
+        s.distill_from, "auto", accelerator.device, option="distill_from", trust_remote_code=s.trust_remote_code
+    )
     teacher.requires_grad_(False)
     if teacher.config.vocab_size != vocab_size:
         raise UserError(
@@ -484,8 +498,9 @@ def _panel_row(model, teacher, texts: dict[str, torch.Tensor], seq_len: int, par
     """The eval metrics of one evaluation: the first text's perplexity and KL from the teacher (eval_perplexity,
     eval_kl); with several texts, each text's (eval_perplexity/NAME, eval_kl/NAME), the mean KL (eval_kl_mean) and
     the worst ratio to the parent's perplexity (eval_ratio_worst)."""
-    scores = {name: perplexity(model, ids, seq_len, seq_len, progress=False, parent=teacher)
-              for name, ids in texts.items()}  # fmt: skip
+    scores = {
+        name: perplexity(model, ids, seq_len, seq_len, progress=False, parent=teacher) for name, ids in texts.items()
+    }
     first = next(iter(scores.values()))
     row = {"eval_perplexity": first.perplexity} | ({} if teacher is None else {"eval_kl": first.kl})
     if len(scores) == 1:
@@ -520,8 +535,9 @@ def _parent_perplexities(s, teacher, texts: dict[str, torch.Tensor], seq_len: in
         return None
     model = teacher if parent == s.distill_from and teacher is not None else None
     if model is None:
-        model, _ = load_model(parent, "auto", accelerator.device, option="parent",
-                              trust_remote_code=s.trust_remote_code)  # fmt: skip
+        model, _ = load_model(
+            parent, "auto", accelerator.device, option="parent", trust_remote_code=s.trust_remote_code
+        )
     found = {name: perplexity(model, ids, seq_len, seq_len, progress=False).perplexity for name, ids in texts.items()}
     del model
     return found
@@ -597,5 +613,3 @@ def _result_of_finished_run(out: Path, record: dict) -> UptrainResult:
 
 def _loggable(s: UptrainSettings) -> dict:
     return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in asdict(s).items()}
-
-

@@ -32,8 +32,7 @@ def items(text: str) -> list[dict]:
                 continue
             label = len(rows) % CHOICES
             choices = others[:label] + [story[cut]] + others[label:]
-            rows.append({"context": " ".join(story[cut - CONTEXT_SENTENCES : cut]), "choices": choices,
-                         "label": label})  # fmt: skip
+            rows.append({"context": " ".join(story[cut - CONTEXT_SENTENCES : cut]), "choices": choices, "label": label})
     return rows
 
 
