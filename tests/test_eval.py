@@ -156,6 +156,7 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     assert gqa2.diagnostics["kl_nats_per_token"] > 1e-3 and len(gqa2.diagnostics["attention_relative_error"]) == 2
     assert all(m.decode_tokens_per_s > 0 and m.prefill_tokens_per_s > 0 for m in report.models)
     assert "| 2 |" in files["report.md"].read_text()
+    assert f"| decode tok/s @{FAST.decode_context:,} ctx |" in files["report.md"].read_text()  # the context it is at
     # 80 GB holds far more than the 128 positions: the usable context is the positions, and says so
     assert all(m.max_context_at_budget > 10**6 and m.max_positions == 128 for m in report.models)
     assert all((m.usable_context, m.context_bound_by) == (128, "positions") for m in report.models)
