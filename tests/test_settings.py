@@ -18,6 +18,7 @@ import gqaify
 from conftest import CORPUS, build_model, save, save_with_tokenizer
 from gqaify.cli import main
 from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
+from gqaify.errors import UserError
 from gqaify.eval.settings import EVAL
 from gqaify.generation.settings import GENERATE
 from gqaify.settings import parse
@@ -43,6 +44,25 @@ def test_version_answers_with_the_installed_version(capsys, flag):
 
     assert main([flag]) == 0
     assert capsys.readouterr().out == f"gqaify {version('gqaify')}\n"
+
+
+def test_every_stage_has_one_entry_of_one_shape():
+    """gqaify.<stage>.run(settings) -> result, for every stage, taking that stage's settings and nothing else."""
+    import inspect
+
+    for stage, module in [
+        (CONVERT, gqaify.conversion),
+        (EVAL, gqaify.eval),
+        (GENERATE, gqaify.generation),
+        (UPTRAIN, gqaify.uptrain),
+    ]:
+        parameters = list(inspect.signature(module.run).parameters.values())
+        assert [(p.name, p.annotation) for p in parameters] == [("settings", stage.settings.__name__)], stage.command
+
+
+def test_evaluate_never_overwrites_what_its_settings_say():
+    with pytest.raises(UserError, match="evaluate's models and its settings' models differ"):
+        gqaify.evaluate(["parent"], "text.txt", "out", gqaify.EvalSettings(models=["another"]))
 
 
 def test_every_field_is_an_option_with_its_help(capsys):

@@ -2,9 +2,14 @@
 
     gqaify.convert(src, out, kv_heads=G)                   rewrite a checkpoint's K/V heads from KV to G
     gqaify.convert(src, out, G, method="lsq", calib_data="text.txt")    fitted on calibration text
-    gqaify.convert_with(gqaify.ConvertSettings(...))       the same, from a settings object
     gqaify.evaluate([parent, converted], data, out)        perplexity, KV cache and speed beside the parent
-    gqaify.uptrain.run(gqaify.UptrainSettings(...))        recover quality with a short run (accelerate)
+
+Every stage has one entry of one shape, `run(settings) -> result`:
+
+    gqaify.conversion.run(gqaify.ConvertSettings(...))     -> ConversionResult   (also gqaify.convert_with)
+    gqaify.eval.run(gqaify.EvalSettings(...))              -> Report
+    gqaify.generation.run(gqaify.GenerateSettings(...))    -> Corpus
+    gqaify.uptrain.run(gqaify.UptrainSettings(...))        -> UptrainResult (under accelerate launch, or not)
 
 Each stage's settings are one dataclass (ConvertSettings, EvalSettings, UptrainSettings): its fields are the
 keyword arguments here, the command line's options and the keys of a --config file.
@@ -31,13 +36,15 @@ _EXPORTS = {
     "evaluate": "gqaify.eval.core",
     "EvalSettings": "gqaify.eval.settings",
     "UptrainSettings": "gqaify.uptrain.settings",
+    "GenerateSettings": "gqaify.generation.settings",
 }
-_SUBMODULES = ("conversion", "eval", "uptrain")
+_SUBMODULES = ("conversion", "eval", "generation", "uptrain")
 
 __all__ = [
     "ConversionResult",
     "ConvertSettings",
     "EvalSettings",
+    "GenerateSettings",
     "UptrainSettings",
     "__version__",
     "conversion",
@@ -45,15 +52,17 @@ __all__ = [
     "convert_with",
     "eval",
     "evaluate",
+    "generation",
     "uptrain",
 ]
 
 if TYPE_CHECKING:
-    from gqaify import conversion, eval, uptrain  # noqa: A004 (gqaify.eval is a package, not the builtin)
+    from gqaify import conversion, eval, generation, uptrain  # noqa: A004 (gqaify.eval is a package, not the builtin)
     from gqaify.conversion.core import ConversionResult, convert, convert_with
     from gqaify.conversion.options import ConvertSettings
     from gqaify.eval.core import evaluate
     from gqaify.eval.settings import EvalSettings
+    from gqaify.generation.settings import GenerateSettings
     from gqaify.uptrain.settings import UptrainSettings
 
 

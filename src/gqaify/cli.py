@@ -105,11 +105,11 @@ def _run_eval(args) -> None:
     if not settings.progress:
         quiet_transformers()
 
-    from gqaify.eval.core import evaluate
+    from gqaify.eval.core import run
     from gqaify.eval.report import format_table
     from gqaify.summary import printable
 
-    report = evaluate(settings.models, settings.data, settings.out, settings)
+    report = run(settings)
     print(format_table(report))
     out = Path(settings.out)
     print(f"report: {printable(out / 'report.md')}, report.json; plots: {printable(out)}/*.png")

