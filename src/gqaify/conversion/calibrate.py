@@ -47,7 +47,7 @@ from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, fit_error
 from gqaify.conversion.options import Calibration, CalibrationSource, mixture_sha256
-from gqaify.conversion.repair import refine, repair_output
+from gqaify.conversion.repair import Windows, refine, repair_output
 from gqaify.conversion.source import Source
 from gqaify.data import load_text, named_texts, tokenize
 from gqaify.errors import UserError, raise_if_problems
@@ -227,11 +227,10 @@ def _large_allocations_mapped(function: Callable) -> Callable:
 
     The walk allocates and frees tensors of a few MB to a few hundred MB, layer after layer. glibc raises its
     mmap threshold each time a mapped block is freed (up to 32 MB), so later tensors below it come from the
-    heap, whose pages stay with the process when they are freed: on a 4-layer, 1B-shaped model that was
-    0.23 GiB of a 1.59 GiB peak (1.36 GiB with the threshold at 4 MB; 16 MB kept 1.54 GiB; 1 MB saved no more
-    and made SmolLM2's refinement 30% slower, every mapping being faulted in anew). glibc can neither report its
-    threshold nor be given its adjustment back once it is set, so on leaving the threshold is set to 32 MB, where
-    its own adjustment would have taken it after the walk's frees. Other C libraries are left alone.
+    heap, whose pages stay with the process when they are freed (what that costs, and why 4 MB:
+    docs/benchmarks.md, calibration memory). glibc can neither report its threshold nor be given its adjustment
+    back once it is set, so on leaving the threshold is set to 32 MB, where its own adjustment would have taken
+    it after the walk's frees. Other C libraries are left alone.
     """
 
     @functools.wraps(function)
@@ -406,9 +405,7 @@ def _repair_and_run(
             result = refine(
                 block,
                 trainable,
-                ours,
-                inputs,
-                targets.outputs,
+                Windows(ours, inputs, targets.outputs),
                 c.refine_steps,
                 c.refine_lr,
                 seed=state.layer,

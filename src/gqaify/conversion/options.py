@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from gqaify.data import named_texts_problem
@@ -70,7 +70,8 @@ class Calibration:
     steps against the parent layer's output. "parallel" fits every layer on the parent's activations, as
     one pass of the parent would: gqaify's first calibration, kept for comparison.
 
-    Built by `ConvertSettings.calibration()`, whose fields hold the defaults and declare the values' rules.
+    Built from the settings by `of` (each field is the setting of its name, or of its name with calib_: the
+    settings' fields hold the defaults and declare the values' rules, once, for convert and uptrain).
     """
 
     data: list[str]  # each a text file or folder, or a hub dataset name[:config]; several make a mixture
@@ -88,6 +89,18 @@ class Calibration:
     def __post_init__(self) -> None:
         if isinstance(self.data, str):  # one text
             object.__setattr__(self, "data", [self.data])
+
+    @classmethod
+    def of(cls, settings: MethodSettings) -> Calibration | None:
+        """The calibration `settings` ask for (calib_data, calib_tokens, ..., refine_steps, repair), or None without
+        calib_data; calib_sha256 '' (any text) is None."""
+        if settings.calib_data is None:
+            return None
+        values = {}
+        for f in fields(cls):
+            name = f"calib_{f.name}" if hasattr(settings, f"calib_{f.name}") else f.name
+            values[f.name] = getattr(settings, name)
+        return cls(**{**values, "sha256": values["sha256"] or None})
 
     def shares(self) -> list[int]:
         """The tokens read from each source: `tokens` apportioned by weight, whole numbers that sum to it exactly
@@ -264,6 +277,10 @@ class MethodSettings(Settings):
     )
     repair: bool = setting(True, "refit each layer's o_proj against the parent's attention output (sequential)")
 
+    def calibration(self) -> Calibration | None:
+        """The calibration these settings ask for, or None without calib_data (`Calibration.of`)."""
+        return Calibration.of(self)
+
 
 @dataclass(frozen=True)
 class ConvertSettings(MethodSettings):
@@ -301,24 +318,6 @@ class ConvertSettings(MethodSettings):
         """Everything wrong with the values, at once (their declarations'); `checks.check_request` adds what the
         files say (SRC, OUT, max_shard_size read as bytes)."""
         return CONVERT.declared_problems(self)
-
-    def calibration(self) -> Calibration | None:
-        """The calibration these settings ask for, or None without calib_data."""
-        if self.calib_data is None:
-            return None
-        return Calibration(
-            self.calib_data,
-            self.calib_tokens,
-            self.calib_split,
-            self.calib_text_column,
-            self.calib_seq_len,
-            self.calib_mode,
-            self.refine_steps,
-            self.refine_lr,
-            self.repair,
-            self.calib_sha256 or None,
-            self.calib_weights,
-        )
 
 
 # What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.

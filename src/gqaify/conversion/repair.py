@@ -118,20 +118,29 @@ class RefineResult:
     loss_after: float
 
 
+@dataclass(frozen=True)
+class Windows:
+    """The calibration windows as one layer sees them: its input hidden states, its other inputs (masks,
+    positions), and the outputs it is fitted towards (the parent layer's)."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict]
+    targets: list[torch.Tensor]
+
+
 def refine(
     layer: torch.nn.Module,
     trainable: list[torch.nn.Parameter],
-    hidden: list[torch.Tensor],
-    kwargs: list[dict],
-    targets: list[torch.Tensor],
+    windows: Windows,
     steps: int,
     lr: float,
     seed: int,
     device: torch.device,
 ) -> RefineResult:
     """`steps` Adam steps on `trainable` (parameters of `layer`), one fitting window each in a seeded order,
-    minimising the mean squared error of the layer's output on `hidden` against `targets` (the parent layer's
-    outputs); undone if the held-out windows end up worse."""
+    minimising the mean squared error of the layer's output on the windows against their targets; undone if the
+    held-out windows end up worse."""
+    hidden, kwargs, targets = windows.hidden, windows.kwargs, windows.targets
     held = holdout(len(hidden))
     train = [i for i, out in enumerate(held) if not out]
     judge = [i for i, out in enumerate(held) if out] or train
