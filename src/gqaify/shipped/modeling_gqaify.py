@@ -71,16 +71,8 @@ class GQAGPT2Attention(modeling_gpt2.GPT2Attention):
         self.c_attn = Conv1D(self.embed_dim + 2 * kv_width, self.embed_dim)
         self.split_sizes = [self.embed_dim, kv_width, kv_width]
 
-    def forward(
-        self,
-        hidden_states,
-        past_key_values=None,
-        attention_mask=None,
-        encoder_hidden_states=None,
-        encoder_attention_mask=None,
-        output_attentions=False,
-        **kwargs,
-    ):
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, output_attentions=False, **kwargs):  # fmt: skip
         if encoder_hidden_states is not None:
             raise ValueError("gqaify's GPT-2 converts self-attention only, not cross-attention")
         query, key, value = (_heads(x, self.head_dim) for x in self.c_attn(hidden_states).split(self.split_sizes, -1))
@@ -94,17 +86,9 @@ class GQAGPT2Attention(modeling_gpt2.GPT2Attention):
                 query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask
             )
         else:
-            output, weights = _attend(
-                self,
-                modeling_gpt2.eager_attention_forward,
-                query,
-                key,
-                value,
-                attention_mask,
-                dropout=self.attn_dropout.p if self.training else 0.0,
-                scaling=self.scaling,
-                **kwargs,
-            )
+            output, weights = _attend(self, modeling_gpt2.eager_attention_forward, query, key, value, attention_mask,
+                                      dropout=self.attn_dropout.p if self.training else 0.0, scaling=self.scaling,
+                                      **kwargs)  # fmt: skip
         output = self.c_proj(output.reshape(*output.shape[:-2], -1).contiguous())
         return self.resid_dropout(output), weights
 
@@ -129,17 +113,9 @@ class GQAGPTNeoXAttention(modeling_gpt_neox.GPTNeoXAttention):
         query, key = modeling_gpt_neox.apply_rotary_pos_emb(query, key, cos, sin)
         if layer_past is not None:
             key, value = layer_past.update(key, value, self.layer_idx)
-        output, weights = _attend(
-            self,
-            modeling_gpt_neox.eager_attention_forward,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            **kwargs,
-        )
+        output, weights = _attend(self, modeling_gpt_neox.eager_attention_forward, query, key, value, attention_mask,
+                                  scaling=self.scaling, dropout=0.0 if not self.training else self.attention_dropout,
+                                  **kwargs)  # fmt: skip
         return self.dense(output.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -158,17 +134,9 @@ class GQAOPTAttention(modeling_opt.OPTAttention):
         key, value = (_heads(proj(hidden_states), self.head_dim) for proj in (self.k_proj, self.v_proj))
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        output, weights = _attend(
-            self,
-            modeling_opt.eager_attention_forward,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.dropout,
-            scaling=1.0,
-            **kwargs,
-        )
+        output, weights = _attend(self, modeling_opt.eager_attention_forward, query, key, value, attention_mask,
+                                  dropout=0.0 if not self.training else self.dropout, scaling=1.0,
+                                  **kwargs)  # fmt: skip
         return self.out_proj(output.reshape(batch, length, -1).contiguous()), weights
 
 
@@ -207,9 +175,7 @@ def _stored_names_as(parent, ours) -> None:
         register_checkpoint_conversion_mapping(ours.__name__, mapping, overwrite=True)
 
 
-for _parent, _ours in (
-    (modeling_gpt2.GPT2LMHeadModel, GQAGPT2LMHeadModel),
-    (modeling_gpt_neox.GPTNeoXForCausalLM, GQAGPTNeoXForCausalLM),
-    (modeling_opt.OPTForCausalLM, GQAOPTForCausalLM),
-):
+for _parent, _ours in ((modeling_gpt2.GPT2LMHeadModel, GQAGPT2LMHeadModel),
+                       (modeling_gpt_neox.GPTNeoXForCausalLM, GQAGPTNeoXForCausalLM),
+                       (modeling_opt.OPTForCausalLM, GQAOPTForCausalLM)):  # fmt: skip
     _stored_names_as(_parent, _ours)
