@@ -67,7 +67,7 @@ def test_a_mean_conversion_loads_only_torch(tmp_path):
 
 # The layers of the package, lowest first: a module imports only from layers below its own (or its own package).
 LAYERS = [
-    {"_version", "errors", "dtypes", "sizes", "shipped", "logs", "gguf_header"},
+    {"_version", "errors", "dtypes", "sizes", "shipped", "logs", "gguf_header", "records"},
     {"archs", "locations", "hub", "outputs", "settings", "command", "figures", "packaged"},
     {"kvcache", "summary", "data", "models"},
     {"conversion", "eval", "generation"},

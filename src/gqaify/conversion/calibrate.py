@@ -40,8 +40,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+import gqaify.conversion.walk as walk
 from gqaify.archs import ArchSpec, Geometry
-from gqaify.conversion import walk
 from gqaify.conversion.checkpoint import nonfinite_problem
 from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout

@@ -11,10 +11,12 @@ error, and after uptraining the tokens trained and the perplexities, with the re
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from gqaify.archs import attention_kind
 from gqaify.conversion.options import METHOD_INFO
+from gqaify.conversion.record import ConversionRecord
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
 _HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
@@ -42,15 +44,29 @@ def source_metadata(directory: Path | None, kind: str, name: str) -> dict:
     return found
 
 
-def model_card(record: dict, uptrained: dict | None = None):
-    """The `huggingface_hub.ModelCard` of a folder with provenance `record` (and `uptrained`: what uptraining
-    measured, see `gqaify.uptrain.train`)."""
+@dataclass(frozen=True)
+class Uptrained:
+    """What an uptrained model's card says of its uptraining (`gqaify.uptrain.run_folder`)."""
+
+    tokens: int
+    steps: int
+    data: list[str]
+    eval_data: list[str] | None
+    distill_from: str | None
+    perplexity_before: float | None  # on eval_data's first text
+    perplexity_after: float | None
+    parent_perplexity: float | None
+    plot: str | None = None  # the recovery plot's file, beside the card
+
+
+def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
+    """The `huggingface_hub.ModelCard` of a folder with the conversion `record` (and `uptrained`)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    src, g, kv_heads = record["source"], record["source_geometry"], record["kv_heads"]
+    src, g, kv_heads = record.source, record.source_geometry, record.kv_heads
     kind = attention_kind(kv_heads)
-    tags = ["gqaify", "gqa"] + (["mqa"] if kv_heads == 1 else []) + (["custom_code"] if record.get("shipped") else [])
-    meta = record.get("card", {})
+    tags = ["gqaify", "gqa"] + (["mqa"] if kv_heads == 1 else []) + (["custom_code"] if record.shipped else [])
+    meta = record.card
     data = ModelCardData(
         base_model=meta.get("base_model"),
         base_model_relation="finetune" if meta.get("base_model") else None,
@@ -59,21 +75,21 @@ def model_card(record: dict, uptrained: dict | None = None):
         **{key: meta[key] for key in LICENCE_KEYS if meta.get(key)},
     )
     lines = [
-        f"# {Path(src['name']).name} → {kind}",
+        f"# {Path(src.name).name} → {kind}",
         "",
-        f"Converted by [gqaify](https://pypi.org/project/gqaify/) {record['version']} from `{src['name']}` "
-        f"({src['kind']}{', revision ' + src['revision'] if src['revision'] else ''}).",
+        f"Converted by [gqaify](https://pypi.org/project/gqaify/) {record.version} from `{src.name}` "
+        f"({src.kind}{', revision ' + src.revision if src.revision else ''}).",
         "",
-        f"- Attention: {g['num_heads']} query heads; K/V heads {g['num_kv_heads']} → {kv_heads} (KV cache "
-        f"{g['num_kv_heads'] // kv_heads}× smaller).",
-        f"- Method: `{record['method']}` ({METHOD_INFO[record['method']].summary}){_grouping(record)}; query head i "
-        f"reads K/V head i // {g['num_heads'] // kv_heads} (contiguous groups, as transformers' `repeat_kv`).",
+        f"- Attention: {g.num_heads} query heads; K/V heads {g.num_kv_heads} → {kv_heads} (KV cache "
+        f"{g.num_kv_heads // kv_heads}× smaller).",
+        f"- Method: `{record.method}` ({METHOD_INFO[record.method].summary}){_grouping(record)}; query head i "
+        f"reads K/V head i // {g.num_heads // kv_heads} (contiguous groups, as transformers' `repeat_kv`).",
         f"- {_rewritten(record)}; everything else is copied from the source unchanged. `gqaify.json` records the "
         "groups, calibration, per-layer fit error and source hashes.",
     ]
-    if fit := _fit_summary(record.get("fit_error")):
+    if fit := _fit_summary(record.fit_error):
         lines.append(f"- Fit error on the calibration text (relative, per layer): {fit}.")
-    if record.get("shipped"):
+    if record.shipped:
         lines.append(
             "- transformers knows this architecture as MHA only: `modeling_gqaify.py` here adds the K/V heads. Load "
             "with `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`; serving engines (vLLM, TGI) "
@@ -81,8 +97,8 @@ def model_card(record: dict, uptrained: dict | None = None):
         )
     if uptrained:
         lines += ["", "## Uptraining", "", _uptrained(uptrained)]
-        if uptrained.get("plot"):
-            lines += ["", f"![eval perplexity against tokens trained]({uptrained['plot']})"]
+        if uptrained.plot:
+            lines += ["", f"![eval perplexity against tokens trained]({uptrained.plot})"]
     else:
         lines += [
             "",
@@ -92,26 +108,26 @@ def model_card(record: dict, uptrained: dict | None = None):
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
 
 
-def _grouping(record: dict) -> str:
+def _grouping(record: ConversionRecord) -> str:
     text = ""
-    if record.get("grouping") == "similarity":
+    if record.grouping == "similarity":
         text = ", heads reordered within each layer so that similar ones share a K/V head"
-    if calibration := record.get("calibration"):
+    if calibration := record.calibration:
         how = "on the parent's activations"
-        if calibration["mode"] == "sequential":
+        if calibration.mode == "sequential":
             how = "layer by layer, each layer repaired against the parent's outputs"
-        if calibration.get("refine_steps"):
-            how += f", {calibration['refine_steps']} refinement steps per layer"
-        sources = calibration.get("sources") or [{"data": calibration["data"], "tokens": calibration["tokens"]}]
+        if calibration.refine_steps:
+            how += f", {calibration.refine_steps} refinement steps per layer"
+        sources = calibration.sources
         read = " and ".join(
-            f"`{source['data']}`" + (f" ({source['tokens']:,})" if len(sources) > 1 else "") for source in sources
+            f"`{source.data}`" + (f" ({source.tokens:,})" if len(sources) > 1 else "") for source in sources
         )
-        text += f", calibrated on {calibration['tokens']:,} tokens of {read} {how}"
+        text += f", calibrated on {calibration.tokens:,} tokens of {read} {how}"
     return text
 
 
-def _rewritten(record: dict) -> str:
-    if METHOD_INFO[record["method"]].folds or record.get("grouping") == "similarity" or record.get("calibration"):
+def _rewritten(record: ConversionRecord) -> str:
+    if METHOD_INFO[record.method].folds or record.grouping == "similarity" or record.calibration:
         return "K/V projections, q_proj rows and o_proj columns rewritten"
     return "K/V projections rewritten"
 
@@ -130,26 +146,15 @@ def _fit_summary(errors: list[dict] | None) -> str | None:
     return "; ".join(parts) or None
 
 
-def _first_text(eval_data: str | list[str]) -> str:
-    """The text eval_data's perplexity is measured on: the first of a panel (an older record's one text)."""
+def _uptrained(u: Uptrained) -> str:
     from gqaify.data import NamedText
 
-    return eval_data if isinstance(eval_data, str) else NamedText.parse(eval_data[0]).source
-
-
-def _uptrained(u: dict) -> str:
-    data = [u["data"]] if isinstance(u["data"], str) else u["data"]
-    text = (
-        f"Uptrained by gqaify on {u['tokens']:,} tokens of {' and '.join(f'`{d}`' for d in data)} "
-        f"({u['steps']:,} steps)"
-    )
-    if u.get("distill_from"):
-        text += f", distilled from `{u['distill_from']}`"
-    if u.get("perplexity_before") is not None and u.get("perplexity_after") is not None:
-        text += (
-            f". Perplexity on `{_first_text(u['eval_data'])}`: {u['perplexity_before']:.2f} before, "
-            f"**{u['perplexity_after']:.2f} after**"
-        )
-        if u.get("parent_perplexity") is not None:
-            text += f" (the parent: {u['parent_perplexity']:.2f})"
+    text = f"Uptrained by gqaify on {u.tokens:,} tokens of {' and '.join(f'`{d}`' for d in u.data)} ({u.steps:,} steps)"
+    if u.distill_from:
+        text += f", distilled from `{u.distill_from}`"
+    if u.perplexity_before is not None and u.perplexity_after is not None:
+        first = NamedText.parse(u.eval_data[0]).source  # the text eval_data's perplexity is measured on
+        text += f". Perplexity on `{first}`: {u.perplexity_before:.2f} before, **{u.perplexity_after:.2f} after**"
+        if u.parent_perplexity is not None:
+            text += f" (the parent: {u.parent_perplexity:.2f})"
     return text + "."

@@ -33,7 +33,7 @@ from gqaify.conversion.calibrate import (
     calibrate,
     read_calibration,
 )
-from gqaify.conversion.card import model_card
+from gqaify.conversion.card import model_card, source_metadata
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.checks import (
     Request,
@@ -46,7 +46,7 @@ from gqaify.conversion.checks import (
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
 from gqaify.conversion.options import NOT_RECORDED, Calibration, ConvertSettings
-from gqaify.conversion.record import kv_groups, provenance, write_config_and_side_files
+from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
@@ -214,26 +214,31 @@ def _record(
     ctx: MethodContext,
     calibrated: CalibratedLayers | None,
     hasher: SourceHasher,
-) -> dict:
+) -> ConversionRecord:
     """The conversion's record (gqaify.json; inside a GGUF, `to_gguf.RECORD_KEY`): enough to rerun it."""
-    record = provenance(
-        source, plan.spec, plan.geometry, s.kv_heads, s.method, s.dtype, s.seed, hasher.results(source.tensors.files)
-    )
-    text = plan.text
-    settings = resolved_record(s, source, out, text.sha256 if text is not None else None)
-    record.update(grouping=s.grouping, calibration=None, settings=settings)
+    text, geometry = plan.text, plan.geometry
+    calibration = None
     if calibrated is not None:
-        record.update(
-            calibration={
-                **plan.calibration.record(text.sources, text.sha256),
-                "device": calibrated.device,
-                "seconds": calibrated.seconds,
-            },
-            rotary_dim=ctx.rotary_dim,
-            permutations=calibrated.orders,
-            fit_error=[fit.record() for fit in calibrated.fits],
-        )
-    return record
+        calibration = plan.calibration.record(text.sources, text.sha256, calibrated.device, calibrated.seconds)
+    return ConversionRecord(
+        version=__version__,
+        source=SourceRecord.of(source, hasher.results(source.tensors.files)),
+        model_type=plan.spec.model_type,
+        method=s.method,
+        kv_heads=s.kv_heads,
+        source_geometry=geometry,
+        groups=kv_groups(geometry.num_kv_heads, s.kv_heads),
+        dtype=s.dtype,
+        shipped=plan.spec.shipped_class,
+        card=source_metadata(source.directory, source.kind, source.name),
+        seed=s.seed if s.method == "random" else None,
+        grouping=s.grouping,
+        calibration=calibration,
+        settings=resolved_record(s, source, out, text.sha256 if text is not None else None),
+        rotary_dim=ctx.rotary_dim,
+        permutations=calibrated.orders if calibrated is not None else None,
+        fit_error=[fit.record() for fit in calibrated.fits] if calibrated is not None else None,
+    )
 
 
 def _result(

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from gqaify.conversion import fit
+import gqaify.conversion.fit as fit
 from gqaify.conversion.layout import Attention
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gqaify.conversion import fit
+import gqaify.conversion.fit as fit
 from gqaify.conversion.layout import Attention
 from gqaify.conversion.options import METHOD_INFO, MethodInfo
 

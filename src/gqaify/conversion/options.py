@@ -147,17 +147,13 @@ class Calibration:
             f"{advised:,} or more are advised"
         )
 
-    def record(self, sources: list[CalibrationSource], sha256: str) -> dict:
-        """What gqaify.json's "calibration" says: these fields, the tokens read (from each source, and in all) and
-        the SHA-256 of the text read."""
-        return {
-            **asdict(self),
-            "tokens_requested": self.tokens,
-            "tokens": sum(s.tokens for s in sources),
-            "sources": [asdict(s) for s in sources],
-            "sha256": sha256,
-            "holdout": HOLDOUT_NOTE,
-        }
+    def record(self, sources: list[CalibrationSource], sha256: str, device: str, seconds: dict) -> CalibrationRecord:
+        """What gqaify.json's "calibration" says: these fields, the tokens read (from each source, and in all), the
+        SHA-256 of the text read, and where and how long the calibration ran."""
+        asked = {**asdict(self), "tokens": sum(s.tokens for s in sources), "sha256": sha256}
+        return CalibrationRecord(
+            **asked, tokens_requested=self.tokens, sources=sources, holdout=HOLDOUT_NOTE, device=device, seconds=seconds
+        )
 
 
 @dataclass(frozen=True)
@@ -170,6 +166,29 @@ class CalibrationSource:
     tokens_requested: int  # its share of calib_tokens
     tokens: int  # read (fewer where the source holds fewer)
     sha256: str  # of the text read from it
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """gqaify.json's "calibration": the calibration asked for (`Calibration`'s fields, `tokens` the tokens read
+    and `sha256` the text read's), and how it went."""
+
+    data: list[str]
+    tokens: int  # read, in all
+    split: str
+    text_column: str
+    seq_len: int
+    mode: CalibMode
+    refine_steps: int
+    refine_lr: float
+    repair: bool
+    sha256: str  # of the text read (`mixture_sha256`): what calib_sha256 pins
+    weights: list[float] | None
+    tokens_requested: int
+    sources: list[CalibrationSource]
+    holdout: str  # what the repair and refinement were judged on
+    device: str
+    seconds: dict[str, float]  # capturing, fitting, repairing, refining
 
 
 def mixture_sha256(sources: list[CalibrationSource]) -> str:

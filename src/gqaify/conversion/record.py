@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 
-from gqaify._version import __version__
 from gqaify.archs import ArchSpec, Geometry
-from gqaify.conversion.card import source_metadata
+from gqaify.conversion.options import CalibrationRecord
 from gqaify.conversion.source import Source
+from gqaify.outputs import PROVENANCE_FILE
+from gqaify.records import from_json, optional
 from gqaify.shipped import SHIPPED_FILE, SHIPPED_MODULE
 
 
@@ -46,37 +47,55 @@ def write_config_and_side_files(source: Source, spec: ArchSpec, folder: Path, kv
         shutil.copyfile(path, folder / path.name)
 
 
-def provenance(
-    source: Source,
-    spec: ArchSpec,
-    geometry: Geometry,
-    kv_heads: int,
-    method: str,
-    dtype: str,
-    seed: int,
-    hashes: dict[str, str],
-) -> dict:
-    """The record of a conversion (without what calibration adds, and without the file list)."""
-    record = {
-        "tool": "gqaify",
-        "version": __version__,
-        "source": {
-            "name": source.name,
-            "kind": source.kind,
-            "path": str(source.directory) if source.kind == "local" else None,
-            "revision": source.revision,
-            "sha256": hashes,
-            **source.provenance,
-        },
-        "model_type": spec.model_type,
-        "method": method,
-        "kv_heads": kv_heads,
-        "source_geometry": asdict(geometry),
-        "groups": kv_groups(geometry.num_kv_heads, kv_heads),
-        "dtype": dtype,
-        "shipped": spec.shipped_class,  # the class of modeling_gqaify.py the output loads with, if any
-        "card": source_metadata(source.directory, source.kind, source.name),  # hub id and licence, for the card
-    }
-    if method == "random":
-        record["seed"] = seed
-    return record
+@dataclass(frozen=True)
+class SourceRecord:
+    """What was converted: the source as named, where it was read, its revision, and every weight file's SHA-256."""
+
+    name: str
+    kind: str  # local, hub or gguf
+    path: str | None  # a local folder's
+    revision: str | None  # a hub source's commit
+    sha256: dict[str, str]  # weight file: its SHA-256
+    gguf_file: str | None = optional()  # a GGUF source's file name
+
+    @classmethod
+    def of(cls, source: Source, hashes: dict[str, str]) -> SourceRecord:
+        path = str(source.directory) if source.kind == "local" else None
+        return cls(source.name, source.kind, path, source.revision, hashes, **source.provenance)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConversionRecord:
+    """A conversion's record: gqaify.json in its folder, `to_gguf.RECORD_KEY` inside its GGUF file (`as_json`),
+    read back with `read`. Enough to rerun it (`settings`, with `gqaify convert --config`) and to check it (the
+    source's hashes, the calibration text's)."""
+
+    tool: str = "gqaify"
+    version: str
+    source: SourceRecord
+    model_type: str
+    method: str
+    kv_heads: int
+    source_geometry: Geometry
+    groups: list[list[int]]  # the source K/V heads pooled into each new one (contiguous)
+    dtype: str
+    shipped: str | None  # the class of modeling_gqaify.py the output loads with, if any
+    card: dict  # the source's hub id and licence, for the model card (`card.source_metadata`)
+    seed: int | None = optional()  # --method random's
+    grouping: str
+    calibration: CalibrationRecord | None
+    settings: dict  # as resolved (`core.resolved_record`): a rerun's
+    rotary_dim: int | None = optional(unless_none="calibration")
+    permutations: list[list[int]] | None = optional(unless_none="calibration")  # per layer (similarity)
+    fit_error: list[dict] | None = optional(unless_none="calibration")  # per layer (`calibrate.LayerFit.record`)
+    uptrain: dict | None = optional()  # in an uptrained model's final/: how it was uptrained
+    files: list[str] | None = optional()  # in a folder: every file gqaify wrote there (`outputs.write_provenance`)
+
+    @classmethod
+    def read(cls, folder: Path) -> ConversionRecord | None:
+        """The record in `folder`'s gqaify.json; None where there is none, or it records no conversion."""
+        path = folder / PROVENANCE_FILE
+        if not path.is_file():
+            return None
+        value = json.loads(path.read_text())
+        return from_json(cls, value) if isinstance(value, dict) and "source" in value else None

@@ -18,12 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqaify.conversion import to_gguf
+import gqaify.conversion.to_gguf as to_gguf
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.options import ConvertSettings
+from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
 from gqaify.outputs import current_umask, file_into_place, resolve_out, staged, work_folder, write_provenance
+from gqaify.records import as_json
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,9 @@ class FolderSink:
         with staged(self.out, self.force, size) as staging:
             yield staging
 
-    def finish(self, folder: Path, record: dict, writer: ShardWriter, source: Source) -> Written:
+    def finish(self, folder: Path, record: ConversionRecord, writer: ShardWriter, source: Source) -> Written:
         """Record the conversion in the folder, last (its file list names every other file)."""
-        write_provenance(folder, record)
+        write_provenance(folder, as_json(record))
         return Written(self.out, writer.num_shards, writer.bytes_written)
 
 
@@ -118,13 +120,13 @@ class GgufSink:
         with work_folder(self.out) as work, staged(work / "model", False, size) as staging:
             yield staging
 
-    def finish(self, folder: Path, record: dict, writer: ShardWriter, source: Source) -> Written:
+    def finish(self, folder: Path, record: ConversionRecord, writer: ShardWriter, source: Source) -> Written:
         """Write the folder as the GGUF file, with `record` inside it, and put it in place whole (a GGUF source's
         tokenizer is copied from it as it is)."""
         partial = folder.parent / self.out.name
         tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
         try:
-            to_gguf.write_gguf(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(record, indent=2))
+            to_gguf.write_gguf(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(as_json(record), indent=2))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise ResourceError(f"no space left while writing {self.out}; nothing was left behind") from exc

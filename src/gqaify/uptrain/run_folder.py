@@ -17,12 +17,15 @@ import contextlib
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from gqaify._version import __version__
+from gqaify.conversion.card import Uptrained, model_card
+from gqaify.conversion.record import ConversionRecord
 from gqaify.errors import UserError
-from gqaify.outputs import PROVENANCE_FILE, write_provenance, written_whole
+from gqaify.outputs import write_provenance, written_whole
+from gqaify.records import as_json
 from gqaify.settings import defaults, text_lists
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
@@ -205,9 +208,7 @@ def save_final(
         unwrapped.config.dtype = dtype
         unwrapped.save_pretrained(partial, state_dict=state)
         tokenizer.save_pretrained(partial)
-        provenance_file = Path(model_path) / PROVENANCE_FILE
-        provenance = json.loads(provenance_file.read_text()) if provenance_file.is_file() else {}
-        provenance["uptrain"] = {
+        uptrain = {
             "version": __version__,
             "from": model_path,
             "steps": progress.step,
@@ -215,30 +216,34 @@ def save_final(
             "settings": asdict(s),
             "data_sha256": run.get("data_sha256"),
         }
-        if "source" in provenance:  # a conversion by gqaify: its card, with the uptraining added
-            _save_card(partial, provenance, out, s, progress, run)
-        write_provenance(partial, {"tool": "gqaify", **provenance})
+        converted = ConversionRecord.read(Path(model_path))
+        if converted is None:  # a model gqaify did not convert: the uptraining is all there is to say
+            write_provenance(partial, {"tool": "gqaify", "uptrain": uptrain})
+            return
+        record = replace(converted, uptrain=uptrain, files=None)
+        _save_card(partial, record, out, s, progress, run)
+        write_provenance(partial, as_json(record))
 
 
-def _save_card(folder: Path, provenance: dict, out: Path, s, progress: Progress, run: dict) -> None:
+def _save_card(folder: Path, record: ConversionRecord, out: Path, s, progress: Progress, run: dict) -> None:
     """folder/README.md: the conversion's model card with what uptraining measured, and the recovery plot."""
-    from gqaify.conversion.card import model_card
-
     _, perplexities = eval_curve(read_metrics(out / METRICS))
-    uptrained = {
-        "tokens": progress.tokens,
-        "steps": progress.step,
-        "data": s.data,
-        "eval_data": s.eval_data,
-        "distill_from": s.distill_from if s.distill_weight > 0 else None,
-        "perplexity_before": perplexities[0] if perplexities else None,
-        "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
-        "parent_perplexity": run.get("parent_perplexity"),
-    }
+    plot = None
     if (out / "recovery.png").is_file():
         shutil.copyfile(out / "recovery.png", folder / "recovery.png")
-        uptrained["plot"] = "recovery.png"
-    model_card(provenance, uptrained).save(folder / "README.md")
+        plot = "recovery.png"
+    uptrained = Uptrained(
+        tokens=progress.tokens,
+        steps=progress.step,
+        data=s.data,
+        eval_data=s.eval_data,
+        distill_from=s.distill_from if s.distill_weight > 0 else None,
+        perplexity_before=perplexities[0] if perplexities else None,
+        perplexity_after=perplexities[-1] if len(perplexities) > 1 else None,
+        parent_perplexity=run.get("parent_perplexity"),
+        plot=plot,
+    )
+    model_card(record, uptrained).save(folder / "README.md")
 
 
 def write_json(path: Path, value: dict) -> None:
