@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gqaify.errors import UserError, one_line
+from gqaify.corpora import STORED, corpus_problems, corpus_record, stored_problem
+from gqaify.errors import UserError, one_line, raise_if_problems
 from gqaify.outputs import PROVENANCE_FILE
 
 if TYPE_CHECKING:
@@ -76,26 +77,39 @@ class TextData:
 
 
 def load_rows(
-    data: str, split: str = "test", text_column: str | None = "text", streaming: bool = False, option: str = "--data"
+    data: str,
+    split: str = "test",
+    text_column: str | None = "text",
+    streaming: bool = False,
+    option: str = "--data",
+    vocab_size: int | None = None,
 ):
     """The `datasets` dataset behind `data`, checked to have a `text_column` (None: any columns).
+
+    A corpus folder (`gqaify generate`) is checked whole before a row is read (`corpora.corpus_problems`), and
+    local data with stored top-K log-probabilities, not streamed, is checked as it loads (`corpora.stored_problem`).
 
     Args:
         streaming: return an `IterableDataset` that reads lazily (for sets larger than memory or disk).
         option: how the user named `data` (e.g. "--data", "eval_data"), for error messages.
+        vocab_size: the vocabulary stored token ids must fall in (None: not checked).
 
     Raises:
-        UserError: the data is missing, or has no such column or split.
+        UserError: the data is missing, or has no such column or split; a corpus that is incomplete or damaged.
     """
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
     datasets.disable_progress_bars()
     path = Path(data).expanduser()
+    corpus = False
     try:
         if path.exists():
             builder, files = _local_files(path, option)
             _check_readable(builder, files, option)
+            corpus = path.is_dir() and corpus_record(path) is not None
+            if corpus:
+                raise_if_problems(corpus_problems(path, files, option, vocab_size))
             # A local file is one split, whatever it is called: name it as asked so that `split` holds.
             options = {"sample_by": "document"} if builder == "text" else {}
             files_by_split = {split: [str(f) for f in files]}
@@ -118,6 +132,9 @@ def load_rows(
     columns = dataset.column_names  # None for some streamed sets: then a missing column shows on first read
     if columns is not None and text_column is not None and text_column not in columns:
         raise UserError(f"{option} {data} has no column {text_column!r}; pass --text-column with one of {columns}")
+    if path.exists() and not corpus and not streaming and set(STORED) <= set(columns):
+        fix = "write it again with gqaify generate --top-logprobs K"
+        raise_if_problems(stored_problem(dataset.data.table, f"{option} {data}", fix, vocab_size=vocab_size))
     return dataset
 
 

@@ -13,6 +13,7 @@ Shard k is a function of (settings, k) alone: its prompts are the k-th batch_siz
 its random numbers come from a seed derived from (seed, k). So a corpus is the same tokens on every run with
 the same settings (on the same device), and a stopped one resumes at its first missing shard and ends as an
 uninterrupted one would. Each shard is written to a temporary name and renamed, so a shard is whole or absent.
+Every reader refuses a corpus that is incomplete or not as its record says (`gqaify.corpora`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from gqaify.corpora import KIND, SHARDS, shard_name
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
@@ -33,8 +35,6 @@ from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out, w
 
 LOG = logging.getLogger(__name__)
 
-SHARDS = "data"
-KIND = "corpus"  # gqaify.json's "kind": tells a corpus from a conversion or a report
 LOGPROB_DIGITS = 5  # decimals of a stored log-probability: 1e-5 nats, far below what training resolves
 
 
@@ -198,13 +198,9 @@ def _shards_on_disk(out: Path) -> list[Path]:
     for partial in folder.glob(".*.tmp"):
         partial.unlink()
     shards = []
-    while (path := folder / _shard_name(len(shards))).is_file():
+    while (path := folder / shard_name(len(shards))).is_file():
         shards.append(path)
     return shards
-
-
-def _shard_name(index: int) -> str:
-    return f"train-{index:05d}.jsonl"
 
 
 def _shard_tokens(path: Path) -> int:
@@ -214,7 +210,7 @@ def _shard_tokens(path: Path) -> int:
 
 def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
     lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    _write_atomic(out / SHARDS / _shard_name(index), lines)
+    _write_atomic(out / SHARDS / shard_name(index), lines)
 
 
 def _write_atomic(path: Path, text: str) -> None:

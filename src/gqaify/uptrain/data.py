@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from gqaify.corpora import STORED
 from gqaify.data import load_rows
 from gqaify.errors import UserError
 
@@ -59,20 +60,21 @@ def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: i
     return blocks.with_format("torch")
 
 
-STORED = ("input_ids", "top_ids", "top_logprobs")  # a corpus's columns with the parent's top-k (generate)
-
-
-def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = False):
+def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = False, vocab_size: int | None = None):
     """`datasets` dataset of {"input_ids": (seq_len,), "top_ids": (seq_len, k), "top_logprobs": (seq_len, k)}
     blocks from a corpus written by `gqaify generate --top-logprobs K`: its token ids as the parent sampled them
     (each document already ends with EOS) and the parent's top-k at every position, packed as `packed_blocks`
     packs text. At a document's last position the stored top-k is the parent's guess past the end (it read that
     document alone), where a teacher running on the block would read the next document's first token.
 
+    Args:
+        vocab_size: the model's vocabulary, which every stored id must fall in.
+
     Raises:
-        UserError: the data holds no stored log-probabilities, or (not streaming) less than one block.
+        UserError: the data holds no stored log-probabilities, or (not streaming) less than one block; a corpus
+            that is incomplete or damaged (`gqaify.corpora`).
     """
-    rows = load_rows(data, split, None, streaming=streaming, option="data")
+    rows = load_rows(data, split, None, streaming=streaming, option="data", vocab_size=vocab_size)
     columns = rows.column_names
     if columns is not None and not set(STORED) <= set(columns):
         raise UserError(

@@ -331,7 +331,8 @@ def _data(s: UptrainSettings, tokenizer, accelerator):
     sources = named_texts(s.data)
     with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
         if s.distill_from_data:
-            blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming) for t in sources]
+            vocab = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code).vocab_size
+            blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming, vocab) for t in sources]
         else:
             blocks = [
                 packed_blocks(t.source, s.split, s.text_column, tokenizer, s.seq_len, s.streaming) for t in sources

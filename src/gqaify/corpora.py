@@ -1,0 +1,217 @@
+"""A corpus folder as its readers open it: the layout `gqaify generate` writes (`gqaify.generation.corpus`), and the
+one check every reader makes before it reads a row (`gqaify.data.load_rows`: eval, calibration and uptrain).
+
+    OUT/gqaify.json              kind "corpus", complete, shards, samples, tokens, settings (batch_size, top_logprobs)
+    OUT/data/train-00000.jsonl   batch_size rows: {"text", "prompt", "tokens"}, with --top-logprobs K also
+                                 {"input_ids", "top_ids", "top_logprobs"}: a list of K at each of the input_ids
+
+`corpus_problems` refuses a corpus that is not the one its record describes: incomplete (a generate stopped
+before its end), a shard missing, cut short or not named by the record, a shard of another K, and stored
+log-probabilities that are not finite or above 0, ids outside the vocabulary, rows of ids and top-K not aligned.
+Each shard is parsed once by pyarrow and checked column by column, not token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from gqaify.outputs import PROVENANCE_FILE
+
+SHARDS = "data"  # the shards' folder in OUT
+KIND = "corpus"  # gqaify.json's "kind": tells a corpus from a conversion or a report
+TEXT = ("text", "prompt", "tokens")  # every row's columns
+STORED = ("input_ids", "top_ids", "top_logprobs")  # a row's columns with the parent's top-K (--top-logprobs K)
+
+
+def shard_name(index: int) -> str:
+    return f"train-{index:05d}.jsonl"
+
+
+def corpus_record(folder: Path) -> dict | None:
+    """The record of the corpus `folder` holds, or None where it holds none (any other data folder)."""
+    try:
+        record = json.loads((folder / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("kind") == KIND else None
+
+
+def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: int | None = None) -> list[str]:
+    """What keeps the corpus in `folder` from being read as its record describes (empty: nothing).
+
+    Args:
+        files: the data files a reader would load from `folder`.
+        vocab_size: the ids must be below it (None: not known to the reader, only negative ids are refused).
+    """
+    record = corpus_record(folder)
+    if record is None:
+        return []
+    settings = record.get("settings", {})
+    # the record's settings, OUT named again: a corpus moved since keeps the OUT it was written to in its record
+    rerun = f"gqaify generate --config {shlex.quote(str(folder / PROVENANCE_FILE))} --out {shlex.quote(str(folder))}"
+    where = f"{option} {folder}"
+    if not record.get("complete"):
+        return [
+            f"{where} is an incomplete corpus ({record.get('tokens', 0):,} of {settings.get('tokens', 0):,} tokens; "
+            f"its gqaify generate was stopped): finish it by rerunning the same command ({rerun})"
+        ]
+    wanted = [folder / SHARDS / shard_name(i) for i in range(int(record.get("shards", 0)))]
+    missing = [p for p in wanted if not p.is_file()]
+    if missing:
+        return [
+            f"{where} lacks {len(missing)} of the {len(wanted)} shards its record names ({_short(missing[0], folder)} "
+            f"first); write them again with the same gqaify generate command ({rerun})"
+        ]
+    extra = sorted(set(files) - set(wanted))
+    if extra:
+        return [
+            f"{where} holds {_short(extra[0], folder)}, which its record does not name; move it out of the corpus "
+            "(gqaify generate writes every shard the record names)"
+        ]
+    k, rows = int(settings.get("top_logprobs") or 0), int(settings.get("batch_size") or 0)
+    tokens, again = 0, f"delete it and rerun the same gqaify generate command to write it again ({rerun})"
+    for path in wanted:
+        table, found = _read_shard(path, folder, where)
+        if found:
+            return [f"{found}; {again}"]
+        if table.num_rows != rows:
+            return [
+                f"{where}: {_short(path, folder)} holds {table.num_rows} of its {rows} rows (cut short); delete it "
+                f"and rerun the same gqaify generate command to write it again ({rerun})"
+            ]
+        columns = (*TEXT, *STORED) if k else TEXT
+        absent = [c for c in columns if c not in table.column_names]
+        found = (
+            f"{where}: {_short(path, folder)} has no column {absent[0]!r}; {again}"
+            if absent
+            else stored_problem(table, f"{where}: {_short(path, folder)}", again, k, vocab_size)
+            if k
+            else None
+        )
+        if found:
+            return [found]
+        tokens += _sum(table.column("tokens"))
+    if tokens != record.get("tokens"):
+        return [
+            f"{where} holds {tokens:,} tokens, its record {record.get('tokens', 0):,}; the shards were changed "
+            f"since gqaify generate wrote them: write the corpus again ({rerun}) into an empty OUT"
+        ]
+    return []
+
+
+def stored_problem(table, where: str, fix: str, k: int | None = None, vocab_size: int | None = None) -> str | None:
+    """What is wrong with the stored top-K of `table` (a pyarrow Table with the STORED columns), or None: the rows
+    of ids and top-K of different lengths, a position with other than `k` entries (None: the first row's), a
+    log-probability that is not finite or above 0, an id that is negative or not below `vocab_size`.
+
+    Args:
+        where: how the message names the table; fix: how it says to repair a damaged one.
+    """
+    problem = _stored_damage(table, where, k)
+    if problem:
+        return f"{problem}; {fix}"
+    import numpy as np
+
+    ids, top = (table.column(c).combine_chunks() for c in STORED[:2])
+    for name, column, depth in (("input_ids", ids, 1), ("top_ids", top, 2)):
+        values = np.asarray(_values(column, depth).to_numpy(zero_copy_only=False))
+        if values.size and values.min() < 0:
+            return f"{where} holds a negative id in {name} ({int(values.min())}); {fix}"
+        if values.size and vocab_size is not None and values.max() >= vocab_size:
+            return (
+                f"{where} holds id {int(values.max())} in {name}, outside the model's vocabulary of {vocab_size:,} "
+                "tokens: it was written by another parent; generate the corpus from the model's parent"
+            )
+    return None
+
+
+def _stored_damage(table, where: str, k: int | None) -> str | None:
+    """What keeps `table`'s stored top-K from being read as numbers of the right shapes and values, or None."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids, top, logprobs = (table.column(c).combine_chunks() for c in STORED)
+    for name, column, depth in (("input_ids", ids, 1), ("top_ids", top, 2), ("top_logprobs", logprobs, 2)):
+        values = _values(column, depth)
+        if values is None or not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+            return f"{where} holds {name} that are not lists of numbers"
+        if values.null_count:
+            return f"{where} holds {values.null_count} null(s) in {name}"
+        if name != "top_logprobs" and not pa.types.is_integer(values.type):
+            return f"{where} holds {name} that are not whole numbers"
+    positions = pc.list_value_length(ids).to_numpy(zero_copy_only=False)  # (rows,)
+    for name, column in (("top_ids", top), ("top_logprobs", logprobs)):
+        bad = np.flatnonzero(pc.list_value_length(column).to_numpy(zero_copy_only=False) != positions)
+        if bad.size:
+            return f"{where}: row {bad[0] + 1} has {name} for other than each of its input_ids (ragged rows)"
+    widths = {
+        name: pc.list_value_length(column.flatten()).to_numpy(zero_copy_only=False)
+        for name, column in (("top_ids", top), ("top_logprobs", logprobs))
+    }  # (positions,) each
+    said = "the record's" if k else "the first row's"
+    k = k or (int(widths["top_ids"][0]) if widths["top_ids"].size else 0)
+    for name, width in widths.items():
+        bad = np.flatnonzero(width != k)
+        if bad.size and (width == width[0]).all():
+            return f"{where} holds the top {width[0]} {name} at each position, {said} top {k}"
+        if bad.size:
+            row = _row_of(positions, bad[0])
+            return f"{where}: row {row} holds {width[bad[0]]} {name} at a position, {said} {k} (ragged rows)"
+    values = _values(logprobs, 2).to_numpy(zero_copy_only=False).astype(np.float64)  # (positions * k,)
+    for bad, said in ((~np.isfinite(values), "not finite (NaN or infinite)"), (values > 0, "above 0")):
+        if bad.any():
+            first = int(np.argmax(bad))
+            return (
+                f"{where}: {int(bad.sum()):,} top_logprobs are {said} (a log-probability is finite and at most 0), "
+                f"the first in row {_row_of(positions, first // k)}"
+            )
+    return None
+
+
+def _read_shard(path: Path, folder: Path, where: str):
+    """(the shard as a pyarrow Table, None) or (None, why it cannot be read)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    if path.stat().st_size == 0:
+        return pa.table({}), None  # no rows: said by the caller, as any shard cut short
+    # one block for the whole shard: a row longer than a block (a long sample's top-K) is refused by pyarrow
+    options = pj.ReadOptions(block_size=max(path.stat().st_size + 1, 1 << 20))
+    try:
+        return pj.read_json(path, read_options=options), None
+    except (pa.ArrowInvalid, OSError) as exc:
+        return (
+            None,
+            f"{where}: {_short(path, folder)} cannot be read ({str(exc).splitlines()[0]}): cut short or damaged",
+        )
+
+
+def _values(column, depth: int):
+    """The numbers of a list column `depth` lists deep, flattened; None where it is not that deep."""
+    import pyarrow as pa
+
+    for _ in range(depth):
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+            return None
+        column = column.flatten()
+    return column
+
+
+def _row_of(positions, position: int) -> int:
+    """The row (1-based, the line of the shard) that holds flattened `position`, with `positions` per row."""
+    import numpy as np
+
+    return int(np.searchsorted(np.cumsum(positions), position, side="right")) + 1
+
+
+def _sum(column) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(column).as_py() or 0)
+
+
+def _short(path: Path, folder: Path) -> str:
+    return str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path)
