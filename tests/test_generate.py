@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +16,7 @@ import pytest
 
 from conftest import MODELS, needs_assets, tree_hashes
 from gqaify.cli import main
+from helpers import one_line, run_cli
 
 STORIES = MODELS / "stories260K"
 SMALL = ["--length", "48", "--batch-size", "4", "-q"]
@@ -239,3 +243,151 @@ def test_stored_top_logprobs_are_the_parents_at_every_position_of_the_sample(tmp
 def test_more_top_logprobs_than_the_vocabulary_is_refused(tmp_path):
     assert generate(tmp_path / "k", "--top-logprobs", "513") == 2  # stories260K has 512 tokens
     assert not (tmp_path / "k").exists()
+
+
+# -- one run at a time, the prompts it began with, the room it needs ------------------------------------------------
+
+
+@needs_assets
+def test_a_run_into_an_out_another_run_holds_is_refused_and_writes_nothing(tmp_path, capsys):
+    """The claim held here, as a live run holds it: a second run, new corpus or resumed, is one line and exit 2."""
+    from gqaify.outputs import claimed
+
+    out = tmp_path / "c"
+    with claimed(out, "gqaify generate"):
+        code, err = run_cli(capsys, "generate", STORIES, out, "--tokens", "600", *SMALL, "--seed", "8")
+        assert code == 2
+        assert one_line(err) == (
+            f"gqaify: error: {out} is being written by another gqaify generate (pid {os.getpid()}); wait for it or "
+            "choose another OUT"
+        )
+        assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # the claim is gone with its holder
+    assert generate(out, "--seed", "7") == 0
+    before = tree_hashes(tmp_path)
+    with claimed(out, "gqaify generate"):
+        code, err = run_cli(capsys, "generate", STORIES, out, "--tokens", "1200", *SMALL, "--seed", "7")
+        assert code == 2 and "is being written by another gqaify generate" in one_line(err)
+    assert tree_hashes(tmp_path) == before
+
+
+@needs_assets
+def test_two_seeds_into_one_out_at_once_leave_one_seeds_corpus(tmp_path, capsys):
+    """The attack: seeds 7 and 8 into one OUT, 0.2-0.5 s apart, both exited 0 with shards of both seeds under a
+    record of one. Made deterministic: the seed-7 run waits after its first shard until the seed-8 run is over."""
+    out, go = tmp_path / "c", tmp_path / "go"
+    wait = f"""
+import pathlib, time
+import gqaify.generation.corpus as corpus
+sample = corpus._sample_shard
+def waiting(parent, prompts, s, shard):
+    if shard == 1:
+        print("waiting", flush=True)
+        while not pathlib.Path({str(go)!r}).exists():
+            time.sleep(0.02)
+    return sample(parent, prompts, s, shard)
+corpus._sample_shard = waiting
+"""
+    argv = ["generate", STORIES, out, "--tokens", "600", *SMALL, "--seed", "7"]
+    script = f"import sys\n{wait}\nfrom gqaify.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    first = subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout.readline() == "waiting\n", first.communicate()
+        before = tree_hashes(out)
+        code, err = run_cli(capsys, "generate", STORIES, out, "--tokens", "600", *SMALL, "--seed", "8")
+        assert code == 2 and f"is being written by another gqaify generate (pid {first.pid})" in one_line(err)
+        assert tree_hashes(out) == before  # the refused run touched nothing
+    finally:
+        go.touch()
+        first.communicate(timeout=120)
+    assert first.returncode == 0
+    assert generate(tmp_path / "seed7", "--seed", "7") == 0
+    assert shards(out) == shards(tmp_path / "seed7")
+    record = json.loads((out / "gqaify.json").read_text())
+    assert record["complete"] and record["settings"]["seed"] == 7
+
+
+@needs_assets
+def test_a_claim_a_killed_run_left_is_taken_over(tmp_path):
+    out = tmp_path / "c"
+    claim = tmp_path / ".c.gqaify.claim"
+    claim.write_text('{"pid": 999999999, "command": "gqaify generate"}')  # what a SIGKILL leaves: a file, unlocked
+    assert generate(out) == 0 and json.loads((out / "gqaify.json").read_text())["complete"]
+    assert not claim.exists()
+
+
+@needs_assets
+def test_the_record_names_the_prompts_absolutely_and_config_from_elsewhere_reads_them(tmp_path, monkeypatch):
+    """A relative `prompts` in the record made `--config OUT/gqaify.json`, given in another folder, read that
+    folder's file of the same name."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    (here / "prompts.txt").write_text("Once upon a time\n")
+    (there / "prompts.txt").write_text("The little dog\n")
+    monkeypatch.chdir(here)
+    assert generate(Path("c"), "--prompts", "prompts.txt") == 0
+    record = json.loads((here / "c" / "gqaify.json").read_text())
+    assert record["settings"]["prompts"] == str(here / "prompts.txt")
+    assert record["settings"]["out"] == str(here / "c")
+    assert record["prompts_sha256"] == hashlib.sha256(b"Once upon a time\n").hexdigest()
+    monkeypatch.chdir(there)
+    assert main(["generate", "--config", str(here / "c" / "gqaify.json"), "--out", "again", "-q"]) == 0
+    assert shards(there / "again") == shards(here / "c")
+    rows = (there / "again" / "data" / "train-00000.jsonl").read_text().splitlines()
+    assert {json.loads(row)["prompt"] for row in rows} == {"Once upon a time"}
+
+
+@needs_assets
+def test_resuming_after_the_prompts_changed_is_refused(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    out = tmp_path / "c"
+    assert generate(out, "--prompts", str(prompts)) == 0
+    prompts.write_text("The little dog\n")
+    before = tree_hashes(tmp_path)
+    for tokens in ("1200", "600"):  # to extend it, or to find it complete: either says it came from these prompts
+        code, err = run_cli(capsys, "generate", STORIES, out, *SMALL, "--prompts", prompts, "--tokens", tokens)
+        line = one_line(err)
+        assert code == 2 and f"--prompts {prompts} changed since {out} was sampled from it" in line, line
+        assert "put its prompts back to go on, or choose another OUT" in line
+        assert tree_hashes(tmp_path) == before
+
+
+@needs_assets
+def test_lowering_tokens_on_a_finished_corpus_changes_nothing(tmp_path, capsys, caplog):
+    """It rewrote the record's --tokens to the lower number, under a corpus that holds more: the record is what
+    `--config OUT/gqaify.json` writes again, so it keeps what the corpus was sampled to."""
+    out = tmp_path / "c"
+    assert generate(out, "--tokens", "1200") == 0
+    before = tree_hashes(out)
+    code, err = run_cli(capsys, "generate", STORIES, out, *SMALL, "--tokens", "600")
+    assert code == 0 and "more than --tokens 600; left as it is" in caplog.text
+    assert tree_hashes(out) == before
+    assert json.loads((out / "gqaify.json").read_text())["settings"]["tokens"] == 1200
+
+
+@needs_assets
+def test_too_little_disk_space_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """It started without looking: a new corpus is refused at a generous estimate, a resumed one at the bytes a
+    token takes in its shards."""
+    from gqaify import outputs
+
+    out = tmp_path / "c"
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    code, err = run_cli(capsys, "generate", STORIES, out, *SMALL, "--tokens", "600")
+    line = one_line(err)
+    assert code == 2 and f"not enough disk space for {out}" in line and "has 1,000 free" in line, line
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert generate(out) == 0
+    on_disk = sum(p.stat().st_size for p in (out / "data").iterdir())
+    before = tree_hashes(tmp_path)
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage._replace(free=50 * on_disk))
+    code, err = run_cli(capsys, "generate", STORIES, out, *SMALL, "--tokens", "60000")  # 100 times as many
+    assert code == 2 and "not enough disk space" in one_line(err)
+    assert tree_hashes(tmp_path) == before
+    code, err = run_cli(capsys, "generate", STORIES, out, *SMALL, "--tokens", "1200")  # twice: there is room
+    assert code == 0, err

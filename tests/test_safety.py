@@ -261,6 +261,38 @@ def test_out_that_appears_during_a_conversion_is_not_touched(capsys, source, tmp
     assert [p.name for p in out.iterdir()] == ["theirs.txt"] and leftovers(tmp_path) == []
 
 
+def test_a_claim_refuses_a_rival_until_its_holder_ends_however_it_ends(tmp_path):
+    """`outputs.claimed`: one holder of an OUT at a time (in this process too); the kernel drops a SIGKILLed
+    holder's lock, so the claim file it leaves is taken over, and the holder's end removes the file."""
+    from gqaify.errors import UserError
+    from gqaify.outputs import claimed
+
+    out = tmp_path / "out"
+    holder = f"""
+import pathlib, time
+from gqaify.outputs import claimed
+with claimed(pathlib.Path({str(out)!r}), "gqaify generate"):
+    print("held", flush=True)
+    time.sleep(300)
+"""
+    process = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "held\n"
+        refused = rf"is being written by another gqaify generate \(pid {process.pid}\)"
+        with pytest.raises(UserError, match=refused), claimed(out, "gqaify convert"):
+            pass
+    finally:
+        process.kill()
+        process.wait()
+    assert (tmp_path / ".out.gqaify.claim").is_file() and not out.exists()  # what SIGKILL left
+    out.mkdir()
+    (tmp_path / "link").symlink_to(out)
+    refused = rf"another gqaify convert \(pid {os.getpid()}\); wait for it"
+    with claimed(out, "gqaify convert"), pytest.raises(UserError, match=refused), claimed(tmp_path / "link", "x"):
+        pass  # another name of the same folder is the same claim
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out"]
+
+
 # -- a full disk ------------------------------------------------------------------------------------------------
 
 

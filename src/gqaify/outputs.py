@@ -19,6 +19,12 @@ file it did not write.
                 uptrain's run.json, checkpoints and final model) is written under a hidden name beside it,
                 .NAME.tmp, and renamed over it when complete (`written_whole`): it too is whole or absent.
 
+    claims      a command that writes into OUT over a long run, in place (generate's corpus, shard by shard), holds
+                OUT for its whole duration (`claimed`): an exclusive lock on a file beside it, .OUT.gqaify.claim,
+                which names the holder's pid. A second run for the same OUT is refused at once and writes nothing.
+                The kernel drops the lock when its process ends, however it ends: what a killed run left is taken
+                over by the next run, never mistaken for a live one.
+
     leftovers   a run killed with SIGKILL cannot clean up after itself. The next run writing beside the same
                 OUT removes the staging folders whose owner process is gone (and puts back an old OUT that a
                 killed replacement had set aside), and says so; it leaves alone those of live processes, of
@@ -38,6 +44,7 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -294,6 +301,105 @@ def _remove_created(created: list[Path]) -> None:
     for parent in reversed(created):
         with contextlib.suppress(OSError):
             parent.rmdir()
+
+
+# -- claims ------------------------------------------------------------------------------------------------------
+
+CLAIM_SUFFIX = ".gqaify.claim"  # .OUT.gqaify.claim beside OUT: outside the .OUT.gqaify-* names of staging folders
+_CLAIM_WRITTEN_WITHIN = 1.0  # seconds a refused run waits for the holder to write its pid into a new claim
+
+
+@contextlib.contextmanager
+def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
+    """Hold `out` for this process for the whole block: a run that asks for the same `out` meanwhile (another
+    process, or another claim in this one) is refused at once, and the block's own run goes on untouched.
+
+    The claim is an exclusive `flock` on .OUT.gqaify.claim beside `out` (beside the folder a symbolic link names:
+    two names of one folder are one claim), which records the holder's pid and `command` for the refusal. The
+    kernel drops the lock when its process ends, so a claim file a killed run left is simply taken over. The file
+    is removed when the block ends, and so are the parent folders made for it if they are still empty.
+
+    Raises:
+        UserError: another run holds `out`: "OUT is being written by another gqaify generate (pid N); ...";
+            or nothing can be written beside `out`.
+    """
+    real = out.resolve()
+    path = real.with_name(f".{real.name}{CLAIM_SUFFIX}")
+    created = []  # parent folders made here, removed again at the end if empty
+    for parent in reversed(real.parents):
+        if not parent.exists():
+            try:
+                parent.mkdir()
+            except OSError as exc:
+                _remove_created(created)
+                raise UserError(f"cannot create {parent} ({exc.strerror}); choose another {option}") from exc
+            created.append(parent)
+    try:
+        fd = _lock_claim(path, out, option)
+    except BaseException:
+        _remove_created(created)
+        raise
+    try:
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "command": command}).encode())
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()  # while locked: a run that opened this file meanwhile sees it gone, and claims anew
+            os.close(fd)
+        _remove_created(created)
+
+
+def _lock_claim(path: Path, out: Path, option: str) -> int | None:
+    """An open descriptor of the claim file `path`, exclusively locked (None where the filesystem has no locks).
+
+    Raises:
+        UserError: another run holds the lock; the file cannot be created.
+    """
+    import fcntl
+
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another {option}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _claim_holder(fd)
+            os.close(fd)
+            raise UserError(
+                f"{out} is being written by another {holder}; wait for it or choose another {option}"
+            ) from None
+        except OSError as exc:  # a filesystem without locks (some FUSE mounts): go on, and say what is not guarded
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            LOG.warning("cannot lock %s (%s): a rival run writing %s would not be refused", path, exc.strerror, out)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # its holder finished and removed it between our open and our lock: claim the new file
+
+
+def _claim_holder(fd: int) -> str:
+    """ "gqaify generate (pid 123)": who holds the claim open at `fd`, as the holder wrote it (it writes just after
+    locking: wait a moment for it)."""
+    deadline = time.monotonic() + _CLAIM_WRITTEN_WITHIN
+    while True:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0))
+            return f"{holder['command']} (pid {int(holder['pid'])})"
+        except (OSError, ValueError, TypeError, KeyError):
+            if time.monotonic() > deadline:
+                return "gqaify run (pid unknown)"
+            time.sleep(0.02)
 
 
 # -- leftovers of killed runs ----------------------------------------------------------------------------------

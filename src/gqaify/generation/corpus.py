@@ -18,6 +18,7 @@ Every reader refuses a corpus that is incomplete or not as its record says (`gqa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,11 +32,16 @@ from gqaify.corpora import KIND, SHARDS, shard_name
 from gqaify.errors import UserError, as_interrupt, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out, written_whole
+from gqaify.outputs import PROVENANCE_FILE, claimed, destination_problems, resolve_out, space_problem, written_whole
 
 LOG = logging.getLogger(__name__)
 
 LOGPROB_DIGITS = 5  # decimals of a stored log-probability: 1e-5 nats, far below what training resolves
+# What a stored token costs on disk before a shard says: its text, a few bytes of UTF-8 in "text" (and, in a prompt,
+# in "prompt" too); with --top-logprobs K, its id and at each position K ids and log-probabilities as JSON text
+# (up to 6 and 11 characters with their separators). stories260K measures 3.4 and 17 (its ids are short).
+TEXT_BYTES_PER_TOKEN = 12
+TOP_LOGPROB_BYTES = 18
 
 
 @dataclass(frozen=True)
@@ -61,28 +67,41 @@ class Parent:
 def generate_corpus(settings: GenerateSettings) -> Corpus:
     """Sample the corpus `settings` describe into `settings.out`, or finish one a stopped run began.
 
+    OUT is held for the whole run (`outputs.claimed`): a second run into the same OUT meanwhile is refused.
+
     Raises:
-        UserError: bad settings, prompts or model; OUT holds something else. Nothing is written.
+        UserError: bad settings, prompts or model; OUT holds something else, or another run is writing it; the
+            prompts changed since the corpus began; too little disk space. Nothing is written.
         ResourceError: the disk filled up; the whole shards written so far are kept.
         Interrupted: Ctrl-C or SIGTERM; the message says how much is on disk and how to go on.
     """
-    from gqaify._version import __version__
-
     s = settings
     problems = s.problems()
     raise_if_problems(problems or device_problem(s.device))
-    # recorded as they resolve: an absolute path (a rerun may start elsewhere), and the device, whose random
-    # numbers are its own, so that a corpus is never resumed on another kind of device
+    lines, prompts_sha256 = _prompt_lines(s)
+    # recorded as they resolve: absolute paths (`--config OUT/gqaify.json` may be given from another folder), and
+    # the device, whose random numbers are its own, so that a corpus is never resumed on another kind of device
     model = str(resolve_out(s.model)) if Path(s.model).expanduser().exists() else s.model
-    s = replace(s, model=model, device=resolve_device(s.device).type)
+    prompts = None if s.prompts is None else str(resolve_out(s.prompts))
     out = resolve_out(s.out)
-    lines = _prompt_lines(s)
-    record = _record_to_continue(out, s)
+    s = replace(s, model=model, prompts=prompts, out=str(out), device=resolve_device(s.device).type)
+    if not out.exists():
+        raise_if_problems(destination_problems(out, force=True))  # where the claim goes, checked before it is made
+    with claimed(out, "gqaify generate"):
+        return _generate_into(out, s, lines, prompts_sha256)
+
+
+def _generate_into(out: Path, s: GenerateSettings, lines: list[str] | None, prompts_sha256: str | None) -> Corpus:
+    """`generate_corpus` once OUT is this run's."""
+    from gqaify._version import __version__
+
+    record = _record_to_continue(out, s, prompts_sha256)
     done = _shards_on_disk(out)
     found = sum(_shard_tokens(p) for p in done)
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
-        _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=True)
+        _finish_record(out, record, s, len(done), found)
         return Corpus(out, len(done), len(done) * s.batch_size, found, len(done))
+    raise_if_problems(space_problem(out, _bytes_needed(s, done, found)))
     parent = _load(s)
     prompts = _prompt_ids(s, parent.tokenizer, lines)
     _check_positions(s, parent.model, prompts)
@@ -91,13 +110,41 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
             f"--top-logprobs {s.top_logprobs} is more than the {vocab:,} tokens of {s.model}'s "
             f"vocabulary; give {vocab:,} or fewer"
         )
-    record = record or {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
+    if record is None:
+        record = {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
+        if prompts_sha256 is not None:
+            record["prompts_sha256"] = prompts_sha256  # what a resumed run's --prompts must still hold
     out.mkdir(parents=True, exist_ok=True)
     _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=False)  # before any shard
     (out / SHARDS).mkdir(exist_ok=True)
     shards, samples, tokens = _sample_into(out, record, parent, prompts, s, len(done), found)
     _write_record(out, record, s, shards, samples, tokens, complete=True)
     return Corpus(out, shards, samples, tokens, len(done))
+
+
+def _finish_record(out: Path, record: dict, s: GenerateSettings, shards: int, tokens: int) -> None:
+    """A corpus that holds the --tokens asked already: mark it complete if a killed run had not, else leave it.
+
+    A lower --tokens changes nothing: the record keeps the --tokens its corpus was sampled to (what `--config
+    OUT/gqaify.json` writes again, and what it holds), and no shard is removed: the corpus holds what was asked.
+    """
+    recorded_tokens = record.get("settings", {}).get("tokens")
+    target = max(s.tokens, recorded_tokens) if isinstance(recorded_tokens, int) else s.tokens
+    if tokens >= target and not record.get("complete"):  # a run killed after its last shard, before its record
+        _write_record(out, record, replace(s, tokens=target), shards, shards * s.batch_size, tokens, complete=True)
+    elif s.tokens < target:
+        LOG.warning("%s holds %s tokens, more than --tokens %s; left as it is (its record too)", out, tokens, s.tokens)
+
+
+def _bytes_needed(s: GenerateSettings, done: list[Path], found: int) -> int:
+    """The disk space the rest of the corpus will take: the tokens still to sample, and one shard more (the last
+    one may overshoot --tokens by a whole shard), at the bytes a token takes in the shards written so far, or at
+    first at a generous estimate."""
+    if found:
+        per_token = sum(p.stat().st_size for p in done) / found
+    else:
+        per_token = TEXT_BYTES_PER_TOKEN + TOP_LOGPROB_BYTES * s.top_logprobs
+    return round((max(s.tokens - found, 0) + s.batch_size * s.length) * per_token)
 
 
 def _sample_into(
@@ -133,8 +180,9 @@ def _sample_into(
 # -- the folder -------------------------------------------------------------------------------------------------
 
 
-def _record_to_continue(out: Path, s: GenerateSettings) -> dict | None:
-    """The record of the corpus this run continues (None: a new one); refuses an OUT that holds anything else."""
+def _record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | None) -> dict | None:
+    """The record of the corpus this run continues (None: a new one); refuses an OUT that holds anything else, and
+    prompts that changed since the corpus began (`prompts_sha256`: the SHA-256 of --prompts now)."""
     if out.is_dir() and all(_leftover(p) for p in out.iterdir()):
         for path in out.iterdir():  # what a run killed before its first record left: nothing of its corpus
             path.rmdir() if path.is_dir() else path.unlink()
@@ -152,12 +200,20 @@ def _record_to_continue(out: Path, s: GenerateSettings) -> dict | None:
             f"{out} already exists and is not a corpus gqaify generate wrote; choose another OUT (nothing is replaced)"
         )
     theirs = {k: v for k, v in record.get("settings", {}).items() if k in s.identity()}
+    if isinstance(theirs.get("prompts"), str):  # recorded relative by earlier versions: as from here
+        theirs["prompts"] = str(resolve_out(theirs["prompts"]))
     changed = sorted(k for k, v in s.identity().items() if theirs.get(k) != v)
     if changed:
         was = ", ".join(f"{k} {theirs.get(k)!r} -> {getattr(s, k)!r}" for k in changed)
         raise UserError(
             f"{out} holds a corpus sampled with other settings ({was}); rerun with its settings "
             f"(--config {out / PROVENANCE_FILE}) to go on, or choose another OUT"
+        )
+    then = record.get("prompts_sha256")  # None in a record of an earlier version: not known, not checked
+    if prompts_sha256 is not None and then is not None and then != prompts_sha256:
+        raise UserError(
+            f"--prompts {s.prompts} changed since {out} was sampled from it (SHA-256 {then[:12]}... then, "
+            f"{prompts_sha256[:12]}... now); put its prompts back to go on, or choose another OUT for the new ones"
         )
     if not os.access(out, os.W_OK):
         raise UserError(f"cannot write {out}: it is not writable; choose another OUT")
@@ -245,23 +301,25 @@ def _load(s: GenerateSettings) -> Parent:
     return Parent(model, tokenizer, device, ends, pad)
 
 
-def _prompt_lines(s: GenerateSettings) -> list[str] | None:
-    """The prompts of --prompts, one per non-empty line (None: every sample starts as --start says).
+def _prompt_lines(s: GenerateSettings) -> tuple[list[str] | None, str | None]:
+    """The prompts of --prompts, one per non-empty line, and the SHA-256 of the file ((None, None): every sample
+    starts as --start says).
 
     Raises:
         UserError: the file is missing, unreadable or holds no prompt.
     """
     if s.prompts is None:
-        return None
+        return None, None
     path = Path(s.prompts).expanduser()
     try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        data = path.read_bytes()
+        lines = [line.strip() for line in data.decode("utf-8").splitlines()]
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"--prompts {path} cannot be read ({type(exc).__name__}); give a UTF-8 text file") from exc
     lines = [line for line in lines if line]
     if not lines:
         raise UserError(f"--prompts {path} holds no prompt; write one per line")
-    return lines
+    return lines, hashlib.sha256(data).hexdigest()
 
 
 def _prompt_ids(s: GenerateSettings, tokenizer, lines: list[str] | None) -> list[list[int]] | None:
