@@ -620,3 +620,44 @@ def test_several_problems_are_reported_in_one_line(capsys, source, tmp_path):
     code, err = run_cli(capsys, "convert", tmp_path / "missing", tmp_path / "out", *args)
     line = one_line(err)
     assert code == 2 and "--kv-heads 0" in line and "--calib-seq-len 0" in line and "SRC not found" in line
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        (
+            "vocab_size",
+            300,
+            "vocab_size = 300 and hidden_size = 64 imply 'model.embed_tokens.weight' of shape "
+            "[300, 64], but its shape is [320, 64]",
+        ),
+        ("hidden_size", 48, "imply 'model.embed_tokens.weight' of shape [320, 48], but its shape is [320, 64] (and"),
+    ],
+)
+@pytest.mark.parametrize("method", ["mean", "lsq"])
+def test_config_that_disagrees_with_the_weights_is_refused_before_any_work(
+    capsys, source, tmp_path, key, value, said, method
+):
+    """It used to exit 0 with an output neither transformers nor llama.cpp loads (with --method lsq, a traceback)."""
+    src = _copy(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, key: value}))
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    calibrated = ("--calib-data", tmp_path / "calib.txt") if method == "lsq" else ()
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--method", method, *calibrated)
+    line = one_line(err)
+    assert code == 2 and "the checkpoint's config.json does not match its weights: config.json's" in line
+    assert said in line and line.endswith("use the config.json that came with these weights")
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
+def test_attention_projections_that_disagree_with_config_are_refused(capsys, source, tmp_path):
+    """head_dim in config.json leaves the head counts' rows right; the projections' width shows the mismatch."""
+    src = _copy(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "hidden_size": 48, "vocab_size": None}))
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2")
+    line = one_line(err)
+    assert code == 2 and "hidden_size = 48 imply 'model.layers.0.self_attn.q_proj.weight' of shape [64, 48]" in line
+    assert "but its shape is [64, 64] (and " in line and not (tmp_path / "out").exists()
