@@ -381,23 +381,6 @@ def test_eval_force_replaces_only_a_report_gqaify_wrote(capsys, source, text, tm
     assert tree_hashes(out) == before and leftovers(tmp_path) == []
 
 
-@pytest.fixture
-def read_only(tmp_path):
-    """An empty read-only folder: a tmpfs mounted read-only for root (who may write anywhere else), else mode 555."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)
-        return
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
-
-
 @pytest.mark.parametrize(
     ("where", "extra", "expect"),
     [
@@ -661,3 +644,47 @@ def test_attention_projections_that_disagree_with_config_are_refused(capsys, sou
     line = one_line(err)
     assert code == 2 and "hidden_size = 48 imply 'model.layers.0.self_attn.q_proj.weight' of shape [64, 48]" in line
     assert "but its shape is [64, 64] (and " in line and not (tmp_path / "out").exists()
+
+
+# -- an OUT name longer than the file system allows -------------------------------------------------------------
+
+
+def _name_max(folder: Path) -> int:
+    return os.pathconf(folder, "PC_NAME_MAX")
+
+
+@pytest.mark.parametrize("suffix", ["", ".gguf"])
+def test_convert_to_an_out_name_longer_than_the_file_system_allows(capsys, source, tmp_path, suffix):
+    """It used to end in a traceback; the staging folder beside OUT adds to its name, so OUT has less room."""
+    from gqaify.outputs import _ADDED_BESIDE
+
+    limit = _name_max(tmp_path) - _ADDED_BESIDE
+    for size in (_name_max(tmp_path) + 5, limit + 1):
+        out = tmp_path / ("o" * (size - len(suffix)) + suffix)
+        code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "2")
+        line = one_line(err)
+        assert code == 2 and f"OUT name is longer than the file system allows ({size} bytes, at most {limit}:" in line
+        assert line.endswith("choose a shorter name") and list(tmp_path.iterdir()) == []
+    code, err = run_cli(capsys, "convert", source, tmp_path / ("o" * 300) / "out", "--kv-heads", "2")
+    assert code == 2 and "has a folder name longer than the file system allows (300 bytes" in one_line(err)
+
+
+def test_an_out_name_just_under_the_limit_is_written_and_replaced(capsys, source, tmp_path):
+    from gqaify.outputs import _ADDED_BESIDE
+
+    out = tmp_path / ("o" * (_name_max(tmp_path) - _ADDED_BESIDE))
+    assert run_cli(capsys, "convert", source, out, "--kv-heads", "2")[0] == 0
+    assert run_cli(capsys, "convert", source, out, "--kv-heads", "1", "--force")[0] == 0  # the old one set aside
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_eval_and_generate_refuse_an_out_name_longer_than_the_file_system_allows(
+    capsys, source, text, tmp_path, no_model_loaded
+):
+    long = tmp_path / ("o" * (_name_max(tmp_path) + 1))
+    code, err = run_eval(capsys, source, text, long)
+    assert code == 2 and "--out name is longer than the file system allows" in one_line(err)
+    code, err = run_cli(capsys, "generate", source, long, "--tokens", "64")
+    assert code == 2 and "OUT name is longer than the file system allows" in one_line(err)
+    assert list(tmp_path.iterdir()) == []

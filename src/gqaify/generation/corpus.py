@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.errors import UserError, as_interrupt, raise_if_problems
+from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import PROVENANCE_FILE, destination_problems, resolve_out, written_whole
+from gqaify.outputs import PROVENANCE_FILE, destination_problems, name_problem, resolve_out, written_whole
 
 LOG = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     from gqaify._version import __version__
 
     s = settings
-    problems = s.problems()
+    problems = s.problems() + problems_in(name_problem(s.out or ""))  # before OUT is looked at
     raise_if_problems(problems or device_problem(s.device))
     # recorded as they resolve: an absolute path (a rerun may start elsewhere), and the device, whose random
     # numbers are its own, so that a corpus is never resumed on another kind of device
