@@ -940,7 +940,7 @@ def test_a_run_recorded_when_data_was_one_text_resumes(tiny, tmp_path):
 @pytest.mark.parametrize(
     ("where", "expect"),
     [
-        ("ro", "output_dir {out} is read-only; choose another"),
+        ("ro", "output_dir {out} is read-only; choose another output_dir"),
         ("ro/run", "cannot write {out}: its parent is not a writable folder; choose another output_dir"),
     ],
 )

@@ -13,7 +13,9 @@ file it did not write.
                 then the old one deleted; if the rename fails, the old one is put back. The current folder, its
                 ancestors, an empty OUT, a mount point and a read-only folder are never targets.
 
-    checks      `destination_problems` finds all of the above before any work: a refusal costs nothing.
+    checks      `destination_problems` finds all of the above before any work: a refusal costs nothing. It
+                starts with `name_problem`: a name longer than the file system allows, less what the staging
+                names add to OUT's (a name gqaify could not make beside OUT is refused as OUT's own).
 
     files       a file or folder that a run rewrites in a folder of its own (a corpus's shards and gqaify.json,
                 uptrain's run.json, checkpoints and final model) is written under a hidden name beside it,
@@ -122,7 +124,8 @@ def name_problem(out: str | os.PathLike, option: str = "OUT", beside: bool = Tru
 def writable_problem(folder: Path, option: str) -> str | None:
     """Why a command could not write into `folder` (made if missing, else written into as it is), or None."""
     if folder.is_dir():
-        return None if os.access(folder, os.W_OK | os.X_OK) else f"{option} {folder} is read-only; choose another"
+        writable = os.access(folder, os.W_OK | os.X_OK)
+        return None if writable else f"{option} {folder} is read-only; choose another {option}"
     if not _writable_location(folder):
         return f"cannot write {folder}: its parent is not a writable folder; choose another {option}"
     return None

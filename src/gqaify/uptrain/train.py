@@ -83,7 +83,9 @@ def run(settings: UptrainSettings) -> UptrainResult:
     """Run (or resume) the uptraining `settings` describe. Call it in every process of a launch.
 
     Raises:
-        UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
+        UserError: bad settings or data, or an output_dir that belongs to another run, cannot be written or has a
+            name the file system refuses; nothing is written.
+        ResourceError: the disk filled up; what was being written is removed, and the message says what is left.
         Interrupted: Ctrl-C or SIGTERM; its message says what is on disk and how to go on.
     """
     s = settings
