@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import subprocess
 from pathlib import Path
 
 # Tests never reach the Hugging Face hub (the hub path is tested with a mock); fail fast instead of retrying.
@@ -466,3 +467,20 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
         "train": root / "train.txt",
         "eval": root / "eval.txt",
     }
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """An empty read-only folder: a tmpfs mounted read-only for root (who may write anywhere else), else mode 555."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)

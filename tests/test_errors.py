@@ -97,7 +97,8 @@ def test_weights_that_disagree_with_config(capsys, source, tmp_path):
     shutil.copytree(source, src)
     config = (src / "config.json").read_text().replace('"num_key_value_heads": 4', '"num_key_value_heads": 2')
     (src / "config.json").write_text(config)
-    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "1", expect="but config.json implies 16 rows")
+    expect = "imply 'model.layers.0.self_attn.k_proj.weight' of shape [16, 64], but its shape is [32, 64]"
+    assert_refused(capsys, src, tmp_path / "out", "--kv-heads", "1", expect=expect)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes"])

@@ -413,23 +413,6 @@ def test_eval_force_replaces_only_a_report_gqaify_wrote(capsys, source, text, tm
     assert tree_hashes(out) == before and leftovers(tmp_path) == []
 
 
-@pytest.fixture
-def read_only(tmp_path):
-    """An empty read-only folder: a tmpfs mounted read-only for root (who may write anywhere else), else mode 555."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        yield folder
-        folder.chmod(0o755)
-        return
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
-
-
 @pytest.mark.parametrize(
     ("where", "extra", "expect"),
     [
@@ -652,3 +635,88 @@ def test_several_problems_are_reported_in_one_line(capsys, source, tmp_path):
     code, err = run_cli(capsys, "convert", tmp_path / "missing", tmp_path / "out", *args)
     line = one_line(err)
     assert code == 2 and "--kv-heads 0" in line and "--calib-seq-len 0" in line and "SRC not found" in line
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        (
+            "vocab_size",
+            300,
+            "vocab_size = 300 and hidden_size = 64 imply 'model.embed_tokens.weight' of shape "
+            "[300, 64], but its shape is [320, 64]",
+        ),
+        ("hidden_size", 48, "imply 'model.embed_tokens.weight' of shape [320, 48], but its shape is [320, 64] (and"),
+    ],
+)
+@pytest.mark.parametrize("method", ["mean", "lsq"])
+def test_config_that_disagrees_with_the_weights_is_refused_before_any_work(
+    capsys, source, tmp_path, key, value, said, method
+):
+    """It used to exit 0 with an output neither transformers nor llama.cpp loads (with --method lsq, a traceback)."""
+    src = _copy(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, key: value}))
+    (tmp_path / "calib.txt").write_text(CORPUS * 4)
+    calibrated = ("--calib-data", tmp_path / "calib.txt") if method == "lsq" else ()
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--method", method, *calibrated)
+    line = one_line(err)
+    assert code == 2 and "the checkpoint's config.json does not match its weights: config.json's" in line
+    assert said in line and line.endswith("use the config.json that came with these weights")
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
+def test_attention_projections_that_disagree_with_config_are_refused(capsys, source, tmp_path):
+    """head_dim in config.json leaves the head counts' rows right; the projections' width shows the mismatch."""
+    src = _copy(source, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "hidden_size": 48, "vocab_size": None}))
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2")
+    line = one_line(err)
+    assert code == 2 and "hidden_size = 48 imply 'model.layers.0.self_attn.q_proj.weight' of shape [64, 48]" in line
+    assert "but its shape is [64, 64] (and " in line and not (tmp_path / "out").exists()
+
+
+# -- an OUT name longer than the file system allows -------------------------------------------------------------
+
+
+def _name_max(folder: Path) -> int:
+    return os.pathconf(folder, "PC_NAME_MAX")
+
+
+@pytest.mark.parametrize("suffix", ["", ".gguf"])
+def test_convert_to_an_out_name_longer_than_the_file_system_allows(capsys, source, tmp_path, suffix):
+    """It used to end in a traceback; the staging folder beside OUT adds to its name, so OUT has less room."""
+    from gqaify.outputs import _ADDED_BESIDE
+
+    limit = _name_max(tmp_path) - _ADDED_BESIDE
+    for size in (_name_max(tmp_path) + 5, limit + 1):
+        out = tmp_path / ("o" * (size - len(suffix)) + suffix)
+        code, err = run_cli(capsys, "convert", source, out, "--kv-heads", "2")
+        line = one_line(err)
+        assert code == 2 and f"OUT name is longer than the file system allows ({size} bytes, at most {limit}:" in line
+        assert line.endswith("choose a shorter name") and list(tmp_path.iterdir()) == []
+    code, err = run_cli(capsys, "convert", source, tmp_path / ("o" * 300) / "out", "--kv-heads", "2")
+    assert code == 2 and "has a folder name longer than the file system allows (300 bytes" in one_line(err)
+
+
+def test_an_out_name_just_under_the_limit_is_written_and_replaced(capsys, source, tmp_path):
+    from gqaify.outputs import _ADDED_BESIDE
+
+    out = tmp_path / ("o" * (_name_max(tmp_path) - _ADDED_BESIDE))
+    assert run_cli(capsys, "convert", source, out, "--kv-heads", "2")[0] == 0
+    assert run_cli(capsys, "convert", source, out, "--kv-heads", "1", "--force")[0] == 0  # the old one set aside
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_eval_and_generate_refuse_an_out_name_longer_than_the_file_system_allows(
+    capsys, source, text, tmp_path, no_model_loaded
+):
+    long = tmp_path / ("o" * (_name_max(tmp_path) + 1))
+    code, err = run_eval(capsys, source, text, long)
+    assert code == 2 and "--out name is longer than the file system allows" in one_line(err)
+    code, err = run_cli(capsys, "generate", source, long, "--tokens", "64")
+    assert code == 2 and "OUT name is longer than the file system allows" in one_line(err)
+    assert list(tmp_path.iterdir()) == []

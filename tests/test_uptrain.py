@@ -935,3 +935,86 @@ def test_a_run_recorded_when_data_was_one_text_resumes(tiny, tmp_path):
     record["settings"]["eval_data"] = None
     (out / "run.json").write_text(json.dumps(record))
     assert uptrain(settings).steps == 10  # finished: read back, not refused
+
+
+@pytest.mark.parametrize(
+    ("where", "expect"),
+    [
+        ("ro", "output_dir {out} is read-only; choose another output_dir"),
+        ("ro/run", "cannot write {out}: its parent is not a writable folder; choose another output_dir"),
+    ],
+)
+def test_output_dir_that_cannot_be_written_is_refused_before_any_work(tiny, read_only, where, expect):
+    """It used to train, then end in a traceback (exit 1)."""
+    out = read_only.parent / where
+    line = one_line_error(run_uptrain(args(tiny, out)))
+    assert expect.format(out=out) in line and list(read_only.iterdir()) == []
+
+
+def _uptrain_with(patch: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`gqaify uptrain ARGV` in a process of its own, after the Python lines `patch` ran."""
+    script = f"import sys\n{patch}\nfrom gqaify.cli import main\nsys.exit(main(['uptrain', *sys.argv[1:]]))\n"
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True)
+
+
+# The second checkpoint's save writes part of a file, then meets a full disk.
+_FULL_ON_SECOND_SAVE = """
+import errno
+from pathlib import Path
+import accelerate
+save_state = accelerate.Accelerator.save_state
+saves = []
+def save_on_a_filling_disk(self, output_dir=None, **kwargs):
+    saves.append(output_dir)
+    if len(saves) == 2:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "model.safetensors").write_bytes(b"part of a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save_state(self, output_dir, **kwargs)
+accelerate.Accelerator.save_state = save_on_a_filling_disk
+"""
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_only_whole_checkpoints(tiny, tmp_path):
+    """It used to end in a traceback (exit 1), leaving run.json and metrics; now: one line, exit 1, the partial
+    checkpoint removed, run.json claiming no completion, metrics whole, and a rerun resumes from what is left."""
+    out = tmp_path / "run"
+    argv = args(tiny, out, "--save_every", "4", "--eval_data", str(tiny["eval"]), "--eval_every", "4")
+    done = _uptrain_with(_FULL_ON_SECOND_SAVE, argv)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith(f"gqaify: error: no space left on the disk of output_dir {out}; the last checkpoint")
+    assert "is step 4 of 20" in lines[0] and "rerun the same command to resume from it" in lines[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000004"]
+    assert [p for p in out.rglob("*") if p.name.endswith(".tmp")] == [] and not (out / "final").exists()
+    run = json.loads((out / "run.json").read_text())
+    assert run["started"] and "completed" not in run
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl") if "eval_perplexity" in row] == [0, 4, 8]
+    done = run_uptrain(argv)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "run.json").read_text())["completed"] and (out / "final" / "gqaify.json").is_file()
+
+
+def test_a_full_disk_before_training_leaves_nothing(tiny, tmp_path):
+    out = tmp_path / "run"
+    patch = """
+import errno
+import gqaify.uptrain.run_folder as run_folder
+def full(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+run_folder.write_json = full
+"""
+    done = _uptrain_with(patch, args(tiny, out))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0] == f"gqaify: error: no space left on the disk of output_dir {out}; nothing was written"
+    assert not out.exists()
+
+
+def test_output_dir_name_longer_than_the_file_system_allows_is_refused(tiny, tmp_path):
+    """It used to end in a traceback. Nothing is made beside output_dir: the file system's limit is the limit."""
+    name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
+    out = tmp_path / ("o" * (name_max + 1))
+    line = one_line_error(run_uptrain(args(tiny, out)))
+    assert f"output_dir name is longer than the file system allows ({name_max + 1} bytes, at most {name_max})" in line
+    assert list(tmp_path.iterdir()) == []

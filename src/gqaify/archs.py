@@ -97,6 +97,12 @@ class ArchSpec:
     num_kv_heads_key: str = "num_key_value_heads"
     head_dim_key: str | None = "head_dim"
     hidden_size_key: str = "hidden_size"
+    vocab_size_key: str = "vocab_size"
+    # The token embedding's module path: its weight is (vocab_size, hidden_size), or (vocab_size, the config key
+    # `embed_width_key`) where its width is a setting of its own (OPT's word_embed_proj_dim). config.json is checked
+    # against it and the attention projections before a conversion writes anything (`checks.weight_problem`).
+    embed_tokens: str = "model.embed_tokens"
+    embed_width_key: str | None = None
 
     def __post_init__(self) -> None:
         separate = (self.q_proj, self.k_proj, self.v_proj)
@@ -114,6 +120,8 @@ class ArchSpec:
             raise ValueError(f"{self.model_type}: qkv_layout is 'contiguous' or 'grouped', not {self.qkv_layout!r}")
         if not self.attention.startswith(self.base_model_prefix):
             raise ValueError(f"{self.model_type}: the attention path does not start with {self.base_model_prefix!r}")
+        if not self.embed_tokens.startswith(self.base_model_prefix):
+            raise ValueError(f"{self.model_type}: the embedding path does not start with {self.base_model_prefix!r}")
         if self.rope not in ("half", "interleaved"):
             raise ValueError(f"{self.model_type}: rope is 'half' or 'interleaved', not {self.rope!r}")
         for per_head in (self.k_norm_per_head, self.q_norm_per_head):
@@ -138,7 +146,12 @@ class ArchSpec:
         prefix = self.base_model_prefix
         if not prefix or any(name.startswith(prefix) for name in names):
             return self
-        return replace(self, attention=self.attention.removeprefix(prefix), base_model_prefix="")
+        return replace(
+            self,
+            attention=self.attention.removeprefix(prefix),
+            embed_tokens=self.embed_tokens.removeprefix(prefix),
+            base_model_prefix="",
+        )
 
     def rope_order(self, head_dim: int, rotary_dim: int) -> list[int] | None:
         """An order of a head's dimensions that puts its RoPE pairs in rotate_half layout; None if they are."""
@@ -256,6 +269,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             num_layers_key="n_layer",
             num_heads_key="n_head",
             hidden_size_key="n_embd",
+            embed_tokens="transformer.wte",
             no_calibration=_SHIPPED,
             refused_when=("add_cross_attention", "its cross-attention reads an encoder, not described"),
             shipped_class="GQAGPT2LMHeadModel",
@@ -271,6 +285,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             qkv_layout="grouped",
             o_proj="dense",
             head_dim_key=None,
+            embed_tokens="gpt_neox.embed_in",
             no_calibration=_SHIPPED,
             shipped_class="GQAGPTNeoXForCausalLM",
         ),
@@ -280,6 +295,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             base_model_prefix="model.",
             o_proj="out_proj",
             head_dim_key=None,
+            embed_tokens="model.decoder.embed_tokens",
+            embed_width_key="word_embed_proj_dim",
             no_calibration=_SHIPPED,
             shipped_class="GQAOPTForCausalLM",
         ),

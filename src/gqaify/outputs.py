@@ -13,7 +13,9 @@ file it did not write.
                 then the old one deleted; if the rename fails, the old one is put back. The current folder, its
                 ancestors, an empty OUT, a mount point and a read-only folder are never targets.
 
-    checks      `destination_problems` finds all of the above before any work: a refusal costs nothing.
+    checks      `destination_problems` finds all of the above before any work: a refusal costs nothing. It
+                starts with `name_problem`: a name longer than the file system allows, less what the staging
+                names add to OUT's (a name gqaify could not make beside OUT is refused as OUT's own).
 
     files       a file or folder that a run rewrites in a folder of its own (a corpus's shards and gqaify.json,
                 uptrain's run.json, checkpoints and final model) is written under a hidden name beside it,
@@ -68,6 +70,8 @@ def destination_problems(out: str | os.PathLike, force: bool, option: str = "OUT
     """Problems with writing a new folder at `out` (replacing it if `force`): empty, here, taken, unwritable."""
     if not os.fspath(out).strip():
         return [f"{option} is empty; name the folder to write"]
+    if problem := name_problem(out, option):
+        return [problem]  # first: the file system refuses even to look up a name that long
     path = resolve_out(out)
     here = Path.cwd().resolve()
     real = path.resolve()
@@ -88,6 +92,50 @@ def destination_problems(out: str | os.PathLike, force: bool, option: str = "OUT
         return [f"{path} already exists; pass --force to replace it, or choose another {option}"]
     problem = replace_problem(path, option)
     return [problem] if problem else []
+
+
+# What the longest name gqaify makes beside OUT adds to OUT's name: .OUT.gqaify-old-<host>-<pid>-<start>-<random>
+# (`staged`), with a process id of up to 7 digits, a start time of up to 13 (centiseconds) and mkdtemp's 8 characters.
+_ADDED_BESIDE = len("..gqaify-old-") + 8 + 1 + 7 + 1 + 13 + 1 + 8
+_NAME_MAX = 255  # where the file system does not say (os.pathconf): what Linux, macOS and Windows allow
+
+
+def name_problem(out: str | os.PathLike, option: str = "OUT", beside: bool = True) -> str | None:
+    """Why the file system would refuse a name in `out`, or None: a folder to be made on the way to it, or its own
+    name, is longer than the file system allows; with `beside` (a command that stages OUT beside it: `staged`,
+    `work_folder`), OUT's name leaves no room for the hidden names gqaify makes beside it."""
+    if not os.fspath(out).strip():
+        return None
+    path = resolve_out(out)
+    existing = next(p for p in (path, *path.parents) if os.path.exists(p))  # os.path.exists: no error on any name
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        name_max = _NAME_MAX
+    for part in path.relative_to(existing).parts[:-1]:
+        if (size := len(os.fsencode(part))) > name_max:
+            return (
+                f"{option} {path} has a folder name longer than the file system allows ({size} bytes, at most "
+                f"{name_max}): choose a shorter name"
+            )
+    size, added = len(os.fsencode(path.name)), _ADDED_BESIDE if beside else 0
+    if size + added <= name_max:
+        return None
+    room = f": {name_max} less the {added} that gqaify adds to name its working folders beside it" if added else ""
+    return (
+        f"{option} name is longer than the file system allows ({size} bytes, at most {name_max - added}{room}): "
+        "choose a shorter name"
+    )
+
+
+def writable_problem(folder: Path, option: str) -> str | None:
+    """Why a command could not write into `folder` (made if missing, else written into as it is), or None."""
+    if folder.is_dir():
+        writable = os.access(folder, os.W_OK | os.X_OK)
+        return None if writable else f"{option} {folder} is read-only; choose another {option}"
+    if not _writable_location(folder):
+        return f"cannot write {folder}: its parent is not a writable folder; choose another {option}"
+    return None
 
 
 def _unreplaceable(folder: Path, option: str) -> str | None:
@@ -192,6 +240,20 @@ def _put_in_place_when_whole(
         if full_disk is not None and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise ResourceError(full_disk()) from exc
         raise
+
+
+def is_full_disk(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is the file system's ENOSPC: an OSError, or a library's own
+    error that only says so in words (safetensors' StorageFull)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(exc) or "StorageFull" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _replace(partial: Path, path: Path) -> None:

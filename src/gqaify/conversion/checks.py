@@ -2,13 +2,15 @@
 
 The settings, OUT and where SRC is need no model (`check_request`, which keeps what it worked out: where SRC is,
 the shard size in bytes); config.json adds the architecture, the value types, G against the K/V heads,
-calibration against the hidden size; the opened source adds overlap with OUT and what the method may rewrite.
+calibration against the hidden size; the opened source adds overlap with OUT, config.json against the weights'
+shapes (`weight_problem`) and what the method may rewrite.
 Each function returns its problems (`gqaify.errors.Found`), so that the conversion reports them at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,3 +167,57 @@ def method_problem(method: Method, name: str, model_name: str, qk_norms: bool) -
             "through unchanged; use mean or norm-mean (with --grouping similarity if you like)"
         )
     return None
+
+
+def weight_problem(
+    spec: ArchSpec, geometry: Geometry, config: dict, shapes: Mapping[str, tuple[int, ...]]
+) -> str | None:
+    """Where config.json disagrees with the weights' shapes (`shapes`, from the safetensors headers: no data read):
+    the token embedding against (vocab_size, hidden_size), every attention projection against what the head
+    counts, head_dim and hidden_size imply. A tensor absent here is left to the plan (`LayerLayout.inputs`)."""
+    expected = _expected_shapes(spec, geometry, config)
+    wrong = [
+        (name, shape, keys) for name, (shape, keys) in expected.items() if name in shapes and shapes[name] != shape
+    ]
+    if not wrong:
+        return None
+    name, shape, keys = wrong[0]
+    more = f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else ""
+    return (
+        f"the checkpoint's config.json does not match its weights: config.json's {keys} imply {name!r} of shape "
+        f"{list(shape)}, but its shape is {list(shapes[name])}{more}; use the config.json that came with these weights"
+    )
+
+
+def _expected_shapes(spec: ArchSpec, g: Geometry, config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (the shape config.json implies, the config.json values that imply it, as the message names
+    them), for the embedding and each layer's attention projections."""
+    hidden = f"{spec.hidden_size_key} = {g.hidden_size}"
+    head_dim = f"{spec.head_dim_key or 'head_dim'} = {g.head_dim}"
+    heads = f"{spec.num_heads_key} = {g.num_heads}"
+    kv_heads = f"{spec.num_kv_heads_key} = {g.num_kv_heads}"
+    expected = {}
+    vocab, width_key = config.get(spec.vocab_size_key), spec.embed_width_key or spec.hidden_size_key
+    width = config.get(width_key, g.hidden_size)  # OPT's word_embed_proj_dim defaults to hidden_size
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (vocab, width)):
+        keys = f"{spec.vocab_size_key} = {vocab} and {width_key} = {width}"
+        expected[f"{spec.embed_tokens}.weight"] = ((vocab, width), keys)
+    q_rows, kv_rows = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    if spec.qkv_proj:
+        projections = [(spec.qkv_proj, q_rows + 2 * kv_rows, f"{heads}, {kv_heads}, {head_dim} and {hidden}")]
+    else:
+        projections = [
+            (spec.q_proj, q_rows, f"{heads}, {head_dim} and {hidden}"),
+            (spec.k_proj, kv_rows, f"{kv_heads}, {head_dim} and {hidden}"),
+            (spec.v_proj, kv_rows, f"{kv_heads}, {head_dim} and {hidden}"),
+        ]
+    # (module, rows, columns of the (out, in) weight, the values that imply them)
+    matrices = [(name, rows, g.hidden_size, keys) for name, rows, keys in projections]
+    matrices.append((spec.o_proj, g.hidden_size, q_rows, f"{hidden}, {heads} and {head_dim}"))
+    for layer in range(g.num_layers):
+        for module, rows, columns, keys in matrices:
+            path = spec.module(layer, module)
+            weight = (columns, rows) if spec.transposed else (rows, columns)  # stored (in, out): GPT-2's Conv1D
+            expected[f"{path}.weight"] = (weight, keys)
+            expected[f"{path}.bias"] = ((rows,), keys)
+    return expected

@@ -3,8 +3,9 @@
 check   every problem with the request at once, before anything is read: the options, OUT (as its sink sees
         it: a folder, or a GGUF file), SRC (`checks.check_request`, the sink's `problems`)
 plan    with the source open once: config.json (value types, G against the K/V heads, calibration size against
-        the hidden size), what the sink and the method cannot take, the calibration text (enough tokens, the
-        text calib_sha256 records); then every output tensor's name, shape, dtype and shard (`_plan`)
+        the hidden size, and against the weights' shapes, read from their headers), what the sink and the method
+        cannot take, the calibration text (enough tokens, the text calib_sha256 records); then every output
+        tensor's name, shape, dtype and shard (`_plan`)
 fit     with calibration text only: walk the parent layer by layer and fit each converted layer (`calibrate`)
 stream  take tensors in source order: copy unchanged ones through as bytes; hold a layer's head-indexed
         inputs until all have arrived, check they are finite, convert them with the method, write them (`stream`)
@@ -42,6 +43,7 @@ from gqaify.conversion.checks import (
     method_problem,
     overlap_problems,
     text_problems,
+    weight_problem,
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
@@ -147,7 +149,9 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     take, the calibration text), raised at once; else the plan of the output."""
     checked = config_problems(source.config, s.kv_heads, request.calibration)
     raise_if_problems(checked.problems, overlap_problems(source, request.out), sink.source_problems(source))
-    spec, geometry = checked.spec.stored_as(source.tensors.metadata()), checked.geometry
+    metas = source.tensors.metadata()
+    spec, geometry = checked.spec.stored_as(metas), checked.geometry
+    raise_if_problems(weight_problem(spec, geometry, source.config, {n: tuple(m.shape) for n, m in metas.items()}))
     calibration = request.calibration
     layouts = [LayerLayout(spec, geometry, layer, calibration is not None) for layer in range(geometry.num_layers)]
     output = plan_output(source, spec, geometry, layouts, s.kv_heads, torch_dtype(s.dtype))

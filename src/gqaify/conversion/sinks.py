@@ -24,7 +24,15 @@ from gqaify.conversion.options import ConvertSettings
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
-from gqaify.outputs import current_umask, file_into_place, resolve_out, staged, work_folder, write_provenance
+from gqaify.outputs import (
+    current_umask,
+    file_into_place,
+    name_problem,
+    resolve_out,
+    staged,
+    work_folder,
+    write_provenance,
+)
 from gqaify.records import as_json
 
 
@@ -91,9 +99,11 @@ class GgufSink:
     def checked(self, s: ConvertSettings) -> ConvertSettings:
         """The settings the request's checks read: the folder checks look at the work folder's place beside OUT
         (inside the source, unwritable, ...)."""
-        return replace(s, out=str(self.out.with_name(f".{self.out.name}.gqaify-work")))
+        return replace(s, out=str(self.out.with_name(f".{self.out.name[:64]}.gqaify-work")))  # OUT's own: `problems`
 
     def problems(self, s: ConvertSettings) -> Found:
+        if problem := name_problem(self.out):  # first: the file system refuses even to look up a name that long
+            return problem
         if self.src is not None and _same_file(self.src, self.out):  # not "pass --force": it would be refused
             return f"OUT {self.out} is the source; name another file to write"
         problems = [to_gguf.destination_problem(self.out, self.force), to_gguf.type_problem(s.gguf_type)]

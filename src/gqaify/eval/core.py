@@ -270,8 +270,9 @@ def _out_problems(out: str | None, force: bool) -> list[str]:
     """--out: a folder that can be created (or, with --force, replaced: `outputs`), with room for the report."""
     if not out or not out.strip():
         return []  # required: a problem already
-    room = space_problem(resolve_out(out), REPORT_BYTES, "--out")
-    return destination_problems(out, force, "--out") or problems_in(room)
+    return destination_problems(out, force, "--out") or problems_in(
+        space_problem(resolve_out(out), REPORT_BYTES, "--out")
+    )
 
 
 def _position_problems(s: EvalSettings, configs: list) -> list[str]:

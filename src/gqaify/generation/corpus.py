@@ -29,10 +29,18 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify.corpora import KIND, SHARDS, shard_name
-from gqaify.errors import UserError, as_interrupt, raise_if_problems
+from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import PROVENANCE_FILE, claimed, destination_problems, resolve_out, space_problem, written_whole
+from gqaify.outputs import (
+    PROVENANCE_FILE,
+    claimed,
+    destination_problems,
+    name_problem,
+    resolve_out,
+    space_problem,
+    written_whole,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -76,7 +84,7 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
         Interrupted: Ctrl-C or SIGTERM; the message says how much is on disk and how to go on.
     """
     s = settings
-    problems = s.problems()
+    problems = s.problems() + problems_in(name_problem(s.out or ""))  # before OUT is looked at
     raise_if_problems(problems or device_problem(s.device))
     lines, prompts_sha256 = _prompt_lines(s)
     # recorded as they resolve: absolute paths (`--config OUT/gqaify.json` may be given from another folder), and

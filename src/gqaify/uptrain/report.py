@@ -3,6 +3,7 @@ and the recovery plot (eval perplexity against training tokens, the parent as a 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -32,7 +33,7 @@ class JsonlTracker(GeneralTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        with open(self.path, "a") as f:
+        with _appending(self.path) as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
 
 
@@ -53,11 +54,27 @@ class CsvTracker(GeneralTracker):
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
         new = not self.path.exists()
-        with open(self.path, "a", newline="") as f:
+        with _appending(self.path) as f:
             writer = csv.DictWriter(f, self.columns, extrasaction="ignore")
             if new:
                 writer.writeheader()
             writer.writerow({"step": step, **values})
+
+
+@contextlib.contextmanager
+def _appending(path: Path):
+    """`path` opened to append a row; if the row cannot be written whole (a full disk), the file is cut back to
+    what it held, so that no half row is left for a resumed run to read."""
+    size = path.stat().st_size if path.exists() else None
+    try:
+        with open(path, "a", newline="") as f:
+            yield f
+    except BaseException:
+        if size is None:
+            path.unlink(missing_ok=True)
+        else:
+            os.truncate(path, size)
+        raise
 
 
 def truncate_metrics(out: Path, step: int) -> None:

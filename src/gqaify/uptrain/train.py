@@ -13,6 +13,7 @@ as an uninterrupted run would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -29,10 +30,11 @@ from tqdm.auto import tqdm
 
 from gqaify.archs import ARCHITECTURES, attention_pattern
 from gqaify.data import load_text, named_texts, tokenize
-from gqaify.errors import UserError, as_interrupt, raise_if_problems
+from gqaify.errors import ResourceError, UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer, untrusted_problem
+from gqaify.outputs import is_full_disk, name_problem, resolve_out, writable_problem
 from gqaify.uptrain.data import EpochSampler, mixed, packed_blocks, packed_stored_blocks
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.lora import merged, with_adapters
@@ -81,7 +83,9 @@ def run(settings: UptrainSettings) -> UptrainResult:
     """Run (or resume) the uptraining `settings` describe. Call it in every process of a launch.
 
     Raises:
-        UserError: bad settings or data, or an output_dir that belongs to another run; nothing is written.
+        UserError: bad settings or data, or an output_dir that belongs to another run, cannot be written or has a
+            name the file system refuses; nothing is written.
+        ResourceError: the disk filled up; what was being written is removed, and the message says what is left.
         Interrupted: Ctrl-C or SIGTERM; its message says what is on disk and how to go on.
     """
     s = settings
@@ -97,21 +101,34 @@ def run(settings: UptrainSettings) -> UptrainResult:
     request = s.task_request()
     harness = Harness(request) if request.names else None  # reads the tasks' datasets
     existed = out.exists()
-    record = claim_output_dir(out, s, accelerator.num_processes, accelerator, data_sha256)
+    try:
+        record = claim_output_dir(out, s, accelerator.num_processes, accelerator, data_sha256)
+    except OSError as exc:
+        if not is_full_disk(exc):
+            raise
+        if not existed:  # run.json is written whole or not at all: the folder made for it is empty
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise ResourceError(f"no space left on the disk of output_dir {out}; nothing was written") from exc
     if record.get("completed") and (out / "final").is_dir():
         return _pushed(s, _result_of_finished_run(out, record), accelerator)
     try:
         result = _run(_Run(s, out, accelerator, record, steps), tokenizer, loader, eval_texts, harness)
     except BaseException as exc:
         stop = as_interrupt(exc)
+        full = f"no space left on the disk of output_dir {out}" if is_full_disk(exc) else None
         if "started" not in record:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
                 undo_claim(out, existed)
             if stop is not None:
                 raise stop.with_message("nothing was written") from None
+            if full is not None:
+                raise ResourceError(f"{full}; nothing was written: free some space and rerun") from exc
             raise
         if stop is not None:
             raise stop.with_message(what_is_left(out, steps)) from None
+        if full is not None:  # what was being written was removed (`written_whole`): what is left is whole
+            raise ResourceError(f"{full}; {what_is_left(out, steps)}, once space is freed") from exc
         raise
     return _pushed(s, result, accelerator)
 
@@ -548,8 +565,8 @@ def _check_inputs(s: UptrainSettings) -> None:
     """Every problem at once: the settings' (`UptrainSettings.problems`); output_dir is a folder or absent; the models
     exist; the windows fit in the model's positions."""
     problems = s.problems()
-    if s.output_dir and (out := Path(s.output_dir)).exists() and not out.is_dir():
-        problems.append(f"output_dir {out} is a file; choose a folder")
+    if s.output_dir:
+        problems += problems_in(_output_dir_problem(s.output_dir))
     configs = {}
     for key in ("model", "distill_from", "parent"):
         if value := getattr(s, key):
@@ -572,6 +589,16 @@ def _check_inputs(s: UptrainSettings) -> None:
         if positions and length and length > positions:
             problems.append(f"{key} {length} exceeds the {positions} positions of {s.model}; lower {key}")
     raise_if_problems(problems)
+
+
+def _output_dir_problem(output_dir: str) -> str | None:
+    """Why output_dir cannot hold the run: a name the file system refuses, a file, a folder that cannot be written."""
+    if problem := name_problem(output_dir, "output_dir", beside=False):  # nothing beside it: no room to leave
+        return problem
+    out = resolve_out(output_dir)
+    if out.exists() and not out.is_dir():
+        return f"output_dir {out} is a file; choose a folder"
+    return writable_problem(out, "output_dir")
 
 
 def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
