@@ -391,3 +391,79 @@ def test_too_little_disk_space_is_refused_before_any_work(tmp_path, capsys, monk
     assert tree_hashes(tmp_path) == before
     code, err = run_cli(capsys, "generate", STORIES, out, *SMALL, "--tokens", "1200")  # twice: there is room
     assert code == 0, err
+
+
+LAUNCH_TWO = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "-m",
+    "gqaify.cli",
+]
+
+
+def launch_two(out: Path, *extra: str, **popen) -> subprocess.Popen:
+    """`accelerate launch` of two CPU processes (gloo) writing one corpus."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [*LAUNCH_TWO, "generate", str(STORIES), str(out), *SMALL, *extra]
+    return subprocess.Popen(cmd, env=env, cwd=out.parent, text=True, **popen)
+
+
+def record_of(out: Path) -> dict:
+    """The corpus's record, but for where it is (settings.out)."""
+    record = json.loads((out / "gqaify.json").read_text())
+    return {**record, "settings": {k: v for k, v in record["settings"].items() if k != "out"}}
+
+
+@needs_assets
+def test_two_processes_write_the_corpus_one_process_writes(tmp_path):
+    """Shard k is a function of the seed and k: shared out among processes, the corpus is byte for byte the one
+    process's, its record too (a last round's extra shard removed)."""
+    assert generate(tmp_path / "one", "--tokens", "1500", "--top-logprobs", "4") == 0
+    two = launch_two(tmp_path / "two", "--tokens", "1500", "--top-logprobs", "4", stdout=subprocess.PIPE)
+    stdout, _ = two.communicate(timeout=600)
+    assert two.returncode == 0
+    assert stdout.count("tokens") >= 1 and stdout.count(str(tmp_path / "two")) == 1  # one summary per launch
+    assert shards(tmp_path / "two") == shards(tmp_path / "one")
+    assert record_of(tmp_path / "two") == record_of(tmp_path / "one")
+
+
+@needs_assets
+def test_a_corpus_whose_processes_were_killed_resumes_to_the_same_corpus(tmp_path):
+    assert generate(tmp_path / "whole", "--tokens", "3000") == 0
+    out = tmp_path / "killed"
+    process = launch_two(out, "--tokens", "3000", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "data" / "train-00003.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    import psutil
+
+    launched = psutil.Process(process.pid)
+    everyone = [launched, *launched.children(recursive=True)]  # torch's agent starts them in sessions of their own
+    for p in everyone:
+        p.send_signal(signal.SIGKILL)  # every process at once
+    psutil.wait_procs(everyone, timeout=60)
+    found = shards(out)  # stopped part-way, often with a gap: shard 3 written, shard 2 not yet
+    assert "data/train-00003.jsonl" in found and len(found) < len(shards(tmp_path / "whole"))
+    assert generate(out, "--tokens", "3000") == 0  # resumed by one process: the same corpus either way
+    assert shards(out) == shards(tmp_path / "whole")
+    assert record_of(out) == record_of(tmp_path / "whole")
+
+
+def test_shards_are_shared_out_in_order_and_the_corpus_ends_where_one_process_ends_it():
+    from gqaify.generation.corpus import _contiguous, _enough, _missing
+
+    known = {0: 100, 1: 100, 3: 100}  # shard 2 missing: a killed process's
+    assert _missing(known, 2) == [2, 4] and _contiguous(known) == (2, 200)
+    assert _enough(known, 150) == 2 and _enough(known, 250) is None
+    known[2] = 10
+    assert _enough(known, 250) == 4 and _enough(known, 310) == 4 and _enough(known, 311) is None

@@ -125,9 +125,12 @@ def _run_generate(args) -> None:
         quiet_transformers()
 
     from gqaify.generation.corpus import generate_corpus
+    from gqaify.generation.processes import Processes
     from gqaify.summary import format_corpus_summary
 
-    print(format_corpus_summary(generate_corpus(settings)))
+    corpus = generate_corpus(settings)
+    if Processes.launched().main:  # one summary per launch
+        print(format_corpus_summary(corpus))
 
 
 def _run_uptrain(args) -> None:

@@ -14,6 +14,7 @@ Each shard is parsed once by pyarrow and checked column by column, not token by 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -27,6 +28,15 @@ STORED = ("input_ids", "top_ids", "top_logprobs")  # a row's columns with the pa
 
 def shard_name(index: int) -> str:
     return f"train-{index:05d}.jsonl"
+
+
+_SHARD = re.compile(r"train-(\d{5,})\.jsonl")
+
+
+def shard_index(name: str) -> int | None:
+    """The index of the shard file `name` (`shard_name` read back), or None for any other name."""
+    match = _SHARD.fullmatch(name)
+    return int(match[1]) if match and shard_name(int(match[1])) == name else None
 
 
 def corpus_record(folder: Path) -> dict | None:

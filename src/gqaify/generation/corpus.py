@@ -18,6 +18,7 @@ Every reader refuses a corpus that is incomplete or not as its record says (`gqa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,8 +29,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.corpora import KIND, SHARDS, shard_name
+from gqaify.corpora import KIND, SHARDS, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
+from gqaify.generation.processes import Processes
 from gqaify.generation.settings import GenerateSettings
 from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import (
@@ -92,25 +94,35 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     model = str(resolve_out(s.model)) if Path(s.model).expanduser().exists() else s.model
     prompts = None if s.prompts is None else str(resolve_out(s.prompts))
     out = resolve_out(s.out)
+    processes = Processes.launched()
     s = replace(s, model=model, prompts=prompts, out=str(out), device=resolve_device(s.device).type)
-    if not out.exists():
-        raise_if_problems(destination_problems(out, force=True))  # where the claim goes, checked before it is made
-    with claimed(out, "gqaify generate"):
-        return _generate_into(out, s, lines, prompts_sha256)
+    with contextlib.ExitStack() as held:
+
+        def hold() -> None:  # the main process holds OUT for all of them
+            if not out.exists():
+                raise_if_problems(destination_problems(out, force=True))  # where the claim goes, before it is made
+            held.enter_context(claimed(out, "gqaify generate"))
+
+        processes.on_main(hold)
+        return _generate_into(out, s, lines, prompts_sha256, processes)
 
 
-def _generate_into(out: Path, s: GenerateSettings, lines: list[str] | None, prompts_sha256: str | None) -> Corpus:
-    """`generate_corpus` once OUT is this run's."""
+def _generate_into(
+    out: Path, s: GenerateSettings, lines: list[str] | None, prompts_sha256: str | None, processes: Processes
+) -> Corpus:
+    """`generate_corpus` once OUT is this run's: the main process reads and writes the record, and every process
+    samples its share of the shards still missing."""
     from gqaify._version import __version__
 
-    record = _record_to_continue(out, s, prompts_sha256)
-    done = _shards_on_disk(out)
-    found = sum(_shard_tokens(p) for p in done)
+    record = processes.on_main(lambda: _record_to_continue(out, s, prompts_sha256))
+    known = processes.on_main(lambda: _shards_on_disk(out))
+    shards, found = _contiguous(known)
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
-        _finish_record(out, record, s, len(done), found)
-        return Corpus(out, len(done), len(done) * s.batch_size, found, len(done))
-    raise_if_problems(space_problem(out, _bytes_needed(s, done, found)))
-    parent = _load(s)
+        if processes.main:
+            _finish_record(out, record, s, shards, found)
+        return Corpus(out, shards, shards * s.batch_size, found, shards)
+    processes.on_main(lambda: raise_if_problems(space_problem(out, _bytes_needed(s, out, known))))
+    parent = _load(s, processes)
     prompts = _prompt_ids(s, parent.tokenizer, lines)
     _check_positions(s, parent.model, prompts)
     if s.top_logprobs > (vocab := parent.model.config.vocab_size):
@@ -122,12 +134,18 @@ def _generate_into(out: Path, s: GenerateSettings, lines: list[str] | None, prom
         record = {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
         if prompts_sha256 is not None:
             record["prompts_sha256"] = prompts_sha256  # what a resumed run's --prompts must still hold
-    out.mkdir(parents=True, exist_ok=True)
-    _write_record(out, record, s, len(done), len(done) * s.batch_size, found, complete=False)  # before any shard
-    (out / SHARDS).mkdir(exist_ok=True)
-    shards, samples, tokens = _sample_into(out, record, parent, prompts, s, len(done), found)
-    _write_record(out, record, s, shards, samples, tokens, complete=True)
-    return Corpus(out, shards, samples, tokens, len(done))
+
+    def begin() -> None:  # the record before any shard
+        out.mkdir(parents=True, exist_ok=True)
+        _write_record(out, record, s, shards, shards * s.batch_size, found, complete=False)
+        (out / SHARDS).mkdir(exist_ok=True)
+
+    processes.on_main(begin)
+    resumed_from = shards
+    shards, samples, tokens = _sample_into(out, record, parent, prompts, s, known, processes)
+    if processes.main:
+        _write_record(out, record, s, shards, samples, tokens, complete=True)
+    return Corpus(out, shards, samples, tokens, resumed_from)
 
 
 def _finish_record(out: Path, record: dict, s: GenerateSettings, shards: int, tokens: int) -> None:
@@ -144,45 +162,88 @@ def _finish_record(out: Path, record: dict, s: GenerateSettings, shards: int, to
         LOG.warning("%s holds %s tokens, more than --tokens %s; left as it is (its record too)", out, tokens, s.tokens)
 
 
-def _bytes_needed(s: GenerateSettings, done: list[Path], found: int) -> int:
+def _bytes_needed(s: GenerateSettings, out: Path, known: dict[int, int]) -> int:
     """The disk space the rest of the corpus will take: the tokens still to sample, and one shard more (the last
     one may overshoot --tokens by a whole shard), at the bytes a token takes in the shards written so far, or at
     first at a generous estimate."""
+    found = sum(known.values())
     if found:
-        per_token = sum(p.stat().st_size for p in done) / found
+        per_token = sum((out / SHARDS / shard_name(k)).stat().st_size for k in known) / found
     else:
         per_token = TEXT_BYTES_PER_TOKEN + TOP_LOGPROB_BYTES * s.top_logprobs
     return round((max(s.tokens - found, 0) + s.batch_size * s.length) * per_token)
 
 
 def _sample_into(
-    out: Path, record: dict, parent: Parent, prompts, s: GenerateSettings, shard: int, total: int
+    out: Path, record: dict, parent: Parent, prompts, s: GenerateSettings, known: dict[int, int], processes: Processes
 ) -> tuple[int, int, int]:
-    """Sample shards from `shard` on until `s.tokens` are written; (shards, samples, tokens) in OUT."""
-    samples = shard * s.batch_size
+    """Sample the shards missing from `known` (index: tokens), in rounds of one per process, until shards 0..n-1
+    hold `s.tokens`; the main process then removes any shard past n (a last round's, or a killed run's). Returns
+    (shards, samples, tokens) in OUT: what one process sampling from shard 0 would have written."""
     bar = tqdm(
-        total=s.tokens, initial=min(total, s.tokens), unit="tok", desc="generate", disable=not s.progress or None
+        total=s.tokens,
+        initial=min(_contiguous(known)[1], s.tokens),
+        unit="tok",
+        desc="generate",
+        disable=not (s.progress and processes.main) or None,
     )
     try:
-        while total < s.tokens:
-            rows = _sample_shard(parent, prompts, s, shard)
-            _write_shard(out, shard, rows)
-            shard, samples = shard + 1, samples + len(rows)
-            written = sum(r["tokens"] for r in rows)
-            total += written
-            bar.update(min(written, max(s.tokens - bar.n, 0)))
-            _write_record(out, record, s, shard, samples, total, complete=False)
+        while (enough := _enough(known, s.tokens)) is None:
+            todo = _missing(known, processes.size)
+            mine = todo[processes.rank] if processes.rank < len(todo) else None
+            written = None
+            if mine is not None:
+                rows = _sample_shard(parent, prompts, s, mine)
+                _write_shard(out, mine, rows)
+                written = sum(r["tokens"] for r in rows)
+            known.update((index, tokens) for index, tokens in processes.gather((mine, written)) if index is not None)
+            shards, total = _contiguous(known)
+            bar.update(min(total, s.tokens) - bar.n)
+            if processes.main:
+                _write_record(out, record, s, shards, shards * s.batch_size, total, complete=False)
     except BaseException as exc:
         stop = as_interrupt(exc)
         if stop is not None:
+            shards, total = _contiguous(known)
             raise stop.with_message(
-                f"{out} holds {shard} whole shard(s), {total:,} of {s.tokens:,} tokens; rerun the same command to "
+                f"{out} holds {shards} whole shard(s), {total:,} of {s.tokens:,} tokens; rerun the same command to "
                 "go on from there"
             ) from None
         raise
     finally:
         bar.close()
-    return shard, samples, total
+    if processes.main:
+        for index in [k for k in known if k >= enough]:
+            (out / SHARDS / shard_name(index)).unlink()
+    return enough, enough * s.batch_size, sum(known[k] for k in range(enough))
+
+
+def _contiguous(known: dict[int, int]) -> tuple[int, int]:
+    """(n, tokens) of shards 0..n-1, all present."""
+    n = 0
+    while n in known:
+        n += 1
+    return n, sum(known[k] for k in range(n))
+
+
+def _enough(known: dict[int, int], tokens: int) -> int | None:
+    """The fewest shards 0..n-1 that hold `tokens`, or None while one of them is missing."""
+    total, n = 0, 0
+    while total < tokens:
+        if n not in known:
+            return None
+        total, n = total + known[n], n + 1
+    return n
+
+
+def _missing(known: dict[int, int], count: int) -> list[int]:
+    """The first `count` shard indices not in `known`."""
+    missing, index = [], 0
+    while len(missing) < count:
+        if index not in known:
+            missing.append(index)
+        index += 1
+    return missing
 
 
 # -- the folder -------------------------------------------------------------------------------------------------
@@ -254,17 +315,20 @@ def _leftover(path: Path) -> bool:
     return path.name == f".{PROVENANCE_FILE}.tmp" and path.is_file()
 
 
-def _shards_on_disk(out: Path) -> list[Path]:
-    """The whole shards in OUT, 0..n-1 (a temporary left by a kill is removed)."""
+def _shards_on_disk(out: Path) -> dict[int, int]:
+    """The whole shards in OUT, by index, with their tokens (a temporary left by a kill is removed); several
+    processes, killed, may leave a gap."""
     folder = out / SHARDS
     if not folder.is_dir():
-        return []
+        return {}
     for partial in folder.glob(".*.tmp"):
         partial.unlink()
-    shards = []
-    while (path := folder / shard_name(len(shards))).is_file():
-        shards.append(path)
-    return shards
+    known = {}
+    for path in folder.iterdir():
+        index = shard_index(path.name)
+        if index is not None and path.is_file():
+            known[index] = _shard_tokens(path)
+    return known
 
 
 def _shard_tokens(path: Path) -> int:
@@ -294,12 +358,12 @@ def _write_atomic(path: Path, text: str) -> None:
 # -- the model and its prompts ----------------------------------------------------------------------------------
 
 
-def _load(s: GenerateSettings) -> Parent:
+def _load(s: GenerateSettings, processes: Processes) -> Parent:
     from transformers import GenerationConfig
 
     from gqaify.models import load_model
 
-    device = resolve_device(s.device)
+    device = processes.device(resolve_device(s.device))
     model, tokenizer = load_model(s.model, s.dtype, device, trust_remote_code=s.trust_remote_code)
     configured = model.generation_config.eos_token_id
     ends = [*(configured if isinstance(configured, list) else [configured]), tokenizer.eos_token_id]
