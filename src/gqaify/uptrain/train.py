@@ -324,6 +324,16 @@ def _accelerator(s: UptrainSettings, out: Path):
     )
     from accelerate.utils import DistributedType
 
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type not in (
+        DistributedType.FSDP,
+        DistributedType.NO,
+    ):
+        # accelerate shards only on accelerators: on CPUs an FSDP config trains as plain data parallelism
+        LOG.warning(
+            "the launch asked for FSDP, but accelerate runs it as %s here (FSDP needs GPUs): every process holds "
+            "the whole model, its gradients and optimizer state",
+            accelerator.distributed_type.value,
+        )
     if s.trainable == "lora" and accelerator.distributed_type == DistributedType.FSDP:
         raise UserError("trainable lora trains a few adapters, which FSDP has no need to shard; launch without FSDP")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
