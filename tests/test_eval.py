@@ -151,9 +151,9 @@ def test_report_beside_the_parent(lm_pair, tmp_path):
     assert same.perplexity == pytest.approx(parent_r.perplexity, rel=1e-6) and same.delta_perplexity == pytest.approx(0)
     assert gqa2.kv_ratio_to_parent == 2 and parent_r.kv_cache_bytes_per_token == 2 * 2 * 4 * 16 * 4
     assert all(m.kv_cache_bytes_measured == m.kv_cache_bytes_analytic for m in report.models)
-    assert same.diagnostics["kl_nats_per_token"] == pytest.approx(0, abs=1e-6)
-    assert max(same.diagnostics["attention_relative_error"]) < 1e-6
-    assert gqa2.diagnostics["kl_nats_per_token"] > 1e-3 and len(gqa2.diagnostics["attention_relative_error"]) == 2
+    assert same.diagnostics.kl_nats_per_token == pytest.approx(0, abs=1e-6)
+    assert max(same.diagnostics.attention_relative_error) < 1e-6
+    assert gqa2.diagnostics.kl_nats_per_token > 1e-3 and len(gqa2.diagnostics.attention_relative_error) == 2
     assert all(m.decode_tokens_per_s > 0 and m.prefill_tokens_per_s > 0 for m in report.models)
     assert "| 2 |" in files["report.md"].read_text()
     assert f"| decode tok/s @{FAST.decode_context:,} ctx |" in files["report.md"].read_text()  # the context it is at

@@ -119,7 +119,7 @@ def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
         )
     parent, gqa2 = report.models
     assert gqa2.kv_ratio_to_parent == 4 and gqa2.perplexity > 5 * parent.perplexity
-    assert gqa2.diagnostics["kl_nats_per_token"] > 1
+    assert gqa2.diagnostics.kl_nats_per_token > 1
 
 
 @pytest.mark.slow

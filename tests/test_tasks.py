@@ -8,6 +8,7 @@ the harness must see the same logits as the perplexity path.
 import json
 import sys
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -96,8 +97,8 @@ def test_g_equals_h_scores_and_writes_exactly_what_its_parent_does(scored):
     parent, same, mqa = report.models
     assert same.tasks == parent.tasks
     assert same.generations == parent.generations
-    assert [g["prompt"] for g in parent.generations] == list(DEFAULT_PROMPTS)
-    assert all(g["text"].strip() for g in parent.generations)
+    assert [g.prompt for g in parent.generations] == list(DEFAULT_PROMPTS)
+    assert all(g.text.strip() for g in parent.generations)
     assert mqa.generations != parent.generations  # a 260K model pooled to one K/V head writes something else
 
 
@@ -105,13 +106,13 @@ def test_g_equals_h_scores_and_writes_exactly_what_its_parent_does(scored):
 def test_report_carries_the_task_table_the_plot_and_the_generations(scored):
     out, report = scored
     md = (out / "report.md").read_text()
-    parent_acc = task_rows({"tasks": report.models[0].tasks})["acc"]
-    mqa_acc = task_rows({"tasks": report.models[2].tasks})["acc"]
+    parent_acc = task_rows({"tasks": [asdict(t) for t in report.models[0].tasks]})["acc"]
+    mqa_acc = task_rows({"tasks": [asdict(t) for t in report.models[2].tasks]})["acc"]
     assert "## Tasks" in md and f"![task scores vs KV bytes per token]({PLOT_TASKS})" in md
     assert f"| story_endings | acc | 270 | {parent_acc['value']:.4f} ± {parent_acc['stderr']:.4f} |" in md
     assert f"{mqa_acc['value']:.4f} ({mqa_acc['value'] - parent_acc['value']:+.4f}) |" in md
     assert (out / PLOT_TASKS).stat().st_size > 10_000
-    assert "## Generations" in md and f"| g1 | {_md(report.models[2].generations[0]['text'])} |" in md
+    assert "## Generations" in md and f"| g1 | {_md(report.models[2].generations[0].text)} |" in md
     recorded = json.loads((out / "report.json").read_text())["settings"]
     assert recorded["tasks"] == ["story_endings"] and recorded["generate"] == []
 

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import math
 import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from gqaify.eval.diagnostics import compare
 from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
-from gqaify.eval.results import ModelReport, PanelSummary, Report, TextInfo, TextScore
+from gqaify.eval.results import Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore
 from gqaify.eval.settings import EvalSettings
 from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness
@@ -101,10 +101,10 @@ def run(settings: EvalSettings) -> Report:
         entry = _model_report(name, model, configs[i], fingerprint, scores, ids, s, budget)
         if harness:
             LOG.info("scoring %s on %s", name, ", ".join(harness.names))
-            entry.tasks = [asdict(score) for score in harness.score(model, tokenizer)]
+            entry.tasks = harness.score(model, tokenizer)
         if prompts:
             texts = continuations(model, tokenizer, prompts, s.generate_tokens)
-            entry.generations = [{"prompt": p, "text": t} for p, t in zip(prompts, texts, strict=True)]
+            entry.generations = [Generation(p, t) for p, t in zip(prompts, texts, strict=True)]
         if parent is None:
             parent, parent_ids = model, ids
         else:
@@ -112,7 +112,7 @@ def run(settings: EvalSettings) -> Report:
             entry.kv_ratio_to_parent = report.models[0].kv_cache_bytes_per_token / entry.kv_cache_bytes_per_token
             if reference is not None:
                 found = compare(parent, model, parent_ids[: min(s.diag_tokens, s.seq_len)])
-                entry.diagnostics = asdict(found) if found else None
+                entry.diagnostics = found
             del model
             gc.collect()
         report.models.append(entry)

@@ -11,19 +11,11 @@ layers, as they do in use; a collapsed conversion shows as errors near or above 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from gqaify.archs import ARCHITECTURES, ArchSpec
-
-
-@dataclass(frozen=True)
-class Diagnostics:
-    tokens: int
-    attention_relative_error: list[float]  # per layer
-    kl_nats_per_token: float
+from gqaify.eval.results import Diagnostics
 
 
 def attention_modules(model) -> list[torch.nn.Module] | None:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.eval.results import ModelReport, Report
-from gqaify.eval.tasks import TaskScore, headline
+from gqaify.eval.results import ModelReport, Report, TaskScore
+from gqaify.eval.tasks import headline
 from gqaify.figures import figure
 from gqaify.outputs import staged, write_provenance
 from gqaify.summary import printable
@@ -124,7 +124,7 @@ def _aligned(rows: list[list[str]]) -> list[str]:
 
 
 def _scores(m: ModelReport) -> list[TaskScore]:
-    return [TaskScore(**row) for row in m.tasks or []]
+    return m.tasks or []
 
 
 def _headlines(report: Report) -> list[dict[str, TaskScore]]:
@@ -187,11 +187,11 @@ def generation_lines(report: Report) -> list[str]:
     """Each prompt with every model's greedy continuation beside the others."""
     if not any(m.generations for m in report.models):
         return []
-    prompts = [g["prompt"] for g in report.models[0].generations or []]
+    prompts = [g.prompt for g in report.models[0].generations or []]
     lines = ["## Generations", "", f"Greedy, at most {report.settings['generate_tokens']} new tokens.", ""]
     for i, prompt in enumerate(prompts):
         lines += [f"**{_md(prompt)}** …", "", "| model | continuation |", "|---|---|"]
-        lines += [f"| {_md(Path(m.model).name)} | {_md(m.generations[i]['text'])} |" for m in report.models]
+        lines += [f"| {_md(Path(m.model).name)} | {_md(m.generations[i].text)} |" for m in report.models]
         lines.append("")
     return lines
 
@@ -252,13 +252,13 @@ def markdown(report: Report) -> str:
     ]
     for m in report.models:
         diag = m.diagnostics
-        errors = diag["attention_relative_error"] if diag else []
+        errors = diag.attention_relative_error if diag else []
         mean_error = f"{sum(errors) / len(errors):.3f}" if errors else "—"
         lines.append(
             f"| {m.model} | {m.word_perplexity:,.2f} | {m.bits_per_byte:.4f} | {m.kv_cache_bytes_measured:,} "
             f"{'=' if m.kv_cache_bytes_measured == m.kv_cache_bytes_analytic else '≠'} {m.kv_cache_bytes_analytic:,} "
             f"| {_num(m.prefill_tokens_per_s)} | {_num(m.decode_tokens_per_s_batched)} | {mean_error} "
-            f"| {'—' if not diag else format(diag['kl_nats_per_token'], '.4f')} |"
+            f"| {'—' if not diag else format(diag.kl_nats_per_token, '.4f')} |"
         )
     lines += ["", f"![perplexity vs KV bytes per token]({PLOT_KV})", ""]
     lines += [f"![per-layer diagnostics]({PLOT_DIAGNOSTICS})", ""]
@@ -366,8 +366,8 @@ def plot_diagnostics(report: Report, path: Path) -> None:
         drawn = False
         for m in report.models[1:]:
             if m.diagnostics:
-                errors = m.diagnostics["attention_relative_error"]
-                label = f"{Path(m.model).name} (KL {m.diagnostics['kl_nats_per_token']:.2f})"
+                errors = m.diagnostics.attention_relative_error
+                label = f"{Path(m.model).name} (KL {m.diagnostics.kl_nats_per_token:.2f})"
                 ax.plot(range(len(errors)), errors, marker="o", markersize=3, label=label)
                 drawn = True
         if drawn:

@@ -7,6 +7,40 @@ from dataclasses import asdict, dataclass, field
 from gqaify._version import __version__
 
 
+@dataclass(frozen=True)
+class Diagnostics:
+    """A model against the parent on the first `tokens` tokens (`diagnostics.compare`)."""
+
+    tokens: int
+    attention_relative_error: list[float]  # per layer
+    kl_nats_per_token: float
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """One metric of one task (or group) for one model, as the harness reports it (`tasks.Harness`)."""
+
+    task: str
+    metric: str  # "acc", "acc_norm", "exact_match", ...
+    filter: str  # the harness's filter ("none" for most multiple-choice tasks)
+    value: float
+    stderr: float | None  # None where the harness gives none
+    n: int | None  # items scored (None for a group)
+
+    @property
+    def name(self) -> str:
+        """ "hellaswag/acc_norm": the task and metric (and the filter after a comma, where it is not "none")."""
+        return f"{self.task}/{self.metric}" + ("" if self.filter == "none" else f",{self.filter}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A model's greedy continuation of one prompt (`--generate`)."""
+
+    prompt: str
+    text: str
+
+
 @dataclass
 class TextInfo:
     """One text of the panel, as read: report.json's `data` holds one per text."""
@@ -88,9 +122,9 @@ class ModelReport:
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     decode_tokens_per_s_batched: float | None = None
-    diagnostics: dict | None = None
-    tasks: list[dict] | None = None  # one row per task and metric (eval/tasks.py's TaskScore), with --tasks
-    generations: list[dict] | None = None  # {"prompt", "text"} per prompt, with --generate
+    diagnostics: Diagnostics | None = None
+    tasks: list[TaskScore] | None = None  # one row per task and metric, with --tasks
+    generations: list[Generation] | None = None  # one per prompt, with --generate
     texts: list[TextScore] = field(default_factory=list)  # one per text of the panel, in its order
     panel: PanelSummary | None = None  # over `texts`, against the parent (None: the parent, another tokenizer)
 

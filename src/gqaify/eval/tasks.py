@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gqaify.errors import UserError, one_line
+from gqaify.eval.results import TaskScore
 from gqaify.hub import offline_unless_reachable
 from gqaify.logs import muted
 
@@ -68,23 +69,6 @@ class TaskRequest:
         if self.include_path and not Path(self.include_path).expanduser().is_dir():
             problems.append(f"{flags['include_path']} {self.include_path} is not a folder; give a folder of task YAMLs")
         return problems
-
-
-@dataclass(frozen=True)
-class TaskScore:
-    """One metric of one task (or group) for one model, as the harness reports it."""
-
-    task: str
-    metric: str  # "acc", "acc_norm", "exact_match", ...
-    filter: str  # the harness's filter ("none" for most multiple-choice tasks)
-    value: float
-    stderr: float | None  # None where the harness gives none
-    n: int | None  # items scored (None for a group)
-
-    @property
-    def name(self) -> str:
-        """ "hellaswag/acc_norm": the task and metric (and the filter after a comma, where it is not "none")."""
-        return f"{self.task}/{self.metric}" + ("" if self.filter == "none" else f",{self.filter}")
 
 
 class Harness:
