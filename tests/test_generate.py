@@ -139,11 +139,12 @@ def test_prompts_are_continued_in_turn(tmp_path):
 
 
 @needs_assets
-def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys):
+def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys, caplog):
     prompts = tmp_path / "long.txt"
     prompts.write_text("Once upon a time " * 200 + "\n")
     assert generate(tmp_path / "p", "--prompts", str(prompts)) == 2
-    assert "exceeds the 512 positions" in capsys.readouterr().err
+    assert "exceeds the 512 positions" in one_line(capsys.readouterr().err)
+    assert not [r for r in caplog.records if "Token indices sequence length" in r.getMessage()]  # refused, not warned
     assert not (tmp_path / "p").exists()
 
 

@@ -33,6 +33,7 @@ from gqaify.corpora import KIND, SHARDS, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
 from gqaify.generation.settings import GenerateSettings
+from gqaify.logs import muted
 from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import (
     PROVENANCE_FILE,
@@ -406,13 +407,17 @@ def _prompt_ids(s: GenerateSettings, tokenizer, lines: list[str] | None) -> list
         return None
     if s.chat and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"--chat: {s.model} has no chat template; drop --chat to use the prompts as plain text")
-    if s.chat:
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in lines
-        ]
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tokenizer(p)["input_ids"] for p in lines]
+    # transformers warns of a prompt longer than the model's positions; `_check_positions` refuses it in one line
+    with muted("transformers.tokenization_utils_base"):
+        if s.chat:
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in lines
+            ]
+            return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return [tokenizer(p)["input_ids"] for p in lines]
 
 
 def _check_positions(s: GenerateSettings, model, prompts: list[list[int]] | None) -> None:
