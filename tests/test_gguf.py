@@ -494,3 +494,13 @@ def test_a_malformed_gguf_as_out_is_refused_with_force_at_once(capsys, tmp_path)
     code, err = run_cli(capsys, "convert", src, out, "--kv-heads", "1", "--force")
     assert code == 2 and time.perf_counter() - started < 10 and "is not a GGUF gqaify wrote" in one_line(err)
     assert out.read_bytes() == before
+
+
+@needs_assets
+def test_a_gguf_conversion_that_succeeds_says_no_warning(tmp_path):
+    """gguf's SpecialVocab warned "Unknown separator token '<s>'" of every Llama tokenizer's pair template."""
+    out = tmp_path / "r.gguf"
+    argv = [sys.executable, "-m", "gqaify", "convert", str(STORIES_MHA), str(out), "--kv-heads", "2", "-q"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert out.is_file()

@@ -27,6 +27,7 @@ import torch
 
 import gqaify.gguf_header as gguf_header
 from gqaify.errors import UserError
+from gqaify.logs import muted
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,11 @@ def _write_tokenizer(writer, folder: Path) -> None:
     writer.add_token_list(list(tokens))
     writer.add_token_scores(list(scores))
     writer.add_token_types(list(types))
-    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+    # gguf parses tokenizer.json's post-processor to learn which special tokens to add, and warns of any it does not
+    # expect: a Llama tokenizer's pair template "<s> $A <s> $B" has BOS between the sequences ("Unknown separator
+    # token '<s>'"). That is how a Llama tokenizer is, nothing the user can fix, so the warning is not theirs to see.
+    with muted("gguf.vocab"):
+        gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
 
 
 # -- tensors --------------------------------------------------------------------------------------------------
