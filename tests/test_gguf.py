@@ -504,3 +504,14 @@ def test_a_gguf_conversion_that_succeeds_says_no_warning(tmp_path):
     done = subprocess.run(argv, capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert out.is_file()
+
+
+def test_a_folder_without_a_tokenizer_is_said_to_have_none(capsys, tmp_path):
+    """It was described as a byte-level BPE vocabulary llama.cpp would misread."""
+    src = tmp_path / "src"
+    build_model("llama", num_kv_heads=2, vocab_size=320).save_pretrained(src)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "r.gguf", "--kv-heads", "1")
+    line = one_line(err)
+    fix = "has no tokenizer (tokenizer.json); copy the parent's tokenizer files into it"
+    assert code == 2 and line.endswith(f"{src} {fix}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -193,12 +193,14 @@ def _llama_vocabulary(folder: Path):
     byte-fallback BPE one.
 
     Raises:
-        UserError: another kind of vocabulary: llama.cpp reads a byte-level BPE one only with a pre-tokenizer it
-            recognises by a hash of how it splits text, a table only llama.cpp's converter keeps; or
-            tokenizer.model without the sentencepiece package.
+        UserError: no tokenizer at all; another kind of vocabulary: llama.cpp reads a byte-level BPE one only
+            with a pre-tokenizer it recognises by a hash of how it splits text, a table only llama.cpp's converter
+            keeps; or tokenizer.model without the sentencepiece package.
     """
     import gguf
 
+    if not (folder / "tokenizer.model").is_file() and not (folder / "tokenizer.json").is_file():
+        raise UserError(f"{folder} has no tokenizer (tokenizer.json); copy the parent's tokenizer files into it")
     try:
         return gguf.SentencePieceVocab(folder) if (folder / "tokenizer.model").is_file() else gguf.LlamaHfVocab(folder)
     except RuntimeError as exc:  # gguf's words for "sentencepiece is not installed"
