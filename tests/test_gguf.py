@@ -515,3 +515,17 @@ def test_a_folder_without_a_tokenizer_is_said_to_have_none(capsys, tmp_path):
     fix = "has no tokenizer (tokenizer.json); copy the parent's tokenizer files into it"
     assert code == 2 and line.endswith(f"{src} {fix}"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@needs_assets
+def test_a_gguf_out_in_a_read_only_folder_is_named_as_out(capsys, read_only, tmp_path):
+    """The refusals named the work folder checked in OUT's place (.OUT.gguf.gqaify-work), which the user never named."""
+    out = read_only / "r.gguf"
+    code, err = run_cli(capsys, "convert", STORIES_MHA, out, "--kv-heads", "2", "-q")
+    line = one_line(err)
+    assert code == 2 and f"cannot write {out}: its parent is not a writable folder" in line, line
+    assert ".gqaify-work" not in line and line.count("writable") == 1
+    assert list(read_only.iterdir()) == []
+    code, err = run_cli(capsys, "convert", STORIES_MHA, STORIES_MHA / "r.gguf", "--kv-heads", "2", "-q")
+    line = one_line(err)
+    assert code == 2 and f"OUT {STORIES_MHA / 'r.gguf'} overlaps the source folder" in line, line

@@ -111,7 +111,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
     start = time.perf_counter()
     s, sink = settings, sink_for(settings)
     request = check_request(sink.checked(s))  # every problem with the settings, OUT and SRC, before reading
-    raise_if_problems(request.problems, sink.problems(s))
+    raise_if_problems(sink.said(request.problems), sink.problems(s))
     with open_source(request.source, s.revision) as source:
         plan = _plan(s, request, source, sink)
         remove_leftovers(sink.out)
