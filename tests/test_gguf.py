@@ -529,3 +529,21 @@ def test_a_gguf_out_in_a_read_only_folder_is_named_as_out(capsys, read_only, tmp
     code, err = run_cli(capsys, "convert", STORIES_MHA, STORIES_MHA / "r.gguf", "--kv-heads", "2", "-q")
     line = one_line(err)
     assert code == 2 and f"OUT {STORIES_MHA / 'r.gguf'} overlaps the source folder" in line, line
+
+
+@needs_assets
+@pytest.mark.parametrize("command", ["convert", "eval"])
+def test_a_gguf_source_with_text_that_is_not_utf8_is_not_called_a_json_file(capsys, stories_gguf, tmp_path, command):
+    """transformers' words for it were "the config file ... is not a valid JSON file"."""
+    whole = bytearray(stories_gguf["gqa2.gguf"].read_bytes())
+    whole[whole.find(b'"tool"') + 1] = 0xFF  # inside the record gqaify writes into the file, a string value
+    src = tmp_path / "bad.gguf"
+    src.write_bytes(bytes(whole))
+    args = {
+        "convert": [src, tmp_path / "out", "--kv-heads", "1"],
+        "eval": [src, "--data", MODELS.parent / "text" / "tinystories-valid-head.txt", "--out", tmp_path / "out"],
+    }
+    code, err = run_cli(capsys, command, *args[command])
+    line = one_line(err)
+    assert code == 2 and f"{src} is not a readable GGUF file (gqaify.record is not UTF-8 text (byte " in line, line
+    assert "JSON" not in line and sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
