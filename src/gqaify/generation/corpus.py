@@ -206,10 +206,7 @@ def _sample_into(
         stop = as_interrupt(exc)
         if stop is not None:
             shards, total = _contiguous(known)
-            raise stop.with_message(
-                f"{out} holds {shards} whole shard(s), {total:,} of {s.tokens:,} tokens; rerun the same command to "
-                "go on from there"
-            ) from None
+            raise stop.with_message(_stopped_message(out, shards, total, s.tokens)) from None
         raise
     finally:
         bar.close()
@@ -217,6 +214,16 @@ def _sample_into(
         for index in [k for k in known if k >= enough]:
             (out / SHARDS / shard_name(index)).unlink()
     return enough, enough * s.batch_size, sum(known[k] for k in range(enough))
+
+
+def _stopped_message(out: Path, shards: int, total: int, asked: int) -> str:
+    """What a stopped run left in OUT: a shard holds whole samples, so the shards can hold more than was asked."""
+    holds = f"{out} holds {shards} whole shard(s), {total:,} tokens"
+    if total >= asked:
+        return (
+            f"{holds}: the corpus is complete but its record was not yet written; rerun the same command to finish it"
+        )
+    return f"{holds} (the corpus asked for {asked:,}); rerun the same command to go on from there"
 
 
 def _contiguous(known: dict[int, int]) -> tuple[int, int]:
