@@ -92,3 +92,17 @@ def test_a_cached_hub_dataset_is_read_offline_when_the_hub_does_not_answer(monke
     monkeypatch.setattr(datasets, "load_dataset", from_cache_only)
     assert load_text("someone/corpus").text == "cached"
     assert not datasets.config.HF_HUB_OFFLINE  # and only for that call
+
+
+def test_malformed_json_lines_is_one_line(capsys, tmp_path, model):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": oops\n')
+    out = tmp_path / "report"
+    err = one_line_refusal(capsys, "eval", model, "--data", bad, "--out", out, "--no-speed", "--seq-len", "32")
+    assert f"--data {bad} is not valid JSON lines: " in err and err.rstrip().endswith("; fix the file")
+    assert not out.exists()
+    err = one_line_refusal(
+        capsys, "convert", model, tmp_path / "o", "--kv-heads", "2", "--method", "lsq", "--calib-data", bad
+    )
+    assert f"--calib-data {bad} is not valid JSON lines: " in err
+    assert not (tmp_path / "o").exists()

@@ -139,11 +139,12 @@ def test_prompts_are_continued_in_turn(tmp_path):
 
 
 @needs_assets
-def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys):
+def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys, caplog):
     prompts = tmp_path / "long.txt"
     prompts.write_text("Once upon a time " * 200 + "\n")
     assert generate(tmp_path / "p", "--prompts", str(prompts)) == 2
-    assert "exceeds the 512 positions" in capsys.readouterr().err
+    assert "exceeds the 512 positions" in one_line(capsys.readouterr().err)
+    assert not [r for r in caplog.records if "Token indices sequence length" in r.getMessage()]  # refused, not warned
     assert not (tmp_path / "p").exists()
 
 
@@ -467,3 +468,32 @@ def test_shards_are_shared_out_in_order_and_the_corpus_ends_where_one_process_en
     assert _enough(known, 150) == 2 and _enough(known, 250) is None
     known[2] = 10
     assert _enough(known, 250) == 4 and _enough(known, 310) == 4 and _enough(known, 311) is None
+
+
+@needs_assets
+@pytest.mark.parametrize("stop_after", [1, 99], ids=["part", "complete"])
+def test_a_stopped_generate_says_what_it_holds_without_counting_past_the_target(
+    tmp_path, capsys, monkeypatch, stop_after
+):
+    """A shard holds whole samples, so shards can hold more tokens than asked: it said "32,768 of 20,000 tokens"."""
+    from gqaify.generation import corpus
+
+    real, calls = corpus._write_record, []
+
+    def stopping(out, record, s, shards, samples, tokens, complete):
+        real(out, record, s, shards, samples, tokens, complete)
+        calls.append(tokens)
+        if not complete and shards and (len(calls) > stop_after or tokens >= s.tokens):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(corpus, "_write_record", stopping)
+    code, err = run_cli(capsys, "generate", STORIES, tmp_path / "c", "--tokens", "600", *SMALL)
+    line = one_line(err)
+    assert code == 130 and f"{tmp_path / 'c'} holds " in line and " whole shard(s), " in line, line
+    assert " of 600 tokens" not in line
+    if stop_after == 1:
+        assert "tokens (the corpus asked for 600); rerun the same command to go on from there" in line, line
+    else:
+        assert "the corpus is complete but its record was not yet written; rerun the same command" in line, line
+    monkeypatch.setattr(corpus, "_write_record", real)
+    assert generate(tmp_path / "c") == 0  # the rerun finishes it

@@ -494,3 +494,56 @@ def test_a_malformed_gguf_as_out_is_refused_with_force_at_once(capsys, tmp_path)
     code, err = run_cli(capsys, "convert", src, out, "--kv-heads", "1", "--force")
     assert code == 2 and time.perf_counter() - started < 10 and "is not a GGUF gqaify wrote" in one_line(err)
     assert out.read_bytes() == before
+
+
+@needs_assets
+def test_a_gguf_conversion_that_succeeds_says_no_warning(tmp_path):
+    """gguf's SpecialVocab warned "Unknown separator token '<s>'" of every Llama tokenizer's pair template."""
+    out = tmp_path / "r.gguf"
+    argv = [sys.executable, "-m", "gqaify", "convert", str(STORIES_MHA), str(out), "--kv-heads", "2", "-q"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert out.is_file()
+
+
+def test_a_folder_without_a_tokenizer_is_said_to_have_none(capsys, tmp_path):
+    """It was described as a byte-level BPE vocabulary llama.cpp would misread."""
+    src = tmp_path / "src"
+    build_model("llama", num_kv_heads=2, vocab_size=320).save_pretrained(src)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "r.gguf", "--kv-heads", "1")
+    line = one_line(err)
+    fix = "has no tokenizer (tokenizer.json); copy the parent's tokenizer files into it"
+    assert code == 2 and line.endswith(f"{src} {fix}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@needs_assets
+def test_a_gguf_out_in_a_read_only_folder_is_named_as_out(capsys, read_only, tmp_path):
+    """The refusals named the work folder checked in OUT's place (.OUT.gguf.gqaify-work), which the user never named."""
+    out = read_only / "r.gguf"
+    code, err = run_cli(capsys, "convert", STORIES_MHA, out, "--kv-heads", "2", "-q")
+    line = one_line(err)
+    assert code == 2 and f"cannot write {out}: its parent is not a writable folder" in line, line
+    assert ".gqaify-work" not in line and line.count("writable") == 1
+    assert list(read_only.iterdir()) == []
+    code, err = run_cli(capsys, "convert", STORIES_MHA, STORIES_MHA / "r.gguf", "--kv-heads", "2", "-q")
+    line = one_line(err)
+    assert code == 2 and f"OUT {STORIES_MHA / 'r.gguf'} overlaps the source folder" in line, line
+
+
+@needs_assets
+@pytest.mark.parametrize("command", ["convert", "eval"])
+def test_a_gguf_source_with_text_that_is_not_utf8_is_not_called_a_json_file(capsys, stories_gguf, tmp_path, command):
+    """transformers' words for it were "the config file ... is not a valid JSON file"."""
+    whole = bytearray(stories_gguf["gqa2.gguf"].read_bytes())
+    whole[whole.find(b'"tool"') + 1] = 0xFF  # inside the record gqaify writes into the file, a string value
+    src = tmp_path / "bad.gguf"
+    src.write_bytes(bytes(whole))
+    args = {
+        "convert": [src, tmp_path / "out", "--kv-heads", "1"],
+        "eval": [src, "--data", MODELS.parent / "text" / "tinystories-valid-head.txt", "--out", tmp_path / "out"],
+    }
+    code, err = run_cli(capsys, command, *args[command])
+    line = one_line(err)
+    assert code == 2 and f"{src} is not a readable GGUF file (gqaify.record is not UTF-8 text (byte " in line, line
+    assert "JSON" not in line and sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]

@@ -608,11 +608,15 @@ def test_too_few_calibration_tokens_are_refused(capsys, source, tmp_path):
     assert "at least 130" in line and not (tmp_path / "out").exists()
 
 
-def test_calibration_text_shorter_than_the_fit_needs_is_refused(capsys, source, tmp_path):
+def test_calibration_text_shorter_than_the_fit_needs_is_refused(capsys, caplog, source, tmp_path):
     (tmp_path / "calib.txt").write_text("a few words of calibration text")
     args = ("--kv-heads", "2", "--method", "lsq", "--calib-data", tmp_path / "calib.txt")
     code, err = run_cli(capsys, "convert", source, tmp_path / "out", *args)
-    assert code == 2 and "too few for a model with hidden size 64" in one_line(err)
+    line = one_line(err)
+    assert code == 2 and f"--calib-data {tmp_path / 'calib.txt'} holds " in line, line
+    assert "tokens, fewer than the fit needs (130) for hidden size 64: give more text" in line
+    assert "--calib-tokens" not in line and not (tmp_path / "out").exists()
+    assert not caplog.records  # no "fewer than its share" or "may follow the text" warning before the refusal
 
 
 @pytest.mark.parametrize("content", ["safetensors", "random"])

@@ -9,6 +9,7 @@ dataset comes from `datasets`' cache alone, or is refused at once (`gqaify.hub.o
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,13 @@ from typing import TYPE_CHECKING
 
 from gqaify.corpora import STORED, corpus_problems, corpus_record, stored_problem
 from gqaify.errors import UserError, one_line, raise_if_problems
+from gqaify.logs import muted
 from gqaify.outputs import PROVENANCE_FILE
 
 if TYPE_CHECKING:
     import torch
+
+SILENT = logging.CRITICAL + 1  # a logger's level that lets nothing through
 
 # file suffix -> the `datasets` builder that reads it
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -103,6 +107,7 @@ def load_rows(
     datasets.disable_progress_bars()
     path = Path(data).expanduser()
     corpus = False
+    builder = None
     try:
         if path.exists():
             builder, files = _local_files(path, option)
@@ -113,9 +118,10 @@ def load_rows(
             # A local file is one split, whatever it is called: name it as asked so that `split` holds.
             options = {"sample_by": "document"} if builder == "text" else {}
             files_by_split = {split: [str(f) for f in files]}
-            dataset = datasets.load_dataset(
-                builder, data_files=files_by_split, split=split, streaming=streaming, **options
-            )
+            with muted("datasets", SILENT):  # a file it cannot parse is reported below, in one line
+                dataset = datasets.load_dataset(
+                    builder, data_files=files_by_split, split=split, streaming=streaming, **options
+                )
         elif path.suffix in _BUILDERS or data.startswith((".", "/", "~")):
             raise UserError(f"{option} {data}: no such file or folder; check the path")
         else:
@@ -123,7 +129,7 @@ def load_rows(
     except UserError:
         raise
     except DatasetGenerationError as exc:  # a file its builder cannot parse
-        raise UserError(f"{option} {data} could not be read ({_cause(exc)}); check the file's format") from exc
+        raise UserError(_unreadable(option, data, builder, exc)) from exc
     except ValueError as exc:  # unknown split, bad config name
         raise UserError(f"{option} {data}: {exc}; check --split and the config name") from exc
     except (FileNotFoundError, ConnectionError, OSError) as exc:
@@ -183,14 +189,18 @@ def load_text(
     else:
         rows, chars = [], 0
         try:
-            for row in load_rows(data, split, text_column, streaming=True, option=option):
-                if isinstance(text := row.get(text_column), str):
-                    rows.append(text)
-                    chars += len(text) + 2
-                    if chars >= max_chars:
-                        break
+            with muted("datasets", SILENT):  # a file it cannot parse is reported below, in one line
+                for row in load_rows(data, split, text_column, streaming=True, option=option):
+                    if isinstance(text := row.get(text_column), str):
+                        rows.append(text)
+                        chars += len(text) + 2
+                        if chars >= max_chars:
+                            break
         except (ValueError, OSError) as exc:  # a streamed file its builder cannot parse, found on reading
-            raise UserError(f"{option} {data} could not be read ({_cause(exc)}); check the file's format") from exc
+            path = Path(data).expanduser()
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            json = any(_BUILDERS.get(f.suffix) == "json" for f in files)
+            raise UserError(_unreadable(option, data, "json" if json else None, exc)) from exc
     text = "\n\n".join(rows)
     if not text.strip():
         raise UserError(f"{option} {data} ({split}, column {text_column!r}) holds no text; check the file or split")
@@ -265,6 +275,13 @@ def _check_readable(builder: str, files: list[Path], option: str) -> None:
                 f"{option} {path} is not text (binary data at byte {at:,}); point it at UTF-8 text "
                 "(.txt, .jsonl, .csv) or a .parquet file"
             )
+
+
+def _unreadable(option: str, data: str, builder: str | None, exc: BaseException) -> str:
+    """The one line for a local file that `builder` could not parse (datasets' error in `exc`)."""
+    if builder == "json":
+        return f"{option} {data} is not valid JSON lines: {_cause(exc)}; fix the file"
+    return f"{option} {data} could not be read ({_cause(exc)}); check the file's format"
 
 
 def _cause(exc: BaseException) -> str:

@@ -63,7 +63,11 @@ class _Reader:
         if not keep or length > MAX_VALUE_BYTES:
             self.skip(length, what)
             return None
-        return self.take(length, what).decode("utf-8", "replace")
+        start = self.f.tell()
+        try:  # strictly, as transformers reads it (whose error would call the file "not a valid JSON file")
+            return self.take(length, what).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise HeaderError(f"{what} is not UTF-8 text (byte {start + exc.start:,})") from exc
 
     def value(self, kind: int, key: str):
         if kind in _SCALARS:

@@ -8,12 +8,13 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def muted(name: str) -> Iterator[None]:
-    """Within, the logger `name` (and its children) says only errors; its level is restored after."""
+def muted(name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Within, the logger `name` (and its children) says only messages of `level` and above (default: errors);
+    its level is restored after. `logging.CRITICAL + 1` silences it, for an error gqaify reports itself."""
     logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    before = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)

@@ -87,8 +87,8 @@ class CalibrationText:
 
 
 def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
-    """Each source's share of `calibration.tokens` (`Calibration.shares`; fewer, with a warning, where a source is
-    short), and the SHA-256 of the text each was read from.
+    """Each source's share of `calibration.tokens` (`Calibration.shares`; fewer where a source is short: see
+    `short_sources`), and the SHA-256 of the text each was read from.
 
     Raises:
         UserError: a source cannot be read or gives fewer than 2 tokens.
@@ -105,12 +105,19 @@ def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
             )
         text = load_text(named.source, c.split, c.text_column, "--calib-data", max_chars=share * _CHARS_PER_TOKEN).text
         ids = tokenize(tokenizer, text, share, f"--calib-data {named.source}").ids
-        if len(ids) < share:
-            LOG.warning("--calib-data %s holds %d tokens, fewer than its share %d", named.source, len(ids), share)
         sha256 = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         parts.append(ids)
         sources.append(CalibrationSource(named.name, named.source, weight, share, len(ids), sha256))
     return CalibrationText(parts, sources, time.perf_counter() - start)
+
+
+def short_sources(text: CalibrationText) -> list[str]:
+    """A warning for each source that held fewer tokens than its share (said once the text is not refused)."""
+    return [
+        f"--calib-data {s.data} holds {s.tokens:,} tokens, fewer than its share {s.tokens_requested:,}"
+        for s in text.sources
+        if s.tokens < s.tokens_requested
+    ]
 
 
 class SecondMoment:

@@ -108,8 +108,9 @@ def config_problems(config: dict, kv_heads, calibration: Calibration | None) -> 
 
 def text_problems(calibration: Calibration, text, hidden_size: int) -> list[str]:
     """Problems with the calibration text read (a `calibrate.CalibrationText`): too few tokens for the model, or
-    not the text that calib_sha256 records."""
-    return problems_in(calibration.size_problem(text.tokens, hidden_size), calibration.text_problem(text.sha256))
+    not the text that calib_sha256 records. --calib-tokens itself was checked before the text was read
+    (`request_problems`), so text too short for the fit is the text's problem."""
+    return problems_in(calibration.text_size_problem(text, hidden_size), calibration.text_problem(text.sha256))
 
 
 def _quantization_problem(config: dict) -> str | None:

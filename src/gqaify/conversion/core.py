@@ -33,6 +33,7 @@ from gqaify.conversion.calibrate import (
     LayerFit,
     calibrate,
     read_calibration,
+    short_sources,
 )
 from gqaify.conversion.card import model_card, source_metadata
 from gqaify.conversion.checkpoint import ShardWriter
@@ -110,7 +111,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
     start = time.perf_counter()
     s, sink = settings, sink_for(settings)
     request = check_request(sink.checked(s))  # every problem with the settings, OUT and SRC, before reading
-    raise_if_problems(request.problems, sink.problems(s))
+    raise_if_problems(sink.said(request.problems), sink.problems(s))
     with open_source(request.source, s.revision) as source:
         plan = _plan(s, request, source, sink)
         remove_leftovers(sink.out)
@@ -162,6 +163,8 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     if calibration is not None:  # read before anything is written: too short, or not the recorded text
         text = read_calibration(calibration, source.load_tokenizer())
         raise_if_problems(text_problems(calibration, text, geometry.hidden_size))
+        for warning in short_sources(text):
+            LOG.warning(warning)
     size = sum(meta.nbytes for meta in output.tensors.values()) + _SPACE_MARGIN
     size += sum(path.stat().st_size for path in source.side_files())
     if calibration is not None:  # the fitted layers wait on disk, in float32, until the stream writes them

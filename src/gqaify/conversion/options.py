@@ -137,6 +137,21 @@ class Calibration:
             "it memorises the text; raise --calib-tokens (or give --calib-data more text)"
         )
 
+    def text_size_problem(self, text, hidden_size: int) -> str | None:
+        """A problem if the calibration text read (a `calibrate.CalibrationText`) holds too few tokens for the fit:
+        --calib-tokens asked for enough (`size_problem`), so the text is what is short."""
+        needed = CALIB_TOKENS_REQUIRED * (hidden_size + 1)
+        if text.tokens >= needed:
+            return None
+        if self.tokens < needed:  # --calib-tokens itself is too few
+            return self.size_problem(text.tokens, hidden_size)
+        if len(text.sources) == 1:
+            holds = f"--calib-data {text.sources[0].data} holds {text.tokens:,} tokens"
+        else:
+            each = ", ".join(f"{s.data}: {s.tokens:,}" for s in text.sources)
+            holds = f"the --calib-data sources hold {text.tokens:,} tokens in all ({each})"
+        return f"{holds}, fewer than the fit needs ({needed:,}) for hidden size {hidden_size}: give more text"
+
     def size_warning(self, tokens: int, hidden_size: int) -> str | None:
         """A warning if `tokens` determine the fit but barely (fewer than advised)."""
         advised = CALIB_TOKENS_ADVISED * (hidden_size + 1)

@@ -56,6 +56,10 @@ class FolderSink:
         """The settings the request's checks read (`checks.check_request`): OUT is the folder itself."""
         return s
 
+    def said(self, problems: list[str]) -> list[str]:
+        """The request's problems as the user is told them: as they are (OUT is what was checked)."""
+        return problems
+
     def problems(self, s: ConvertSettings) -> Found:
         if s.gguf_type is not None:
             return (
@@ -99,14 +103,32 @@ class GgufSink:
     def checked(self, s: ConvertSettings) -> ConvertSettings:
         """The settings the request's checks read: the folder checks look at the work folder's place beside OUT
         (inside the source, unwritable, ...)."""
-        return replace(s, out=str(self.out.with_name(f".{self.out.name[:64]}.gqaify-work")))  # OUT's own: `problems`
+        return replace(s, out=str(self._stand_in))  # OUT's own: `problems`
+
+    @property
+    def _stand_in(self) -> Path:
+        return self.out.with_name(f".{self.out.name[:64]}.gqaify-work")
+
+    def said(self, problems: list[str]) -> list[str]:
+        """The request's problems as the user is told them: naming OUT, not the work folder checked in its place
+        (the user never named that folder; its place beside OUT is what is wrong)."""
+        names = {str(self._stand_in): str(self.out), str(self._stand_in.resolve()): str(self.out.resolve())}
+        said = []
+        for problem in problems:
+            for stand_in, out in names.items():
+                problem = problem.replace(stand_in, out)
+            said.append(problem)
+        return said
 
     def problems(self, s: ConvertSettings) -> Found:
         if problem := name_problem(self.out):  # first: the file system refuses even to look up a name that long
             return problem
         if self.src is not None and _same_file(self.src, self.out):  # not "pass --force": it would be refused
             return f"OUT {self.out} is the source; name another file to write"
-        problems = [to_gguf.destination_problem(self.out, self.force), to_gguf.type_problem(s.gguf_type)]
+        # a new OUT's folder (writable, not inside the source, ...) is checked by the request's checks (`checked`)
+        present = self.out.exists() or self.out.is_symlink()
+        problems = [to_gguf.destination_problem(self.out, self.force) if present else None]
+        problems.append(to_gguf.type_problem(s.gguf_type))
         if s.push_to_hub is not None:
             problems.append(
                 "--push-to-hub uploads a converted folder; upload a .gguf file with "

@@ -199,7 +199,7 @@ def _open_gguf(path: Path) -> Iterator[Source]:
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, OSError, KeyError, NotImplementedError) as exc:
-        raise UserError(f"cannot read {path} as a GGUF model ({exc}); check the file or use the HF checkpoint") from exc
+        raise UserError(_unreadable_gguf(path, exc)) from exc
     with tempfile.TemporaryDirectory(prefix="gqaify-gguf-") as staging:
         directory = Path(staging)
         source = Source(
@@ -207,6 +207,14 @@ def _open_gguf(path: Path) -> Iterator[Source]:
         )
         source._open_tensors = lambda: _dequantize(source, path)
         yield source
+
+
+def _unreadable_gguf(path: Path, exc: BaseException) -> str:
+    """The one line for a GGUF file transformers could not read (its header passed `gguf_header.problem`)."""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "valid JSON file" in said:  # transformers' words for any text in the file that is not UTF-8
+        said = "text in it that is not UTF-8"
+    return f"SRC {path} is not a GGUF file gqaify can read ({said}); check the file or use the HF checkpoint"
 
 
 def _export_config(config, directory: Path) -> dict:
@@ -229,7 +237,7 @@ def _dequantize(source: Source, path: Path) -> TensorSource:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, OSError, KeyError, NotImplementedError) as exc:
-        raise UserError(f"cannot read {path} as a GGUF model ({exc}); check the file or use the HF checkpoint") from exc
+        raise UserError(_unreadable_gguf(path, exc)) from exc
     model.generation_config.save_pretrained(source.directory)
     tokenizer.save_pretrained(source.directory)
     model.config.architectures = [type(model).__name__]

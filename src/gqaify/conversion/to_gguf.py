@@ -27,6 +27,7 @@ import torch
 
 import gqaify.gguf_header as gguf_header
 from gqaify.errors import UserError
+from gqaify.logs import muted
 
 
 @dataclass(frozen=True)
@@ -192,12 +193,14 @@ def _llama_vocabulary(folder: Path):
     byte-fallback BPE one.
 
     Raises:
-        UserError: another kind of vocabulary: llama.cpp reads a byte-level BPE one only with a pre-tokenizer it
-            recognises by a hash of how it splits text, a table only llama.cpp's converter keeps; or
-            tokenizer.model without the sentencepiece package.
+        UserError: no tokenizer at all; another kind of vocabulary: llama.cpp reads a byte-level BPE one only
+            with a pre-tokenizer it recognises by a hash of how it splits text, a table only llama.cpp's converter
+            keeps; or tokenizer.model without the sentencepiece package.
     """
     import gguf
 
+    if not (folder / "tokenizer.model").is_file() and not (folder / "tokenizer.json").is_file():
+        raise UserError(f"{folder} has no tokenizer (tokenizer.json); copy the parent's tokenizer files into it")
     try:
         return gguf.SentencePieceVocab(folder) if (folder / "tokenizer.model").is_file() else gguf.LlamaHfVocab(folder)
     except RuntimeError as exc:  # gguf's words for "sentencepiece is not installed"
@@ -224,7 +227,11 @@ def _write_tokenizer(writer, folder: Path) -> None:
     writer.add_token_list(list(tokens))
     writer.add_token_scores(list(scores))
     writer.add_token_types(list(types))
-    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+    # gguf parses tokenizer.json's post-processor to learn which special tokens to add, and warns of any it does not
+    # expect: a Llama tokenizer's pair template "<s> $A <s> $B" has BOS between the sequences ("Unknown separator
+    # token '<s>'"). That is how a Llama tokenizer is, nothing the user can fix, so the warning is not theirs to see.
+    with muted("gguf.vocab"):
+        gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
 
 
 # -- tensors --------------------------------------------------------------------------------------------------

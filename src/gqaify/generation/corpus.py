@@ -33,6 +33,7 @@ from gqaify.corpora import KIND, SHARDS, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
 from gqaify.generation.settings import GenerateSettings
+from gqaify.logs import muted
 from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import (
     PROVENANCE_FILE,
@@ -205,10 +206,7 @@ def _sample_into(
         stop = as_interrupt(exc)
         if stop is not None:
             shards, total = _contiguous(known)
-            raise stop.with_message(
-                f"{out} holds {shards} whole shard(s), {total:,} of {s.tokens:,} tokens; rerun the same command to "
-                "go on from there"
-            ) from None
+            raise stop.with_message(_stopped_message(out, shards, total, s.tokens)) from None
         raise
     finally:
         bar.close()
@@ -216,6 +214,16 @@ def _sample_into(
         for index in [k for k in known if k >= enough]:
             (out / SHARDS / shard_name(index)).unlink()
     return enough, enough * s.batch_size, sum(known[k] for k in range(enough))
+
+
+def _stopped_message(out: Path, shards: int, total: int, asked: int) -> str:
+    """What a stopped run left in OUT: a shard holds whole samples, so the shards can hold more than was asked."""
+    holds = f"{out} holds {shards} whole shard(s), {total:,} tokens"
+    if total >= asked:
+        return (
+            f"{holds}: the corpus is complete but its record was not yet written; rerun the same command to finish it"
+        )
+    return f"{holds} (the corpus asked for {asked:,}); rerun the same command to go on from there"
 
 
 def _contiguous(known: dict[int, int]) -> tuple[int, int]:
@@ -406,13 +414,17 @@ def _prompt_ids(s: GenerateSettings, tokenizer, lines: list[str] | None) -> list
         return None
     if s.chat and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"--chat: {s.model} has no chat template; drop --chat to use the prompts as plain text")
-    if s.chat:
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in lines
-        ]
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tokenizer(p)["input_ids"] for p in lines]
+    # transformers warns of a prompt longer than the model's positions; `_check_positions` refuses it in one line
+    with muted("transformers.tokenization_utils_base"):
+        if s.chat:
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in lines
+            ]
+            return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return [tokenizer(p)["input_ids"] for p in lines]
 
 
 def _check_positions(s: GenerateSettings, model, prompts: list[list[int]] | None) -> None:
