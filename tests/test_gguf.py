@@ -418,6 +418,36 @@ def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(
 
 
 @needs_assets
+@pytest.mark.parametrize("ending", ["refused", "stopped"])
+def test_a_gguf_out_refused_or_stopped_late_leaves_no_parent_folders_it_made(capsys, tmp_path, monkeypatch, ending):
+    """a/b/c were made for the work folder beside a/b/c/out.gguf and left behind by a run that said "nothing was
+    written" (a refusal while the GGUF was written, or SIGTERM)."""
+    import signal
+
+    from gqaify.conversion import to_gguf
+    from gqaify.errors import UserError
+
+    (tmp_path / "kept").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+    def write_fails(folder, out, *args, **kwargs):
+        out.write_bytes(b"half a GGUF")
+        if ending == "refused":
+            raise UserError("this writer cannot express it")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+
+    monkeypatch.setattr(to_gguf, "write_gguf", write_fails)
+    out = tmp_path / "kept" / "a" / "b" / "c" / "out.gguf"
+    code, err = run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "2", "-q")
+    if ending == "refused":
+        assert code == 2 and one_line(err) == "gqaify: error: this writer cannot express it", err
+    else:
+        assert code == 143 and "stopped by SIGTERM; nothing was written" in one_line(err), err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@needs_assets
 def test_the_record_inside_a_gguf_names_it_and_reruns_its_conversion(capsys, tmp_path):
     """The record used to name the deleted work folder as OUT and gguf_type null: a rerun from it wrote a folder
     into the next run's work folder."""
