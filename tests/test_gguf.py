@@ -360,8 +360,17 @@ def _copied_gguf(src: Path, dst: Path, retype: str | None = None, keep: tuple[st
 @pytest.mark.parametrize(
     ("copy", "expect"),
     [
-        ({"retype": "blk.0.attn_k.weight", "keep": ("gqaify.tensors_sha256",)}, "its tensors changed since"),
-        ({}, "its tensors changed since"),  # no digest: written before gqaify wrote one, or copied without it
+        (
+            {"retype": "blk.0.attn_k.weight", "keep": ("gqaify.tensors_sha256",)},
+            "carries a gqaify record but is not the file gqaify wrote (its tensors changed since); --force replaces "
+            "only gqaify's own files: choose another OUT",
+        ),
+        (
+            {},  # written before gqaify recorded the digest, or copied without it
+            "carries a gqaify record but no digest of its tensors (gqaify.tensors_sha256: written by an earlier "
+            "gqaify, which recorded none, or copied by another tool), so --force cannot tell it is gqaify's own "
+            "file; remove it yourself, or choose another OUT",
+        ),
     ],
     ids=["re-typed", "no digest"],
 )
@@ -372,10 +381,7 @@ def test_force_does_not_replace_a_copy_that_merely_carries_gqaifys_record(capsys
     _copied_gguf(stories_gguf["mqa.gguf"], theirs, **copy)
     before = tree_hashes(tmp_path)
     code, err = run_cli(capsys, "convert", STORIES_MHA, theirs, "--kv-heads", "2", "--force", "-q")
-    assert code == 2 and one_line(err) == (
-        f"gqaify: error: OUT {theirs} carries a gqaify record but is not the file gqaify wrote ({expect}); "
-        "--force replaces only gqaify's own files: choose another OUT"
-    ), err
+    assert code == 2 and one_line(err) == f"gqaify: error: OUT {theirs} {expect}", err
     assert tree_hashes(tmp_path) == before
 
 

@@ -64,7 +64,14 @@ def destination_problem(out: Path, force: bool) -> str | None:
         return f"OUT {out} already exists; pass --force to replace it (only a GGUF gqaify wrote), or choose another"
     if not _written_by_gqaify(out):
         return f"OUT {out} is not a GGUF gqaify wrote, so --force does not replace it; choose another OUT"
-    if not _as_gqaify_wrote_it(out):
+    recorded, actual = _tensor_digests(out)
+    if recorded is None:
+        return (
+            f"OUT {out} carries a gqaify record but no digest of its tensors ({TENSORS_KEY}: written by an earlier "
+            "gqaify, which recorded none, or copied by another tool), so --force cannot tell it is gqaify's own file; "
+            "remove it yourself, or choose another OUT"
+        )
+    if recorded != actual:
         return (
             f"OUT {out} carries a gqaify record but is not the file gqaify wrote (its tensors changed since); "
             "--force replaces only gqaify's own files: choose another OUT"
@@ -80,15 +87,15 @@ def _written_by_gqaify(path: Path) -> bool:
     return gguf_header.has_key(path, RECORD_KEY)  # bounded: a damaged file is no GGUF gqaify wrote
 
 
-def _as_gqaify_wrote_it(path: Path) -> bool:
-    """Whether the tensor infos of `path` are those gqaify recorded in it when it wrote it (a file without the digest,
-    from before gqaify wrote one, cannot be told from a copy, and is not)."""
+def _tensor_digests(path: Path) -> tuple[str | None, str | None]:
+    """The digest of its tensor infos that `path` records (`TENSORS_KEY`), and the one of those it holds (None for
+    a file that is no readable GGUF): equal only in a file whose tensors are as gqaify wrote them."""
     try:
         header = gguf_header.read(path, tensors=True)
     except (gguf_header.HeaderError, OSError):
-        return False
+        return None, None
     recorded = header.fields.get(TENSORS_KEY)
-    return isinstance(recorded, str) and recorded == header.tensors_sha256
+    return (recorded if isinstance(recorded, str) else None), header.tensors_sha256
 
 
 def type_problem(out_type: str | None) -> str | None:
