@@ -500,6 +500,7 @@ def test_a_seed_past_what_the_generators_take_is_one_line_before_anything_is_wri
             "model: a\nlr: 1.0e-4\nseq_len: 8\nlr: 2.0e-4\n",
             "gives the key 'lr' twice (lines 2 and 4)",
         ),
+        ("convert", "--config", '{"src": "a", "out": "b", "kv_heads": 1, "out": "c"}', "gives the key 'out' twice"),
     ],
 )
 def test_a_key_given_twice_in_a_settings_file_is_refused(capsys, tmp_path, command, flag, text, expect):

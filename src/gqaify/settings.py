@@ -582,9 +582,11 @@ def _read_text(path: Path, where: str) -> str:
 def _parse(text: str, where: str):
     """The data in `text`: JSON (a record gqaify wrote), else YAML (at most MAX_YAML_BYTES, without aliases)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:  # json's own bound on nesting
         raise UserError(f"{where} nests values too deeply; write values and lists of values") from None
+    except _RepeatedKey as exc:
+        raise UserError(f"{where} gives the key {exc.key!r} twice; keep one") from None
     except ValueError:  # not JSON: YAML
         pass
     if len(text.encode("utf-8")) > MAX_YAML_BYTES:
@@ -600,6 +602,22 @@ def _parse(text: str, where: str):
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise UserError(f"{where} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}; fix it") from None
+
+
+class _RepeatedKey(Exception):  # not a ValueError, which `_parse` takes for "not JSON"
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are each given once (json keeps the last of a repeated key)."""
+    values = {}
+    for key, value in pairs:
+        if key in values:
+            raise _RepeatedKey(key)
+        values[key] = value
+    return values
 
 
 class _Refused(yaml.YAMLError):
