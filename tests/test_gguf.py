@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MODELS, build_model, needs_assets, save_with_tokenizer
+from conftest import MODELS, build_model, needs_assets, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
 from helpers import one_line, run_cli
 
@@ -332,6 +332,71 @@ def test_an_existing_file_is_replaced_only_with_force_and_only_if_gqaify_wrote_i
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.gguf", "ours.gguf"]  # no work folder left
 
 
+def _copied_gguf(src: Path, dst: Path, retype: str | None = None, keep: tuple[str, ...] = ()) -> None:
+    """`src` rewritten by gguf's writer as a user's tool would: every metadata key copied (gqaify's record included),
+    the tensor `retype` stored as f16 (a re-quantized copy), and gqaify's keys other than its record only if `keep`
+    names them."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key.startswith("gqaify.") and key != "gqaify.record" and key not in keep:
+            continue
+        kind = field.types[0]
+        writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1] if kind == 9 else None)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        writer.add_tensor(tensor.name, data.astype(np.float16) if tensor.name == retype else data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@needs_assets
+@pytest.mark.parametrize(
+    ("copy", "expect"),
+    [
+        (
+            {"retype": "blk.0.attn_k.weight", "keep": ("gqaify.tensors_sha256",)},
+            "carries a gqaify record but is not the file gqaify wrote (its tensors changed since); --force replaces "
+            "only gqaify's own files: choose another OUT",
+        ),
+        (
+            {},  # written before gqaify recorded the digest, or copied without it
+            "carries a gqaify record but no digest of its tensors (gqaify.tensors_sha256: written by an earlier "
+            "gqaify, which recorded none, or copied by another tool), so --force cannot tell it is gqaify's own "
+            "file; remove it yourself, or choose another OUT",
+        ),
+    ],
+    ids=["re-typed", "no digest"],
+)
+def test_force_does_not_replace_a_copy_that_merely_carries_gqaifys_record(capsys, stories_gguf, tmp_path, copy, expect):
+    """A GGUF re-quantized by another tool keeps the metadata it copied, gqaify's record among it: --force took it
+    for gqaify's own file and replaced it."""
+    theirs = tmp_path / "theirs.gguf"
+    _copied_gguf(stories_gguf["mqa.gguf"], theirs, **copy)
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", STORIES_MHA, theirs, "--kv-heads", "2", "--force", "-q")
+    assert code == 2 and one_line(err) == f"gqaify: error: OUT {theirs} {expect}", err
+    assert tree_hashes(tmp_path) == before
+
+
+@needs_assets
+def test_force_replaces_a_copy_of_gqaifys_gguf_whose_tensors_are_as_written(capsys, stories_gguf, tmp_path):
+    """The digest is of the tensor infos, so a copy rewritten with the same tensors (its metadata edited) is still
+    gqaify's file; the gguf written for the tests is replaced as it is."""
+    ours = tmp_path / "ours.gguf"
+    _copied_gguf(stories_gguf["mqa.gguf"], ours, keep=("gqaify.tensors_sha256",))
+    code, err = run_cli(capsys, "convert", STORIES_MHA, ours, "--kv-heads", "2", "--force", "-q")
+    assert code == 0, err
+    assert ours.read_bytes() != stories_gguf["mqa.gguf"].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.gguf"]
+
+
 @needs_assets
 def test_gguf_type_without_a_gguf_out_is_refused(tmp_path):
     assert main(["convert", str(STORIES_MHA), str(tmp_path / "folder"), "--kv-heads", "2", "--gguf-type", "q8_0"]) == 2
@@ -415,6 +480,36 @@ def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(
     else:
         assert code == 2 and "appeared while this run was writing" in one_line(err) and out.read_bytes() == rival
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.gguf"]
+
+
+@needs_assets
+@pytest.mark.parametrize("ending", ["refused", "stopped"])
+def test_a_gguf_out_refused_or_stopped_late_leaves_no_parent_folders_it_made(capsys, tmp_path, monkeypatch, ending):
+    """a/b/c were made for the work folder beside a/b/c/out.gguf and left behind by a run that said "nothing was
+    written" (a refusal while the GGUF was written, or SIGTERM)."""
+    import signal
+
+    from gqaify.conversion import to_gguf
+    from gqaify.errors import UserError
+
+    (tmp_path / "kept").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+    def write_fails(folder, out, *args, **kwargs):
+        out.write_bytes(b"half a GGUF")
+        if ending == "refused":
+            raise UserError("this writer cannot express it")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+
+    monkeypatch.setattr(to_gguf, "write_gguf", write_fails)
+    out = tmp_path / "kept" / "a" / "b" / "c" / "out.gguf"
+    code, err = run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "2", "-q")
+    if ending == "refused":
+        assert code == 2 and one_line(err) == "gqaify: error: this writer cannot express it", err
+    else:
+        assert code == 143 and "stopped by SIGTERM; nothing was written" in one_line(err), err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 @needs_assets

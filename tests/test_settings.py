@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import gqaify
-from conftest import CORPUS, build_model, save, save_with_tokenizer
+from conftest import CORPUS, build_model, save, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
 from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
 from gqaify.errors import UserError
@@ -24,7 +24,7 @@ from gqaify.generation.settings import GENERATE
 from gqaify.settings import parse
 from gqaify.summary import format_uptrain_summary
 from gqaify.uptrain.settings import UPTRAIN
-from helpers import run_cli
+from helpers import one_line, run_cli
 
 STAGES = [CONVERT, EVAL, UPTRAIN]
 
@@ -484,3 +484,39 @@ def test_a_seed_past_what_the_generators_take_is_one_line_before_anything_is_wri
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "must be a whole number from 0 to 2**32 - 1" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# -- a key given twice in a settings file: refused, not the last one taken
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "text", "expect"),
+    [
+        ("convert", "--config", "src: a\nout: b\nkv_heads: 1\nout: c\n", "gives the key 'out' twice (lines 2 and 4)"),
+        ("convert", "--config", "src: a\nout: b\nkv_heads: 1\nx: {k: 1, k: 2}\n", "gives the key 'k' twice (line 4)"),
+        (
+            "uptrain",
+            "--recipe",
+            "model: a\nlr: 1.0e-4\nseq_len: 8\nlr: 2.0e-4\n",
+            "gives the key 'lr' twice (lines 2 and 4)",
+        ),
+        ("convert", "--config", '{"src": "a", "out": "b", "kv_heads": 1, "out": "c"}', "gives the key 'out' twice"),
+    ],
+)
+def test_a_key_given_twice_in_a_settings_file_is_refused(capsys, tmp_path, command, flag, text, expect):
+    """PyYAML kept the last value of a repeated key: a file whose first `lr` a reader took for the one in force."""
+    (tmp_path / "s.yaml").write_text(text)
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, command, flag, tmp_path / "s.yaml")
+    assert code == 2 and one_line(err) == f"gqaify: error: {flag} {tmp_path / 's.yaml'} {expect}; keep one", err
+    assert tree_hashes(tmp_path) == before
+
+
+def test_uptrain_takes_q_and_quiet_for_no_progress(tmp_path):
+    """`gqaify uptrain -q` was an unknown option; convert, eval and generate take -q/--quiet."""
+    from gqaify.uptrain.settings import parse as parse_uptrain
+
+    args = ["--model", "m", "--output_dir", str(tmp_path / "out"), "--data", "t.txt", "--max_tokens", "64"]
+    assert parse_uptrain(args).progress
+    assert not parse_uptrain([*args, "-q"]).progress
+    assert not parse_uptrain([*args, "--quiet"]).progress

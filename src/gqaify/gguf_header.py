@@ -9,11 +9,12 @@ Arrays are skipped (their bytes are counted, not read), except that a string arr
 
 The one place that asks "is this a model gqaify can read" (`problem`, for every command's MODEL or SRC: its
 architecture and the hyperparameters transformers needs, without which it builds a 7B default) and "did gqaify
-write this" (`has_key`, for --force).
+write this" (`has_key` and `tensors_sha256`, for --force).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from pathlib import Path
 
 MAGIC = b"GGUF"
 MAX_VALUE_BYTES = 16 << 20  # a string value kept (gqaify's record is a few KB); longer ones are skipped
+MAX_TENSOR_NAME = 1024  # bytes of a tensor's name (llama.cpp's are at most 64)
+MAX_TENSOR_DIMS = 8  # llama.cpp's are at most 4
+MAX_TENSORS = 1 << 20  # tensor infos read for a digest (a 405B model has a few thousand tensors)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 # what transformers reads to build a model from a GGUF: without them it builds its default (a 7B Llama)
@@ -36,6 +40,7 @@ class Header:
     version: int
     tensor_count: int
     fields: dict[str, object] = field(default_factory=dict)  # scalars and strings; arrays as None
+    tensors_sha256: str | None = None  # of the tensor infos (`tensor_info_bytes`), where read with `tensors=True`
 
 
 class _Reader:
@@ -89,8 +94,18 @@ class _Reader:
         return None
 
 
-def read(path: str | os.PathLike) -> Header:
-    """The header of the GGUF file `path`: its version, tensor count and metadata.
+def tensor_info_bytes(name: str, dims: tuple[int, ...], kind: int, offset: int) -> bytes:
+    """One tensor's info as the file holds it: its name, its dimensions (the file's order: the fastest first), its
+    type (a ggml type number) and its data's offset. A digest of them all (`tensors_sha256`) tells the tensors a
+    file was written with from those of a copy re-quantized, re-typed, re-shaped, renamed or cut."""
+    encoded = name.encode("utf-8")
+    dims_packed = struct.pack(f"<I{len(dims)}Q", len(dims), *dims)
+    return struct.pack("<Q", len(encoded)) + encoded + dims_packed + struct.pack("<IQ", kind, offset)
+
+
+def read(path: str | os.PathLike, tensors: bool = False) -> Header:
+    """The header of the GGUF file `path`: its version, tensor count and metadata (with `tensors`, also the SHA-256
+    of its tensor infos, `Header.tensors_sha256`).
 
     Raises:
         HeaderError: not a GGUF file, or a count or length past the end of the file.
@@ -111,7 +126,27 @@ def read(path: str | os.PathLike) -> Header:
         for _ in range(entries):
             key = r.string("a metadata key") or ""
             header.fields[key] = r.value(r.scalar("<I", key), key)
+        if tensors:
+            header.tensors_sha256 = _tensors_sha256(r, header.tensor_count)
         return header
+
+
+def _tensors_sha256(r: _Reader, count: int) -> str:
+    if count > MAX_TENSORS:
+        raise HeaderError(f"it claims {count:,} tensors")
+    digest = hashlib.sha256()
+    for i in range(count):
+        length = r.scalar("<Q", f"tensor {i}'s name")
+        if length > MAX_TENSOR_NAME:
+            raise HeaderError(f"tensor {i}'s name claims {length:,} bytes")
+        name = r.take(length, f"tensor {i}'s name").decode("utf-8", "replace")
+        n_dims = r.scalar("<I", f"tensor {name}")
+        if n_dims > MAX_TENSOR_DIMS:
+            raise HeaderError(f"tensor {name} claims {n_dims:,} dimensions")
+        dims = struct.unpack(f"<{n_dims}Q", r.take(8 * n_dims, f"tensor {name}'s dimensions"))
+        kind, offset = struct.unpack("<IQ", r.take(12, f"tensor {name}'s type and offset"))
+        digest.update(tensor_info_bytes(name, dims, kind, offset))
+    return digest.hexdigest()
 
 
 def problem(path: Path, option: str) -> str | None:
@@ -133,6 +168,15 @@ def problem(path: Path, option: str) -> str | None:
             "not this one; check the file"
         )
     return None
+
+
+def tensors_sha256(path: Path) -> str | None:
+    """The SHA-256 of the GGUF file `path`'s tensor infos (`tensor_info_bytes`), None for a file that is no readable
+    GGUF: read in memory bounded as the header is, and in time bounded by the tensor infos, not their data."""
+    try:
+        return read(path, tensors=True).tensors_sha256
+    except (HeaderError, OSError):
+        return None
 
 
 def has_key(path: Path, key: str) -> bool:

@@ -611,10 +611,22 @@ def file_into_place(partial: Path, out: Path, replaceable: Callable[[], str | No
 @contextlib.contextmanager
 def work_folder(out: Path) -> Iterator[Path]:
     """A hidden folder beside `out` for intermediate files, removed when the block ends, and named as a staging
-    folder is, so that `remove_leftovers(out)` removes it once a killed run's process is gone."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
+    folder is, so that `remove_leftovers(out)` removes it once a killed run's process is gone. The parent folders
+    made for it are removed again if the block fails (as `staged` removes its own): a refusal writes nothing."""
+    created = []
+    for parent in reversed(out.parents):
+        if not parent.exists():
+            parent.mkdir()
+            created.append(parent)
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
+    except BaseException:
+        _remove_created(created)
+        raise
     try:
         yield folder
-    finally:
+    except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        _remove_created(created)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)

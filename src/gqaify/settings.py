@@ -582,9 +582,11 @@ def _read_text(path: Path, where: str) -> str:
 def _parse(text: str, where: str):
     """The data in `text`: JSON (a record gqaify wrote), else YAML (at most MAX_YAML_BYTES, without aliases)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:  # json's own bound on nesting
         raise UserError(f"{where} nests values too deeply; write values and lists of values") from None
+    except _RepeatedKey as exc:
+        raise UserError(f"{where} gives the key {exc.key!r} twice; keep one") from None
     except ValueError:  # not JSON: YAML
         pass
     if len(text.encode("utf-8")) > MAX_YAML_BYTES:
@@ -595,10 +597,27 @@ def _parse(text: str, where: str):
     try:
         return yaml.load(text, Loader=_SettingsLoader) or {}
     except _Refused as exc:
-        raise UserError(f"{where} {exc.problem} (line {exc.problem_mark.line + 1}); {exc.fix}") from None
+        line = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark is not None else ""
+        raise UserError(f"{where} {exc.problem}{line}; {exc.fix}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise UserError(f"{where} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}; fix it") from None
+
+
+class _RepeatedKey(Exception):  # not a ValueError, which `_parse` takes for "not JSON"
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are each given once (json keeps the last of a repeated key)."""
+    values = {}
+    for key, value in pairs:
+        if key in values:
+            raise _RepeatedKey(key)
+        values[key] = value
+    return values
 
 
 class _Refused(yaml.YAMLError):
@@ -608,7 +627,7 @@ class _Refused(yaml.YAMLError):
 
 
 class _SettingsLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, without aliases and at most MAX_DEPTH deep.
+    """PyYAML's safe loader, without aliases, at most MAX_DEPTH deep, and with each key of a mapping given once.
 
     An alias (`*name`) repeats a whole subtree by reference: nine levels of nine aliases are 81 aliases in a few
     hundred bytes, but 9**9 values to any code that walks them (a message's repr ran out of memory). Counting
@@ -628,6 +647,22 @@ class _SettingsLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        """A mapping whose keys are each given once: PyYAML keeps the last of a repeated key, silently dropping
+        the value the reader of the file may take for the one in force."""
+        if isinstance(node, yaml.MappingNode):
+            lines = {}  # key: the line it is first given on
+            for key_node, _ in node.value:
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        where = f"line {line}" if lines[key] == line else f"lines {lines[key]} and {line}"
+                        raise _Refused(f"gives the key {key!r} twice ({where})", "keep one", None)
+                    lines[key] = line
+                except TypeError:  # an unhashable key: PyYAML's own error names it
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
 
 def _settings_in(values, where: str) -> tuple[dict, bool]:

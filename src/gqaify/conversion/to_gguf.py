@@ -45,6 +45,9 @@ OUT_TYPES = ("f32", "f16", "bf16", "q8_0")  # the types llama.cpp's converter wr
 
 
 RECORD_KEY = "gqaify.record"  # the conversion's record (gqaify.json) inside the file: its provenance
+# the SHA-256 of the file's tensor infos as gqaify wrote them (`gguf_header.tensor_info_bytes`): a copy that carries
+# the record but whose tensors were re-quantized (say, by llama.cpp) is no file of gqaify's to replace with --force
+TENSORS_KEY = "gqaify.tensors_sha256"
 
 
 def is_gguf_out(out: str | os.PathLike | None) -> bool:
@@ -62,6 +65,18 @@ def destination_problem(out: Path, force: bool) -> str | None:
         return f"OUT {out} already exists; pass --force to replace it (only a GGUF gqaify wrote), or choose another"
     if not _written_by_gqaify(out):
         return f"OUT {out} is not a GGUF gqaify wrote, so --force does not replace it; choose another OUT"
+    recorded, actual = _tensor_digests(out)
+    if recorded is None:
+        return (
+            f"OUT {out} carries a gqaify record but no digest of its tensors ({TENSORS_KEY}: written by an earlier "
+            "gqaify, which recorded none, or copied by another tool), so --force cannot tell it is gqaify's own file; "
+            "remove it yourself, or choose another OUT"
+        )
+    if recorded != actual:
+        return (
+            f"OUT {out} carries a gqaify record but is not the file gqaify wrote (its tensors changed since); "
+            "--force replaces only gqaify's own files: choose another OUT"
+        )
     return None
 
 
@@ -71,6 +86,17 @@ def _existing_parent(path: Path) -> Path:
 
 def _written_by_gqaify(path: Path) -> bool:
     return gguf_header.has_key(path, RECORD_KEY)  # bounded: a damaged file is no GGUF gqaify wrote
+
+
+def _tensor_digests(path: Path) -> tuple[str | None, str | None]:
+    """The digest of its tensor infos that `path` records (`TENSORS_KEY`), and the one of those it holds (None for
+    a file that is no readable GGUF): equal only in a file whose tensors are as gqaify wrote them."""
+    try:
+        header = gguf_header.read(path, tensors=True)
+    except (gguf_header.HeaderError, OSError):
+        return None, None
+    recorded = header.fields.get(TENSORS_KEY)
+    return (recorded if isinstance(recorded, str) else None), header.tensors_sha256
 
 
 def type_problem(out_type: str | None) -> str | None:
@@ -131,11 +157,28 @@ def write_gguf(
     for (_, name, qtype), (_, _, shape) in zip(plan, _tensors(folder), strict=True):
         nbytes, stored = _stored_shape(shape, qtype)
         writer.add_tensor_info(layout.gguf_name(name), stored, _numpy_dtype(qtype), nbytes, raw_dtype=qtype)
+    if record is not None:
+        writer.add_string(TENSORS_KEY, _tensors_sha256(writer))
     writer.write_header_to_file(out)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     _write_data(writer, folder, plan, layout)
     writer.close()
+
+
+def _tensors_sha256(writer) -> str:
+    """The SHA-256 of the tensor infos `writer` will write (`gguf_header.tensor_info_bytes`), as it lays them out."""
+    import hashlib
+
+    import gguf
+
+    if len(writer.tensors) != 1:
+        raise AssertionError("gqaify writes one GGUF file, not a split one")
+    digest, offset = hashlib.sha256(), 0
+    for name, info in writer.tensors[0].items():
+        digest.update(gguf_header.tensor_info_bytes(name, tuple(reversed(info.shape)), int(info.dtype), offset))
+        offset += gguf.GGUFWriter.ggml_pad(info.nbytes, writer.data_alignment)
+    return digest.hexdigest()
 
 
 # -- metadata -------------------------------------------------------------------------------------------------

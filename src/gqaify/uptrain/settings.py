@@ -25,7 +25,7 @@ from gqaify.eval.tasks import TaskRequest
 from gqaify.generation.settings import GENERATE
 from gqaify.hub import repo_id_problem
 from gqaify.packaged import shipped
-from gqaify.settings import SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
+from gqaify.settings import QUIET, SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
 from gqaify.settings import parse as parse_settings
 
 TRACKERS = ("csv", "tensorboard", "wandb")
@@ -289,6 +289,7 @@ UPTRAIN = Stage(
     shipped=shipped,
     record_kind="an uptraining run's record",
     named_by="keys",
+    switches=(QUIET,),
 )
 
 
