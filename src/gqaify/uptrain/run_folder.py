@@ -193,11 +193,19 @@ def rotate(root: Path, keep: int) -> None:
         )
 
 
-def save_final(
-    accelerator, model, tokenizer, model_path: str, out: Path, dtype, s, progress: Progress, run: dict
-) -> None:
-    """output_dir/final: a plain checkpoint in the converted model's dtype, gqaify.json provenance, and the model
+@dataclass(frozen=True)
+class Trained:
+    """The model a run trains, as it was read: its folder (whose gqaify.json carries over to final/) and the dtype
+    it was saved in (final/ is saved in it again)."""
+
+    path: str
+    dtype: object  # a torch.dtype
+
+
+def save_final(accelerator, model, tokenizer, trained: Trained, out: Path, s, progress: Progress, run: dict) -> None:
+    """output_dir/final: a plain checkpoint in the trained model's dtype, gqaify.json provenance, and the model
     card with what uptraining measured (and the recovery plot)."""
+    model_path, dtype = trained.path, trained.dtype
     state = accelerator.get_state_dict(model)  # gathers FSDP shards; on the main process only
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:

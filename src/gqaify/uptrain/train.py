@@ -52,6 +52,7 @@ from gqaify.uptrain.run_folder import (
     CHECKPOINTS,
     RUN_FILE,
     Progress,
+    Trained,
     claim_output_dir,
     latest_checkpoint,
     save_checkpoint,
@@ -220,7 +221,7 @@ def _run(run: _Run, tokenizer, loader, eval_texts, harness) -> UptrainResult:
     if accelerator.is_main_process:
         _plot(out, run.record, s)
     final = merged(accelerator.unwrap_model(model)) if s.trainable == "lora" else model  # a plain checkpoint
-    save_final(accelerator, final, tokenizer, model_path, out, saved_dtype, s, progress, run.record)
+    save_final(accelerator, final, tokenizer, Trained(model_path, saved_dtype), out, s, progress, run.record)
     run.record["completed"] = True
     run.save_record()
     accelerator.wait_for_everyone()
