@@ -1,8 +1,11 @@
 """What several test modules share: running the command line (in this process or in a fresh one), reading its
-one-line refusals, a recording stand-in for the hub's API, and the settings of a short uptraining run."""
+one-line refusals, a recording stand-in for the hub's API, the settings of a short uptraining run, and several
+processes launched on this CPU (and killed all at once)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +28,41 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
 def run_uptrain(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     """`python -m gqaify uptrain ARGV` in a fresh process (as accelerate launches it)."""
     return subprocess.run([sys.executable, "-m", "gqaify", "uptrain", *argv], capture_output=True, text=True, **kwargs)
+
+
+# accelerate's --cpu starts one process unless MPI is set up; ACCELERATE_USE_CPU with torchrun gives gloo
+CPU_PROCESSES = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def accelerate_launch(module: str, config_file: Path | None = None, processes: int = 2) -> list[str]:
+    """`accelerate launch` of `processes` processes running `python -m MODULE` (run with env=CPU_PROCESSES), in
+    full precision: with the accelerate config `config_file`, or as plain data parallelism."""
+    plain = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
+    how = ["--config_file", str(config_file)] if config_file else plain
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *how,
+        "--num_processes",
+        str(processes),
+        "--mixed_precision",
+        "no",
+        "-m",
+        module,
+    ]
+
+
+def kill_every_process(launcher: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process it started, at once (torch's agent starts them in sessions of their
+    own, so a process group would miss them), and wait until they are gone."""
+    import psutil
+
+    launched = psutil.Process(launcher.pid)
+    everyone = [launched, *launched.children(recursive=True)]
+    for p in everyone:
+        p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(everyone, timeout=60)
 
 
 def one_line(err: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import MODELS, needs_assets, tree_hashes
 from gqaify.cli import main
-from helpers import one_line, run_cli
+from helpers import CPU_PROCESSES, accelerate_launch, kill_every_process, one_line, run_cli
 
 STORIES = MODELS / "stories260K"
 SMALL = ["--length", "48", "--batch-size", "4", "-q"]
@@ -394,29 +394,10 @@ def test_too_little_disk_space_is_refused_before_any_work(tmp_path, capsys, monk
     assert code == 0, err
 
 
-LAUNCH_TWO = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--multi_gpu",
-    "--num_processes",
-    "2",
-    "--num_machines",
-    "1",
-    "--mixed_precision",
-    "no",
-    "--dynamo_backend",
-    "no",
-    "-m",
-    "gqaify.cli",
-]
-
-
 def launch_two(out: Path, *extra: str, **popen) -> subprocess.Popen:
     """`accelerate launch` of two CPU processes (gloo) writing one corpus."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [*LAUNCH_TWO, "generate", str(STORIES), str(out), *SMALL, *extra]
-    return subprocess.Popen(cmd, env=env, cwd=out.parent, text=True, **popen)
+    cmd = [*accelerate_launch("gqaify.cli"), "generate", str(STORIES), str(out), *SMALL, *extra]
+    return subprocess.Popen(cmd, env=CPU_PROCESSES, cwd=out.parent, text=True, **popen)
 
 
 def record_of(out: Path) -> dict:
@@ -446,13 +427,7 @@ def test_a_corpus_whose_processes_were_killed_resumes_to_the_same_corpus(tmp_pat
     deadline = time.monotonic() + 300
     while not (out / "data" / "train-00003.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    import psutil
-
-    launched = psutil.Process(process.pid)
-    everyone = [launched, *launched.children(recursive=True)]  # torch's agent starts them in sessions of their own
-    for p in everyone:
-        p.send_signal(signal.SIGKILL)  # every process at once
-    psutil.wait_procs(everyone, timeout=60)
+    kill_every_process(process)
     found = shards(out)  # stopped part-way, often with a gap: shard 3 written, shard 2 not yet
     assert "data/train-00003.jsonl" in found and len(found) < len(shards(tmp_path / "whole"))
     assert generate(out, "--tokens", "3000") == 0  # resumed by one process: the same corpus either way

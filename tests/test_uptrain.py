@@ -28,7 +28,7 @@ from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.distill import distillation_kl
 from gqaify.uptrain.report import read_metrics
 from gqaify.uptrain.settings import load_recipe
-from helpers import FakeHub, run_uptrain
+from helpers import CPU_PROCESSES, FakeHub, accelerate_launch, kill_every_process, run_uptrain
 from helpers import uptrain_args as args
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -250,27 +250,14 @@ def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     uptrain(parse(args(tiny, one)))
     common = args(tiny, two, "--grad_accum", "1")
-    # accelerate's --cpu starts one process unless MPI is set up; ACCELERATE_USE_CPU with torchrun gives gloo.
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "gqaify.uptrain",
-    ]
     # bounded: once, under a loaded machine, one process never returned after the run had completed
     done = subprocess.run(
-        [*launch, *common, "--dist_timeout", "300"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900
+        [*accelerate_launch("gqaify.uptrain"), *common, "--dist_timeout", "300"],
+        capture_output=True,
+        text=True,
+        env=CPU_PROCESSES,
+        cwd=tmp_path,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((two / "run.json").read_text())["settings"]["processes"] == 2
@@ -1030,21 +1017,8 @@ FSDP = REPO / "recipes" / "accelerate" / "fsdp.yaml"
 
 def launch_fsdp(argv: list[str], cwd: Path, **popen) -> subprocess.Popen:
     """The shipped FSDP2 config on two CPU processes (gloo), in full precision: what a user's 8 GPUs launch."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(FSDP),
-        "--num_processes",
-        "2",
-        "--mixed_precision",
-        "no",
-        "-m",
-        "gqaify.uptrain",
-    ]
-    return subprocess.Popen([*launch, *argv, "--dist_timeout", "300"], env=env, cwd=cwd, text=True, **popen)
+    launch = [*accelerate_launch("gqaify.uptrain", FSDP), *argv, "--dist_timeout", "300"]
+    return subprocess.Popen(launch, env=CPU_PROCESSES, cwd=cwd, text=True, **popen)
 
 
 def run_fsdp(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -1107,17 +1081,11 @@ def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(
     done = run_fsdp(args(tiny, whole, *settings), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    import psutil
-
     process = launch_fsdp(args(tiny, cut, *settings), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not list((cut / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    launched = psutil.Process(process.pid)
-    everyone = [launched, *launched.children(recursive=True)]
-    for p in everyone:
-        p.send_signal(signal.SIGKILL)  # every rank at once
-    psutil.wait_procs(everyone, timeout=60)
+    kill_every_process(process)  # every rank at once
     assert not (cut / "final").exists(), "the run finished before it was killed; give it more steps"
     resumed = run_fsdp(args(tiny, cut, *settings), tmp_path)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
