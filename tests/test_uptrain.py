@@ -1008,9 +1008,9 @@ def test_output_dir_name_longer_than_the_file_system_allows_is_refused(tiny, tmp
 
 
 # -- the shipped FSDP config on two CPU processes ---------------------------------------------------------------
-# accelerate shards (FSDP) only on accelerators: on CPUs it runs the FSDP config as data parallelism (MULTI_CPU,
-# gloo). These pin what does run here: two processes with a teacher or stored top-k, killed on every rank and
-# resumed. FSDP itself is verified on GPUs only (docs/uptrain.md says what was and was not).
+# FSDP2 on gloo: accelerate shards only on accelerators, and gqaify finishes its set-up on CPU processes
+# (`uptrain/sharding.py`), so these run the code a user's 8 GPUs run: weights, gradients, optimizer state and the
+# teacher sharded, sharded checkpoints, the full state dict gathered for final/.
 
 FSDP = REPO / "recipes" / "accelerate" / "fsdp.yaml"
 
@@ -1039,31 +1039,54 @@ def stored_corpus(tiny):
     return corpus
 
 
+FULL_KL = ["--distill_from", "PARENT", "--distill_weight", "0.5"]
+
+
 @pytest.mark.parametrize(
     "teaching",
     [
-        ["--distill_from", "PARENT", "--distill_weight", "0.5"],
+        FULL_KL,
+        [*FULL_KL, "--no_shard_teacher"],
         ["--data", "CORPUS", "--distill_from_data", "--distill_weight", "1", "--trainable", "attention"],
+        [*FULL_KL, "--trainable", "lora", "--lora_rank", "4"],
     ],
-    ids=["full-kl", "stored-top-k-attention"],
+    ids=["full-kl", "full-kl-whole-teacher", "stored-top-k-attention", "full-kl-lora"],
 )
-def test_two_processes_with_a_teacher_agree_with_one_process(tiny, stored_corpus, tmp_path, teaching):
-    """2 processes x micro-batch 2 = 1 process x 2 x accumulation 2, distilled from the live parent or from its
-    stored top-k: the same losses step by step, the same final weights within float tolerance; and the FSDP
-    config's fallback on CPUs is said, not silent."""
+def test_fsdp2_on_two_processes_agrees_with_one_process(tiny, stored_corpus, tmp_path, teaching):
+    """2 processes sharded (FSDP2) x micro-batch 2 = 1 process x 2 x accumulation 2, distilled from the live parent
+    (sharded or whole in each process) or from its stored top-k, training everything, the attention or LoRA
+    adapters: the same losses step by step, the same final weights within float tolerance, saved as one process
+    saves them (tied embeddings once)."""
     teaching = [{"PARENT": str(tiny["parent"]), "CORPUS": str(stored_corpus)}.get(a, a) for a in teaching]
     one, two = tmp_path / "one", tmp_path / "two"
     uptrain(parse(args(tiny, one, *teaching)))
     done = run_fsdp(args(tiny, two, "--grad_accum", "1", *teaching), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "the launch asked for FSDP, but accelerate runs it as MULTI_CPU here" in done.stderr
     record = json.loads((two / "run.json").read_text())
     assert record["settings"]["processes"] == 2 and record["completed"]
+    assert record["distributed_type"] == "FSDP"
+    assert json.loads((one / "run.json").read_text())["distributed_type"] == "NO"
     assert losses(two) == pytest.approx(losses(one), rel=1e-4) and len(losses(two)) == len(losses(one))
     a, b = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
+    """FSDP1 needs a device: on CPU processes the launch is refused in one line (accelerate's own error was a
+    traceback), nothing written."""
+    config = tmp_path / "fsdp1.yaml"
+    config.write_text(FSDP.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
+    out = tmp_path / "run"
+    launch = [*accelerate_launch("gqaify.uptrain", config), *args(tiny, out, "--grad_accum", "1")]
+    done = subprocess.run(launch, env=CPU_PROCESSES, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("gqaify: error:")]
+    assert len(refusals) == 2, done.stderr[-3000:]  # one per process, before torch's launcher reports their exit
+    assert all("the launch asks for FSDP version 1, which needs GPUs; set fsdp_version: 2" in r for r in refusals)
+    assert "internal error" not in done.stderr
+    assert not out.exists()
 
 
 def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(tiny, tmp_path):

@@ -212,6 +212,9 @@ def save_final(accelerator, model, tokenizer, trained: Trained, out: Path, s, pr
         return
     unwrapped = accelerator.unwrap_model(model)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    for alias, name in _tied(unwrapped).items():  # FSDP gathers tied weights as copies: make them one tensor again
+        if alias in state and name in state:
+            state[alias] = state[name]
     with written_whole(out / "final") as partial:
         unwrapped.config.dtype = dtype
         unwrapped.save_pretrained(partial, state_dict=state)
@@ -231,6 +234,16 @@ def save_final(accelerator, model, tokenizer, trained: Trained, out: Path, s, pr
         record = replace(converted, uptrain=uptrain, files=None)
         _save_card(partial, record, out, s, progress, run)
         write_provenance(partial, as_json(record))
+
+
+def _tied(model) -> dict[str, str]:
+    """Each name of a parameter that is another's (tied embeddings), mapped to the first name it has; transformers
+    saves such a parameter once only when the state dict's tensors are one too."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases[name] = first.setdefault(id(param), name)
+    return {alias: name for alias, name in aliases.items() if alias != name}
 
 
 def _save_card(folder: Path, record: ConversionRecord, out: Path, s, progress: Progress, run: dict) -> None:

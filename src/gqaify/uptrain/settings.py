@@ -131,6 +131,11 @@ class UptrainSettings(MethodSettings):
         "--top-logprobs K) instead of running distill_from: no teacher in memory",
         check=Excludes("distill_from", "name two teachers"),
     )
+    shard_teacher: bool = setting(
+        True,
+        "under FSDP, shard the teacher like the model (1/N of it per process, each layer gathered for its forward "
+        "pass); false keeps a whole copy in every process",
+    )
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
     temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
     # -- evaluation, checkpoints, logging
@@ -239,6 +244,7 @@ RESUMABLE_CHANGES = frozenset(
         "log_to",
         "progress",
         "dist_timeout",
+        "shard_teacher",
         "push_to_hub",
         "eval_tasks",
         "eval_num_fewshot",

@@ -62,6 +62,7 @@ from gqaify.uptrain.run_folder import (
     write_json,
 )
 from gqaify.uptrain.settings import UptrainSettings
+from gqaify.uptrain.sharding import fsdp_problem, shard_on_cpus, sharded_teacher
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
@@ -213,6 +214,7 @@ def _run(run: _Run, tokenizer, loader, eval_texts, harness) -> UptrainResult:
     accelerator.wait_for_everyone()
     accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
     run.record["started"] = True
+    run.record["distributed_type"] = accelerator.distributed_type.value  # FSDP where the launch shards
     run.save_record()
     if evaluate and progress.step == 0:
         evaluate()
@@ -315,6 +317,7 @@ def _accelerator(s: UptrainSettings, out: Path):
     trackers = [JsonlTracker(out / METRICS)]
     if "csv" in s.log_to:
         trackers.append(CsvTracker(out / METRICS_CSV, ("tokens", "loss", "lr", "eval_perplexity")))
+    raise_if_problems(fsdp_problem())
     accelerator = Accelerator(
         gradient_accumulation_steps=s.grad_accum,
         mixed_precision=s.mixed_precision,
@@ -325,18 +328,7 @@ def _accelerator(s: UptrainSettings, out: Path):
     )
     from accelerate.utils import DistributedType
 
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type not in (
-        DistributedType.FSDP,
-        DistributedType.NO,
-    ):
-        # accelerate shards only on accelerators: on CPUs an FSDP config trains as plain data parallelism
-        LOG.warning(
-            "the launch asked for FSDP, but accelerate runs it as %s here (FSDP needs GPUs): every process holds "
-            "the whole model, its gradients and optimizer state",
-            accelerator.distributed_type.value,
-        )
-    if s.trainable == "lora" and accelerator.distributed_type == DistributedType.FSDP:
-        raise UserError("trainable lora trains a few adapters, which FSDP has no need to shard; launch without FSDP")
+    shard_on_cpus(accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise UserError(
@@ -439,7 +431,7 @@ def _teacher(s: UptrainSettings, accelerator, vocab_size: int):
             f"distill_from {s.distill_from} has a vocabulary of {teacher.config.vocab_size}, the model "
             f"{vocab_size}; distil from the model's parent"
         )
-    return teacher
+    return sharded_teacher(teacher, accelerator) if s.shard_teacher else teacher
 
 
 def _evaluator(run: _Run, loop: _Loop, texts: dict[str, torch.Tensor] | None, harness, tokenizer):
