@@ -326,8 +326,6 @@ def _accelerator(s: UptrainSettings, out: Path):
         # the other processes wait while the main one converts the model: give them longer than torch's default
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=s.dist_timeout))],
     )
-    from accelerate.utils import DistributedType
-
     shard_on_cpus(accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
