@@ -289,7 +289,9 @@ UPTRAIN = Stage(
     "(a YAML file of the fields below) and are overridden by --field value.\n\n"
     "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a shipped recipe: gqaify recipes lists them)\n"
     "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"
-    "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)",
+    "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)\n"
+    "  gqaify uptrain --recipe llama2-7b-gqa8 --plan accelerate/fsdp   (memory per process under that accelerate "
+    "config, before renting GPUs; trains nothing)",
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
     shipped=shipped,

@@ -1,0 +1,300 @@
+"""A memory plan before renting GPUs: the bytes each process holds at the peak of a training step.
+
+    gqaify uptrain --recipe llama2-7b-gqa8 --plan accelerate/fsdp      (the launch's accelerate config)
+
+What is counted, and how:
+
+- the student's weights, float32 (gqaify trains a float32 master copy; mixed precision computes in bf16/fp16),
+  its gradients and AdamW's two moments for what trains (`trainable`), and the teacher's weights in their saved
+  dtype: exact, from the parameters' shapes. Under FSDP2 each process holds 1/N of each (every tensor split on
+  its first dimension, the first process the rounded-up share), the teacher too unless `shard_teacher: false`;
+  under DDP whole, with DDP's gradient buckets (a second copy of the gradients).
+- FSDP's gathered weights: the units whose whole weights a process holds while they run (the embeddings and
+  head, kept for the step, and two decoder layers, the running one and the prefetched one, of the student and
+  of the teacher), in the compute dtype, and one layer's whole gradients: exact, from the shapes.
+- activations: what autograd keeps for the backward pass and the transients at the step's peak (the logits, the
+  LM loss, the chunked KL and the teacher's logits), at the micro-batch: found by running the step's forward and
+  backward passes on tensors that hold no memory (torch's FakeTensorMode), counting every tensor while it lives.
+
+No allocator overhead, CUDA context (about 0.5 GB per GPU) or library memory is counted: they depend on the
+machine. benchmarks/memory_plan.py checks the figures against the peaks measured on CPU processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gqaify.errors import UserError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a plan needs of an accelerate config: how many processes, whether FSDP2 shards, and the precision."""
+
+    processes: int
+    sharded: bool
+    mixed_precision: str  # "no", "bf16" or "fp16"
+
+    @classmethod
+    def read(cls, path: Path) -> Launch:
+        """The launch an accelerate config file describes.
+
+        Raises:
+            UserError: the file cannot be read or is not an accelerate config.
+        """
+        import yaml
+
+        try:
+            config = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise UserError(f"--plan {path} cannot be read as an accelerate config ({exc}); give its path") from exc
+        if not isinstance(config, dict) or "distributed_type" not in config:
+            raise UserError(f"--plan {path} is not an accelerate config (no distributed_type); give one")
+        fsdp = config["distributed_type"] == "FSDP"
+        if fsdp and int((config.get("fsdp_config") or {}).get("fsdp_version", 1)) != 2:
+            raise UserError(f"--plan {path}: gqaify plans FSDP2 only; set fsdp_version: 2")
+        processes = int(config.get("num_processes") or 1)
+        return cls(processes, fsdp and processes > 1, str(config.get("mixed_precision") or "no"))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one process holds at the peak of a step (the first process, which holds the rounded-up shares)."""
+
+    launch: Launch
+    student: int  # the student's weights (float32)
+    optimizer: int  # AdamW's two moments of what trains
+    teacher: int  # the teacher's weights (0 without distill_from)
+    gathered: int  # FSDP: the whole weights (and one layer's gradients) of the units running
+    buckets: int  # DDP: its gradient buckets, a second copy of the gradients, held for the run
+    gradients: int  # of what trains
+    activations: int  # the forward and backward passes' peak: kept activations, transients, gradients made so far
+    update: int  # AdamW's step: the gradients and the temporaries of its multi-tensor update (none when fused)
+
+    @property
+    def step(self) -> int:
+        """The step's own peak: the backward pass, or the optimizer's update, whichever is larger."""
+        return max(self.activations, self.update)
+
+    @property
+    def total(self) -> int:
+        return self.student + self.optimizer + self.teacher + self.gathered + self.buckets + self.step
+
+    def table(self) -> str:
+        """The plan as the terminal shows it."""
+        how = "FSDP2, sharded" if self.launch.sharded else ("DDP" if self.launch.processes > 1 else "one process")
+        rows = [
+            ("student weights (float32)", self.student),
+            ("optimizer state (AdamW)", self.optimizer),
+            ("teacher weights", self.teacher),
+            ("gathered by FSDP", self.gathered),
+            ("DDP gradient buckets", self.buckets),
+            ("gradients", self.gradients),
+            ("peak of forward + backward", self.activations),
+            ("peak of the optimizer step", self.update),
+        ]
+        launch = self.launch
+        lines = [f"memory per process: {launch.processes} process(es), {how}, precision {launch.mixed_precision}"]
+        lines += [f"  {name:<32}{size / GIB:>10.2f} GiB" for name, size in rows]
+        lines.append(f"  {'total':<32}{self.total / GIB:>10.2f} GiB")
+        lines.append(
+            "  (total: the held memory and the larger of the two peaks, each of which includes the gradients it "
+            "holds; without the CUDA context, allocator slack or libraries: leave 10-20% free)"
+        )
+        return "\n".join(lines)
+
+
+def plan(s, launch: Launch) -> MemoryPlan:
+    """The memory plan of the uptraining `s` (UptrainSettings) under `launch`. Reads configs only: no weights.
+
+    Raises:
+        UserError: a model's config cannot be read.
+    """
+    from gqaify.models import load_config
+
+    student_config = _student_config(s)
+    teacher_config = load_config(s.distill_from, option="distill_from") if s.distill_from else None
+    n = launch.processes if launch.sharded else 1
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(launch.mixed_precision, torch.float32)
+    with torch.device("meta"):
+        student = _trainable_model(student_config, s)
+        teacher = _model(teacher_config, teacher_config.dtype or torch.float32) if teacher_config else None
+    params = _unique(student)
+    trained = [p for p in params if p.requires_grad]
+    grads = _bytes(trained, n, torch.float32)
+    gathered = 0
+    if launch.sharded:
+        gathered = _gathered(student, compute) + _bytes(_largest_layer(student, trainable=True), 1, torch.float32)
+        if teacher is not None and s.shard_teacher:
+            gathered += _gathered(teacher, None)
+    # torch's fused AdamW updates in place; under FSDP gqaify's is the multi-tensor one (`train._optimizer`), whose
+    # update makes one temporary the size of the moments it updates
+    return MemoryPlan(
+        launch=launch,
+        student=_bytes(params, n, torch.float32),
+        optimizer=2 * grads,
+        teacher=_bytes(_unique(teacher), n if s.shard_teacher else 1, None) if teacher is not None else 0,
+        gathered=gathered,
+        buckets=grads if launch.processes > 1 and not launch.sharded else 0,
+        gradients=grads,
+        activations=_activations(student_config, teacher_config, s, compute, n),
+        update=grads * (2 if launch.sharded else 1),
+    )
+
+
+def _student_config(s):
+    """The config of the model that trains: `model`, or its conversion to kv_heads."""
+    from gqaify.archs import ARCHITECTURES
+    from gqaify.models import load_config
+
+    config = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code)
+    if s.kv_heads is not None:
+        spec = ARCHITECTURES.get(config.model_type)
+        setattr(config, spec.num_kv_heads_key if spec else "num_key_value_heads", s.kv_heads)
+    return config
+
+
+def _model(config, dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _trainable_model(config, s, dtype=torch.float32) -> torch.nn.Module:
+    """The student with requires_grad on what trains (LoRA adapters added for trainable lora)."""
+    from gqaify.uptrain.train import _trainable
+
+    model = _model(config, dtype).train()
+    if s.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return _trainable(model, s)[0]
+
+
+def _unique(model) -> list[torch.nn.Parameter]:
+    return list({id(p): p for p in model.parameters()}.values()) if model is not None else []
+
+
+def _bytes(params, n: int, dtype) -> int:
+    """Bytes of the first process's share of `params` split n ways on their first dimension (in `dtype`, or each
+    parameter's own)."""
+    total = 0
+    for p in params:
+        rows = math.ceil(p.shape[0] / n) if p.ndim else 1
+        size = (dtype or p.dtype).itemsize
+        total += rows * (p.numel() // max(p.shape[0], 1) if p.ndim else 1) * size
+    return total
+
+
+def _layers(model) -> list[torch.nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _largest_layer(model, trainable: bool = False) -> list[torch.nn.Parameter]:
+    layers = _layers(model)
+    if not layers:
+        return []
+    biggest = max(layers, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return [p for p in biggest.parameters() if p.requires_grad or not trainable]
+
+
+def _gathered(model, dtype) -> int:
+    """Whole weights FSDP holds at once: the parameters outside the decoder layers (embeddings, norm, head) and two
+    layers (the one running and the one prefetched)."""
+    inside = {id(p) for layer in _layers(model) for p in layer.parameters()}
+    outside = [p for p in _unique(model) if id(p) not in inside]
+    return _bytes(outside, 1, dtype) + 2 * _bytes(_largest_layer(model), 1, dtype)
+
+
+def _activations(student_config, teacher_config, s, compute, n: int) -> int:
+    """The peak of a step's forward and backward passes on one micro-batch, less the weights: the passes run on
+    tensors that hold no memory (torch's FakeTensorMode), every tensor they make counted while it lives (`_Live`),
+    each gradient at 1/n of its size once it is accumulated (FSDP reduce-scatters it into its shard). With
+    grad_accum above 1 it is a later micro-batch's: the gradients are held already and the pass adds into them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gqaify.uptrain.train import _loss
+
+    with FakeTensorMode():
+        student = _trainable_model(student_config, s, compute)  # what autocast and FSDP's mixed precision use
+        teacher = _model(teacher_config, teacher_config.dtype or torch.float32) if teacher_config else None
+        if teacher is not None:
+            teacher.requires_grad_(False)
+        ids = torch.randint(0, student_config.vocab_size, (s.micro_batch_size, s.seq_len))
+        batch = {"input_ids": ids}
+        if s.distill_from_data:
+            k = STORED_K
+            batch |= {
+                "top_ids": torch.randint(0, student_config.vocab_size, (*ids.shape, k)),
+                "top_logprobs": torch.zeros(*ids.shape, k),
+            }
+        held = [*student.parameters(), *student.buffers()]
+        held += [*teacher.parameters(), *teacher.buffers()] if teacher is not None else []
+        with _Live(held) as live:
+            for p in student.parameters():
+                if p.requires_grad:
+                    if s.grad_accum > 1:  # a later micro-batch's backward pass adds into the gradients held
+                        p.grad = torch.zeros_like(p)
+                        live.shrink(p.grad, n)
+                    p.register_post_accumulate_grad_hook(lambda p: live.shrink(p.grad, n))
+            loss, _ = _loss(student, teacher, batch, s, _NoAutocast())
+            loss.backward()
+    return live.peak
+
+
+STORED_K = 64  # top-k log-probabilities assumed stored with distill_from_data (the KL's memory barely depends on k)
+
+
+class _Live(TorchDispatchMode):
+    """The peak bytes of the tensors made while it is on: each new storage counted until it is freed; those of
+    `held` (the weights, counted on their own) never, though ops make views of them."""
+
+    def __init__(self, held: list[torch.Tensor]):
+        super().__init__()
+        self.live: dict[int, int] = {id(t.untyped_storage()): 0 for t in held}
+        self.shrunk: set[int] = set()
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage) -> None:
+        key = id(storage)
+        if key in self.live:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += self.live[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def shrink(self, tensor: torch.Tensor, n: int) -> None:
+        """Count `tensor` at 1/n of its size from now on (a gradient FSDP keeps as its shard)."""
+        key = id(tensor.untyped_storage())
+        if key in self.live and key not in self.shrunk and n > 1:
+            self.shrunk.add(key)
+            kept = math.ceil(self.live[key] / n)
+            self.now -= self.live[key] - kept
+            self.live[key] = kept
+
+
+class _NoAutocast:
+    """The accelerator `_loss` is handed on fake tensors: the compute dtype is already the model's."""
+
+    def autocast(self):
+        return contextlib.nullcontext()

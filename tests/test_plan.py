@@ -1,0 +1,112 @@
+"""The memory plan (`gqaify uptrain --plan CONFIG`): its held bytes against the models' own tensors, counted
+independently, and the command (benchmarks/memory_plan.py checks the totals against measured peaks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import one_line
+from helpers import uptrain_args as args
+from transformers import AutoModelForCausalLM
+
+from gqaify.cli import main
+from gqaify.packaged import shipped
+from gqaify.uptrain.plan import Launch, plan
+from gqaify.uptrain.settings import parse
+
+
+def shard_bytes(tensors, n: int, dtype=None) -> int:
+    """The first of n processes' share of each tensor split on its first dimension (FSDP2 rounds up)."""
+    total = 0
+    for t in tensors:
+        rows = math.ceil(t.shape[0] / n)
+        total += rows * (t.numel() // t.shape[0]) * (dtype or t.dtype).itemsize
+    return total
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+@pytest.mark.parametrize("trainable", ["all", "attention"])
+def test_held_bytes_are_the_models_own_tensors(tiny, tmp_path, processes, trainable):
+    settings = parse(args(tiny, tmp_path / "run", "--distill_from", str(tiny["parent"]), "--trainable", trainable))
+    launch = Launch(processes, processes > 1, "no")
+    found = plan(settings, launch)
+    student = AutoModelForCausalLM.from_pretrained(tiny["converted"], dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny["parent"])
+    weights = list(dict(student.named_parameters()).values())  # tied embeddings once
+    trained = [p for n, p in student.named_parameters() if trainable == "all" or ".self_attn." in n]
+    assert found.student == shard_bytes(weights, processes, torch.float32)
+    assert found.gradients == shard_bytes(trained, processes, torch.float32)
+    assert found.optimizer == 2 * found.gradients
+    assert found.teacher == shard_bytes(list(teacher.parameters()), processes)
+    assert found.buckets == 0 and (found.gathered > 0) == (processes > 1)
+    assert found.total == (
+        found.student + found.optimizer + found.teacher + found.gathered + max(found.activations, found.update)
+    )
+
+
+def test_ddp_holds_whole_copies_and_its_buckets(tiny, tmp_path):
+    settings = parse(args(tiny, tmp_path / "run"))
+    one, ddp = plan(settings, Launch(1, False, "no")), plan(settings, Launch(4, False, "no"))
+    assert ddp.student == one.student and ddp.gradients == one.gradients and ddp.teacher == 0
+    assert ddp.buckets == ddp.gradients and one.buckets == 0
+
+
+def test_lora_trains_only_its_adapters(tiny, tmp_path):
+    from gqaify.uptrain.lora import with_adapters
+
+    settings = parse(args(tiny, tmp_path / "run", "--trainable", "lora", "--lora_rank", "4"))
+    adapted = with_adapters(AutoModelForCausalLM.from_pretrained(tiny["converted"], dtype=torch.float32), 4, 16)
+    adapters = [p for p in adapted.parameters() if p.requires_grad]
+    assert plan(settings, Launch(1, False, "no")).gradients == sum(p.numel() * 4 for p in adapters)
+
+
+def test_whole_teacher_is_held_whole_under_fsdp(tiny, tmp_path):
+    teaching = ["--distill_from", str(tiny["parent"])]
+    sharded = plan(parse(args(tiny, tmp_path / "a", *teaching)), Launch(2, True, "no"))
+    whole = plan(parse(args(tiny, tmp_path / "b", *teaching, "--no_shard_teacher")), Launch(2, True, "no"))
+    teacher = AutoModelForCausalLM.from_pretrained(tiny["parent"])
+    assert whole.teacher == sum(p.numel() * p.element_size() for p in teacher.parameters())
+    assert sharded.teacher == shard_bytes(list(teacher.parameters()), 2)
+    assert whole.gathered < sharded.gathered  # a whole teacher gathers nothing
+
+
+def test_the_activations_grow_with_the_micro_batch(tiny, tmp_path):
+    small = plan(parse(args(tiny, tmp_path / "a", "--micro_batch_size", "1")), Launch(1, False, "no"))
+    large = plan(parse(args(tiny, tmp_path / "b", "--micro_batch_size", "8")), Launch(1, False, "no"))
+    assert 0 < small.activations < large.activations
+
+
+def test_shipped_accelerate_configs_read_as_launches():
+    assert Launch.read(shipped("accelerate/fsdp")) == Launch(8, True, "bf16")
+    assert Launch.read(shipped("accelerate/multi-gpu")) == Launch(8, False, "bf16")
+    assert Launch.read(shipped("accelerate/cpu")) == Launch(1, False, "no")
+
+
+def test_plan_prints_the_table_and_writes_nothing(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["uptrain", *args(tiny, out), "--plan", "accelerate/fsdp"]) == 0
+    printed = capsys.readouterr().out
+    assert "memory per process: 8 process(es), FSDP2, sharded, precision bf16" in printed
+    assert "student weights (float32)" in printed and "total" in printed
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ([], "--plan needs the accelerate config of the launch"),
+        (["no-such-config"], "--plan no-such-config: no such accelerate config"),
+    ],
+)
+def test_plan_without_a_config_is_refused(tiny, tmp_path, capsys, given, said):
+    assert main(["uptrain", *args(tiny, tmp_path / "run"), "--plan", *given]) == 2
+    assert said in one_line(capsys.readouterr().err)
+
+
+def test_plan_of_a_file_that_is_no_accelerate_config_is_refused(tiny, tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("lr: 1\n")
+    assert main(["uptrain", *args(tiny, tmp_path / "run"), "--plan", str(config)]) == 2
+    assert "is not an accelerate config (no distributed_type)" in one_line(capsys.readouterr().err)
