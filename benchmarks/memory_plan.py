@@ -8,7 +8,8 @@ depend on the values), is converted to GQA-2 and uptrained a few steps, distilli
 launch: one process; two CPU processes with the shipped FSDP2 config, the teacher sharded and whole; two with
 DDP. Each process records its resident memory just before the student is loaded (and resets its peak there, Linux's
 clear_refs: the main process converted the model before) and its peak resident memory when training ends (before
-final/ is gathered and saved): the difference is what training added, which is what the plan counts. Every launch runs alone, each process with one thread (`MEASURING`).
+final/ is gathered and saved): the difference is what training added, which is what the plan counts. Every
+launch runs alone, each process with one thread (`MEASURING`).
 """
 
 from __future__ import annotations

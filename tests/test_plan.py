@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
-from helpers import one_line
-from helpers import uptrain_args as args
 from transformers import AutoModelForCausalLM
 
 from gqaify.cli import main
 from gqaify.packaged import shipped
 from gqaify.uptrain.plan import Launch, plan
 from gqaify.uptrain.settings import parse
+from helpers import one_line
+from helpers import uptrain_args as args
 
 
 def shard_bytes(tensors, n: int, dtype=None) -> int:
