@@ -23,6 +23,7 @@ machine. benchmarks/memory_plan.py checks the figures against the peaks measured
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -224,6 +225,8 @@ def _activations(student_config, teacher_config, s, compute, n: int) -> int:
 
     from gqaify.uptrain.train import _loss
 
+    if s.trainable == "lora":  # peft cannot wrap fake tensors: the attention's own (its adapters' rank-r inputs
+        s = dataclasses.replace(s, trainable="attention")  # are the projections' inputs, kept already)
     with FakeTensorMode():
         student = _trainable_model(student_config, s, compute)  # what autocast and FSDP's mixed precision use
         teacher = _model(teacher_config, teacher_config.dtype or torch.float32) if teacher_config else None
