@@ -195,6 +195,7 @@ def _run(run: _Run, tokenizer, loader, eval_texts, harness) -> UptrainResult:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, params = _trainable(model, s)
     optimizer, scheduler = _optimizer(s, params, run.steps, accelerator)
+    del params  # FSDP swaps its shards into the optimizer: no reference here may keep the whole weights alive
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
