@@ -2,6 +2,7 @@
 
     python benchmarks/memory_plan.py                       # writes runs/memory-plan/results.json
     python benchmarks/memory_plan.py --layers 12 --hidden 768
+    python benchmarks/memory_plan.py --threshold 4194304      # glibc keeps freed allocations under 4 MiB
 
 A parent MHA Llama of ref-mha-6L's shape family, widened (random weights, ref-mha-6L's tokenizer: memory does not
 depend on the values), is converted to GQA-2 and uptrained a few steps, distilling from the parent, under each
@@ -9,7 +10,8 @@ launch: one process; two CPU processes with the shipped FSDP2 config, the teache
 DDP. Each process records its resident memory just before the student is loaded (and resets its peak there, Linux's
 clear_refs: the main process converted the model before) and its peak resident memory when training ends (before
 final/ is gathered and saved): the difference is what training added, which is what the plan counts. Every
-launch runs alone, each process with one thread (`MEASURING`).
+launch runs alone, each process with one thread, glibc returning every freed allocation of 128 KiB or more
+(`THRESHOLD`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 REF = REPO.parent / "shared" / "assets" / "models" / "ref-mha-6L"
 TEXT = REPO.parent / "shared" / "assets" / "text"
 GIB = 2**30
-# one thread per process; glibc gives each allocation of 4 MiB or more a mapping of its own and returns it when
-# freed (as gqaify's calibration does, `mallopt`): without it freed tensors stay in its heaps and the resident
-# peak counts them after they are gone
-MEASURING = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}
+# one thread per process; glibc gives every allocation of THRESHOLD bytes or more a mapping of its own and returns it
+# when freed: with its default, freed tensors stay in its heaps and the resident peak counts them after they are gone
+# (FSDP's shards and gathered layers are a few MB each). --threshold changes it.
+THRESHOLD = 128 * 2**10
+MEASURING = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
 
 
 def child() -> None:
@@ -102,7 +105,7 @@ def launch_config(folder: Path, kind: str, processes: int) -> Path:
     return path
 
 
-def measure(name: str, config: Path, processes: int, settings: list[str], root: Path) -> dict:
+def measure(name: str, config: Path, processes: int, settings: list[str], root: Path, threshold: int) -> dict:
     """Plan and measured peak per process of one launch."""
     out, record = root / name, root / f"{name}.memory"
     plan = subprocess.run(
@@ -111,7 +114,7 @@ def measure(name: str, config: Path, processes: int, settings: list[str], root: 
         text=True,
         check=True,
     ).stdout
-    env = {**os.environ, **MEASURING, "MEMORY_RECORD": str(record)}
+    env = {**os.environ, **MEASURING, "MEMORY_RECORD": str(record), "MALLOC_MMAP_THRESHOLD_": str(threshold)}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     if processes == 1:
         launch = [sys.executable]
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "memory-plan")
+    parser.add_argument("--threshold", type=int, default=THRESHOLD, help="glibc's mmap threshold, in bytes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     parent = parent_model(args.out / "parent", args.layers, args.hidden)
@@ -173,7 +177,7 @@ def main() -> None:
     rows = []
     for name, config, processes, extra in launches:
         grad_accum = ["--grad_accum", str(2 // processes)]
-        row = measure(name, config, processes, [*settings, *grad_accum, *extra], args.out)
+        row = measure(name, config, processes, [*settings, *grad_accum, *extra], args.out, args.threshold)
         rows.append(row)
         measured = ", ".join(f"{m / GIB:.3f}" for m in row["measured_bytes"])
         print(
