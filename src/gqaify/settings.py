@@ -546,6 +546,16 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) 
     return _numbers_from_text(values, stage, where)
 
 
+def read_data(path: Path, where: str):
+    """The data of a YAML or JSON file read as settings files are (size, aliases, depth, repeated keys), e.g. an
+    accelerate config; `where` names it in messages ("--plan FILE").
+
+    Raises:
+        UserError: not a readable file, too large, not UTF-8, not YAML, a YAML alias, deep nesting, a key twice.
+    """
+    return _parse(_read_text(Path(path), where), where)
+
+
 def _read_text(path: Path, where: str) -> str:
     """The text of a settings file (a regular file, or a pipe such as `<(...)`), read only up to the cap."""
     try:

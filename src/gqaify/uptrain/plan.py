@@ -12,9 +12,13 @@ What is counted, and how:
 - FSDP's gathered weights: the units whose whole weights a process holds while they run (the embeddings and
   head, kept for the step, and two decoder layers, the running one and the prefetched one, of the student and
   of the teacher), in the compute dtype, and one layer's whole gradients: exact, from the shapes.
-- activations: what autograd keeps for the backward pass and the transients at the step's peak (the logits, the
-  LM loss, the chunked KL and the teacher's logits), at the micro-batch: found by running the step's forward and
-  backward passes on tensors that hold no memory (torch's FakeTensorMode), counting every tensor while it lives.
+- the peak of the forward and backward passes: what autograd keeps for the backward pass, the transients (the
+  logits, the LM loss, the chunked KL, the teacher's logits) and the gradients made so far, at the micro-batch:
+  found by running them on tensors that hold no memory (torch's FakeTensorMode), counting every tensor while it
+  lives.
+- the peak of the optimizer step: the gradients and, under FSDP, the one temporary of the multi-tensor AdamW.
+
+The total is what is held for the run and the larger of the two peaks.
 
 No allocator overhead, CUDA context (about 0.5 GB per GPU) or library memory is counted: they depend on the
 machine. benchmarks/memory_plan.py checks the figures against the peaks measured on CPU processes.
@@ -52,12 +56,9 @@ class Launch:
         Raises:
             UserError: the file cannot be read or is not an accelerate config.
         """
-        import yaml
+        from gqaify.settings import read_data
 
-        try:
-            config = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise UserError(f"--plan {path} cannot be read as an accelerate config ({exc}); give its path") from exc
+        config = read_data(path, f"--plan {path}")
         if not isinstance(config, dict) or "distributed_type" not in config:
             raise UserError(f"--plan {path} is not an accelerate config (no distributed_type); give one")
         fsdp = config["distributed_type"] == "FSDP"
