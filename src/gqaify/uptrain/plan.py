@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gqaify.errors import UserError
+from gqaify.uptrain.sharding import decoder_layers
 
 GIB = 2**30
 
@@ -124,13 +125,15 @@ def plan(s, launch: Launch) -> MemoryPlan:
     from gqaify.models import load_config
 
     student_config = _student_config(s)
-    teacher_config = load_config(s.distill_from, option="distill_from") if s.distill_from else None
+    teacher_config = None
+    if s.distill_from:
+        teacher_config = load_config(s.distill_from, option="distill_from", trust_remote_code=s.trust_remote_code)
     n = launch.processes if launch.sharded else 1
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(launch.mixed_precision, torch.float32)
     with torch.device("meta"):
         student = _trainable_model(student_config, s)
         teacher = _model(teacher_config, teacher_config.dtype or torch.float32) if teacher_config else None
-    params = _unique(student)
+    params = list(student.parameters())  # a tied weight once
     trained = [p for p in params if p.requires_grad]
     grads = _bytes(trained, n, torch.float32)
     gathered = 0
@@ -144,7 +147,7 @@ def plan(s, launch: Launch) -> MemoryPlan:
         launch=launch,
         student=_bytes(params, n, torch.float32),
         optimizer=2 * grads,
-        teacher=_bytes(_unique(teacher), n if s.shard_teacher else 1, None) if teacher is not None else 0,
+        teacher=_bytes(list(teacher.parameters()), n if s.shard_teacher else 1, None) if teacher is not None else 0,
         gathered=gathered,
         buckets=grads if launch.processes > 1 and not launch.sharded else 0,
         gradients=grads,
@@ -172,17 +175,10 @@ def _model(config, dtype) -> torch.nn.Module:
 
 
 def _trainable_model(config, s, dtype=torch.float32) -> torch.nn.Module:
-    """The student with requires_grad on what trains (LoRA adapters added for trainable lora)."""
-    from gqaify.uptrain.train import _trainable
+    """The student set up as the run sets it up (`train.trainable_student`)."""
+    from gqaify.uptrain.train import trainable_student
 
-    model = _model(config, dtype).train()
-    if s.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _trainable(model, s)[0]
-
-
-def _unique(model) -> list[torch.nn.Parameter]:
-    return list({id(p): p for p in model.parameters()}.values()) if model is not None else []
+    return trainable_student(_model(config, dtype), s)[0]
 
 
 def _bytes(params, n: int, dtype) -> int:
@@ -196,13 +192,8 @@ def _bytes(params, n: int, dtype) -> int:
     return total
 
 
-def _layers(model) -> list[torch.nn.Module]:
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
 def _largest_layer(model, trainable: bool = False) -> list[torch.nn.Parameter]:
-    layers = _layers(model)
+    layers = decoder_layers(model)
     if not layers:
         return []
     biggest = max(layers, key=lambda m: sum(p.numel() for p in m.parameters()))
@@ -212,8 +203,8 @@ def _largest_layer(model, trainable: bool = False) -> list[torch.nn.Parameter]:
 def _gathered(model, dtype) -> int:
     """Whole weights FSDP holds at once: the parameters outside the decoder layers (embeddings, norm, head) and two
     layers (the one running and the one prefetched)."""
-    inside = {id(p) for layer in _layers(model) for p in layer.parameters()}
-    outside = [p for p in _unique(model) if id(p) not in inside]
+    inside = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    outside = [p for p in model.parameters() if id(p) not in inside]
     return _bytes(outside, 1, dtype) + 2 * _bytes(_largest_layer(model), 1, dtype)
 
 

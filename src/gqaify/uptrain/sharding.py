@@ -61,10 +61,17 @@ def shard_on_cpus(accelerator) -> bool:
     return True
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of the classes `model` names as never split (`_no_split_modules`): its decoder layers, the units
+    the teacher is sharded in and the memory plan counts gathered."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def sharded_teacher(teacher: torch.nn.Module, accelerator) -> torch.nn.Module:
     """`teacher` sharded across the processes under FSDP2, `teacher` itself otherwise.
 
-    Each decoder layer (the classes the model names as never split, `_no_split_modules`) is one unit, the rest
+    Each decoder layer (`decoder_layers`) is one unit, the rest
     (embeddings, final norm, head) the root's: a unit's weights are gathered for its forward pass and freed after
     it (`reshard_after_forward`), in the teacher's own dtype. It is not registered with the accelerator, so
     checkpoints do not hold it.
@@ -73,9 +80,7 @@ def sharded_teacher(teacher: torch.nn.Module, accelerator) -> torch.nn.Module:
         return teacher
     from torch.distributed.fsdp import fully_shard
 
-    layers = set(getattr(teacher, "_no_split_modules", None) or ())
-    for module in teacher.modules():
-        if type(module).__name__ in layers:
-            fully_shard(module, reshard_after_forward=True)
+    for layer in decoder_layers(teacher):
+        fully_shard(layer, reshard_after_forward=True)
     fully_shard(teacher, reshard_after_forward=True)
     return teacher

@@ -190,10 +190,7 @@ def _run(run: _Run, tokenizer, loader, eval_texts, harness) -> UptrainResult:
     trust = s.trust_remote_code
     model, _ = load_model(model_path, torch.float32, "cpu", option="model", trust_remote_code=trust)
     saved_dtype = load_config(model_path, option="model", trust_remote_code=trust).dtype or torch.float32
-    model.train()
-    if s.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model, params = _trainable(model, s)
+    model, params = trainable_student(model, s)
     optimizer, scheduler = _optimizer(s, params, run.steps, accelerator)
     del params  # FSDP swaps its shards into the optimizer: no reference here may keep the whole weights alive
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
@@ -478,6 +475,15 @@ def _loss(model, teacher, batch: dict, s: UptrainSettings, accelerator) -> tuple
             target = teacher(input_ids=ids, use_cache=False).logits
         kl = distillation_kl(out.logits, target, s.temperature)
     return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
+
+
+def trainable_student(model, s: UptrainSettings) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """(`model` set up to train as `s` says: train mode, gradient checkpointing, LoRA adapters or the parameters
+    that train (`_trainable`); the parameters that train). The memory plan sets up its student here too."""
+    model.train()
+    if s.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return _trainable(model, s)
 
 
 def _trainable(model, s: UptrainSettings) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
