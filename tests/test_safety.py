@@ -413,6 +413,102 @@ def test_eval_force_replaces_only_a_report_gqaify_wrote(capsys, source, text, tm
     assert tree_hashes(out) == before and leftovers(tmp_path) == []
 
 
+@pytest.fixture
+def converted(source, tmp_path) -> Path:
+    """A conversion gqaify wrote: a folder --force would have replaced, were it a report."""
+    gqaify.convert(source, tmp_path / "converted", kv_heads=2, progress=False)
+    return tmp_path / "converted"
+
+
+def _link_to(target: Path) -> Path:
+    (target.parent / "link").symlink_to(target)
+    return target.parent / "link"
+
+
+@pytest.mark.parametrize(
+    ("out", "expect"),
+    [
+        (lambda model, text: model, "--out {out} is the model itself"),
+        (lambda model, text: _link_to(model), "--out {out} is the model itself"),
+        (lambda model, text: model / "report", "--out {out} overlaps the model"),
+        (lambda model, text: text, "--out {out} is the text itself"),
+        (lambda model, text: text.parent, "--out {out} overlaps the text"),
+    ],
+    ids=["the model", "a link to it", "inside it", "the text", "the text's folder"],
+)
+def test_eval_never_writes_its_report_over_what_it_reads(capsys, converted, tmp_path, no_model_loaded, out, expect):
+    """`gqaify eval PARENT s-gqa2 --data a=st.txt --out s-gqa2 --force` used to replace the evaluated model's
+    weights with the report: convert refused OUT == SRC, eval never compared --out with what it reads."""
+    text = tmp_path / "texts" / "st.txt"
+    text.parent.mkdir()
+    text.write_text(CORPUS)
+    out = out(converted, text)
+    before = tree_hashes(tmp_path)
+    argv = ["eval", converted, "--data", f"a={text}", "--out", out, "--seq-len", "32", "--no-speed", "-q", "--force"]
+    code, err = run_cli(capsys, *argv)
+    line = one_line(err)
+    assert code == 2 and expect.format(out=out) in line and "which gqaify never modifies; choose another --out" in line
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
+def _uptrained(folder: Path) -> Path:
+    """An uptrained model's final/ as uptrain writes it for a model gqaify did not convert."""
+    from gqaify.outputs import write_provenance
+
+    folder.mkdir()
+    (folder / "config.json").write_text("{}\n")
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    write_provenance(folder, {"tool": "gqaify", "uptrain": {"steps": 1}})
+    return folder
+
+
+def _report_listing_weights(folder: Path) -> Path:
+    """A record that says eval but a folder that holds a model's files: a model, whatever the record says."""
+    from gqaify.outputs import write_provenance
+
+    folder.mkdir()
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    write_provenance(folder, {"tool": "gqaify", "command": "eval"})
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("make", "holds"),
+    [
+        (lambda converted, tmp_path: converted, "a converted model"),
+        (lambda converted, tmp_path: _uptrained(tmp_path / "run" / "final"), "an uptrained model"),
+        (lambda converted, tmp_path: _report_listing_weights(tmp_path / "r"), "a model (its config.json or weights)"),
+    ],
+    ids=["a conversion", "an uptrained final", "weights under an eval record"],
+)
+def test_eval_force_replaces_a_report_never_a_model(
+    capsys, source, text, converted, tmp_path, no_model_loaded, make, holds
+):
+    """`eval --out CONVERTED --force` (a model gqaify wrote, not one of those evaluated) used to leave only a report
+    where the model was: --force replaced any folder gqaify wrote, whichever command wrote it."""
+    (tmp_path / "run").mkdir()
+    out = make(converted, tmp_path)
+    before = tree_hashes(tmp_path)
+    code, err = run_eval(capsys, source, text, out, "--force")
+    assert code == 2 and one_line(err) == (
+        f"gqaify: error: --force on --out replaces only an eval report, and {out} holds {holds}; choose another --out"
+    )
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
+def test_convert_force_replaces_a_conversion_never_a_report(capsys, source, text, tmp_path):
+    """The same rule the other way round: a conversion replaces a conversion, not what eval wrote."""
+    report = tmp_path / "report"
+    assert run_eval(capsys, source, text, report)[0] == 0
+    before = tree_hashes(tmp_path)
+    code, err = run_cli(capsys, "convert", source, report, "--kv-heads", "2", "--force")
+    assert code == 2 and one_line(err) == (
+        f"gqaify: error: --force on OUT replaces only a converted model, and {report} holds an eval report; "
+        "choose another OUT"
+    )
+    assert tree_hashes(tmp_path) == before and leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     ("where", "extra", "expect"),
     [

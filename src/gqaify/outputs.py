@@ -8,10 +8,12 @@ file it did not write.
                     .OUT.gqaify-<host>-<pid>-<start>-<random>        a folder being written
                     .OUT.gqaify-old-<host>-<pid>-<start>-<random>    the OUT it replaces, set aside
 
-    --force     replaces OUT only if it is empty, or if gqaify wrote it: its gqaify.json lists every file in
-                the folder and nothing else is there. The old OUT is set aside, the new one renamed into place,
-                then the old one deleted; if the rename fails, the old one is put back. The current folder, its
-                ancestors, an empty OUT, a mount point and a read-only folder are never targets.
+    --force     replaces OUT only if it is empty, or if gqaify wrote it as the same command's output: its
+                gqaify.json lists every file in the folder, nothing else is there, and it records what the command
+                writes (`written_kind`: an eval replaces an eval report, never a model; a conversion replaces a
+                conversion). The old OUT is set aside, the new one renamed into place, then the old one deleted;
+                if the rename fails, the old one is put back. The current folder, its ancestors, an empty OUT, a
+                mount point, a read-only folder and what the command reads (`overlap_problem`) are never targets.
 
     checks      `destination_problems` finds all of the above before any work: a refusal costs nothing. It
                 starts with `name_problem`: a name longer than the file system allows, less what the staging
@@ -66,8 +68,11 @@ def resolve_out(out: str | os.PathLike) -> Path:
 # -- what may be written, and what may be replaced -------------------------------------------------------------
 
 
-def destination_problems(out: str | os.PathLike, force: bool, option: str = "OUT") -> list[str]:
-    """Problems with writing a new folder at `out` (replacing it if `force`): empty, here, taken, unwritable."""
+def destination_problems(
+    out: str | os.PathLike, force: bool, option: str = "OUT", writes: str | None = None
+) -> list[str]:
+    """Problems with writing a new folder at `out` (replacing it if `force`, where it holds `writes`, what the
+    command writes: see `replace_problem`): empty, here, taken, unwritable."""
     if not os.fspath(out).strip():
         return [f"{option} is empty; name the folder to write"]
     if problem := name_problem(out, option):
@@ -90,8 +95,20 @@ def destination_problems(out: str | os.PathLike, force: bool, option: str = "OUT
         return [problem]
     if not force:
         return [f"{path} already exists; pass --force to replace it, or choose another {option}"]
-    problem = replace_problem(path, option)
+    problem = replace_problem(path, option, writes)
     return [problem] if problem else []
+
+
+def overlap_problem(out: str | os.PathLike, read: str | os.PathLike, what: str, option: str = "OUT") -> str | None:
+    """Why `out` may not be written where it is: it is `read` (a folder or file the command reads, which `what`
+    names: "the source folder"), inside it, or holds it; else None. Symbolic links are resolved: two names of one
+    folder are one folder. Checked before `destination_problems`, whose "pass --force" would be the wrong fix."""
+    src, dst = Path(read).expanduser().resolve(), resolve_out(out).resolve()
+    if dst == src:
+        return f"{option} {out} is {what} itself, which gqaify never modifies; choose another {option}"
+    if src in dst.parents or dst in src.parents:
+        return f"{option} {out} overlaps {what} {src}, which gqaify never modifies; choose another {option}"
+    return None
 
 
 # What the longest name gqaify makes beside OUT adds to OUT's name: .OUT.gqaify-old-<host>-<pid>-<start>-<random>
@@ -149,8 +166,9 @@ def _unreplaceable(folder: Path, option: str) -> str | None:
     return None
 
 
-def replace_problem(folder: Path, option: str = "OUT") -> str | None:
-    """Why `--force` may not replace `folder`, or None: it is empty, or holds exactly the files gqaify wrote."""
+def replace_problem(folder: Path, option: str = "OUT", writes: str | None = None) -> str | None:
+    """Why `--force` may not replace `folder`, or None: it is empty, or holds exactly the files gqaify wrote as
+    `writes` (`CONVERSION`, `REPORT`: what the command writes; None: it replaces only an empty folder)."""
     entries = sorted(folder.iterdir())
     if not entries:
         return None
@@ -159,6 +177,13 @@ def replace_problem(folder: Path, option: str = "OUT") -> str | None:
         return (
             f"--force replaces only a folder gqaify wrote, and {folder} holds {_some(entries)} but no "
             f"{PROVENANCE_FILE} listing them; choose another {option}, or empty it yourself"
+        )
+    kind = written_kind(folder)
+    if writes is None or kind != writes:
+        what = "an empty folder" if writes is None else writes
+        return (
+            f"--force on {option} replaces only {what}, and {folder} holds {kind or 'another output of gqaify'}; "
+            f"choose another {option}"
         )
     foreign = [p for p in entries if p.name != PROVENANCE_FILE and (p.name not in listed or not _plain_file(p))]
     if foreign:
@@ -179,6 +204,40 @@ def written_files(folder: Path) -> set[str] | None:
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         return None
     return set(files)
+
+
+# What a folder gqaify wrote holds, as its gqaify.json says (the first match): --force replaces a folder only with
+# output of the same kind. The records: a conversion's and an uptrained model's (`conversion.record.ConversionRecord`,
+# or {"tool", "uptrain"} for a model gqaify did not convert), eval's report's, generate's corpus's.
+CONVERSION = "a converted model"
+UPTRAINED = "an uptrained model"
+REPORT = "an eval report"
+CORPUS = "a corpus"
+_KINDS: tuple[tuple[str, Callable[[dict], bool]], ...] = (
+    (UPTRAINED, lambda record: "uptrain" in record),
+    (CONVERSION, lambda record: "source" in record),
+    (REPORT, lambda record: record.get("command") == "eval"),
+    (CORPUS, lambda record: record.get("kind") == "corpus"),
+)
+# A model's files: a folder holding one is a model, whatever its record says (a report never holds one)
+_MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.gguf", "*.pt", "*.pth")
+
+
+def written_kind(folder: Path) -> str | None:
+    """What gqaify wrote in `folder` (`CONVERSION`, `UPTRAINED`, `REPORT`, `CORPUS`), as its gqaify.json records;
+    "a model" for any other folder holding a model's files; None where neither tells."""
+    try:
+        record = json.loads((folder / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        record = None
+    found = None
+    if isinstance(record, dict) and record.get("tool") == "gqaify":
+        found = next((kind for kind, matches in _KINDS if matches(record)), None)
+    if found in (CONVERSION, UPTRAINED):
+        return found
+    if any(any(folder.glob(pattern)) for pattern in _MODEL_FILES):
+        return "a model (its config.json or weights)"
+    return found
 
 
 def write_provenance(folder: Path, record: dict) -> None:
@@ -276,13 +335,14 @@ def _remove(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(out: Path, force: bool, size: int = 0, option: str = "OUT") -> Iterator[Path]:
+def staged(out: Path, force: bool, size: int = 0, option: str = "OUT", writes: str | None = None) -> Iterator[Path]:
     """A hidden folder beside `out`, renamed to `out` when the block completes and removed if it does not.
 
     Args:
         out: the folder to create (or, with `force`, to replace; see `replace_problem`).
         size: the bytes the block will write, named in the message if the disk fills up.
         option: how the command line names `out`, for the messages.
+        writes: what the block writes (`CONVERSION`, `REPORT`): what `force` may replace.
 
     Raises:
         UserError: `out` appeared meanwhile (without `force`), or changed so that it may not be replaced.
@@ -302,7 +362,7 @@ def staged(out: Path, force: bool, size: int = 0, option: str = "OUT") -> Iterat
 
     def put_in_place() -> None:
         _apply_umask(staging)
-        _swap_into_place(staging, out, force, option)
+        _swap_into_place(staging, out, force, option, writes)
 
     def full_disk() -> str:
         return (
@@ -318,10 +378,10 @@ def staged(out: Path, force: bool, size: int = 0, option: str = "OUT") -> Iterat
         raise
 
 
-def _swap_into_place(staging: Path, out: Path, force: bool, option: str) -> None:
+def _swap_into_place(staging: Path, out: Path, force: bool, option: str, writes: str | None) -> None:
     """Rename `staging` to `out`; with `force`, the old `out` is set aside and put back if the rename fails."""
     if force and out.is_dir():
-        problem = replace_problem(out, option)  # checked again: the folder may have changed since the run started
+        problem = replace_problem(out, option, writes)  # checked again: it may have changed since the run started
         if problem:
             raise UserError(problem)
         aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-{_owner_tag()}-", dir=out.parent))

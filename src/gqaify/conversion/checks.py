@@ -20,7 +20,7 @@ from gqaify.conversion.options import Calibration, ConvertSettings
 from gqaify.conversion.source import Source, read_config
 from gqaify.errors import UserError, problems_in
 from gqaify.locations import Location, locate
-from gqaify.outputs import destination_problems, resolve_out
+from gqaify.outputs import CONVERSION, destination_problems, overlap_problem, resolve_out
 from gqaify.sizes import parse_size
 
 
@@ -54,7 +54,7 @@ def check_request(s: ConvertSettings) -> Request:
     if _given(s.out):
         overlap = _overlap(source.path, Path(s.out).expanduser()) if source and source.kind == "local" else None
         # OUT would be refused as existing; the real reason is that it is (or holds, or is held by) the source
-        problems += [overlap] if overlap else destination_problems(s.out, s.force)
+        problems += [overlap] if overlap else destination_problems(s.out, s.force, writes=CONVERSION)
     calibration = s.calibration()
     if problems and source is not None and source.kind == "local" and (source.path / "config.json").is_file():
         with contextlib.suppress(UserError):  # an unreadable config.json: reported when the source is opened
@@ -152,12 +152,7 @@ def overlap_problems(source: Source, out: Path) -> list[str]:
 
 def _overlap(source_dir: Path, out: Path) -> str | None:
     """Why OUT may not be written where it is: it is the source folder, inside it, or holds it; else None."""
-    src, dst = source_dir.resolve(), out.resolve()
-    if dst == src:
-        return f"OUT {out} is the source folder itself; the source is never modified: write the conversion elsewhere"
-    if src in dst.parents or dst in src.parents:
-        return f"OUT {out} overlaps the source folder {src}; write the conversion somewhere else"
-    return None
+    return overlap_problem(out, source_dir, "the source folder")
 
 
 def method_problem(method: Method, name: str, model_name: str, qk_norms: bool) -> str | None:

@@ -25,6 +25,7 @@ from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
 from gqaify.outputs import (
+    CONVERSION,
     current_umask,
     file_into_place,
     name_problem,
@@ -77,7 +78,7 @@ class FolderSink:
     @contextlib.contextmanager
     def folder(self, size: int) -> Iterator[Path]:
         """The folder to write the conversion into, renamed to OUT when the block completes."""
-        with staged(self.out, self.force, size) as staging:
+        with staged(self.out, self.force, size, writes=CONVERSION) as staging:
             yield staging
 
     def finish(self, folder: Path, record: ConversionRecord, writer: ShardWriter, source: Source) -> Written:

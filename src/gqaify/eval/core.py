@@ -34,7 +34,7 @@ from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.models import device_problem, load_config, load_model, load_tokenizer, resolve_device
-from gqaify.outputs import destination_problems, remove_leftovers, resolve_out, space_problem
+from gqaify.outputs import REPORT, destination_problems, overlap_problem, remove_leftovers, resolve_out, space_problem
 from gqaify.settings import recorded
 from gqaify.sizes import parse_size
 
@@ -249,7 +249,7 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
 def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     """Every problem with the settings, --out, --memory-budget, --device and the models, raised as one `UserError`;
     else the models' configs, the memory budget in bytes and the device."""
-    problems = s.problems() + _out_problems(s.out, s.force)
+    problems = s.problems() + _out_problems(s)
     budget = parse_size(s.memory_budget)
     if budget is None:
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
@@ -266,11 +266,20 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     return configs, budget, resolve_device(s.device)
 
 
-def _out_problems(out: str | None, force: bool) -> list[str]:
-    """--out: a folder that can be created (or, with --force, replaced: `outputs`), with room for the report."""
+def _out_problems(s: EvalSettings) -> list[str]:
+    """--out: not what the evaluation reads (a model, a text, --include-path), a folder that can be created (or,
+    with --force, replaced: a report gqaify wrote, `outputs.replace_problem`), with room for the report."""
+    out = s.out
     if not out or not out.strip():
         return []  # required: a problem already
-    return destination_problems(out, force, "--out") or problems_in(
+    texts = named_texts([d for d in s.data if isinstance(d, str)])
+    read = [(name, "the model") for name in s.models] + [(t.source, "the text") for t in texts]
+    read += [(s.include_path, "--include-path")] if s.include_path else []
+    for path, what in read:
+        local = isinstance(path, str) and path.strip() and Path(path).expanduser().exists()  # else a hub name
+        if local and (overlap := overlap_problem(out, path, what, "--out")):
+            return [overlap]  # not "pass --force": the report would replace what it reports on
+    return destination_problems(out, s.force, "--out", writes=REPORT) or problems_in(
         space_problem(resolve_out(out), REPORT_BYTES, "--out")
     )
 

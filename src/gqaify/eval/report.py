@@ -10,7 +10,7 @@ from gqaify._version import __version__
 from gqaify.eval.results import ModelReport, Report, TaskScore
 from gqaify.eval.tasks import headline
 from gqaify.figures import figure
-from gqaify.outputs import staged, write_provenance
+from gqaify.outputs import REPORT, staged, write_provenance
 from gqaify.summary import printable
 
 PLOT_KV = "perplexity_vs_kv.png"
@@ -389,7 +389,7 @@ def plot_diagnostics(report: Report, path: Path) -> None:
 
 
 def write_report(report: Report, out: Path, force: bool = False) -> None:
-    """Write the report as the folder `out`: created whole, or with `force` replacing a folder gqaify wrote.
+    """Write the report as the folder `out`: created whole, or with `force` replacing a report gqaify wrote.
 
     Raises:
         UserError: `out` appeared meanwhile (without `force`), or changed so that it may not be replaced.
@@ -404,7 +404,7 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
     }
     if any(m.tasks for m in report.models):
         writers[PLOT_TASKS] = lambda p: plot_tasks_vs_kv(report, p)
-    with staged(out, force, REPORT_BYTES, "--out") as staging:
+    with staged(out, force, REPORT_BYTES, "--out", writes=REPORT) as staging:
         for name, write in writers.items():
             write(staging / name)
         write_provenance(
