@@ -319,6 +319,47 @@ def test_a_claim_a_killed_run_left_is_taken_over(tmp_path):
     assert not claim.exists()
 
 
+def _symbolic_link(claim: Path) -> None:
+    claim.symlink_to(claim.with_name("notes.txt"))
+
+
+CLAIM_NAME_TAKEN = {
+    "a symbolic link": _symbolic_link,  # it was followed: notes.txt held the claim, then was deleted
+    "a file of other content": lambda claim: claim.write_text("mine\n"),  # truncated, then deleted
+    "a FIFO": lambda claim: os.mkfifo(claim),  # a traceback, then deleted
+    "a folder": lambda claim: (claim.mkdir(), (claim / "inside.txt").write_text("mine\n")),
+}
+
+
+@needs_assets
+@pytest.mark.parametrize("what", CLAIM_NAME_TAKEN)
+def test_what_holds_the_claims_name_is_refused_and_left_as_it_is(tmp_path, capsys, what):
+    """`ln -s notes.txt .c.gqaify.claim; gqaify generate MODEL c` used to write the claim into notes.txt through the
+    link; a user's own file of that name was truncated and deleted, a FIFO gave a traceback and was deleted."""
+    out, claim = tmp_path / "c", tmp_path / ".c.gqaify.claim"
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    CLAIM_NAME_TAKEN[what](claim)
+    before, mode = tree_hashes(tmp_path), claim.lstat().st_mode
+    code, err = run_cli(capsys, "generate", STORIES, out, "--tokens", "600", *SMALL)
+    assert code == 2 and one_line(err) == (
+        f"gqaify: error: {claim} is {what}, not a claim gqaify wrote; gqaify holds OUT {out} under that name and "
+        "left it as it is: move it away, then rerun"
+    )
+    assert tree_hashes(tmp_path) == before and claim.lstat().st_mode == mode and not out.exists()
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_a_claim_file_left_empty_is_taken_over(tmp_path):
+    """What a claim is between its creation and its first write, and what a run killed in that instant leaves."""
+    from gqaify.outputs import claimed
+
+    out, claim = tmp_path / "c", tmp_path / ".c.gqaify.claim"
+    claim.touch()
+    with claimed(out, "gqaify generate"):
+        assert json.loads(claim.read_text()) == {"pid": os.getpid(), "command": "gqaify generate"}
+    assert list(tmp_path.iterdir()) == []
+
+
 @needs_assets
 def test_the_record_names_the_prompts_absolutely_and_config_from_elsewhere_reads_them(tmp_path, monkeypatch):
     """A relative `prompts` in the record made `--config OUT/gqaify.json`, given in another folder, read that
