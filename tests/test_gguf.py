@@ -515,26 +515,33 @@ def test_a_gguf_out_refused_or_stopped_late_leaves_no_parent_folders_it_made(cap
 @needs_assets
 def test_the_record_inside_a_gguf_names_it_and_reruns_its_conversion(capsys, tmp_path):
     """The record used to name the deleted work folder as OUT and gguf_type null: a rerun from it wrote a folder
-    into the next run's work folder."""
+    into the next run's work folder. It also named the source as typed, which the rerun (from the record's absolute
+    path) named otherwise: where the models were reached through a link, the rerun's file differed from the first
+    in the record's length. The source is reached through a link here, so that every run meets that case."""
     from gguf import GGUFReader
 
     from gqaify.conversion.to_gguf import RECORD_KEY
 
+    def record_in(path: Path) -> dict:
+        field = GGUFReader(path).fields[RECORD_KEY]
+        return json.loads(bytes(field.parts[field.data[0]]).decode())
+
+    (tmp_path / "models").symlink_to(MODELS, target_is_directory=True)
     out = tmp_path / "q8.gguf"
-    assert (
-        run_cli(capsys, "convert", MODELS / "stories260K-mha", out, "--kv-heads", "2", "--gguf-type", "q8_0", "-q")[0]
-        == 0
-    )
-    field = GGUFReader(out).fields[RECORD_KEY]
-    record = json.loads(bytes(field.parts[field.data[0]]).decode())
+    argv = ["convert", tmp_path / "models" / "stories260K-mha", out, "--kv-heads", "2", "--gguf-type", "q8_0", "-q"]
+    assert run_cli(capsys, *argv)[0] == 0
+    record = record_in(out)
     assert record["settings"]["out"] == str(out) and record["settings"]["gguf_type"] == "q8_0"
     assert "files" not in record and record["kv_heads"] == 2
+    src = str((MODELS / "stories260K-mha").resolve())
+    assert record["source"]["name"] == record["settings"]["src"] == src  # however the source was reached
     (tmp_path / "rec.json").write_text(json.dumps(record))
     first = out.read_bytes()
     code, err = run_cli(capsys, "convert", "--config", tmp_path / "rec.json", "--force", "-q")
     assert code == 0, err
+    assert record_in(out) == record  # what differs, named, before the bytes are compared
     assert out.read_bytes() == first  # the same conversion, the same file, in the same place
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf", "rec.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "q8.gguf", "rec.json"]
 
 
 def _gguf(*entries: bytes, tensors: int = 0, version: int = 3) -> bytes:

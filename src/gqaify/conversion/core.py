@@ -282,9 +282,13 @@ def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256:
     reruns the conversion from anywhere, or refuses text that changed (what went how, not what was made, is left
     out: `NOT_RECORDED`)."""
     calib_data = None if s.calib_data is None else [_resolved_text(value) for value in s.calib_data]
-    src = source.name if source.kind == "hub" else str(Path(source.name).expanduser().resolve())
     resolved = replace(
-        s, src=src, out=str(out), revision=source.revision, calib_data=calib_data, calib_sha256=calib_sha256
+        s,
+        src=source.recorded_name,
+        out=str(out),
+        revision=source.revision,
+        calib_data=calib_data,
+        calib_sha256=calib_sha256,
     )
     return recorded(resolved, NOT_RECORDED)
 

@@ -51,7 +51,7 @@ def write_config_and_side_files(source: Source, spec: ArchSpec, folder: Path, kv
 class SourceRecord:
     """What was converted: the source as named, where it was read, its revision, and every weight file's SHA-256."""
 
-    name: str
+    name: str  # `Source.recorded_name`: a hub id, or an absolute path
     kind: str  # local, hub or gguf
     path: str | None  # a local folder's
     revision: str | None  # a hub source's commit
@@ -61,7 +61,7 @@ class SourceRecord:
     @classmethod
     def of(cls, source: Source, hashes: dict[str, str]) -> SourceRecord:
         path = str(source.directory) if source.kind == "local" else None
-        return cls(source.name, source.kind, path, source.revision, hashes, **source.provenance)
+        return cls(source.recorded_name, source.kind, path, source.revision, hashes, **source.provenance)
 
 
 @dataclass(frozen=True, kw_only=True)

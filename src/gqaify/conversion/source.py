@@ -56,6 +56,13 @@ class Source:
     _tensors: TensorSource | None = None
 
     @property
+    def recorded_name(self) -> str:
+        """The source as records name it: a hub id as given; a folder or .gguf file by its absolute path with links
+        resolved, the same however the user reached it (a relative path, a link), so that a rerun from the record
+        writes the same record, byte for byte."""
+        return self.name if self.kind == "hub" else str(Path(self.name).expanduser().resolve())
+
+    @property
     def tensors(self) -> TensorSource:
         """The checkpoint's tensors, fetched or dequantized on first use.
 
