@@ -13,6 +13,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 from conftest import build_model, save, tree_hashes
 from gqaify.archs import ARCHITECTURES
+from gqaify.errors import Interrupted, ResourceError, UserError
 from helpers import run_cli
 
 
@@ -181,6 +182,43 @@ def test_console_script_success_and_bad_input(source, tmp_path):
     assert b"K/V heads       4 -> 1" in done.stdout
     bad = subprocess.run([*exe, "convert", source, tmp_path / "o2", "--kv-heads", "5"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "o2").exists()
+
+
+class _Writes:
+    """A stderr that keeps each write apart, as an unbuffered stream (PYTHONUNBUFFERED) sends each to the fd."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (lambda: UserError("bad"), "gqaify: error: bad\n"),
+        (lambda: ResourceError("full"), "gqaify: error: full\n"),
+        (lambda: Interrupted("kept x", signal.SIGTERM), "gqaify: stopped by SIGTERM; kept x\n"),
+    ],
+    ids=["bad input", "out of a resource", "stopped"],
+)
+def test_the_one_line_is_one_write_with_its_newline(monkeypatch, error, line):
+    """Every process of an FSDP launch refuses FSDP1 on CPUs; with stderr unbuffered, `print` wrote the line and
+    its newline apart, and the two processes' lines ran into one."""
+    from gqaify.command import run_command
+
+    def command():
+        raise error()
+
+    stderr = _Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    run_command(command)
+    assert stderr.writes == [line]
 
 
 def test_sigkill_mid_conversion_leaves_no_output(tmp_path):

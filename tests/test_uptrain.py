@@ -1075,16 +1075,27 @@ def test_fsdp2_on_two_processes_agrees_with_one_process(tiny, stored_corpus, tmp
 
 def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
     """FSDP1 needs a device: on CPU processes the launch is refused in one line (accelerate's own error was a
-    traceback), nothing written."""
+    traceback), nothing written. Each process says it, in one write with its newline (`command.say`): with stderr
+    unbuffered, `print` wrote the line and its newline apart and the two processes' lines could run into one, so
+    it runs unbuffered here. Whether the second process says it before the launcher stops it is a race: at least
+    one refusal, and every line whole."""
     config = tmp_path / "fsdp1.yaml"
     config.write_text(FSDP.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
     out = tmp_path / "run"
     launch = [*accelerate_launch("gqaify.uptrain", config), *args(tiny, out, "--grad_accum", "1")]
-    done = subprocess.run(launch, env=CPU_PROCESSES, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    env = {**CPU_PROCESSES, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(launch, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode != 0
-    refusals = [line for line in done.stderr.splitlines() if line.startswith("gqaify: error:")]
-    assert len(refusals) == 2, done.stderr[-3000:]  # one per process, before torch's launcher reports their exit
-    assert all("the launch asks for FSDP version 1, which needs GPUs; set fsdp_version: 2" in r for r in refusals)
+    refusal = (
+        "gqaify: error: the launch asks for FSDP version 1, which needs GPUs; set fsdp_version: 2 in its accelerate "
+        "config (FSDP2 shards on CPU processes too)"
+    )
+    said = [line for line in done.stderr.splitlines() if "gqaify:" in line]
+    whole = [  # each line whole: the refusal, or the stop of a process the launcher ended before it refused
+        line == refusal or (line.startswith("gqaify: stopped by SIGTERM; ") and line.count("gqaify:") == 1)
+        for line in said
+    ]
+    assert refusal in said and all(whole), done.stderr[-3000:]
     assert "internal error" not in done.stderr
     assert not out.exists()
 

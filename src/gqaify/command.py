@@ -28,7 +28,7 @@ def run_command(command: Callable[[], object], verbose: bool = False) -> int:
         except SystemExit as exc:  # a settings parser: --help, or a usage error reported on one line
             return int(exc.code or 0)
         except (UserError, ResourceError) as exc:
-            print(f"gqaify: error: {exc}", file=sys.stderr)
+            say(f"gqaify: error: {exc}")
             return 2 if isinstance(exc, UserError) else 1
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
             return _stopped(as_interrupt(exc))
@@ -37,9 +37,17 @@ def run_command(command: Callable[[], object], verbose: bool = False) -> int:
             if stop is not None:
                 return _stopped(stop)
             traceback.print_exc()
-            print("gqaify: internal error (a bug in gqaify, not in your input); please report it", file=sys.stderr)
+            say("gqaify: internal error (a bug in gqaify, not in your input); please report it")
             return 1
     return 0
+
+
+def say(line: str) -> None:
+    """Write `line` and its newline to stderr in one write: the processes of a launch that each say the same line
+    (a refusal every rank meets) never cut into each other's lines. `print` writes the text and the newline apart
+    where stderr is unbuffered (PYTHONUNBUFFERED, python -u); one write of up to PIPE_BUF bytes to a pipe is whole."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def quiet_transformers() -> None:
@@ -54,7 +62,7 @@ def _stopped(stop: Interrupted) -> int:
     appears whole or not at all; a run that leaves something, uptrain's checkpoints, the demo's finished steps,
     says so)."""
     what = "stopped by SIGTERM" if stop.signum == signal.SIGTERM else "interrupted"
-    print(f"gqaify: {what}; {str(stop) or 'nothing was written'}", file=sys.stderr)
+    say(f"gqaify: {what}; {str(stop) or 'nothing was written'}")
     return stop.exit_status
 
 
