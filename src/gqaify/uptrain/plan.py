@@ -141,8 +141,8 @@ def plan(s, launch: Launch) -> MemoryPlan:
         gathered = _gathered(student, compute) + _bytes(_largest_layer(student, trainable=True), 1, torch.float32)
         if teacher is not None and s.shard_teacher:
             gathered += _gathered(teacher, None)
-    # torch's fused AdamW updates in place; under FSDP gqaify's is the multi-tensor one (`train._optimizer`), whose
-    # update makes one temporary the size of the moments it updates
+    # torch's fused AdamW updates in place; under FSDP gqaify's is the multi-tensor one
+    # (`student.optimizer_and_schedule`), whose update makes one temporary the size of the moments it updates
     return MemoryPlan(
         launch=launch,
         student=_bytes(params, n, torch.float32),
@@ -175,8 +175,8 @@ def _model(config, dtype) -> torch.nn.Module:
 
 
 def _trainable_model(config, s, dtype=torch.float32) -> torch.nn.Module:
-    """The student set up as the run sets it up (`train.trainable_student`)."""
-    from gqaify.uptrain.train import trainable_student
+    """The student set up as the run sets it up (`student.trainable_student`)."""
+    from gqaify.uptrain.student import trainable_student
 
     return trainable_student(_model(config, dtype), s)[0]
 
@@ -215,7 +215,7 @@ def _activations(student_config, teacher_config, s, compute, n: int) -> int:
     grad_accum above 1 it is a later micro-batch's: the gradients are held already and the pass adds into them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gqaify.uptrain.train import _loss
+    from gqaify.uptrain.student import student_loss
 
     if s.trainable == "lora":  # peft cannot wrap fake tensors: the attention's own (its adapters' rank-r inputs
         s = dataclasses.replace(s, trainable="attention")  # are the projections' inputs, kept already)
@@ -241,7 +241,7 @@ def _activations(student_config, teacher_config, s, compute, n: int) -> int:
                         p.grad = torch.zeros_like(p)
                         live.shrink(p.grad, n)
                     p.register_post_accumulate_grad_hook(lambda p: live.shrink(p.grad, n))
-            loss, _ = _loss(student, teacher, batch, s, _NoAutocast())
+            loss, _ = student_loss(student, teacher, batch, s, _NoAutocast())
             loss.backward()
     return live.peak
 
@@ -289,7 +289,7 @@ class _Live(TorchDispatchMode):
 
 
 class _NoAutocast:
-    """The accelerator `_loss` is handed on fake tensors: the compute dtype is already the model's."""
+    """The accelerator `student_loss` is handed on fake tensors: the compute dtype is already the model's."""
 
     def autocast(self):
         return contextlib.nullcontext()

@@ -46,6 +46,7 @@ class Progress:
     tokens: int = 0  # training tokens consumed, all processes
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
+    seconds: float = 0.0  # training wall-clock, evaluations and checkpoints left out (the curve's x against time)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +77,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     """run.json of `out`, written if new; refuses a folder that holds another run or other files.
 
     Args:
-        data_sha256: the SHA-256 of the training data's tokens (`train._data`); a run recorded before run.json
+        data_sha256: the SHA-256 of the training data's tokens (`data.training_loader`); a run recorded before run.json
             held it is not compared.
 
     Raises:
