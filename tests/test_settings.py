@@ -453,7 +453,14 @@ def test_paths_with_a_newline_stay_on_one_line_of_what_eval_prints(capsys, sourc
 
 def test_uptrain_summary_paths_stay_on_one_line():
     result = types.SimpleNamespace(
-        steps=1, tokens=10, loss=1.0, eval_perplexity=None, final="a\nb", metrics="m\tx.csv", plot="p\n.png"
+        steps=1,
+        tokens=10,
+        loss=1.0,
+        eval_perplexity=None,
+        final="a\nb",
+        metrics="m\tx.csv",
+        plot="p\n.png",
+        forecast=None,
     )
     lines = format_uptrain_summary(result).splitlines()
     assert lines[1:] == ["  model           'a\\nb'", "  metrics         'm\\tx.csv', plot 'p\\n.png'"]

@@ -125,6 +125,8 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
                 str(tiny["eval"]),
                 "--eval_every",
                 "5",
+                "--eval_points",
+                "0",
                 "--parent",
                 str(tiny["parent"]),
                 "--log_to",
@@ -143,7 +145,7 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     assert result.parent_perplexity is not None
     with Image.open(out / "recovery.png") as image:
         image.load()  # decodes every pixel: a truncated or corrupt file raises here
-        assert (image.format, image.size) == ("PNG", (840, 540))  # 7 x 4.5 inches at 120 dpi
+        assert (image.format, image.size) == ("PNG", (1680, 504))  # 14 x 4.2 inches at 120 dpi
         assert ImageStat.Stat(image.convert("L")).stddev[0] > 10, "recovery.png is blank"
     assert (out / "metrics.csv").read_text().splitlines()[0] == "step,tokens,loss,lr,eval_perplexity"
     provenance = json.loads((out / "final" / "gqaify.json").read_text())
@@ -178,6 +180,8 @@ def test_eval_tasks_are_scored_at_each_evaluation_and_logged(tiny, tmp_path):
                 "8",
                 "--eval_every",
                 "10",
+                "--eval_points",
+                "0",
             )
         )
     )
@@ -966,7 +970,9 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_only_whole_check
     """It used to end in a traceback (exit 1), leaving run.json and metrics; now: one line, exit 1, the partial
     checkpoint removed, run.json claiming no completion, metrics whole, and a rerun resumes from what is left."""
     out = tmp_path / "run"
-    argv = args(tiny, out, "--save_every", "4", "--eval_data", str(tiny["eval"]), "--eval_every", "4")
+    argv = args(
+        tiny, out, "--save_every", "4", "--eval_data", str(tiny["eval"]), "--eval_every", "4", "--eval_points", "0"
+    )
     done = _uptrain_with(_FULL_ON_SECOND_SAVE, argv)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -289,3 +289,41 @@ def _cause(exc: BaseException) -> str:
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
     return one_line(exc)
+
+
+DOCUMENTS_PER_MAP = 1000  # documents tokenized and packed together; the remainder of each map batch is dropped
+
+
+def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: int, streaming: bool = False):
+    """`datasets` dataset of {"input_ids": (seq_len,)} blocks from `data`.
+
+    Raises:
+        UserError: the data cannot be loaded, or (not streaming) holds less than one block of tokens.
+    """
+    rows = load_rows(data, split, text_column, streaming=streaming, option="data")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the model's tokenizer has no EOS token to mark document ends; set tokenizer.eos_token")
+
+    def tokenize(batch: dict) -> dict:
+        texts = [t for t in batch[text_column] if isinstance(t, str) and t.strip()]
+        ids = tokenizer(texts, verbose=False)["input_ids"] if texts else []  # the tokenizer fails on no texts
+        return {"input_ids": [doc if doc[-1:] == [eos] else [*doc, eos] for doc in ids]}
+
+    def pack(batch: dict) -> dict:
+        stream = [token for doc in batch["input_ids"] for token in doc]
+        whole = len(stream) // seq_len * seq_len
+        return {"input_ids": [stream[i : i + seq_len] for i in range(0, whole, seq_len)]}
+
+    columns = rows.column_names or [text_column]
+    documents = rows.map(tokenize, batched=True, batch_size=DOCUMENTS_PER_MAP, remove_columns=columns)
+    blocks = documents.map(pack, batched=True, batch_size=DOCUMENTS_PER_MAP)
+    if streaming:
+        return blocks.with_format("torch")
+    if len(blocks) == 0:
+        tokens = sum(len(ids) for ids in documents["input_ids"]) if documents.num_rows else 0  # (no rows, no column)
+        raise UserError(
+            f"data {data} gives {tokens:,} tokens, less than one block of seq_len {seq_len}; "
+            "give more text or lower seq_len"
+        )
+    return blocks.with_format("torch")

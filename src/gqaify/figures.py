@@ -14,7 +14,11 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def figure(
-    path: str | os.PathLike, size: tuple[float, float], dpi: float = 120, save_dpi: float | str = "figure"
+    path: str | os.PathLike,
+    size: tuple[float, float],
+    dpi: float = 120,
+    save_dpi: float | str = "figure",
+    ncols: int = 1,
 ) -> Iterator[Axes]:
     """The axes of one figure, laid out and saved to `path` (PNG) when the block completes; closed either way.
 
@@ -22,15 +26,16 @@ def figure(
         size: width and height in inches.
         dpi: the resolution the figure is laid out at.
         save_dpi: the resolution of the saved image ("figure": `dpi`).
+        ncols: axes side by side: with more than one, a tuple of them is yielded.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=size, dpi=dpi)
+    fig, ax = plt.subplots(figsize=size, dpi=dpi, ncols=ncols)
     try:
-        yield ax
+        yield ax if ncols == 1 else tuple(ax)
         fig.tight_layout()
         fig.savefig(path, dpi=save_dpi)
     finally:

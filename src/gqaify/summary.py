@@ -57,6 +57,8 @@ def format_uptrain_summary(result) -> str:
     if result.eval_perplexity is not None:
         parent = f" (parent {result.parent_perplexity:.2f})" if result.parent_perplexity is not None else ""
         lines.append(f"  eval perplexity {result.eval_perplexity:.2f}{parent}")
+    if result.forecast is not None:
+        lines.append(f"  recovery        {result.forecast.sentence()}")
     lines.append(f"  model           {printable(result.final)}")
     plot = f", plot {printable(result.plot)}" if result.plot else ""
     lines.append(f"  metrics         {printable(result.metrics)}{plot}")

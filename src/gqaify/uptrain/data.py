@@ -13,51 +13,25 @@ resumed run skips the batches it already consumed, so it sees exactly the data a
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import logging
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Sampler
 
-from gqaify.corpora import STORED
-from gqaify.data import load_rows
+from gqaify.corpora import STORED, corpus_record
+from gqaify.data import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks
 from gqaify.errors import UserError
+from gqaify.models import load_config
 
-DOCUMENTS_PER_MAP = 1000  # documents tokenized and packed together; the remainder of each map batch is dropped
+if TYPE_CHECKING:
+    from gqaify.uptrain.settings import UptrainSettings
 
-
-def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: int, streaming: bool = False):
-    """`datasets` dataset of {"input_ids": (seq_len,)} blocks from `data`.
-
-    Raises:
-        UserError: the data cannot be loaded, or (not streaming) holds less than one block of tokens.
-    """
-    rows = load_rows(data, split, text_column, streaming=streaming, option="data")
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise UserError("the model's tokenizer has no EOS token to mark document ends; set tokenizer.eos_token")
-
-    def tokenize(batch: dict) -> dict:
-        texts = [t for t in batch[text_column] if isinstance(t, str) and t.strip()]
-        ids = tokenizer(texts, verbose=False)["input_ids"] if texts else []  # the tokenizer fails on no texts
-        return {"input_ids": [doc if doc[-1:] == [eos] else [*doc, eos] for doc in ids]}
-
-    def pack(batch: dict) -> dict:
-        stream = [token for doc in batch["input_ids"] for token in doc]
-        whole = len(stream) // seq_len * seq_len
-        return {"input_ids": [stream[i : i + seq_len] for i in range(0, whole, seq_len)]}
-
-    columns = rows.column_names or [text_column]
-    documents = rows.map(tokenize, batched=True, batch_size=DOCUMENTS_PER_MAP, remove_columns=columns)
-    blocks = documents.map(pack, batched=True, batch_size=DOCUMENTS_PER_MAP)
-    if streaming:
-        return blocks.with_format("torch")
-    if len(blocks) == 0:
-        tokens = sum(len(ids) for ids in documents["input_ids"]) if documents.num_rows else 0  # (no rows, no column)
-        raise UserError(
-            f"data {data} gives {tokens:,} tokens, less than one block of seq_len {seq_len}; "
-            "give more text or lower seq_len"
-        )
-    return blocks.with_format("torch")
+LOG = logging.getLogger(__name__)
 
 
 def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = False, vocab_size: int | None = None):
@@ -65,16 +39,24 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
     blocks from a corpus written by `gqaify generate --top-logprobs K`: its token ids as the parent sampled them
     (each document already ends with EOS) and the parent's top-k at every position, packed as `packed_blocks`
     packs text. At a document's last position the stored top-k is the parent's guess past the end (it read that
-    document alone), where a teacher running on the block would read the next document's first token.
+    document alone), where a teacher running on the block would read the next document's first token. A corpus of
+    scored text (`gqaify generate --score-data`) holds blocks already, each scored as the live teacher scores it:
+    seq_len must be its --length.
 
     Args:
         vocab_size: the model's vocabulary, which every stored id must fall in.
 
     Raises:
         UserError: the data holds no stored log-probabilities, or (not streaming) less than one block; a corpus
-            that is incomplete or damaged (`gqaify.corpora`).
+            that is incomplete or damaged (`gqaify.corpora`); scored text in blocks of another length than seq_len.
     """
     rows = load_rows(data, split, None, streaming=streaming, option="data", vocab_size=vocab_size)
+    scored = (corpus_record(Path(data).expanduser()) or {}).get("settings", {})
+    if scored.get("score_data") and scored.get("length") != seq_len:
+        raise UserError(
+            f"data {data} is text scored in blocks of {scored.get('length')} tokens, so that each block is read as "
+            f"the live teacher reads it; set seq_len {scored.get('length')}, or score it again with --length {seq_len}"
+        )
     columns = rows.column_names
     if columns is not None and not set(STORED) <= set(columns):
         raise UserError(
@@ -137,3 +119,62 @@ class EpochSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         yield from torch.randperm(self.num_blocks, generator=generator)[: len(self)].tolist()
+
+
+def training_loader(s: UptrainSettings, tokenizer, accelerator):
+    """(DataLoader of packed blocks, optimizer steps in the budget, SHA-256 of the blocks' tokens: all of them, or
+    when streaming the first step's, which are all that is read before training).
+
+    Raises:
+        UserError: the budget is less than one step, or the data packs into fewer blocks than one step needs.
+    """
+    from torch.utils.data import DataLoader
+
+    sources = named_texts(s.data)
+    with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
+        if s.distill_from_data:
+            vocab = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code).vocab_size
+            blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming, vocab) for t in sources]
+        else:
+            blocks = [
+                packed_blocks(t.source, s.split, s.text_column, tokenizer, s.seq_len, s.streaming) for t in sources
+            ]
+        if len(blocks) == 1:
+            blocks = blocks[0]
+        else:
+            blocks, counts = mixed(blocks, s.data_weights, s.seed)
+            if counts is not None:
+                LOG.info("data: %s", ", ".join(f"{t.name} {n:,} blocks" for t, n in zip(sources, counts, strict=True)))
+    tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
+    steps = s.budget() // tokens_per_step
+    if steps < 1:
+        raise UserError(
+            f"the budget of {s.budget():,} tokens is less than one optimizer step of {tokens_per_step:,} "
+            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+        )
+    blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
+    if s.streaming:  # the size is unknown: read as far as one step needs
+        head = [block["input_ids"] for block in itertools.islice(blocks, blocks_per_step)]
+        if (found := len(head)) < blocks_per_step:
+            raise UserError(
+                f"data {' '.join(s.data)} packs into {found} blocks of {s.seq_len} tokens, fewer than one step's "
+                f"{blocks_per_step}; give more text, or lower seq_len or the batch"
+            )
+        shuffled = blocks.shuffle(seed=s.seed, buffer_size=10_000)
+        return DataLoader(shuffled, batch_size=s.micro_batch_size, drop_last=True), steps, tokens_sha256(head)
+    if len(blocks) < blocks_per_step:
+        raise UserError(
+            f"data {' '.join(s.data)} packs into {len(blocks)} blocks of {s.seq_len} tokens, fewer than one step's "
+            f"{blocks_per_step}; give more text, or lower seq_len or the batch"
+        )
+    sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
+    loader = DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True)
+    return loader, steps, tokens_sha256(batch["input_ids"] for batch in blocks.iter(batch_size=1024))
+
+
+def tokens_sha256(ids) -> str:
+    """SHA-256 of token ids (tensors of them, in order, as int64): what run.json records of the data."""
+    digest = hashlib.sha256()
+    for t in ids:
+        digest.update(t.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()

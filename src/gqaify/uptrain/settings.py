@@ -148,7 +148,20 @@ class UptrainSettings(MethodSettings):
     eval_split: str = setting("test", "split of eval_data")
     eval_tokens: int = setting(16384, "evaluate on the first N tokens of each eval_data text", check=POSITIVE)
     eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)", check=POSITIVE)
-    eval_every: int = setting(0, "evaluate every N steps (0: at start and end only)", check=Range(0))
+    eval_every: int = setting(
+        0, "also evaluate every N steps (0: only at the start and the eval_points)", check=Range(0)
+    )
+    eval_points: int = setting(
+        8,
+        "evaluations after the start, at steps spaced evenly in log(tokens), the last at the end: the recovery curve "
+        "(recovery.png, recovery.md) and its forecast (0: the end only)",
+        check=Range(0),
+    )
+    target_kl: float = setting(
+        0.15,
+        "mean KL to the parent (nats/token over eval_data) the recovery forecast says how many more tokens reach",
+        check=Range(0, low_open=True),
+    )
     eval_tasks: list[str] = setting(
         [], "lm-evaluation-harness tasks scored at each evaluation, logged to metrics (needs gqaify[tasks])"
     )
@@ -238,6 +251,8 @@ class UptrainSettings(MethodSettings):
 RESUMABLE_CHANGES = frozenset(
     {
         "eval_every",
+        "eval_points",
+        "target_kl",
         "save_every",
         "save_total_limit",
         "log_every",

@@ -1,0 +1,103 @@
+"""The recovery curve: where a run evaluates, the power law fitted to its points, and the forecast it gives, checked
+against synthetic curves whose law is known; and the curve a real run draws."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from PIL import Image
+
+from gqaify.uptrain import parse
+from gqaify.uptrain import run as uptrain
+from gqaify.uptrain.curve import CurvePoint, eval_steps, fit_power_law, forecast, read_forecast
+from gqaify.uptrain.report import read_metrics
+from helpers import uptrain_args as args
+
+
+def law(scale: float, exponent: float, tokens: list[int], noise: float = 0.0, seed: int = 0) -> list[CurvePoint]:
+    """Points on KL = scale · t^-exponent, each multiplied by exp(N(0, noise)) from a seeded generator."""
+    rng = random.Random(seed)
+    return [
+        CurvePoint(t, t / 100, scale * t**-exponent * math.exp(rng.gauss(0, noise)), None, {"a": 1.0}) for t in tokens
+    ]
+
+
+TOKENS = [1_000 * 2**k for k in range(8)]
+
+
+def test_evaluations_are_spaced_evenly_in_log_tokens_and_end_at_the_last_step():
+    steps = eval_steps(1000, 3)
+    assert steps == [10, 100, 1000]
+    assert eval_steps(20, 8) == sorted({max(1, round(20 ** (k / 8))) for k in range(1, 9)})
+    assert eval_steps(20, 8)[-1] == 20 and len(eval_steps(20, 8)) == len(set(eval_steps(20, 8)))
+    assert eval_steps(3, 8) == [1, 2, 3]  # steps that round alike are one evaluation
+    assert eval_steps(50, 0) == [50]  # no points: the end alone
+
+
+def test_the_fit_recovers_an_exact_power_law():
+    found = fit_power_law([p.tokens for p in law(3.0, 0.3, TOKENS)], [p.mean_kl for p in law(3.0, 0.3, TOKENS)])
+    assert found.exponent == pytest.approx(0.3, abs=1e-12) and found.exponent_se == pytest.approx(0, abs=1e-12)
+    assert found.at(10**6) == pytest.approx(3.0 * 1e6**-0.3, rel=1e-12)
+    assert found.tokens_for(0.1) == pytest.approx((3.0 / 0.1) ** (1 / 0.3), rel=1e-9)
+
+
+def test_the_forecast_of_an_exact_law_is_its_solution():
+    points = law(3.0, 0.3, TOKENS)
+    found = forecast(points, 0.05)
+    assert found.status == "on track"
+    expected = (3.0 / 0.05) ** (1 / 0.3) - TOKENS[-1]  # tokens where 3 t^-0.3 = 0.05, less those seen
+    assert found.tokens_to_target == pytest.approx(expected, rel=1e-6)
+    assert found.tokens_to_target_low == pytest.approx(expected, rel=1e-6)  # no spread: the points are on the line
+    assert found.tokens_to_target_high == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_noisy_law_is_recovered_within_its_stated_uncertainty():
+    truth = (2.0 / 0.2) ** (1 / 0.15) - TOKENS[-1]  # more tokens until 2 t^-0.15 = 0.2
+    exponents = ranges = 0
+    for seed in range(40):  # seeded: the same 40 curves on every machine
+        points = law(2.0, 0.15, TOKENS, noise=0.03, seed=seed)
+        found = forecast(points, 0.2)
+        exponents += abs(found.law.exponent - 0.15) <= 2 * found.law.exponent_se
+        assert found.tokens_to_target_low < found.tokens_to_target < found.tokens_to_target_high
+        ranges += found.tokens_to_target_low <= truth <= found.tokens_to_target_high
+    # ± 2 standard errors covers ~91% with 6 degrees of freedom (Student's t): 200 seeds gave 93%
+    assert exponents >= 34 and ranges >= 34
+
+
+def test_a_flat_curve_is_said_to_have_flattened():
+    points = law(1.0, 0.0, TOKENS, noise=0.02, seed=3)
+    found = forecast(points, 0.1)
+    assert found.status == "flattened" and found.tokens_to_target is None
+    assert "flattened" in found.sentence()
+
+
+def test_a_reached_target_too_few_points_and_no_teacher_are_said_so():
+    assert forecast(law(3.0, 0.3, TOKENS), 10.0).status == "reached"
+    assert forecast(law(3.0, 0.3, TOKENS[:2]), 0.1).status == "too few points"
+    blind = [CurvePoint(t, 0.0, None, None, {"a": 5.0}) for t in TOKENS]
+    assert forecast(blind, 0.1).status == "no teacher"
+
+
+def test_a_run_draws_its_curve_and_reads_its_forecast_back_typed(tiny, tmp_path):
+    out = tmp_path / "run"
+    settings = parse(
+        args(tiny, out, "--eval_data", str(tiny["eval"]), "--distill_from", str(tiny["parent"]), "--eval_points", "4")
+    )
+    result = uptrain(settings)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "eval_perplexity" in r]
+    assert [r["step"] for r in rows] == [0, *eval_steps(20, 4)]  # 20 steps: 1280 tokens / 64 per step
+    seconds = [r["train_seconds"] for r in rows]
+    assert seconds[0] == 0 and all(b > a for a, b in zip(seconds, seconds[1:], strict=False))
+    found = read_forecast(out)
+    assert found == result.forecast and [p.tokens for p in found.points] == [r["tokens"] for r in rows]
+    assert [p.mean_kl for p in found.points] == [r["eval_kl"] for r in rows]
+    assert found.target_kl == 0.15 and found.status in {"on track", "flattened", "reached"}
+    assert json.loads((out / "recovery.json").read_text())["status"] == found.status
+    report = (out / "recovery.md").read_text()
+    assert found.sentence() in report and report.count("\n| ") == len(rows) + 1  # the header and a row a point
+    with Image.open(out / "recovery.png") as image:
+        image.load()
+        assert (image.format, image.size) == ("PNG", (1680, 504))  # 14 x 4.2 inches at 120 dpi
