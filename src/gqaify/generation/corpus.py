@@ -19,6 +19,7 @@ Every reader refuses a corpus that is incomplete or not as its record says (`gqa
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from gqaify.corpora import KIND, SHARDS, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
+from gqaify.generation.scoring import ScoredText, length_problem, score_shard
 from gqaify.generation.settings import GenerateSettings
 from gqaify.logs import muted
 from gqaify.models import device_problem, resolve_device
@@ -124,17 +126,26 @@ def _generate_into(
         return Corpus(out, shards, shards * s.batch_size, found, shards)
     processes.on_main(lambda: raise_if_problems(space_problem(out, _bytes_needed(s, out, known))))
     parent = _load(s, processes)
-    prompts = _prompt_ids(s, parent.tokenizer, lines)
-    _check_positions(s, parent.model, prompts)
     if s.top_logprobs > (vocab := parent.model.config.vocab_size):
         raise UserError(
             f"--top-logprobs {s.top_logprobs} is more than the {vocab:,} tokens of {s.model}'s "
             f"vocabulary; give {vocab:,} or fewer"
         )
+    if s.score_data:
+        raise_if_problems(problems_in(length_problem(s, parent.model)))
+        scored = processes.on_main(lambda: ScoredText.read(s, parent.tokenizer))  # tokenized once, shared
+        _check_scored_text(out, record, s, scored)
+        rows_of = functools.partial(score_shard, parent, scored, s, digits=LOGPROB_DIGITS)
+    else:
+        prompts = _prompt_ids(s, parent.tokenizer, lines)
+        _check_positions(s, parent.model, prompts)
+        rows_of = functools.partial(_sample_shard, parent, prompts, s)
     if record is None:
         record = {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
         if prompts_sha256 is not None:
             record["prompts_sha256"] = prompts_sha256  # what a resumed run's --prompts must still hold
+        if s.score_data:
+            record["score_sha256"] = scored.sha256  # what a resumed run's --score-data must still give
 
     def begin() -> None:  # the record before any shard
         out.mkdir(parents=True, exist_ok=True)
@@ -143,10 +154,20 @@ def _generate_into(
 
     processes.on_main(begin)
     resumed_from = shards
-    shards, samples, tokens = _sample_into(out, record, parent, prompts, s, known, processes)
+    shards, samples, tokens = _sample_into(out, record, rows_of, s, known, processes)
     if processes.main:
         _write_record(out, record, s, shards, samples, tokens, complete=True)
     return Corpus(out, shards, samples, tokens, resumed_from)
+
+
+def _check_scored_text(out: Path, record: dict | None, s: GenerateSettings, scored: ScoredText) -> None:
+    """Refuses to go on with a corpus whose --score-data gives other tokens now than when it began."""
+    then = (record or {}).get("score_sha256")
+    if then is not None and then != scored.sha256:
+        raise UserError(
+            f"--score-data {' '.join(s.score_data)} gives other tokens than when {out} began (SHA-256 {then[:12]}... "
+            f"then, {scored.sha256[:12]}... now); put its text back to go on, or choose another OUT for the new text"
+        )
 
 
 def _finish_record(out: Path, record: dict, s: GenerateSettings, shards: int, tokens: int) -> None:
@@ -176,9 +197,10 @@ def _bytes_needed(s: GenerateSettings, out: Path, known: dict[int, int]) -> int:
 
 
 def _sample_into(
-    out: Path, record: dict, parent: Parent, prompts, s: GenerateSettings, known: dict[int, int], processes: Processes
+    out: Path, record: dict, rows_of, s: GenerateSettings, known: dict[int, int], processes: Processes
 ) -> tuple[int, int, int]:
-    """Sample the shards missing from `known` (index: tokens), in rounds of one per process, until shards 0..n-1
+    """Write the shards missing from `known` (index: tokens; `rows_of(index)` makes one: sampled, or scored with
+    --score-data), in rounds of one per process, until shards 0..n-1
     hold `s.tokens`; the main process then removes any shard past n (a last round's, or a killed run's). Returns
     (shards, samples, tokens) in OUT: what one process sampling from shard 0 would have written."""
     bar = tqdm(
@@ -194,7 +216,7 @@ def _sample_into(
             mine = todo[processes.rank] if processes.rank < len(todo) else None
             written = None
             if mine is not None:
-                rows = _sample_shard(parent, prompts, s, mine)
+                rows = rows_of(mine)
                 _write_shard(out, mine, rows)
                 written = sum(r["tokens"] for r in rows)
             known.update((index, tokens) for index, tokens in processes.gather((mine, written)) if index is not None)

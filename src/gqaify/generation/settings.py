@@ -5,8 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gqaify.data import named_texts_problem
 from gqaify.dtypes import DtypeName
-from gqaify.settings import QUIET, SEED, Excludes, Limit, Needs, Positional, Range, Settings, Stage, recorded, setting
+from gqaify.settings import (
+    QUIET,
+    SEED,
+    Excludes,
+    Limit,
+    Needs,
+    OnePerItem,
+    Positional,
+    Range,
+    Settings,
+    Stage,
+    recorded,
+    setting,
+)
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
@@ -65,6 +79,21 @@ class GenerateSettings(Settings):
         "sample, so that uptrain's distill_from_data needs no teacher (0: text only)",
         check=(Range(0), Limit(TOP_LOGPROBS_MAX, "each kept costs 8 bytes or more at every position stored")),
     )
+    score_data: list[str] = setting(
+        [],
+        "score this text instead of sampling: its documents packed in blocks of --length tokens as uptrain packs "
+        "them, each block scored by the parent in one forward pass and stored with its top --top-logprobs K, so "
+        "that uptrain's distill_from_data trains on it with no teacher (seq_len = --length); several "
+        "(NAME=SOURCE) make a mixture, each block drawn from a source by --score-weights",
+        check=named_texts_problem,
+    )
+    score_weights: list[float] | None = setting(
+        None,
+        "one weight per --score-data source: the chance that a block comes from it",
+        check=OnePerItem("score_data"),
+    )
+    score_split: str = setting("train", "split of --score-data")
+    score_text_column: str = setting("text", "column of --score-data holding the text")
     seed: int = setting(0, "seed: the same seed and settings write the same tokens", check=SEED)
     dtype: DtypeName = setting("auto", "model dtype (auto: the config's; a .gguf: float32)")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
@@ -74,7 +103,24 @@ class GenerateSettings(Settings):
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (their declarations'); `generate_corpus` adds --device and
         what OUT, the prompts and the model say."""
-        return GENERATE.declared_problems(self)
+        problems = GENERATE.declared_problems(self)
+        if self.score_data:
+            sampling = {
+                "--prompts": self.prompts is not None,
+                "--chat": self.chat,
+                "--start": self.start != "bos",
+                "--greedy-tokens": self.greedy_tokens != 0,
+                "--temperature": self.temperature != 1,
+                "--top-p": self.top_p != 1,
+            }
+            problems += [
+                f"{flag} chooses how the parent samples, and --score-data samples nothing; drop {flag}"
+                for flag, given in sampling.items()
+                if given
+            ]
+            if not self.top_logprobs:
+                problems.append("--score-data stores the parent's top-K at every position; give --top-logprobs K")
+        return problems
 
     def identity(self) -> dict:
         """The settings that decide the tokens written: a resumed corpus must have the same."""

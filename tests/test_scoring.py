@@ -1,0 +1,125 @@
+"""Text the user has, scored by the parent once (`gqaify generate --score-data`): the stored top-K equals the live
+teacher's on the same tokens, and a run from it trains as a run with the live teacher does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gqaify.data import packed_blocks
+from gqaify.generation.settings import GenerateSettings
+from gqaify.generation.corpus import generate_corpus
+from gqaify.uptrain import parse
+from gqaify.uptrain import run as uptrain
+from gqaify.uptrain.report import read_metrics
+from helpers import run_cli
+from helpers import uptrain_args as args
+
+
+def scored(
+    tiny, out, *sources, tokens: int, k: int = 8, length: int = 16, batch_size: int = 2, **extra
+) -> GenerateSettings:
+    settings = GenerateSettings(
+        model=str(tiny["parent"]),
+        out=str(out),
+        score_data=[str(s) for s in sources],
+        tokens=tokens,
+        length=length,
+        batch_size=batch_size,
+        top_logprobs=k,
+        progress=False,
+        **extra,
+    )
+    generate_corpus(settings)
+    return settings
+
+
+def rows_of(out) -> list[dict]:
+    return [json.loads(line) for path in sorted((out / "data").iterdir()) for line in path.read_text().splitlines()]
+
+
+def test_stored_top_k_of_a_text_equals_the_live_teachers(tiny, tmp_path):
+    out = tmp_path / "scored"
+    scored(tiny, out, tiny["train"], tokens=160)
+    tokenizer = AutoTokenizer.from_pretrained(tiny["parent"])
+    blocks = packed_blocks(str(tiny["train"]), "train", "text", tokenizer, 16)
+    rows = rows_of(out)
+    assert len(rows) == 10 and all(r["tokens"] == 16 for r in rows)  # 160 tokens: 5 shards of 2 blocks
+    parent = AutoModelForCausalLM.from_pretrained(tiny["parent"])
+    for g, row in enumerate(rows):
+        assert row["input_ids"] == blocks[g]["input_ids"].tolist()  # one source: its blocks in order
+        with torch.no_grad():
+            logits = parent(input_ids=torch.tensor([row["input_ids"]])).logits[0]
+        live, ids = torch.log_softmax(logits, -1).topk(8, dim=-1)
+        assert row["top_ids"] == ids.tolist()
+        torch.testing.assert_close(torch.tensor(row["top_logprobs"]), live, rtol=0, atol=6e-6)  # 5 decimals kept
+    record = json.loads((out / "gqaify.json").read_text())
+    assert record["complete"] and record["tokens"] == 160 and len(record["score_sha256"]) == 64
+
+
+def test_a_mixture_is_drawn_by_its_weights_and_the_same_settings_write_the_same_bytes(tiny, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("Once upon a time a small robot learned to sing. " * 40)
+    first = scored(tiny, tmp_path / "a", f"wiki={tiny['train']}", f"story={other}", tokens=640, score_weights=[3, 1])
+    scored(tiny, tmp_path / "b", f"wiki={tiny['train']}", f"story={other}", tokens=640, score_weights=[3, 1])
+    assert (tmp_path / "a" / "data").iterdir() and all(
+        (tmp_path / "a" / "data" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "b" / "data").iterdir()
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny["parent"])
+    story = {tuple(b["input_ids"].tolist()) for b in packed_blocks(str(other), "train", "text", tokenizer, 16)}
+    wiki = {tuple(b["input_ids"].tolist()) for b in packed_blocks(str(tiny["train"]), "train", "text", tokenizer, 16)}
+    rows = rows_of(tmp_path / "a")
+    from_story = sum(tuple(r["input_ids"]) in story for r in rows)
+    assert all(tuple(r["input_ids"]) in story | wiki for r in rows) and len(rows) == 40
+    assert 4 <= from_story <= 17  # a quarter of 40 expected: 10 (the draw is seeded, the bounds are 3 sigma)
+    assert first.score_weights == [3, 1]
+
+
+def test_a_run_from_scored_text_trains_as_a_run_with_the_live_teacher(tiny, tmp_path):
+    """With K the whole vocabulary the stored KL is the full KL: the two runs see the same blocks in the same
+    order and must agree step by step, within the 5 decimals a stored log-probability keeps."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny["parent"])
+    blocks = len(packed_blocks(str(tiny["train"]), "train", "text", tokenizer, 16))
+    corpus = tmp_path / "scored"
+    # every block once (shards of one), each with the whole of the tiny parent's vocabulary
+    scored(tiny, corpus, tiny["train"], tokens=blocks * 16, k=320, batch_size=1)
+    live = tmp_path / "live"
+    stored = tmp_path / "stored"
+    budget = ("--max_tokens", "256", "--eval_points", "0")
+    uptrain(parse(args(tiny, live, "--distill_from", str(tiny["parent"]), *budget)))
+    uptrain(parse(_stored_args(tiny, stored, corpus, budget)))
+    losses = [[r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] for run in (live, stored)]
+    assert len(losses[0]) == 4
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    for name, tensor in AutoModelForCausalLM.from_pretrained(live / "final").state_dict().items():
+        trained = AutoModelForCausalLM.from_pretrained(stored / "final").state_dict()[name]
+        torch.testing.assert_close(trained, tensor, rtol=1e-3, atol=1e-5)
+
+
+def _stored_args(tiny, out, corpus, budget) -> list[str]:
+    argv = args(tiny, out, "--distill_from_data", *budget)
+    argv[argv.index("--data") + 1] = str(corpus)
+    return argv
+
+
+def test_scoring_refuses_sampling_options_and_more_tokens_than_the_text_holds(tiny, tmp_path, capsys):
+    code, err = run_cli(capsys, "generate", tiny["parent"], tmp_path / "x", "--score-data", tiny["train"], "--chat")
+    assert code == 2 and "--chat chooses how the parent samples" in err and "--top-logprobs K" in err
+    assert not (tmp_path / "x").exists()
+    code, err = run_cli(
+        capsys, "generate", tiny["parent"], tmp_path / "y", "--score-data", tiny["train"], "--top-logprobs", "4",
+        "--length", "16", "--tokens", "10000000", "--no-progress",
+    )  # fmt: skip
+    assert code == 2 and "more than the" in err and "lower --tokens" in err and not (tmp_path / "y").exists()
+
+
+def test_uptrain_refuses_scored_text_read_in_other_blocks(tiny, tmp_path):
+    corpus = tmp_path / "scored"
+    scored(tiny, corpus, tiny["train"], tokens=64)
+    argv = _stored_args(tiny, tmp_path / "run", corpus, ("--seq_len", "8"))
+    with pytest.raises(Exception, match="scored in blocks of 16 tokens.*set seq_len 16"):
+        uptrain(parse(argv))
+    assert not (tmp_path / "run").exists()
