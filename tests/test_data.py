@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import build_model, save_with_tokenizer
-from gqaify.data import load_text
+from gqaify.data import load_text, named_texts
 from gqaify.errors import UserError
 from helpers import NOT_CACHED, one_line_refusal
 
@@ -48,7 +48,18 @@ def test_hub_name_and_config(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_text("Salesforce/wikitext:wikitext-2-raw-v1", split="test").text == "a\n\n\n\nb"
     load_text("someone/corpus", split="validation")
-    assert calls == [("Salesforce/wikitext", "wikitext-2-raw-v1", "test"), ("someone/corpus", None, "validation")]
+    load_text("Salesforce/wikitext:wikitext-2-raw-v1@validation", split="test")  # a source's own split wins
+    load_text("someone/corpus@train", split="test")
+    assert calls == [
+        ("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
+        ("someone/corpus", None, "validation"),
+        ("Salesforce/wikitext", "wikitext-2-raw-v1", "validation"),
+        ("someone/corpus", None, "train"),
+    ]
+    assert [t.name for t in named_texts(["Salesforce/wikitext:wikitext-2-raw-v1@validation", "a/b@train"])] == [
+        "wikitext",
+        "b",
+    ]
 
 
 def test_mixed_folder_is_refused(tmp_path):

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gqaify.data import packed_blocks
-from gqaify.generation.settings import GenerateSettings
 from gqaify.generation.corpus import generate_corpus
+from gqaify.generation.settings import GenerateSettings
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.report import read_metrics

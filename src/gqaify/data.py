@@ -52,7 +52,7 @@ def _default_name(source: str) -> str:
     path = Path(source).expanduser()
     if path.suffix in _BUILDERS or path.exists():
         return path.stem or path.name or source
-    return source.split(":")[0].rsplit("/", 1)[-1] or source  # a hub dataset: its name without owner or config
+    return source.split("@")[0].split(":")[0].rsplit("/", 1)[-1] or source  # a hub dataset: no owner, config, split
 
 
 def named_texts(values: list[str]) -> list[NamedText]:
@@ -145,7 +145,8 @@ def load_rows(
 
 
 def _load_hub(data: str, split: str, streaming: bool, option: str):
-    """The hub dataset `name[:config]`: from the hub, or from `datasets`' cache where the hub does not answer.
+    """The hub dataset `name[:config][@split]` (its own split, where a mixture's sources need different ones, else
+    `split`): from the hub, or from `datasets`' cache where the hub does not answer.
 
     Raises:
         UserError: the hub does not answer and the dataset is not in the cache (a streamed one never is).
@@ -154,7 +155,9 @@ def _load_hub(data: str, split: str, streaming: bool, option: str):
 
     from gqaify.hub import offline_unless_reachable
 
+    data, _, own_split = data.partition("@")
     name, _, config = data.partition(":")
+    split = own_split or split
     with offline_unless_reachable() as why:
         if why is not None and streaming:
             raise _unreachable(data, option, why)

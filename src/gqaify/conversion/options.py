@@ -268,7 +268,7 @@ class MethodSettings(Settings):
     )
     calib_data: list[str] | None = setting(
         None,
-        "calibration text (file, folder or hub name[:config]) for aligned, lsq and similarity, and the "
+        "calibration text (file, folder or hub name[:config][@split]) for aligned, lsq and similarity, and the "
         "per-layer fit error; several (NAME=SOURCE or SOURCE) make a mixture, their windows interleaved; use text "
         "other than your eval text",
         check=named_texts_problem,

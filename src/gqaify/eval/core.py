@@ -48,7 +48,7 @@ def evaluate(
     `out` (`run` with these in the settings).
 
     Args:
-        data: a text (file, folder or hub name[:config]) or several, each `NAME=SOURCE` or SOURCE alone.
+        data: a text (file, folder or hub name[:config][@split]) or several, each `NAME=SOURCE` or SOURCE alone.
         settings: the other fields of `EvalSettings`; its models, data and out, if set, must be these.
 
     Raises:

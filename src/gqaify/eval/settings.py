@@ -20,7 +20,7 @@ class EvalSettings(Settings):
     )
     data: list[str] = setting(
         [],
-        "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config], named "
+        "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config][@split], named "
         "NAME=SOURCE or by its file's stem; several make a panel: each reported, with the mean and worst",
         required=True,
         check=named_texts_problem,

@@ -67,7 +67,7 @@ class UptrainSettings(MethodSettings):
     # -- the data
     data: list[str] = setting(
         [],
-        "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config]; several (NAME=SOURCE or "
+        "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config][@split]; several (NAME=SOURCE or "
         "SOURCE) make a mixture, each block drawn from a source by data_weights",
         required=True,
         check=named_texts_problem,
