@@ -2,7 +2,9 @@
 more tokens that trend says a KL target needs.
 
     evaluations   at the start and at `eval_points` steps spaced evenly in log(tokens): 1, 2, 4, 9, 19, 40 ...
-    the trend     log KL = log KL(t̄) - b (log t - log t̄), fitted by least squares to every point with t > 0
+    the trend     log KL = log KL(t̄) - b (log t - log t̄), fitted by least squares to the points after the
+                  highest one since training began (the first steps often disturb the converted model before
+                  it recovers: that rise is not the trend)
                   (a power law, KL ∝ t^-b: a straight line on log-log axes, as recovery curves are drawn)
     the forecast  tokens where the line meets the target KL; its range where the line's band of ± 2 standard
                   errors (of the line at that point: its level and its slope both uncertain) meets it. A slope whose
@@ -152,11 +154,14 @@ class Forecast:
         if self.status == "no teacher":
             return "no recovery forecast: the mean KL needs a teacher (distill_from or parent) and eval_data"
         if self.status == "too few points":
-            return f"no recovery forecast yet: {MIN_POINTS} evaluations after the start are needed to fit a trend"
+            return (
+                f"no recovery forecast yet: {MIN_POINTS} evaluations after the curve's highest point are needed to "
+                "fit a trend"
+            )
         if self.status == "reached":
             return f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens: the target {target} is reached"
         law = self.law
-        trend = f"KL ∝ tokens^-{law.exponent:.3f} ± {law.exponent_se:.3f} over {law.points} points"
+        trend = f"KL ∝ tokens^{-law.exponent:.3f} (± {law.exponent_se:.3f}) over {law.points} points"
         if self.status == "flattened":
             return (
                 f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens; the trend has flattened ({trend}): "
@@ -182,7 +187,10 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
         return made("no teacher")
     if last is not None and last <= target_kl:
         return made("reached")
-    law = fit_power_law([t for t, _ in kls], [k for _, k in kls])
+    trained = [(t, k) for t, k in kls if t > 0]
+    peak = max(range(len(trained)), key=lambda i: trained[i][1], default=0)
+    falling = trained[peak + 1 :]  # the recovery after the first steps' disturbance, if there was one
+    law = fit_power_law([t for t, _ in falling], [k for _, k in falling])
     if law is None:
         return made("too few points")
     if law.exponent - SPREAD * law.exponent_se <= 0:

@@ -4,7 +4,6 @@ mean KL and worst ratio to the parent) and lm-evaluation-harness task scores, lo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,13 +13,12 @@ from gqaify.models import load_model
 from gqaify.uptrain.curve import draw_curve
 from gqaify.uptrain.settings import UptrainSettings
 
-if TYPE_CHECKING:
-    from gqaify.uptrain.train import _Loop, _Run
 
-
-def evaluator(run: _Run, loop: _Loop, texts: dict[str, torch.Tensor] | None, harness, tokenizer):
-    """A function that logs the eval perplexity and KL (with eval_data, on the tokens of each of its `texts`:
-    `_panel_row`) and task scores (with eval_tasks, through `harness`) at the current step, or None without either.
+def evaluator(run, loop, texts: dict[str, torch.Tensor] | None, harness, tokenizer):
+    """For the run (`train._Run`) and its loop (`train._Loop`), a function that logs the eval perplexity and KL
+    (with eval_data, on the tokens of each of its `texts`: `_panel_row`) and task scores (with eval_tasks, through
+    `harness`) at the current step, or None without either; after each evaluation the main process draws the
+    recovery curve (`curve.draw_curve`).
 
     The parent's perplexity on the same tokens is measured once per run and kept in run.json. Every process
     scores the tasks on its model (under FSDP each forward pass needs them all); the main one logs them as
