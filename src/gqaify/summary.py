@@ -78,7 +78,8 @@ def format_corpus_summary(corpus) -> str:
         resumed = f" (resumed after shard {corpus.resumed_from})" if corpus.resumed_from else ""
     return "\n".join(
         [
-            f"sampled {corpus.tokens:,} tokens in {corpus.samples:,} samples, {corpus.shards} shard(s){resumed}",
+            f"{'scored' if corpus.scored else 'sampled'} {corpus.tokens:,} tokens in {corpus.samples:,} "
+            f"{'blocks' if corpus.scored else 'samples'}, {corpus.shards} shard(s){resumed}",
             f"  saved to        {printable(corpus.out)}",
             "  use it as       --calib-data OUT, uptrain's data: OUT, gqaify eval --data OUT, datasets.load_dataset",
         ]

@@ -62,8 +62,9 @@ class Corpus:
     out: Path
     shards: int
     samples: int
-    tokens: int  # the parent's new tokens, prompts not counted
+    tokens: int  # the parent's new tokens, prompts not counted (with --score-data: the tokens scored)
     resumed_from: int  # shards found on disk when this run started
+    scored: bool = False  # the user's text scored (--score-data), not samples
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _generate_into(
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
         if processes.main:
             _finish_record(out, record, s, shards, found)
-        return Corpus(out, shards, shards * s.batch_size, found, shards)
+        return Corpus(out, shards, shards * s.batch_size, found, shards, bool(s.score_data))
     processes.on_main(lambda: raise_if_problems(space_problem(out, _bytes_needed(s, out, known))))
     parent = _load(s, processes)
     if s.top_logprobs > (vocab := parent.model.config.vocab_size):
@@ -157,7 +158,7 @@ def _generate_into(
     shards, samples, tokens = _sample_into(out, record, rows_of, s, known, processes)
     if processes.main:
         _write_record(out, record, s, shards, samples, tokens, complete=True)
-    return Corpus(out, shards, samples, tokens, resumed_from)
+    return Corpus(out, shards, samples, tokens, resumed_from, bool(s.score_data))
 
 
 def _check_scored_text(out: Path, record: dict | None, s: GenerateSettings, scored: ScoredText) -> None:
