@@ -897,6 +897,15 @@ def test_uptrain_on_a_mixture_and_a_mixture_with_stored_log_probabilities_refuse
     assert not (tmp_path / "r2").exists()
 
 
+def test_a_streamed_mixture_of_two_local_texts_trains(tiny, tmp_path):
+    """interleave_datasets cannot infer features from torch tensors: the sources are mixed as python values."""
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(reversed((CORPUS * 3).split())))
+    out = tmp_path / "run"
+    result = uptrain(parse(args(tiny, out, "--streaming", "--data", str(tiny["train"]), f"rev={other}")))
+    assert result.steps == 20 and (out / "final" / "model.safetensors").is_file()
+
+
 def test_checkpoint_rotation_removes_only_what_gqaify_wrote(tiny, tmp_path):
     """A file of the user's put inside checkpoints/step-N/ used to be deleted with the checkpoint it sat in."""
     from gqaify.uptrain.run_folder import WRITTEN_FILE, checkpoints, rotate

@@ -86,14 +86,21 @@ def mixed(blocks: list, weights: list[float] | None, seed: int) -> tuple[object,
     import datasets
 
     weights = weights or [1.0] * len(blocks)
+    if isinstance(blocks[0], datasets.IterableDataset):  # lazy: the order is drawn as it is read
+        # interleaved as python values: `datasets` cannot infer the features of torch tensors
+        together = datasets.interleave_datasets(
+            [b.with_format(None) for b in blocks],
+            probabilities=[w / sum(weights) for w in weights],
+            seed=seed,
+            stopping_strategy="all_exhausted",
+        )
+        return together.with_format("torch"), None
     marked = [
         b.map(lambda batch, i=i: {"source": [i] * len(batch["input_ids"])}, batched=True) for i, b in enumerate(blocks)
     ]
     together = datasets.interleave_datasets(
         marked, probabilities=[w / sum(weights) for w in weights], seed=seed, stopping_strategy="all_exhausted"
     )
-    if isinstance(together, datasets.IterableDataset):
-        return together.remove_columns("source").with_format("torch"), None
     sources = together.with_format(None)["source"]
     counts = [sources.count(i) for i in range(len(blocks))]
     return together.remove_columns("source").with_format("torch"), counts
