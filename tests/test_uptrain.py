@@ -906,6 +906,31 @@ def test_a_streamed_mixture_of_two_local_texts_trains(tiny, tmp_path):
     assert result.steps == 20 and (out / "final" / "model.safetensors").is_file()
 
 
+def test_a_tiny_mixture_weight_costs_only_the_blocks_the_budget_reads(tiny, tmp_path):
+    """Until every source is exhausted, a weight of 1e-6 would repeat the other source a million times."""
+    import datasets
+
+    from gqaify.uptrain.data import mixed
+
+    large = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(300)]}).with_format("torch")
+    small = datasets.Dataset.from_dict({"input_ids": [[1000 + i, 0] for i in range(20)]}).with_format("torch")
+    started = time.perf_counter()
+    together, counts = mixed([large, small], [1.0, 1e-6], seed=5, limit=64)
+    assert time.perf_counter() - started < 5 and len(together) == 64 and counts == [64, 0]
+    firsts = [int(b["input_ids"][0]) for b in together]
+    assert len(set(firsts)) == 64 and max(firsts) > 64  # drawn from the whole of the source, not its first blocks
+    assert [int(b["input_ids"][0]) for b in mixed([large, small], [1.0, 1e-6], seed=5, limit=64)[0]] == firsts
+    # a mixture that ends before the limit is the whole epoch, as without one
+    assert mixed([large, small], [3.0, 1.0], seed=5, limit=10_000)[1] == mixed([large, small], [3.0, 1.0], seed=5)[1]
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(reversed((CORPUS * 3).split())))
+    for streaming in ([], ["--streaming"]):
+        out = tmp_path / f"run{len(streaming)}"
+        weights = ["--data", str(tiny["train"]), f"rev={other}", "--data_weights", "1", "1e-6"]
+        result = uptrain(parse(args(tiny, out, *streaming, *weights, "--max_tokens", "2048")))
+        assert result.steps == 32 and (out / "final" / "model.safetensors").is_file()
+
+
 def test_checkpoint_rotation_removes_only_what_gqaify_wrote(tiny, tmp_path):
     """A file of the user's put inside checkpoints/step-N/ used to be deleted with the checkpoint it sat in."""
     from gqaify.uptrain.run_folder import WRITTEN_FILE, checkpoints, rotate

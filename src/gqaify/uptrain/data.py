@@ -75,35 +75,55 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
     return blocks.with_format("torch")
 
 
-def mixed(blocks: list, weights: list[float] | None, seed: int) -> tuple[object, list[int] | None]:
+def mixed(
+    blocks: list, weights: list[float] | None, seed: int, limit: int | None = None
+) -> tuple[object, list[int] | None]:
     """The blocks of several sources as one dataset, and how many of its blocks each source gave (None when
     streaming: the count is not known before reading).
 
-    Each next block comes from source i with probability w_i / Σ w (`datasets.interleave_datasets`, drawn from
-    `seed`, the same order every time), until every source has given all of its blocks: a small source is repeated
-    to keep its share, and no block of a large one is left out.
+    Each next block comes from source i with probability w_i / Σ w, drawn from `seed` (numpy's generator, in the
+    1,000-draw batches `datasets.interleave_datasets` draws in, so the same order as it gives), until every source
+    has given all of its blocks, a small source repeated to keep its share, or until `limit` blocks are drawn (the
+    blocks a budget reads), whichever comes first: a tiny weight would otherwise repeat the other sources until it
+    had its turn, an epoch of billions of blocks. Where `limit` stops the mixture first, each source is read in a
+    seeded order of its blocks, so that the budget's blocks come from the whole of each source, not its beginning.
     """
     import datasets
+    import numpy as np
 
     weights = weights or [1.0] * len(blocks)
+    probabilities = [w / sum(weights) for w in weights]
     if isinstance(blocks[0], datasets.IterableDataset):  # lazy: the order is drawn as it is read
-        # interleaved as python values: `datasets` cannot infer the features of torch tensors
+        # mapped and interleaved as python values: `datasets` cannot infer the features of torch tensors
         together = datasets.interleave_datasets(
             [b.with_format(None) for b in blocks],
-            probabilities=[w / sum(weights) for w in weights],
+            probabilities=probabilities,
             seed=seed,
             stopping_strategy="all_exhausted",
         )
-        return together.with_format("torch"), None
-    marked = [
-        b.map(lambda batch, i=i: {"source": [i] * len(batch["input_ids"])}, batched=True) for i, b in enumerate(blocks)
-    ]
-    together = datasets.interleave_datasets(
-        marked, probabilities=[w / sum(weights) for w in weights], seed=seed, stopping_strategy="all_exhausted"
-    )
-    sources = together.with_format(None)["source"]
-    counts = [sources.count(i) for i in range(len(blocks))]
-    return together.remove_columns("source").with_format("torch"), counts
+        return (together if limit is None else together.take(limit)).with_format("torch"), None
+    lengths = np.array([len(b) for b in blocks])  # (sources,)
+    rng = np.random.default_rng(seed)
+    draws: list = []
+    seen = np.zeros(len(blocks), dtype=np.int64)  # (sources,) blocks drawn of each
+    while not (seen >= lengths).all() and (limit is None or len(draws) * 1000 < limit):
+        draws.append(rng.choice(len(blocks), size=1000, p=probabilities))
+        seen += np.bincount(draws[-1], minlength=len(blocks))
+    drawn = np.concatenate(draws)  # (draws,) the source of each block
+    whole = (seen >= lengths).all()  # then every source is given whole at the last one's last block
+    end = max(int(np.flatnonzero(drawn == i)[n - 1]) for i, n in enumerate(lengths)) + 1 if whole else None
+    cut = end is None or (limit is not None and end > limit)
+    drawn = drawn[:limit] if cut else drawn[:end]
+    offsets = np.cumsum([0, *lengths[:-1]])  # (sources,) where each source starts in the concatenation
+    shuffle = np.random.default_rng([seed, 1])
+    indices = np.empty(len(drawn), dtype=np.int64)  # (blocks,) rows of the concatenation
+    for i, n in enumerate(lengths):
+        at = np.flatnonzero(drawn == i)  # this source's places in the mixture
+        order = shuffle.permutation(n) if cut else np.arange(n)
+        indices[at] = order[np.arange(len(at)) % n] + offsets[i]
+    together = datasets.concatenate_datasets([b.with_format(None) for b in blocks]).select(indices)
+    counts = np.bincount(drawn, minlength=len(blocks)).tolist()
+    return together.with_format("torch"), counts
 
 
 class EpochSampler(Sampler[int]):
@@ -138,6 +158,9 @@ def training_loader(s: UptrainSettings, tokenizer, accelerator):
     from torch.utils.data import DataLoader
 
     sources = named_texts(s.data)
+    tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
+    steps = s.budget() // tokens_per_step
+    blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
     with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
         if s.distill_from_data:
             vocab = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code).vocab_size
@@ -149,17 +172,15 @@ def training_loader(s: UptrainSettings, tokenizer, accelerator):
         if len(blocks) == 1:
             blocks = blocks[0]
         else:
-            blocks, counts = mixed(blocks, s.data_weights, s.seed)
+            # no more blocks than the budget reads (at least one step's, for the check below)
+            blocks, counts = mixed(blocks, s.data_weights, s.seed, limit=max(steps, 1) * blocks_per_step)
             if counts is not None:
                 LOG.info("data: %s", ", ".join(f"{t.name} {n:,} blocks" for t, n in zip(sources, counts, strict=True)))
-    tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
-    steps = s.budget() // tokens_per_step
     if steps < 1:
         raise UserError(
             f"the budget of {s.budget():,} tokens is less than one optimizer step of {tokens_per_step:,} "
             "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
         )
-    blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
     if s.streaming:  # the size is unknown: read as far as one step needs
         head = [block["input_ids"] for block in itertools.islice(blocks, blocks_per_step)]
         if (found := len(head)) < blocks_per_step:
