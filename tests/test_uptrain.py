@@ -484,6 +484,25 @@ def test_budget_must_be_positive(tiny, tmp_path, budget):
     assert "max_tokens must be > 0" in line and not (tmp_path / "run").exists()
 
 
+def test_a_block_of_one_token_is_refused(tiny, tmp_path):
+    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--seq_len", "1")))
+    assert "seq_len must be at least 2, got 1" in line and not (tmp_path / "run").exists()
+
+
+def test_a_diverged_run_stops_at_the_first_non_finite_loss_and_is_not_completed(tiny, tmp_path):
+    out = tmp_path / "run"
+    line = one_line_error(
+        run_uptrain(args(tiny, out, "--lr", "1e30", "--warmup", "0", "--save_every", "1", "--save_total_limit", "99"))
+    )
+    assert "the training loss became" in line and "lower lr" in line
+    step = int(line.split(" at step ")[1].split(":")[0])
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert step > 1 and [r["step"] for r in rows] == list(range(1, step))  # the non-finite step is not logged
+    assert all(r["loss"] == r["loss"] for r in rows)  # no NaN
+    assert not (out / "final").exists() and not json.loads((out / "run.json").read_text()).get("completed")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{n:07d}" for n in range(1, step)]
+
+
 def test_data_smaller_than_one_block(tiny, tmp_path):
     (tmp_path / "short.txt").write_text("a few words")
     line = one_line_error(

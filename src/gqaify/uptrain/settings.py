@@ -80,7 +80,11 @@ class UptrainSettings(MethodSettings):
     split: str = setting("train", "split of `data`")
     text_column: str = setting("text", "column holding the text (data and eval_data)")
     streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
-    seq_len: int = setting(256, "tokens per packed training block", check=POSITIVE)
+    seq_len: int = setting(
+        256,
+        "tokens per packed training block",
+        check=Range(2, fix="a block of one token has no next token to train on"),
+    )
     # -- the budget and batch
     max_tokens: int | None = setting(
         None,

@@ -224,7 +224,13 @@ def _run(run: _Run, tokenizer, loader, texts, harness) -> UptrainResult:
 
 
 def _train(run: _Run, loop: _Loop, evaluate) -> None:
-    """The loop: from `loop.progress` to `run.steps` optimizer steps, logging, evaluating and checkpointing."""
+    """The loop: from `loop.progress` to `run.steps` optimizer steps, logging, evaluating and checkpointing.
+
+    Raises:
+        UserError: the loss became NaN or infinite (a diverged run): nothing more is saved, final/ is not written.
+    """
+    import math
+
     s, accelerator, steps, progress = run.s, run.accelerator, run.steps, loop.progress
     model, loader, optimizer, scheduler = loop.model, loop.loader, loop.optimizer, loop.scheduler
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
@@ -263,6 +269,14 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
             progress.tokens += tokens_per_step // s.grad_accum * window
             progress.seconds += time.perf_counter() - clock
             loss, lm_loss = (accelerator.reduce(step_loss, "mean") / window).tolist()  # micro-batch means
+            if not math.isfinite(loss):  # every process reads the same mean: all stop here, none waits
+                bar.close()
+                kept = latest_checkpoint(run.out / CHECKPOINTS)
+                raise UserError(
+                    f"the training loss became {loss} at step {progress.step}: the run diverged, likely lr "
+                    f"{s.lr:g} is too high; lower lr and start again in a new output_dir"
+                    + (f" ({run.out} keeps its checkpoints up to {kept.name})" if kept else "")
+                )
             step_loss.zero_()
             window = 0
             rate = (progress.tokens - tokens_at_start) / (time.perf_counter() - started)
