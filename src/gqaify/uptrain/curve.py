@@ -3,8 +3,8 @@ more tokens that trend says a KL target needs.
 
     evaluations   at the start and at `eval_points` steps spaced evenly in log(tokens): 1, 2, 4, 9, 19, 40 ...
     the trend     log KL = log KL(t̄) - b (log t - log t̄), fitted by least squares to the points after the
-                  highest one since training began (the first steps often disturb the converted model before
-                  it recovers: that rise is not the trend)
+                  highest of the first half of them (the first steps often disturb the converted model before it
+                  recovers: that rise is not the trend; a rise later on is, and stays in)
                   (a power law, KL ∝ t^-b: a straight line on log-log axes, as recovery curves are drawn)
     the forecast  tokens where the line meets the target KL; its range where the line's band of ± 2 standard
                   errors (of the line at that point: its level and its slope both uncertain) meets it. A slope whose
@@ -155,8 +155,8 @@ class Forecast:
             return "no recovery forecast: the mean KL needs a teacher (distill_from or parent) and eval_data"
         if self.status == "too few points":
             return (
-                f"no recovery forecast yet: {MIN_POINTS} evaluations after the curve's highest point are needed to "
-                "fit a trend"
+                f"no recovery forecast yet: {MIN_POINTS} evaluations after the early disturbance (the highest of "
+                "the first half of the points) are needed to fit a trend"
             )
         if self.status == "reached":
             return f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens: the target {target} is reached"
@@ -188,8 +188,9 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
     if last is not None and last <= target_kl:
         return made("reached")
     trained = [(t, k) for t, k in kls if t > 0]
-    peak = max(range(len(trained)), key=lambda i: trained[i][1], default=0)
-    falling = trained[peak + 1 :]  # the recovery after the first steps' disturbance, if there was one
+    early = (len(trained) + 1) // 2  # the first half of the points: the first steps' disturbance, if any, is there
+    peak = max(range(early), key=lambda i: trained[i][1], default=-1)
+    falling = trained[peak + 1 :]  # the recovery after it (a later rise is the trend's noise, and stays in)
     law = fit_power_law([t for t, _ in falling], [k for _, k in falling])
     if law is None:
         return made("too few points")
