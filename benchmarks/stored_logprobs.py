@@ -210,15 +210,13 @@ def score(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gqaify.eval.perplexity import perplexity
-    from gqaify.uptrain.distill import kl_to_parent
 
     tokenizer = AutoTokenizer.from_pretrained(PARENT)
     ids = tokenizer(EVAL.read_text(), return_tensors="pt").input_ids[0, :EVAL_TOKENS]
     parent = AutoModelForCausalLM.from_pretrained(PARENT, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ppl = perplexity(model, ids, EVAL_WINDOW, EVAL_WINDOW, progress=False).perplexity
-    return {"perplexity": round(ppl, 3), "kl": round(kl_to_parent(model, parent, ids, EVAL_WINDOW), 4)}
+    found = perplexity(model, ids, EVAL_WINDOW, EVAL_WINDOW, progress=False, parent=parent)
+    return {"perplexity": round(found.perplexity, 3), "kl": round(found.kl, 4)}
 
 
 def format_table(rows: dict, tokens: int) -> str:
