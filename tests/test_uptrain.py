@@ -757,6 +757,35 @@ def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tiny, tm
     assert "holds another run's checkpoints (it had temperature=1.0, now 2.0)" in line
 
 
+def test_a_run_resumes_however_its_local_paths_are_spelled(tiny, tmp_path, monkeypatch):
+    """run.json's paths are compared where they lead: `m`, `m/`, `./m`, its absolute path and the folder it links
+    to are one model (each was refused as another run's checkpoints); so are a run.json's relative paths, as an
+    older gqaify wrote them, read from the working directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").symlink_to(tiny["converted"])
+    (tmp_path / "train.txt").write_text(CORPUS * 3)
+
+    def argv(model: str, data: str, out: str) -> list[str]:
+        given = args(tiny, tmp_path / "run", "--save_every", "10")
+        given[1], given[3], given[5] = model, out, data  # --model, --output_dir, --data
+        return given
+
+    first = uptrain(parse(argv("m", "train.txt", "run")))
+    for model, data, out in [
+        ("m/", "./train.txt", "run/"),
+        ("./m", str(tmp_path / "train.txt"), "./run"),
+        (str(tiny["converted"]), "train.txt", str(tmp_path / "run")),
+    ]:
+        assert uptrain(parse(argv(model, data, out))).steps == first.steps, (model, data, out)
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["settings"]["model"] == str(tiny["converted"].resolve())
+    record["settings"].update(model="m", data=["train.txt"], output_dir="run")  # as an older gqaify wrote it
+    (tmp_path / "run" / "run.json").write_text(json.dumps(record))
+    assert uptrain(parse(argv(str(tmp_path / "m"), "train.txt", str(tmp_path / "run")))).steps == first.steps
+    line = one_line_error(run_uptrain(argv("m", "train.txt", "run") + ["--lr", "5e-4"], cwd=tmp_path))
+    assert "holds another run's checkpoints (it had lr=0.001, now 0.0005)" in line  # still another run
+
+
 def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")

@@ -23,6 +23,7 @@ from pathlib import Path
 from gqaify._version import __version__
 from gqaify.conversion.card import Uptrained, model_card
 from gqaify.conversion.record import ConversionRecord
+from gqaify.data import NamedText
 from gqaify.errors import UserError
 from gqaify.outputs import write_provenance, written_whole
 from gqaify.records import as_json
@@ -68,9 +69,35 @@ def what_is_left(out: Path, steps: int) -> str:
     return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
 
 
+# The settings that may name a local file or folder (the lists: each a SOURCE or NAME=SOURCE), compared by where
+# they lead, not by how they are spelled
+PATH_SETTINGS = ("model", "output_dir", "distill_from", "parent")
+PATH_LIST_SETTINGS = ("data", "eval_data", "calib_data")
+
+
 def _identity(s: UptrainSettings, processes: int) -> dict:
     values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
-    return {**values, "processes": processes}
+    return _located({**values, "processes": processes})
+
+
+def _located(values: dict) -> dict:
+    """`values` with each setting that names an existing local file or folder made absolute, links resolved
+    (relative to the working directory, for a run.json written before with relative paths too): `s-gqa2`,
+    `s-gqa2/`, `./s-gqa2` and its absolute path are one model. A hub name, or a path that is not there, is kept as
+    it is."""
+
+    def located(value):
+        if not isinstance(value, str):
+            return value
+        text = NamedText.parse(value)
+        path = Path(text.source).expanduser()
+        if not path.exists():
+            return value
+        return str(path.resolve()) if text.source == value else f"{text.name}={path.resolve()}"
+
+    changed = {k: located(values[k]) for k in PATH_SETTINGS if k in values}
+    changed |= {k: [located(v) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)}
+    return {**values, **changed}
 
 
 def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator, data_sha256: str) -> dict:
@@ -88,7 +115,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     if run_file.exists():
         run = json.loads(run_file.read_text())
         # a setting added since: it trained at its default; a text since made a list of texts: a list of one
-        had = text_lists(UptrainSettings, {**defaults(UptrainSettings), **run["settings"]})
+        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run["settings"]}))
         differs = [k for k in identity if had.get(k) != identity[k]]
         recorded = run.get("data_sha256", data_sha256)
         if (differs or recorded != data_sha256) and "started" not in run and not checkpoints(out / CHECKPOINTS):
