@@ -286,3 +286,13 @@ def test_rotating_methods_refuse_models_with_qk_norms(model_type, capsys, calibr
     args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calibration["calib_data"])
     code, err = run_cli(capsys, "convert", src, tmp_path / "out", *args)
     assert code == 2 and "norm" in err and "mean" in err and not (tmp_path / "out").exists()
+
+
+def test_every_declared_method_is_registered_and_every_registered_one_declared():
+    """A method declared in options.METHOD_INFO but never registered with @method passed parsing and failed with a
+    KeyError after SRC was opened; one registered but not declared could not be asked for."""
+    from gqaify.conversion.methods import METHODS
+    from gqaify.conversion.options import METHOD_INFO
+
+    assert sorted(METHODS) == sorted(METHOD_INFO)
+    assert all(METHODS[name].info is METHOD_INFO[name] for name in METHODS)

@@ -1,6 +1,11 @@
 """The repository keeps its promises: README's commands are the ones CI runs."""
 
 import os
+import re
+import subprocess
+import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -71,3 +76,40 @@ def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_t
     if data != HUB_WIKITEXT:
         assert panel[1].startswith("tinystories=") and os.path.isfile(panel[1].split("=", 1)[1])
     assert demo_panel(HUB_WIKITEXT) == [f"wikitext={HUB_WIKITEXT}"]
+
+
+def test_contributing_layout_names_every_module():
+    """docs/contributing.md's layout is where a new contributor looks for a room: it names every module of src/
+    (a package's __init__.py aside)."""
+    src = REPO / "src" / "gqaify"
+    layout = (REPO / "docs" / "contributing.md").read_text()
+    modules = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if not re.search(rf"(^|\s){re.escape(m)}(?![\w/])", layout, re.M)]
+    assert not missing, f"docs/contributing.md's layout does not name {missing}"
+
+
+BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
+def test_every_benchmark_answers_help_and_imports_only_what_exists(script):
+    """A benchmark that no longer runs cannot reproduce the figures the docs cite from it: each answers --help,
+    and every gqaify name it imports, at the top or inside a function, exists."""
+    import ast
+    import importlib
+
+    tree = ast.parse(script.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "gqaify":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
+                        f"{script.name}: from {node.module} import {alias.name}"
+                    )
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "gqaify":
+                    importlib.import_module(alias.name)
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-2000:]
