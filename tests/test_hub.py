@@ -74,6 +74,40 @@ def test_the_hub_unreachable_is_one_line_on_the_real_stderr(tmp_path, source, ar
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "text.txt"]
 
 
+HUB_MODEL = "gqaify-tests/not-cached-model"  # a hub model no machine has in its cache
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["eval", HUB_MODEL, "--data", "{tmp}/text.txt", "--out", "{tmp}/report"], f"MODEL {HUB_MODEL}"),
+        (["eval", "{src}", HUB_MODEL, "--data", "{tmp}/text.txt", "--out", "{tmp}/report"], HUB_MODEL),
+        (["generate", HUB_MODEL, "{tmp}/corpus", "--tokens", "100"], f"MODEL {HUB_MODEL}"),
+        (["uptrain", "--model", HUB_MODEL, "--output_dir", "{tmp}/run", "--data", "{tmp}/text.txt"], "model"),
+        (
+            ["uptrain", "--model", "{src}", "--distill_from", HUB_MODEL, "--output_dir", "{tmp}/run"]
+            + ["--data", "{tmp}/text.txt", "--seq_len", "16", "--micro_batch_size", "1"],
+            f"distill_from {HUB_MODEL}",
+        ),
+    ],
+    ids=["eval", "eval-second-model", "generate", "uptrain", "uptrain-teacher"],
+)
+def test_a_hub_model_without_the_hub_is_one_line_at_once(tmp_path, source, argv, said):
+    """The hub asked once before a model is loaded (as convert and hub datasets do): transformers' own requests
+    retried five times, 23 lines of "Retrying in 1s" over 25 s, before the error."""
+    (tmp_path / "text.txt").write_text(CORPUS)
+    env = {**os.environ, "HF_ENDPOINT": CLOSED, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+    argv = [a.format(src=source, tmp=tmp_path) for a in argv]
+    argv += ["--max_tokens", "1024"] if argv[0] == "uptrain" else []
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gqaify", *argv], capture_output=True, text=True, env=env)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Retrying" not in done.stderr, done.stderr
+    assert said in done.stderr and "is not a local path and the Hugging Face hub could not be reached" in done.stderr
+    assert elapsed < QUICK, f"{elapsed:.1f} s"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "text.txt"]
+
+
 def raising(exc: Exception):
     class Failing:
         def create_repo(self, repo_id, **kwargs):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 
@@ -24,6 +26,32 @@ def model_location(name: str, option: str = "MODEL") -> tuple[str, dict]:
     return (str(where.path) if where.kind == "local" else name), {}
 
 
+@contextlib.contextmanager
+def _from_hub_or_cache(name: str, option: str) -> Iterator[None]:
+    """Within: a load of `name`. For a hub id, the hub is asked once whether it answers, before anything is
+    fetched (`hub.offline_unless_reachable`, as for hub datasets); where it does not, the load reads huggingface_hub's
+    cache alone, with no request and no retry, and a model that is not in the cache is refused at once.
+
+    Raises:
+        UserError: `name` is a hub id, the hub does not answer, and the model is not in the cache.
+    """
+    if locate(name, option).kind != "hub":
+        yield
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    from gqaify.hub import offline_unless_reachable
+
+    with offline_unless_reachable() as why:
+        if why is not None and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise UserError(
+                f"{option} {name} is not a local path and the Hugging Face hub could not be reached ({why}); "
+                "check the network (or HF_ENDPOINT, HF_HUB_OFFLINE), or give a local folder; a model read once "
+                "is kept in huggingface_hub's cache"
+            )
+        yield
+
+
 def load_config(name: str, option: str = "MODEL", trust_remote_code: bool = False):
     """The transformers config of `name`.
 
@@ -35,7 +63,8 @@ def load_config(name: str, option: str = "MODEL", trust_remote_code: bool = Fals
 
     where, kwargs = model_location(name, option)
     try:
-        config = AutoConfig.from_pretrained(where, **kwargs)
+        with _from_hub_or_cache(name, option):
+            config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{option} {name} could not be read ({type(exc).__name__}); check the path or hub id") from exc
     shipped = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", "")
@@ -77,11 +106,12 @@ def load_model(
     if "gguf_file" in kwargs and chosen == "auto":
         chosen = torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            where, config=config, dtype=chosen, trust_remote_code=trust_remote_code, **kwargs
-        )
-        model = model.to(device).eval()
-        return model, AutoTokenizer.from_pretrained(where, **kwargs)
+        with _from_hub_or_cache(name, option):
+            model = AutoModelForCausalLM.from_pretrained(
+                where, config=config, dtype=chosen, trust_remote_code=trust_remote_code, **kwargs
+            )
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        return model.to(device).eval(), tokenizer
     except (OSError, ValueError) as exc:  # missing weights or tokenizer files, unknown model class
         raise UserError(f"{option} {name} could not be loaded ({type(exc).__name__}: {exc}); check its files") from exc
 
@@ -96,7 +126,8 @@ def load_tokenizer(name: str, option: str = "MODEL"):
 
     where, kwargs = model_location(name, option)
     try:
-        return AutoTokenizer.from_pretrained(where, **kwargs)
+        with _from_hub_or_cache(name, option):
+            return AutoTokenizer.from_pretrained(where, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         problem = f"{option} {name} has no tokenizer that could be loaded ({type(exc).__name__})"
         raise UserError(f"{problem}; check its files") from exc
