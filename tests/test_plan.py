@@ -110,3 +110,32 @@ def test_plan_of_a_file_that_is_no_accelerate_config_is_refused(tiny, tmp_path, 
     config.write_text("lr: 1\n")
     assert main(["uptrain", *args(tiny, tmp_path / "run"), "--plan", str(config)]) == 2
     assert "is not an accelerate config (no distributed_type)" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ("num_processes: eight", "num_processes must be a positive whole number, got 'eight'"),
+        ("num_processes: -4", "num_processes must be a positive whole number, got -4"),
+        ("num_processes: 0", "num_processes must be a positive whole number, got 0"),
+        ("num_processes: 8.5", "num_processes must be a positive whole number, got 8.5"),
+        ("distributed_type: DEEPSPEED", "not distributed_type DEEPSPEED; give a DDP or FSDP config"),
+        ("distributed_type: XLA", "not distributed_type XLA"),
+    ],
+)
+def test_plan_of_a_launch_it_cannot_plan_is_refused(tiny, tmp_path, capsys, line, said):
+    """num_processes was read with int() (a traceback for 'eight', 8.5 planned as 8, 0 as 1, -4 planned) and a
+    DeepSpeed config was planned as DDP without a word."""
+    key = line.split(":")[0]
+    base = {"distributed_type": "MULTI_GPU", "num_processes": "2", "mixed_precision": "bf16"}
+    config = tmp_path / "c.yaml"
+    config.write_text("".join(f"{k}: {v}\n" for k, v in base.items() if k != key) + line + "\n")
+    assert main(["uptrain", *args(tiny, tmp_path / "run"), "--plan", str(config)]) == 2
+    assert said in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_ddp_on_cpus_and_a_config_without_num_processes_are_planned(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: MULTI_CPU\n")
+    assert Launch.read(config) == Launch(1, False, "no")

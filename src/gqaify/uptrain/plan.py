@@ -40,6 +40,7 @@ from gqaify.errors import UserError
 from gqaify.uptrain.sharding import decoder_layers
 
 GIB = 2**30
+PLANNED = ("NO", "FSDP")  # with every MULTI_* type (DDP on GPUs, CPUs or other devices)
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,29 @@ class Launch:
         """The launch an accelerate config file describes.
 
         Raises:
-            UserError: the file cannot be read or is not an accelerate config.
+            UserError: the file cannot be read or is not an accelerate config; its distributed_type is one gqaify
+                does not plan (DeepSpeed, Megatron-LM, XLA), or FSDP 1; num_processes is not a positive whole number.
         """
         from gqaify.settings import read_data
 
         config = read_data(path, f"--plan {path}")
         if not isinstance(config, dict) or "distributed_type" not in config:
             raise UserError(f"--plan {path} is not an accelerate config (no distributed_type); give one")
-        fsdp = config["distributed_type"] == "FSDP"
+        kind = config["distributed_type"]
+        if kind not in PLANNED and not (isinstance(kind, str) and kind.startswith("MULTI_")):  # MULTI_*: DDP
+            raise UserError(
+                f"--plan {path}: gqaify plans one process, DDP (MULTI_GPU, MULTI_CPU, ...) and FSDP2 launches, not "
+                f"distributed_type {kind}; give a DDP or FSDP config"
+            )
+        fsdp = kind == "FSDP"
         if fsdp and int((config.get("fsdp_config") or {}).get("fsdp_version", 1)) != 2:
             raise UserError(f"--plan {path}: gqaify plans FSDP2 only; set fsdp_version: 2")
-        processes = int(config.get("num_processes") or 1)
+        processes = 1 if config.get("num_processes") is None else config["num_processes"]
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise UserError(
+                f"--plan {path}: num_processes must be a positive whole number, got {processes!r}; set it to the "
+                "number of processes the launch starts"
+            )
         return cls(processes, fsdp and processes > 1, str(config.get("mixed_precision") or "no"))
 
 
