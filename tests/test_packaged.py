@@ -50,6 +50,41 @@ def test_a_recipe_is_copied_out_byte_for_byte_and_never_over_a_file(capsys, tmp_
     assert (tmp_path / "mine.yaml").read_text() == "edited" and not (tmp_path / "no").exists()
 
 
+def test_a_recipe_copied_to_a_read_only_place_is_one_line(capsys, read_only):
+    """Only PermissionError was caught: a read-only file system (EROFS) was a traceback."""
+    code = main(["recipes", "cp", "smollm2-135m-mqa", str(read_only)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"cannot copy to {read_only / 'smollm2-135m-mqa.yaml'}: " in err
+    reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+    assert f": {reason}; choose another place" in err and not list(read_only.iterdir())
+
+
+def test_a_recipe_copy_that_fails_while_writing_leaves_nothing(capsys, tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    opened = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(builtins, "open", lambda path, mode="r", *a, **k: Full(opened(path, mode, *a, **k)))
+    code = main(["recipes", "cp", "smollm2-135m-mqa", str(tmp_path / "mine.yaml")])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 2 and "No space left on device; choose another place" in err and not list(tmp_path.iterdir())
+
+
 def test_uptrain_finds_a_shipped_recipe_by_name_from_any_folder(tmp_path, monkeypatch):
     from gqaify.uptrain.settings import parse
 

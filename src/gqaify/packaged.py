@@ -51,7 +51,8 @@ def copy_out(name: str, destination: str) -> Path:
     """Copy the shipped file `name` to `destination` (a file, or a folder to put it in); never over a file.
 
     Raises:
-        UserError: no such shipped file, or `destination` exists as a file.
+        UserError: no such shipped file, `destination` exists as a file, or it cannot be written (its folder not
+            writable, a read-only file system, a full disk: the errno's reason); nothing is left behind.
     """
     source = shipped(name)
     if source is None:
@@ -61,11 +62,15 @@ def copy_out(name: str, destination: str) -> Path:
         target = target / source.name
     if not target.parent.is_dir():
         raise UserError(f"cannot copy to {target}: the folder {target.parent} does not exist; create it first")
+    created = False
     try:
         with open(target, "xb") as f:  # created here, or refused: never over a file
+            created = True
             f.write(source.read_bytes())
     except FileExistsError:
         raise UserError(f"{target} already exists and is kept; name a new file to copy {name} to") from None
-    except PermissionError:
-        raise UserError(f"cannot copy to {target}: the folder is not writable; choose another place") from None
+    except OSError as exc:  # a folder not writable, a read-only file system, a full disk: what was begun goes
+        if created:
+            target.unlink(missing_ok=True)
+        raise UserError(f"cannot copy to {target}: {exc.strerror or exc}; choose another place") from None
     return target
