@@ -1214,3 +1214,17 @@ def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(
     assert losses(cut) == pytest.approx(losses(whole), abs=1e-6)
     a, b = load_file(whole / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_calibrated_conversion_is_fitted_on_the_training_data_unless_told_otherwise(tmp_path):
+    """With kv_heads and a calibrated method, calib_data (and its weights) default to the training mixture."""
+    argv = ["--model", "m", "--output_dir", str(tmp_path / "o"), "--kv_heads", "1", "--method", "lsq"]
+    mixture = ["--data", "a=a.txt", "b=b.txt", "--data_weights", "2", "1", "--max_tokens", "64"]
+    settings = parse([*argv, *mixture])
+    conversion = settings.conversion(tmp_path / "c")
+    assert conversion.calib_data == ["a=a.txt", "b=b.txt"] and conversion.calib_weights == [2.0, 1.0]
+    assert settings.calib_data is None  # the recorded settings keep what was asked
+    own = parse([*argv, *mixture, "--calib_data", "c.txt"]).conversion(tmp_path / "c")
+    assert own.calib_data == ["c.txt"] and own.calib_weights is None
+    plain = parse([*argv[:-2], "--method", "mean", *mixture]).conversion(tmp_path / "c")
+    assert plain.calib_data is None  # mean-pooling reads no text

@@ -198,7 +198,8 @@ class UptrainSettings(MethodSettings):
         declarations (the conversion's only with kv_heads: there is none to run without), a token budget, a
         teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
         converts = self.kv_heads is not None
-        problems = UPTRAIN.declared_problems(self, leave_out=frozenset() if converts else CONVERSION_FIELDS)
+        checked = self.calibrated_on_data() if converts else self
+        problems = UPTRAIN.declared_problems(checked, leave_out=frozenset() if converts else CONVERSION_FIELDS)
         if self.max_tokens is None and self.budget_fraction is None:
             problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
         if (
@@ -220,11 +221,24 @@ class UptrainSettings(MethodSettings):
             )
         return problems + self.task_request().problems()
 
+    def calibrated_on_data(self) -> UptrainSettings:
+        """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
+        the method is calibrated: a conversion fitted on what the model will train on."""
+        from gqaify.conversion.options import METHOD_INFO
+
+        info = METHOD_INFO.get(self.method)
+        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity"
+        if self.calib_data is not None or not self.data or not needs_text:
+            return self
+        weights = self.calib_weights if self.calib_weights is not None else self.data_weights
+        return dataclasses.replace(self, calib_data=list(self.data), calib_weights=weights)
+
     def conversion(self, out: str | Path) -> ConvertSettings:
         """The conversion of `model` to kv_heads into `out` that these settings ask for: the conversion's fields as
-        they are here, calibration text read as the training data is unless calib_split or calib_text_column say
-        otherwise (its dtype, seed and shards are the conversion's defaults)."""
-        method = {f.name: getattr(self, f.name) for f in dataclasses.fields(MethodSettings)}
+        they are here (calib_data the training data where not given: `calibrated_on_data`), calibration text read
+        as the training data is unless calib_split or calib_text_column say otherwise (its dtype, seed and shards
+        are the conversion's defaults)."""
+        method = {f.name: getattr(self.calibrated_on_data(), f.name) for f in dataclasses.fields(MethodSettings)}
         method.update(
             calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column or self.text_column
         )
