@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import build_model, save_with_tokenizer
-from gqaify.data import load_text, named_texts
+from gqaify.data import NamedText, load_text, named_texts, named_texts_problem
 from gqaify.errors import UserError
 from helpers import NOT_CACHED, one_line_refusal
 
@@ -117,3 +117,43 @@ def test_malformed_json_lines_is_one_line(capsys, tmp_path, model):
     )
     assert f"--calib-data {bad} is not valid JSON lines: " in err
     assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists()
+
+
+# -- panel names: the rule stated, NAME= refused, a file that also reads as NAME=SOURCE refused as ambiguous ---
+
+
+@pytest.mark.parametrize("value", ["ü=st.txt", "=st.txt", "a" * 65 + "=st.txt", "my text=st.txt"])
+def test_a_name_that_breaks_the_rule_is_refused_stating_it(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "st.txt").write_text("some text")
+    problem = named_texts_problem([value], "--data")
+    assert problem.startswith(f"--data {value}: no such file or folder, and ")
+    assert "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter or digit" in problem
+
+
+def test_a_name_with_no_source_is_refused_not_sent_to_the_hub():
+    assert named_texts_problem(["a="], "--data") == (
+        "--data a= names the text 'a' but no source after '='; write NAME=SOURCE, e.g. a=wiki.txt"
+    )
+
+
+def test_a_file_that_also_reads_as_name_and_source_is_ambiguous(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q=wk.txt").write_text("the file")
+    assert named_texts_problem(["q=wk.txt"], "--data") is None  # wk.txt is not there: the file, as before
+    (tmp_path / "wk.txt").write_text("the source")
+    problem = named_texts_problem(["q=wk.txt"], "--data")
+    assert problem.startswith("--data q=wk.txt is ambiguous: ") and "write ./q=wk.txt for the file" in problem
+    assert named_texts_problem(["./q=wk.txt"], "--data") is None
+    assert named_texts(["./q=wk.txt", "q=./wk.txt"]) == [NamedText("q=wk", "./q=wk.txt"), NamedText("q", "./wk.txt")]
+
+
+def test_panel_names_are_refused_in_one_line_before_anything_loads(capsys, tmp_path, model, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "st.txt").write_text("some text")
+    out = tmp_path / "report"
+    for value in ["my text=st.txt", "a="]:
+        err = one_line_refusal(capsys, "eval", model, "--data", value, "--out", out, "--no-speed", "--seq-len", "32")
+        assert f"--data {value}" in err and "no such file or folder; check the path" not in err
+    assert not out.exists()

@@ -32,7 +32,8 @@ _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json",
 @dataclass(frozen=True)
 class NamedText:
     """One text of a panel or a mixture: `NAME=SOURCE`, or SOURCE alone (named by its file's stem or the hub
-    dataset's name). A value that is itself an existing path is a SOURCE, `=` and all."""
+    dataset's name). A value that is itself an existing path is a SOURCE, `=` and all, unless it also reads as
+    NAME=SOURCE with an existing SOURCE: `_named_text_problem` refuses that as ambiguous."""
 
     name: str
     source: str
@@ -46,6 +47,32 @@ class NamedText:
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_NAME_RULE = "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter or digit"
+
+
+def _named_text_problem(value: str, option: str) -> str | None:
+    """What is wrong with one `NAME=SOURCE` value: a NAME that breaks the rule (where the value is no path
+    either), NAME= with no SOURCE, or a value that is both an existing file and NAME=SOURCE of an existing SOURCE."""
+    name, sep, source = value.partition("=")
+    if not sep:
+        return None
+    if Path(value).expanduser().exists():
+        if _NAME.fullmatch(name) and source and Path(source).expanduser().exists():
+            return (
+                f"{option} {value} is ambiguous: a file of that name exists, and so does {source}, which it would "
+                f"name {name!r}; write ./{value} for the file, or {name}=./{source} for {source} named {name!r}"
+            )
+        return None
+    if not _NAME.fullmatch(name):
+        return (
+            f"{option} {value}: no such file or folder, and {name!r} is not a text's name (NAME=SOURCE takes a "
+            f"NAME of {_NAME_RULE}); check the path, or rename the text"
+        )
+    if not source.strip():
+        return (
+            f"{option} {value} names the text {name!r} but no source after '='; write NAME=SOURCE, e.g. {name}=wiki.txt"
+        )
+    return None
 
 
 def _default_name(source: str) -> str:
@@ -61,9 +88,13 @@ def named_texts(values: list[str]) -> list[NamedText]:
 
 
 def named_texts_problem(values: list[str], option: str) -> str | None:
-    """An empty value, or two texts of one name (each row of a report names its text): a settings rule."""
+    """An empty value, a value `_named_text_problem` refuses, or two texts of one name (each row of a report names
+    its text): a settings rule."""
     if any(not v.strip() for v in values):
         return f"{option} has an empty value; name a text file, folder or hub dataset"
+    for value in values:
+        if problem := _named_text_problem(value, option):
+            return problem
     names = [t.name for t in named_texts(values)]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
