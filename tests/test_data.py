@@ -7,7 +7,7 @@ import pytest
 from conftest import build_model, save_with_tokenizer
 from gqaify.data import NamedText, load_text, named_texts, named_texts_problem
 from gqaify.errors import UserError
-from helpers import NOT_CACHED, one_line_refusal
+from helpers import NOT_CACHED, one_line_refusal, run_cli
 
 
 def test_text_file_is_read_verbatim(tmp_path):
@@ -157,3 +157,28 @@ def test_panel_names_are_refused_in_one_line_before_anything_loads(capsys, tmp_p
         err = one_line_refusal(capsys, "eval", model, "--data", value, "--out", out, "--no-speed", "--seq-len", "32")
         assert f"--data {value}" in err and "no such file or folder; check the path" not in err
     assert not out.exists()
+
+
+# -- the text column applies to sources with columns; plain text has none ------------------------------------
+
+
+def test_a_text_column_does_not_apply_to_plain_text(tmp_path):
+    (tmp_path / "x.txt").write_text("plain\ntext")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "1.txt").write_text("in a folder")
+    assert load_text(str(tmp_path / "x.txt"), text_column="content").text == "plain\ntext"
+    assert load_text(str(tmp_path / "folder"), text_column="content", max_chars=5).text == "in a folder"  # streamed
+
+
+def test_a_panel_of_plain_text_and_json_lines_with_a_text_column(capsys, tmp_path, model):
+    (tmp_path / "x.txt").write_text("Once upon a time there was a cat. " * 20)
+    (tmp_path / "y.jsonl").write_text(
+        "\n".join(json.dumps({"content": f"row {i} of the dog story"}) for i in range(20))
+    )
+    out = tmp_path / "report"
+    data = ["a=" + str(tmp_path / "x.txt"), "b=" + str(tmp_path / "y.jsonl")]
+    argv = ["eval", model, "--data", *data, "--text-column", "content", "--out", out, "--no-speed", "--seq-len", "32"]
+    code, err = run_cli(capsys, *argv, "-q")
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert [t["name"] for t in report["data"]] == ["a", "b"] and report["data"][1]["rows"] == 20

@@ -3,8 +3,9 @@
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
 written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
 ("\\n\\n"), the usual perplexity setup. A plain text file is one row, its text kept verbatim (datasets'
-default of a row per line would double every newline once joined). Where the hub does not answer, a hub
-dataset comes from `datasets`' cache alone, or is refused at once (`gqaify.hub.offline_unless_reachable`).
+default of a row per line would double every newline once joined); it has no columns, so a text column asked of
+the sources that have them does not apply to it. Where the hub does not answer, a hub dataset comes
+from `datasets`' cache alone, or is refused at once (`gqaify.hub.offline_unless_reachable`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ def load_rows(
                 dataset = datasets.load_dataset(
                     builder, data_files=files_by_split, split=split, streaming=streaming, **options
                 )
+            if builder == "text" and text_column not in (None, "text"):
+                # Plain text has no columns: its one column ("text") is the text, whatever column is asked of the
+                # sources that have them (a panel of a .txt and a .jsonl whose column is "content").
+                dataset = dataset.rename_column("text", text_column)
         elif path.suffix in _BUILDERS or data.startswith((".", "/", "~")):
             raise UserError(f"{option} {data}: no such file or folder; check the path")
         else:
