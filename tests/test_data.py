@@ -117,7 +117,6 @@ def test_malformed_json_lines_is_one_line(capsys, tmp_path, model):
     )
     assert f"--calib-data {bad} is not valid JSON lines: " in err
     assert not (tmp_path / "o").exists()
-    assert not (tmp_path / "o").exists()
 
 
 # -- panel names: the rule stated, NAME= refused, a file that also reads as NAME=SOURCE refused as ambiguous ---
@@ -182,3 +181,23 @@ def test_a_panel_of_plain_text_and_json_lines_with_a_text_column(capsys, tmp_pat
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert [t["name"] for t in report["data"]] == ["a", "b"] and report["data"][1]["rows"] == 20
+
+
+# -- a path that is not a regular file: refused before open() would block -------------------------------------
+
+
+def test_a_named_pipe_is_refused_not_opened(capsys, tmp_path, model):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(UserError, match="is not a regular file or folder"):
+        load_text(str(tmp_path / "pipe.txt"))  # open() would wait for a writer forever
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.txt").write_text("text")
+    os.mkfifo(tmp_path / "folder" / "b.txt")
+    with pytest.raises(UserError, match=r"folder/b\.txt is not a regular file or folder"):
+        load_text(str(tmp_path / "folder"))
+    out = tmp_path / "report"
+    err = one_line_refusal(capsys, "eval", model, "--data", tmp_path / "pipe.txt", "--out", out, "--seq-len", "32")
+    assert f"--data {tmp_path / 'pipe.txt'} is not a regular file or folder" in err
+    assert not out.exists()

@@ -304,6 +304,8 @@ def test_word_and_byte_normalisation(lm_pair, tmp_path):
         (["--stride", "0"], "--stride 0 must be between 1"),
         (["--seq-len", "4096"], "--seq-len 4096 exceeds the 128 positions"),
         (["--text-column", "body"], "has no column 'body'; pass --text-column with one of ['text']"),
+        (["--decode-tokens", "100000"], "--decode-tokens 100,000 leaves no room for a context in the 128 positions"),
+        (["--decode-batch", "1000000000"], "--decode-batch 1000000000 is more than the 4,096 allowed"),
         (["--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
     ],
 )
@@ -444,3 +446,15 @@ def test_save_with_tokenizer_round_trips(tmp_path):
     directory = save_with_tokenizer(build_model("llama", vocab_size=320), tmp_path / "m")
     tokenizer = AutoTokenizer.from_pretrained(directory)
     assert tokenizer.decode(tokenizer("The quick brown fox").input_ids) == "The quick brown fox"
+
+
+def test_a_decode_context_past_the_positions_is_shortened_and_said(lm_pair, tmp_path):
+    root, parent, data = lm_pair
+    s = EvalSettings(seq_len=32, decode_context=100_000, decode_tokens=4, decode_batch=2, repeats=1, progress=False)
+    report = gqaify.evaluate([str(parent)], str(data), tmp_path / "r", s)
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "| decode tok/s @124 ctx |" in text and "after a 124-token prefill" in text  # 124 + 4 = the 128 positions
+    assert report.notes == [
+        f"decode speed measured after a 124-token prefill, not --decode-context 100,000: with --decode-tokens 4 it "
+        f"fills the 128 positions of {parent}"
+    ]

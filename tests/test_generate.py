@@ -116,6 +116,7 @@ def test_a_folder_gqaify_did_not_write_is_refused(tmp_path, capsys):
         (["--temperature", "nan"], "--temperature nan must be a positive number"),
         (["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
         (["--greedy-tokens", "300"], "--greedy-tokens 300 must be 0 or more and below --length 256"),
+        (["--batch-size", "100000000"], "--batch-size 100000000 must be between 1 and --tokens 100000; a shard"),
         (["--chat"], "--chat wraps prompts in the chat template"),
         (["--device", "gpu"], "unknown --device 'gpu'; choose auto, cpu, cuda or cuda:N"),
         (["--prompts", "no/such/prompts.txt"], "--prompts no/such/prompts.txt cannot be read"),
@@ -513,3 +514,15 @@ def test_a_stopped_generate_says_what_it_holds_without_counting_past_the_target(
         assert "the corpus is complete but its record was not yet written; rerun the same command" in line, line
     monkeypatch.setattr(corpus, "_write_record", real)
     assert generate(tmp_path / "c") == 0  # the rerun finishes it
+
+
+@pytest.mark.parametrize(
+    ("option", "said", "not_said"),
+    [
+        (["--length", "0"], "--length 0 must be at least 1", "--greedy-tokens"),
+        (["--tokens", "0"], "--tokens 0 must be at least 1", "--batch-size"),
+    ],
+)
+def test_a_bad_bound_is_reported_alone_not_for_each_setting_it_bounds(tmp_path, capsys, option, said, not_said):
+    code, err = run_cli(capsys, "generate", "some/model", tmp_path / "out", *option)
+    assert code == 2 and one_line(err) and said in err and not_said not in err

@@ -4,6 +4,7 @@ independently, and the command (benchmarks/memory_plan.py checks the totals agai
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -139,3 +140,19 @@ def test_ddp_on_cpus_and_a_config_without_num_processes_are_planned(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("distributed_type: MULTI_CPU\n")
     assert Launch.read(config) == Launch(1, False, "no")
+
+
+@pytest.mark.parametrize(
+    ("batch", "said"),
+    [
+        ("100000000", "the budget of 1,280 tokens is less than one optimizer step of 3,200,000,000 "),
+        ("30", "the budget of 1,280 tokens is less than one optimizer step of 7,680 "),  # of the launch's 8 processes
+    ],
+)
+def test_a_batch_the_run_refuses_is_refused_before_planning(tiny, tmp_path, capsys, batch, said):
+    """A micro-batch of 10^8 was still being planned after 60 s, where the run refuses it at once."""
+    argv = ["uptrain", *args(tiny, tmp_path / "run", "--micro_batch_size", batch), "--plan", "accelerate/fsdp"]
+    start = time.monotonic()
+    assert main(argv) == 2
+    assert said in one_line(capsys.readouterr().err) and time.monotonic() - start < 10
+    assert not (tmp_path / "run").exists()

@@ -278,6 +278,11 @@ def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:
     # a folder's data files; gqaify.json is the record gqaify writes beside a corpus (`gqaify generate`), not data
     data_files = (p for p in path.rglob("*") if p.suffix in _BUILDERS and p.name != PROVENANCE_FILE)
     files = sorted(data_files) if path.is_dir() else [path]
+    # a named pipe or a device would block in open(), or be read as no file at all
+    if odd := next((f for f in files if not f.is_file()), None):
+        raise UserError(
+            f"{option} {odd} is not a regular file or folder (a named pipe or a device); give a file or a folder"
+        )
     if not files:
         raise UserError(f"{option} {path} holds no {', '.join(sorted(_BUILDERS))} files; point it at text data")
     builders = {_BUILDERS.get(f.suffix) for f in files}

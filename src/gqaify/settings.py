@@ -107,12 +107,22 @@ class Context:
 
     stage: Stage
     settings: Settings
+    follow_bounds: bool = True  # False while a bound's own rules are checked: followed one level, never in a loop
 
     def name(self, field: str) -> str:
         return self.stage.named(field)
 
     def value(self, field: str):
         return getattr(self.settings, field)
+
+    def breaks_a_rule(self, field: str) -> bool:
+        """Whether `field`'s value breaks one of its own rules (a bound of another field's range that is itself
+        wrong is no bound: its own problem is reported, not one for every field it bounds)."""
+        f = next(f for f in dataclasses.fields(self.settings) if f.name == field)
+        value = self.value(field)
+        return (
+            value is not None and _first_problem(f, value, dataclasses.replace(self, follow_bounds=False)) is not None
+        )
 
     def said(self, field: str, value=dataclasses.MISSING) -> str:
         """A field with its value, as a command line gives it: "--seq-len 32"."""
@@ -152,6 +162,8 @@ class Range:
 
     def problem(self, field: str, value, ctx: Context) -> str | None:
         low, high = (ctx.value(b) if isinstance(b, str) else b for b in (self.low, self.high))
+        if ctx.follow_bounds and any(isinstance(b, str) and ctx.breaks_a_rule(b) for b in (self.low, self.high)):
+            return None  # the bound's own problem is reported
         above_low = low is None or (value > low if self.low_open else value >= low)
         below_high = high is None or (value < high if self.high_open else value <= high)
         if math.isfinite(value) and above_low and below_high:

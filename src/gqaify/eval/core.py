@@ -29,7 +29,7 @@ from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
 from gqaify.eval.results import Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore
-from gqaify.eval.settings import EvalSettings
+from gqaify.eval.settings import EvalSettings, decode_context
 from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
@@ -116,6 +116,8 @@ def run(settings: EvalSettings) -> Report:
             del model
             gc.collect()
         report.models.append(entry)
+    if s.speed and (note := _decode_context_note(s, configs)):
+        report.notes.append(note)
     if len(panel.tokenizers) > 1:
         report.notes.append(
             "the models have different tokenizers: token perplexities are not comparable; "
@@ -187,6 +189,18 @@ class _Panel:
         return scores
 
 
+def _decode_context_note(s: EvalSettings, configs: list) -> str | None:
+    """What the report says where a model's positions shortened the decode context (`decode_context`)."""
+    for name, config in zip(s.models, configs, strict=True):
+        positions = getattr(config, "max_position_embeddings", None)
+        if (measured := decode_context(s.decode_context, s.decode_tokens, positions)) < s.decode_context:
+            return (
+                f"decode speed measured after a {measured:,}-token prefill, not --decode-context {s.decode_context:,}: "
+                f"with --decode-tokens {s.decode_tokens:,} it fills the {positions:,} positions of {name}"
+            )
+    return None
+
+
 def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids, s: EvalSettings, budget: int):
     """The report of one model: its scores on the panel (the first text's also at the top, as one-text reports
     have it), and its KV cache, what fits in `budget` and its speed, measured on `ids` (the first text's)."""
@@ -234,7 +248,7 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
         panel=PanelSummary.of(scores),
     )
     if s.speed:
-        context = ids[: min(s.decode_context, len(ids))]
+        context = ids[: min(decode_context(s.decode_context, s.decode_tokens, positions), len(ids))]
         single = decode_speed(model, context, 1, s.decode_tokens, s.repeats)
         batched = decode_speed(model, context, s.decode_batch, s.decode_tokens, s.repeats)
         entry.prefill_tokens_per_s = single.prefill_tokens_per_s
@@ -294,6 +308,11 @@ def _position_problems(s: EvalSettings, configs: list) -> list[str]:
             continue
         if s.seq_len > positions:
             problems.append(f"--seq-len {s.seq_len} exceeds the {positions} positions of {name}; lower --seq-len")
+        if s.speed and s.decode_tokens >= positions:
+            problems.append(
+                f"--decode-tokens {s.decode_tokens:,} leaves no room for a context in the {positions} positions of "
+                f"{name}; lower --decode-tokens below {positions}"
+            )
         found = _generation_problems(s, name, positions) if generation else []
         problems += found
         generation = generation and not found

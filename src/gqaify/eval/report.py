@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.eval.results import ModelReport, Report, TaskScore
+from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
 from gqaify.figures import figure
 from gqaify.outputs import REPORT, staged, write_provenance
@@ -26,7 +27,13 @@ COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "m
 def columns(report: Report) -> list[str]:
     """The table's header: the decode column says its context, where the cache's size shows in the speed only
     when it is long (README's 8,192-token figures: MQA 1.51× MHA's speed on a GPU)."""
-    return [*COLUMNS, f"decode tok/s @{report.settings['decode_context']:,} ctx"]
+    return [*COLUMNS, f"decode tok/s @{_decode_context(report):,} ctx"]
+
+
+def _decode_context(report: Report) -> int:
+    """The decode context measured (--decode-context, shortened to fit the parent's positions: a note says so)."""
+    s, positions = report.settings, report.models[0].max_positions if report.models else None
+    return decode_context(s["decode_context"], s["decode_tokens"], positions)
 
 
 def table_rows(report: Report) -> list[list[str]]:
@@ -237,7 +244,7 @@ def markdown(report: Report) -> str:
         f"(max context: what the cache would hold, capped at the model's positions, and which of the two binds; "
         f"report.json has both) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the "
         "parent). "
-        f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {s['decode_context']}-token prefill, "
+        f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {_decode_context(report):,}-token prefill, "
         f"median of {s['repeats']}.",
         "",
         "| " + " | ".join(columns(report)) + " |",

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from gqaify.data import named_texts_problem
 from gqaify.dtypes import DtypeName
 from gqaify.eval.tasks import TaskRequest
-from gqaify.settings import QUIET, Positional, Range, Settings, Stage, setting
+from gqaify.settings import QUIET, Limit, Positional, Range, Settings, Stage, setting
+
+# batches beyond this are no serving batch: each row holds a KV cache of --decode-context + --decode-tokens tokens
+DECODE_BATCH_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,11 @@ class EvalSettings(Settings):
     memory_budget: str = setting("80GB", "memory for weights + KV cache, for the context that fits")
     decode_context: int = setting(512, "prefill tokens before decoding", check=Range(1))
     decode_tokens: int = setting(32, "greedy tokens decoded", check=Range(1))
-    decode_batch: int = setting(8, "the larger decode batch", check=Range(1))
+    decode_batch: int = setting(
+        8,
+        "the larger decode batch",
+        check=(Range(1), Limit(DECODE_BATCH_MAX, "each row holds its own KV cache and its prefill")),
+    )
     repeats: int = setting(3, "timed runs, the median reported", check=Range(1))
     diag_tokens: int = setting(512, "tokens for the attention diagnostics", check=Range(1))
     speed: bool = setting(True, "measure decode speed")
@@ -110,3 +117,10 @@ EVAL = Stage(
     foreign_names=FOREIGN_NAMES,
     record_kind="an eval report",
 )
+
+
+def decode_context(asked: int, new_tokens: int, positions: int | None) -> int:
+    """The prefill measured before decoding: `asked` (--decode-context), shortened so that it and the `new_tokens`
+    decoded after it fit the model's `positions` (None: not capped). A --decode-tokens that leaves no context in
+    the positions is refused (`gqaify.eval.core`)."""
+    return asked if not positions else max(1, min(asked, positions - new_tokens))

@@ -45,7 +45,11 @@ class GenerateSettings(Settings):
     length: int = setting(
         256, "new tokens per sample at most (a sample ends early at the end-of-text token)", check=Range(1)
     )
-    batch_size: int = setting(16, "samples per generate call (one shard of the corpus)", check=Range(1))
+    batch_size: int = setting(
+        16,
+        "samples per generate call (one shard of the corpus)",
+        check=Range(1, "tokens", fix="a shard needs no more samples than the tokens asked for; lower --batch-size"),
+    )
     temperature: float = setting(
         1.0,
         "softmax temperature (1: the parent's own distribution)",

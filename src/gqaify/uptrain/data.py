@@ -176,11 +176,8 @@ def training_loader(s: UptrainSettings, tokenizer, accelerator):
             blocks, counts = mixed(blocks, s.data_weights, s.seed, limit=max(steps, 1) * blocks_per_step)
             if counts is not None:
                 LOG.info("data: %s", ", ".join(f"{t.name} {n:,} blocks" for t, n in zip(sources, counts, strict=True)))
-    if steps < 1:
-        raise UserError(
-            f"the budget of {s.budget():,} tokens is less than one optimizer step of {tokens_per_step:,} "
-            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
-        )
+    if problem := s.step_problem(accelerator.num_processes):  # steps < 1
+        raise UserError(problem)
     if s.streaming:  # the size is unknown: read as far as one step needs
         head = [block["input_ids"] for block in itertools.islice(blocks, blocks_per_step)]
         if (found := len(head)) < blocks_per_step:

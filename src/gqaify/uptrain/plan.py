@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, raise_if_problems
 from gqaify.uptrain.sharding import decoder_layers
 
 GIB = 2**30
@@ -133,10 +133,13 @@ def plan(s, launch: Launch) -> MemoryPlan:
     """The memory plan of the uptraining `s` (UptrainSettings) under `launch`. Reads configs only: no weights.
 
     Raises:
-        UserError: a model's config cannot be read.
+        UserError: a setting the run would refuse (every problem at once: a budget below one step of the launch's
+            processes among them, so that a huge batch is refused, not planned); a model's config cannot be read.
     """
     from gqaify.models import load_config
 
+    one_process = s.step_problem(processes=1)  # among s.problems() already
+    raise_if_problems(s.problems(), None if one_process else s.step_problem(launch.processes))
     student_config = _student_config(s)
     teacher_config = None
     if s.distill_from:

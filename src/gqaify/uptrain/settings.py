@@ -195,13 +195,15 @@ class UptrainSettings(MethodSettings):
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (files are checked where they are opened): the fields'
-        declarations (the conversion's only with kv_heads: there is none to run without), a token budget, a
-        teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
+        declarations (the conversion's only with kv_heads: there is none to run without), a token budget of
+        one step at least (`step_problem`), a teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
         converts = self.kv_heads is not None
         checked = self.calibrated_on_data() if converts else self
         problems = UPTRAIN.declared_problems(checked, leave_out=frozenset() if converts else CONVERSION_FIELDS)
         if self.max_tokens is None and self.budget_fraction is None:
             problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
+        elif problem := self.step_problem(processes=1):
+            problems.append(problem)
         if (
             self.distill_from is None
             and not self.distill_from_data
@@ -247,6 +249,21 @@ class UptrainSettings(MethodSettings):
     @property
     def tokens_per_step_per_process(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.seq_len
+
+    def step_problem(self, processes: int) -> str | None:
+        """A budget smaller than one optimizer step of `processes` processes (it trains nothing; a batch that large
+        is refused before anything is planned, loaded or read). Unknown or broken budgets are other problems."""
+        try:
+            budget = self.budget()
+        except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
+            return None
+        step = self.tokens_per_step_per_process * processes
+        if budget <= 0 or budget >= step:
+            return None
+        return (
+            f"the budget of {budget:,} tokens is less than one optimizer step of {step:,} "
+            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+        )
 
     def task_request(self) -> TaskRequest:
         """The lm-evaluation-harness tasks scored at each evaluation (no names: none)."""
