@@ -3,6 +3,7 @@
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -458,3 +459,22 @@ def test_a_decode_context_past_the_positions_is_shortened_and_said(lm_pair, tmp_
         f"decode speed measured after a 124-token prefill, not --decode-context 100,000: with --decode-tokens 4 it "
         f"fills the 128 positions of {parent}"
     ]
+
+
+def test_a_nan_score_is_null_in_report_json(lm_pair, tmp_path):
+    """A diverged model's perplexity is NaN; report.json held a bare NaN, which is not JSON."""
+    from gqaify.eval.report import write_report
+
+    root, parent, data = lm_pair
+    report = gqaify.evaluate([str(parent)], str(data), tmp_path / "r", replace(FAST, speed=False))
+    report.models[0].perplexity = report.models[0].texts[0].perplexity = float("nan")
+    report.models[0].nll = float("inf")
+    write_report(report, tmp_path / "again")
+
+    def no_constant(name):
+        raise AssertionError(f"report.json holds {name}")
+
+    loaded = json.loads((tmp_path / "again" / "report.json").read_text(), parse_constant=no_constant)
+    assert loaded["models"][0]["perplexity"] is None and loaded["models"][0]["nll"] is None
+    assert loaded["models"][0]["texts"][0]["perplexity"] is None
+    assert "nan" in (tmp_path / "again" / "report.md").read_text()
