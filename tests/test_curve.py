@@ -111,3 +111,10 @@ def test_a_run_draws_its_curve_and_reads_its_forecast_back_typed(tiny, tmp_path)
     with Image.open(out / "recovery.png") as image:
         image.load()
         assert (image.format, image.size) == ("PNG", (1680, 504))  # 14 x 4.2 inches at 120 dpi
+
+
+def test_a_target_the_trend_reaches_only_past_a_thousand_times_the_tokens_seen_is_beyond_reach():
+    """KL ∝ t^-0.04 from 1.85 reaches 0.15 after ~1e31 tokens: said to be beyond reach, not printed as a number."""
+    found = forecast(law(3.0, 0.04, TOKENS), 0.15)
+    assert found.status == "beyond reach" and found.tokens_to_target is None
+    assert "beyond 1,000 times the tokens seen" in found.sentence()

@@ -26,7 +26,7 @@ FORECAST_FILE = "recovery.json"
 REPORT_FILE = "recovery.md"
 PLOT_FILE = "recovery.png"
 SPREAD = 2.0  # standard errors either side of the fitted line: the forecast's range
-HORIZON = 60.0  # log(tokens) searched past the last point for the band's crossing (e^60: unbounded)
+REACH = 1000  # a forecast past this many times the tokens seen is no forecast: "beyond reach"
 MIN_POINTS = 3  # points (t > 0) a trend is fitted to: two always lie on a line
 
 
@@ -87,10 +87,13 @@ class PowerLaw:
         b = self.exponent if exponent is None else exponent
         return math.exp(self.log_kl_at_pivot - b * (math.log(tokens) - self.log_pivot))
 
-    def tokens_for(self, kl: float, exponent: float | None = None) -> float:
-        """Tokens where the line (with `exponent` instead of the fitted one, if given) reaches `kl`."""
-        b = self.exponent if exponent is None else exponent
-        return math.exp(self.log_pivot + (self.log_kl_at_pivot - math.log(kl)) / b)
+    def log_tokens_for(self, kl: float) -> float:
+        """log(tokens) where the line reaches `kl` (the line falls: exponent > 0)."""
+        return self.log_pivot + (self.log_kl_at_pivot - math.log(kl)) / self.exponent
+
+    def tokens_for(self, kl: float) -> float:
+        """Tokens where the line reaches `kl`."""
+        return math.exp(self.log_tokens_for(kl))
 
 
 def fit_power_law(tokens: list[float], kls: list[float]) -> PowerLaw | None:
@@ -113,14 +116,14 @@ def fit_power_law(tokens: list[float], kls: list[float]) -> PowerLaw | None:
 
 def _crossing(law: PowerLaw, kl: float, after: float, side: float) -> float | None:
     """The tokens past `after` where the line's band edge (side +1: upper, -1: lower, SPREAD standard errors out)
-    first falls to `kl`, or None if it does not within HORIZON. Past the points' pivot each edge is monotone
-    wherever it falls at all, so bisection finds the crossing."""
+    first falls to `kl`, or None if it does not within REACH times `after`. Past the points' pivot each edge is
+    monotone wherever it falls at all, so bisection finds the crossing."""
 
     def above(x: float) -> bool:
         t = math.exp(x)
         return math.log(law.at(t)) + side * SPREAD * law.log_kl_se(t) > math.log(kl)
 
-    low, high = math.log(after), math.log(after) + HORIZON
+    low, high = math.log(after), math.log(after * REACH)
     if not above(low):
         return after
     if above(high):
@@ -131,7 +134,7 @@ def _crossing(law: PowerLaw, kl: float, after: float, side: float) -> float | No
     return math.exp(high)
 
 
-Status = Literal["reached", "on track", "flattened", "too few points", "no teacher"]
+Status = Literal["reached", "on track", "beyond reach", "flattened", "too few points", "no teacher"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class Forecast:
     mean_kl: float | None  # the last point's
     tokens_to_target: int | None  # more tokens than tokens_seen, by the fitted line (status "on track")
     tokens_to_target_low: int | None  # where the line's band, SPREAD standard errors below it, reaches the target
-    tokens_to_target_high: int | None  # where the band above it does (None: not within e^HORIZON tokens)
+    tokens_to_target_high: int | None  # where the band above it does (None: not within REACH x tokens_seen)
     law: PowerLaw | None
     points: list[CurvePoint]
 
@@ -167,7 +170,16 @@ class Forecast:
                 f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens; the trend has flattened ({trend}): "
                 f"more tokens of this recipe are not seen to reach {target}"
             )
-        high = "unbounded" if self.tokens_to_target_high is None else f"{self.tokens_to_target_high:,}"
+        if self.status == "beyond reach":
+            return (
+                f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens; at this trend ({trend}) {target} lies "
+                f"beyond {REACH:,} times the tokens seen: more tokens of this recipe alone are not seen to get there"
+            )
+        high = (
+            f"more than {REACH:,}x the tokens seen"
+            if self.tokens_to_target_high is None
+            else (f"{self.tokens_to_target_high:,}")
+        )
         return (
             f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens; about {self.tokens_to_target:,} more "
             f"tokens to reach {target} (range {self.tokens_to_target_low:,} to {high}; an extrapolation of {trend})"
@@ -200,6 +212,8 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
     def more(tokens: float | None) -> int | None:
         return None if tokens is None else max(0, math.ceil(tokens - seen))
 
+    if law.log_tokens_for(target_kl) > math.log(seen * REACH):
+        return made("beyond reach", law)
     central = more(law.tokens_for(target_kl))
     return made(
         "on track", law, central, more(_crossing(law, target_kl, seen, -1)), more(_crossing(law, target_kl, seen, +1))
