@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -229,8 +230,6 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
     Raises:
         UserError: the loss became NaN or infinite (a diverged run): nothing more is saved, final/ is not written.
     """
-    import math
-
     s, accelerator, steps, progress = run.s, run.accelerator, run.steps, loop.progress
     model, loader, optimizer, scheduler = loop.model, loop.loader, loop.optimizer, loop.scheduler
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
