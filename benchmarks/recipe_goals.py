@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -62,9 +63,10 @@ def _run_line(line: str) -> dict:
     repository root, timed."""
     settings, _, commands = line.rpartition("; ")
     timings = {}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this gqaify
     for command in commands.split(" && "):
         started = time.perf_counter()
-        subprocess.run(["bash", "-c", f"{settings}; {command}"], cwd=REPO, check=True)
+        subprocess.run(["bash", "-c", f"{settings}; {command}"], cwd=REPO, check=True, env=env)
         timings[shlex.split(command)[1]] = round(time.perf_counter() - started, 1)
     timings["total"] = round(sum(timings.values()), 1)
     return timings
