@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.conversion.core import convert
+from gqaify.data import named_texts
 from gqaify.errors import UserError
 from gqaify.settings import text_lists
 from gqaify.uptrain import UptrainSettings, parse
@@ -49,6 +50,38 @@ def test_every_recipe_loads_and_names_its_command(recipe):
     values = text_lists(UptrainSettings, load_recipe(recipe))  # a recipe's one text is a list of one
     settings = parse(["--recipe", str(recipe)])
     assert all(getattr(settings, key) == value for key, value in values.items() if not isinstance(value, float))
+
+
+@needs_assets
+def test_the_smollm2_recipes_first_line_runs_it_offline_from_a_checkout():
+    """The first line is every step (the parent-written corpus, then the conversion and training) with the local
+    copies of the data in ../shared; the recipe itself names its data as a user has it: hub datasets, and the
+    corpus the first step writes."""
+    import shlex
+
+    recipe = REPO / "recipes" / "smollm2-135m-mqa.yaml"
+    line = recipe.read_text().splitlines()[0].removeprefix("# ")
+    assignments, _, commands = line.rpartition("; ")
+    variables = dict(a.split("=", 1) for a in shlex.split(assignments))
+    generate, train = (shlex.split(c) for c in commands.split(" && "))
+    assert generate[:2] == ["gqaify", "generate"] and train[:2] == ["gqaify", "uptrain"]
+
+    def expanded(word: str) -> str:
+        for name, value in variables.items():
+            word = word.replace(f"${name}", value)
+        return word
+
+    corpus = expanded(generate[3])
+    settings = parse([expanded(w) for w in train[2:]])
+    assert settings.model == settings.distill_from == expanded(generate[2]) and settings.kv_heads == 1
+    for source in [t.source for t in named_texts([*settings.data, *settings.eval_data])]:
+        assert source == corpus or (REPO / source).is_file(), source  # every text is here, or the first step's
+    assert corpus in [t.source for t in named_texts(settings.data)]
+    assert not {t.source for t in named_texts(settings.data)} & {t.source for t in named_texts(settings.eval_data)}
+    shipped = parse(["--recipe", str(recipe)])
+    for source in [t.source for t in named_texts([*shipped.data, *shipped.eval_data])]:
+        assert source == corpus or ("/" in source and not source.startswith(".")), source  # hub names, the corpus
+    assert shipped.calib_data is None and shipped.calibrated_on_data().calib_data == shipped.data
 
 
 def test_recipes_and_accelerate_configs_are_shipped():
