@@ -304,7 +304,6 @@ def test_word_and_byte_normalisation(lm_pair, tmp_path):
         (["--stride", "64", "--seq-len", "32"], "--stride 64 must be between 1 and --seq-len 32"),
         (["--stride", "0"], "--stride 0 must be between 1"),
         (["--seq-len", "4096"], "--seq-len 4096 exceeds the 128 positions"),
-        (["--text-column", "body"], "has no column 'body'; pass --text-column with one of ['text']"),
         (["--decode-tokens", "100000"], "--decode-tokens 100,000 leaves no room for a context in the 128 positions"),
         (["--decode-batch", "1000000000"], "--decode-batch 1000000000 is more than the 4,096 allowed"),
         (["--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),

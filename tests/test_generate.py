@@ -214,7 +214,7 @@ def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
         == 0
     )
     kl = [r["eval_kl"] for r in read_metrics(tmp_path / "up" / "metrics.jsonl") if "eval_kl" in r]
-    assert len(kl) == 2 and kl[-1] < 0.8 * kl[0]
+    assert len(kl) >= 2 and kl[-1] < 0.8 * kl[0]  # the start and the curve's points
     config = json.loads((tmp_path / "up" / "final" / "config.json").read_text())
     assert config["num_key_value_heads"] == 1
 

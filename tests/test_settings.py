@@ -523,7 +523,7 @@ def test_uptrain_takes_q_and_quiet_for_no_progress(tmp_path):
     """`gqaify uptrain -q` was an unknown option; convert, eval and generate take -q/--quiet."""
     from gqaify.uptrain.settings import parse as parse_uptrain
 
-    args = ["--model", "m", "--output_dir", str(tmp_path / "out"), "--data", "t.txt", "--max_tokens", "64"]
+    args = ["--model", "m", "--output_dir", str(tmp_path / "out"), "--data", "t.txt", "--max_tokens", "4096"]
     assert parse_uptrain(args).progress
     assert not parse_uptrain([*args, "-q"]).progress
     assert not parse_uptrain([*args, "--quiet"]).progress

@@ -102,9 +102,9 @@ def test_accelerate_configs_load(config):
 
 def test_command_line_overrides_the_recipe(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: 100\nlr: 3.0e-4\nlog_to: [csv]\n")
+    recipe.write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: 4096\nlr: 3.0e-4\nlog_to: [csv]\n")
     settings = parse(["--recipe", str(recipe), "--lr", "1e-3", "--trainable", "attention"])
-    assert (settings.lr, settings.trainable, settings.max_tokens, settings.log_to) == (1e-3, "attention", 100, ["csv"])
+    assert (settings.lr, settings.trainable, settings.max_tokens, settings.log_to) == (1e-3, "attention", 4096, ["csv"])
 
 
 def test_help_lists_every_field_with_its_default():
@@ -827,7 +827,7 @@ def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
 
 def test_missing_model_and_settings_are_reported_together(tmp_path):
     line = one_line_error(run_uptrain(["--output_dir", str(tmp_path / "o"), "--seq_len", "0"]))
-    assert "model is required" in line and "data is required" in line and "seq_len must be a positive" in line
+    assert "model is required" in line and "data is required" in line and "seq_len must be at least 2, got 0" in line
 
 
 def test_streaming_data_trains_for_the_whole_budget(tiny, tmp_path):
@@ -846,10 +846,11 @@ def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
     assert "log_to tensorboard needs its package; pip install tensorboard" in line
 
 
-def test_calibrated_method_needs_calib_data(tiny, tmp_path):
-    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq")
-    line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", *extra)))
-    assert "set calib_data" in line and not (tmp_path / "run").exists()
+def test_a_calibrated_method_without_calib_data_is_fitted_on_the_training_data(tiny, tmp_path):
+    extra = ("--model", str(tiny["parent"]), "--kv_heads", "2", "--method", "lsq", "--calib_tokens", "1024")
+    uptrain(parse(args(tiny, tmp_path / "run", *extra, "--max_tokens", "320")))
+    record = (tmp_path / "run" / "converted" / "gqaify.json").read_text()
+    assert '"method": "lsq"' in record and str(tiny["train"]) in record  # calibrated on the training text
 
 
 def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
@@ -1252,7 +1253,7 @@ def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(
 def test_a_calibrated_conversion_is_fitted_on_the_training_data_unless_told_otherwise(tmp_path):
     """With kv_heads and a calibrated method, calib_data (and its weights) default to the training mixture."""
     argv = ["--model", "m", "--output_dir", str(tmp_path / "o"), "--kv_heads", "1", "--method", "lsq"]
-    mixture = ["--data", "a=a.txt", "b=b.txt", "--data_weights", "2", "1", "--max_tokens", "64"]
+    mixture = ["--data", "a=a.txt", "b=b.txt", "--data_weights", "2", "1", "--max_tokens", "4096"]
     settings = parse([*argv, *mixture])
     conversion = settings.conversion(tmp_path / "c")
     assert conversion.calib_data == ["a=a.txt", "b=b.txt"] and conversion.calib_weights == [2.0, 1.0]

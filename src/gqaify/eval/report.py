@@ -289,8 +289,12 @@ def _against_kv(ax, ylabel: str, title: str, x_margin: float) -> None:
 
 
 def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
+    """Each model's perplexity (log scale) against its KV bytes per token; a model whose perplexity is not finite (a
+    diverged one) has no point."""
     with figure(path, PLOT_SIZE) as ax:
         for i, m in enumerate(report.models):
+            if not math.isfinite(m.perplexity):
+                continue
             ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
             ax.annotate(
                 f"{Path(m.model).name} (G={m.num_key_value_heads})",
@@ -299,7 +303,8 @@ def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
                 xytext=(6, 4),
                 fontsize=8,
             )
-        ax.set_yscale("log")
+        if any(math.isfinite(m.perplexity) for m in report.models):
+            ax.set_yscale("log")
         _against_kv(ax, "perplexity", "Perplexity", x_margin=0.2)
 
 
