@@ -10,6 +10,10 @@ from pathlib import Path
 
 # Tests never reach the Hugging Face hub (the hub path is tested with a mock); fail fast instead of retrying.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One thread per process, this one and every process a test starts (they inherit it): the models are tiny, and a
+# test often runs two processes at once (a launch, a rival run), whose threads, one per core each, then waited on
+# each other. Set before torch is imported, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
