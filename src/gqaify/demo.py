@@ -224,6 +224,8 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
             "save_every": 4,
             "eval_data": [eval_data],
             "eval_split": "test",
+            "eval_tokens": 4096,  # the tokens the demo's report scored: "before" and "after" on the same span
+            "eval_seq_len": 1024,
             "data": train_data,
             "split": split,
         }
