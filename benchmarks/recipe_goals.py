@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import yaml
 
-from calibration_domains import TEXT, write_texts
-from gqaify.uptrain.curve import CurvePoint, forecast
+from calibration_domains import write_texts
+from gqaify.uptrain.curve import CurvePoint
 from gqaify.uptrain.report import read_metrics
+from panel_recovery import final_eval
+from recovery_curve import first_half_law
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
@@ -51,7 +54,9 @@ def main() -> None:
     from gqaify.demo import fetch_default_model
 
     gguf = fetch_default_model()
-    report = _final_eval(gguf, [run_dir / "converted", run_dir / "final"], write_texts(out / "texts"), out)
+    if not args.judge_only:  # a new run: its panel evaluated anew
+        shutil.rmtree(out / "final-eval", ignore_errors=True)
+    report = final_eval(gguf, [run_dir / "converted", run_dir / "final"], write_texts(out / "texts"), out)
     results = {"command": line, "seconds": timings, "report": _summary(report), "curve": _curve(run_dir)}
     (out / "recipe_goals.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "recipe_goals.md").write_text(_table(results))
@@ -70,27 +75,6 @@ def _run_line(line: str) -> dict:
         timings[shlex.split(command)[1]] = round(time.perf_counter() - started, 1)
     timings["total"] = round(sum(timings.values()), 1)
     return timings
-
-
-def _final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path) -> dict:
-    report_dir = out / "final-eval"
-    panel = {
-        "wikitext": TEXT / "wikitext-2-raw-test.txt",
-        "shakespeare": texts["shakespeare-2"],
-        "tinystories": TEXT / "tinystories-valid-head.txt",
-        "code": texts["code-b"],
-        "licence": texts["licence"],
-    }
-    subprocess.run(
-        [
-            sys.executable, "-m", "gqaify.cli", "eval", str(gguf), *map(str, models),
-            "--data", *[f"{k}={v}" for k, v in panel.items()], "--split", "train", "--max-tokens", "4096",
-            "--seq-len", "1024", "--no-speed", "--tasks", "story_endings", "--include-path",
-            str(REPO / "tests" / "tasks"), "--out", str(report_dir), "--force", "-q",
-        ],
-        check=True,
-    )  # fmt: skip
-    return json.loads((report_dir / "report.json").read_text())
 
 
 def _summary(report: dict) -> list[dict]:
@@ -116,7 +100,7 @@ def _curve(run_dir: Path) -> dict:
     """The run's own forecast of its end, made from the first half of its tokens, against its end."""
     points = [p for p in map(CurvePoint.of, read_metrics(run_dir / "metrics.jsonl")) if p is not None]
     end = points[-1]
-    law = forecast([p for p in points if p.tokens <= end.tokens / 2], target_kl=1e-9).law
+    law = first_half_law(points)
     predicted = None if law is None else law.at(end.tokens)
     return {
         "final_mean_kl": end.mean_kl,

@@ -143,13 +143,18 @@ def _timed(record: Path, argv: list) -> float:
     return took
 
 
+def first_half_law(points: list[CurvePoint]):
+    """The trend a user read halfway through a run (`points`, its evaluations): the run's own forecast rule applied
+    to the points up to half its tokens (None where they are too few)."""
+    return forecast([p for p in points if p.tokens <= points[-1].tokens / 2], target_kl=1e-9).law
+
+
 def _judged(folder: Path, extra_seconds: float) -> dict:
     """A run's curve, its tokens/s, and the forecast of its end from the first half of its tokens."""
     rows = read_metrics(folder / "metrics.jsonl")
     points = [p for p in map(CurvePoint.of, rows) if p is not None]
     end = points[-1]
-    # the forecast a user would have read halfway: the run's own rule (the points after the curve's highest)
-    law = forecast([p for p in points if p.tokens <= end.tokens / 2], target_kl=1e-9).law
+    law = first_half_law(points)
     predicted = law.at(end.tokens) if law else None
     return {
         "tokens_per_s": end.tokens / end.seconds if end.seconds else None,  # training alone, evaluations left out
