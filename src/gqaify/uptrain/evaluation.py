@@ -30,8 +30,9 @@ def evaluator(run, loop, texts: dict[str, torch.Tensor] | None, harness, tokeniz
     seq_len = s.eval_seq_len or s.seq_len
     # the KL is measured from the live teacher; a run from stored log-probabilities measures it from `parent`
     reference = loop.teacher if loop.teacher is not None or texts is None else _stored_runs_parent(s, accelerator)
+    reference_name = s.distill_from if loop.teacher is not None else s.parent  # the model `reference` is
     if texts is not None and "parent_perplexity" not in run.record:
-        parents = _parent_perplexities(s, reference, texts, seq_len, accelerator)
+        parents = _parent_perplexities(s, reference, reference_name, texts, seq_len, accelerator)
         run.record["parent_perplexity"] = None if parents is None else next(iter(parents.values()))
         run.record["parent_perplexities"] = parents
         run.save_record()
@@ -95,13 +96,16 @@ def eval_texts(s: UptrainSettings, tokenizer) -> dict[str, torch.Tensor] | None:
     return texts
 
 
-def _parent_perplexities(s, teacher, texts: dict[str, torch.Tensor], seq_len: int, accelerator) -> dict | None:
+def _parent_perplexities(
+    s, loaded, loaded_name: str | None, texts: dict[str, torch.Tensor], seq_len: int, accelerator
+) -> dict | None:
     """The parent's perplexity on each eval text, by name, for the ratios and the plot's reference line (computed
-    once per run)."""
+    once per run); `loaded` (the model named `loaded_name`: the teacher, or a stored run's parent) is used where
+    it is that parent, else the parent is loaded for this."""
     parent = s.parent or s.distill_from or (s.model if s.kv_heads is not None else None)
     if parent is None:
         return None
-    model = teacher if teacher is not None and parent in (s.distill_from, s.parent) else None
+    model = loaded if loaded is not None and parent == loaded_name else None
     if model is None:
         model, _ = load_model(
             parent, "auto", accelerator.device, option="parent", trust_remote_code=s.trust_remote_code
