@@ -371,3 +371,16 @@ def packed_blocks(data: str, split: str, text_column: str, tokenizer, seq_len: i
             "give more text or lower seq_len"
         )
     return blocks.with_format("torch")
+
+
+def tokens_sha256(ids) -> str:
+    """SHA-256 of token ids (tensors of them, in order, as int64): what run.json records of uptrain's data, and a
+    scored corpus of the text it scored."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for t in ids:
+        digest.update(t.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()

@@ -16,13 +16,12 @@ over several processes, checked by every reader.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-from gqaify.data import named_texts, packed_blocks
+from gqaify.data import named_texts, packed_blocks, tokens_sha256
 from gqaify.errors import UserError
 from gqaify.generation.settings import GenerateSettings
 
@@ -59,10 +58,7 @@ class ScoredText:
         starts = [sum(len(b) for b in per_source[:i]) for i in range(len(per_source))]
         blocks = [block for source in per_source for block in source]
         ordered = [starts[i] + k for i, k in order]
-        digest = hashlib.sha256()
-        for g in ordered:
-            digest.update(blocks[g].to(torch.int64).numpy().tobytes())
-        return cls(blocks, ordered, digest.hexdigest())
+        return cls(blocks, ordered, tokens_sha256(blocks[g] for g in ordered))
 
 
 def _order(sizes: list[int], weights: list[float] | None, samples: int, seed: int) -> list[tuple[int, int]]:

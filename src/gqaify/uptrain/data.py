@@ -13,7 +13,6 @@ resumed run skips the batches it already consumed, so it sees exactly the data a
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import torch
 from torch.utils.data import Sampler
 
 from gqaify.corpora import STORED, corpus_record
-from gqaify.data import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks
+from gqaify.data import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks, tokens_sha256
 from gqaify.errors import UserError
 from gqaify.models import load_config
 
@@ -195,11 +194,3 @@ def training_loader(s: UptrainSettings, tokenizer, accelerator):
     sampler = EpochSampler(len(blocks), s.seed, blocks_per_step)
     loader = DataLoader(blocks, batch_size=s.micro_batch_size, sampler=sampler, drop_last=True)
     return loader, steps, tokens_sha256(batch["input_ids"] for batch in blocks.iter(batch_size=1024))
-
-
-def tokens_sha256(ids) -> str:
-    """SHA-256 of token ids (tensors of them, in order, as int64): what run.json records of the data."""
-    digest = hashlib.sha256()
-    for t in ids:
-        digest.update(t.to(torch.int64).numpy().tobytes())
-    return digest.hexdigest()
