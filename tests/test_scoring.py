@@ -55,7 +55,10 @@ def test_stored_top_k_of_a_text_equals_the_live_teachers(tiny, tmp_path):
             logits = parent(input_ids=torch.tensor([row["input_ids"]])).logits[0]
         live, ids = torch.log_softmax(logits, -1).topk(8, dim=-1)
         assert row["top_ids"] == ids.tolist()
-        torch.testing.assert_close(torch.tensor(row["top_logprobs"]), live, rtol=0, atol=6e-6)  # 5 decimals kept
+        # 5 decimals kept (half of 1e-5), and float32's own noise at these magnitudes: batches of 2 and of 1, or
+        # another CPU, sum in another order
+        noise = 8 * torch.finfo(torch.float32).eps * live.abs().max().item()
+        torch.testing.assert_close(torch.tensor(row["top_logprobs"]), live, rtol=0, atol=5e-6 + noise)
     record = json.loads((out / "gqaify.json").read_text())
     assert record["complete"] and record["tokens"] == 160 and len(record["score_sha256"]) == 64
 
