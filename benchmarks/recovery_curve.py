@@ -2,7 +2,9 @@
 panel benchmark's mixture twice from the same start, distilling from the live parent and from the parent's top-K
 stored once (`gqaify generate --score-data`); each run's curve judged on the panel, and each run's forecast made
 from the first half of its points checked against its own end. --extra adds live-teacher runs with other options
-from the same start (a recipe's choices compared at equal tokens and seconds).
+from the same start (a recipe's choices compared at equal tokens and seconds); --start adds runs from other
+conversions (calibration's minutes against training's), each trained with --start-train, and every run's mean KL
+is read at one budget of seconds, conversion included.
 
     python benchmarks/recovery_curve.py --model ref-mha-6L --tokens 262144 --points 10         # minutes
     python benchmarks/recovery_curve.py --model smollm2 --tokens 49152 --points 10             # about 40 minutes
@@ -10,6 +12,10 @@ from the same start (a recipe's choices compared at equal tokens and seconds).
         --parent-text runs/smollm2-parent-text --out runs/bench/choices \
         --extra "half=--distill_weight 0.5" --extra "kl=--distill_weight 1" \
         --extra "kl-attention=--distill_weight 1 --trainable attention"
+    python benchmarks/recovery_curve.py --model smollm2 --tokens 12288 --points 3 --variants none \
+        --parent-text runs/smollm2-parent-text --out runs/bench/choices-1core \
+        --extra "kl=--distill_weight 1" --extra "lr-1e-3=--distill_weight 1 --lr 1e-3" \
+        --start "calib-4k=--calib-tokens 4096" --start "refine-64=--refine-steps 64"
 
 The conversion is the recipe's kind (`lsq`, layer by layer, on the training mixture: WikiText-2 validation,
 tiny-shakespeare's first half, the TinyStories sample, and with --parent-text a parent-written corpus); the panel
@@ -60,6 +66,16 @@ def main() -> None:
         metavar="NAME=OPTIONS",
         help="one more live-teacher run with these uptrain options, e.g. 'kl-only=--distill_weight 1'",
     )
+    parser.add_argument(
+        "--start",
+        action="append",
+        default=[],
+        metavar="NAME=OPTIONS",
+        help="one more conversion with these convert options, e.g. 'refine-64=--refine-steps 64', trained once",
+    )
+    parser.add_argument(
+        "--start-train", default="--distill_weight 1", help="the uptrain options of the runs from --start conversions"
+    )
     args = parser.parse_args()
 
     seq_len, lr, window = SETUPS[args.model]
@@ -80,34 +96,45 @@ def main() -> None:
         f"code={texts['code-b']}",
         f"licence={texts['licence']}",
     ]
-    converted = out / "converted"
-    seconds = {"convert": _timed(out / "convert.seconds", [
-        "convert", parent, converted, "--kv-heads", "1", "--method", "lsq", "--calib-data", *mixture,
-        "--calib-split", "train", "--calib-tokens", args.calib_tokens, "--calib-seq-len", seq_len, "-q",
-    ])}  # fmt: skip
+    def convert(folder: Path, options: list[str]) -> float:
+        return _timed(folder / "convert.seconds", [
+            "convert", parent, folder / "converted", "--kv-heads", "1", "--method", "lsq", "--calib-data", *mixture,
+            "--calib-split", "train", "--calib-tokens", args.calib_tokens, "--calib-seq-len", seq_len, "-q", *options,
+        ])  # fmt: skip
+
+    seconds = {"convert": convert(out, [])}
     common = [
-        "--model", converted, "--data", *mixture, "--split", "train", "--seq_len", seq_len, "--micro_batch_size", 4,
+        "--data", *mixture, "--split", "train", "--seq_len", seq_len, "--micro_batch_size", 4,
         "--max_tokens", args.tokens, "--lr", lr, "--eval_data", *panel, "--eval_split", "train",
         "--eval_tokens", args.eval_tokens, "--eval_seq_len", window, "--eval_points", args.points,
         "--save_every", 0, "--no_progress",
     ]  # fmt: skip
-    runs = {}
+    start = ["--model", out / "converted"]
+    runs = {}  # name -> (run folder, uptrain argv, seconds spent before training: scoring, or another conversion)
     variants = args.variants.split(",")
     if "live" in variants:
-        runs["live teacher"] = (out / "live", [*common, "--distill_from", parent, "--output_dir", out / "live"], 0.0)
+        runs["live teacher"] = (
+            out / "live", [*start, *common, "--distill_from", parent, "--output_dir", out / "live"], seconds["convert"]
+        )  # fmt: skip
     for extra in args.extra:
         name, _, options = extra.partition("=")
         folder = out / name
-        runs[name] = (folder, [*common, "--distill_from", parent, "--output_dir", folder, *options.split()], 0.0)
+        runs[name] = (folder, [*start, *common, "--distill_from", parent, "--output_dir", folder, *options.split()], seconds["convert"])
+    for other in args.start:
+        name, _, options = other.partition("=")
+        folder = out / f"start-{name}"
+        seconds[f"convert {name}"] = convert(folder, options.split())
+        argv = ["--model", folder / "converted", *common, "--distill_from", parent, "--output_dir", folder / "run"]
+        runs[f"start {name}"] = (folder / "run", [*argv, *args.start_train.split()], seconds[f"convert {name}"])
     if "stored" in variants:
         scored = out / "scored"
         seconds["score"] = _timed(out / "score.seconds", [
             "generate", parent, scored, "--score-data", *mixture, "--score-split", "train", "--length", seq_len,
             "--top-logprobs", args.top_k, "--tokens", args.tokens, "--batch-size", 8, "-q",
         ])  # fmt: skip
-        stored = [*common, "--distill_from_data", "--parent", parent, "--output_dir", out / "stored"]
+        stored = [*start, *common, "--distill_from_data", "--parent", parent, "--output_dir", out / "stored"]
         stored[stored.index("--data") + 1 : stored.index("--data") + 1 + len(mixture)] = [scored]
-        runs[f"stored top-{args.top_k}"] = (out / "stored", stored, seconds["score"])
+        runs[f"stored top-{args.top_k}"] = (out / "stored", stored, seconds["convert"] + seconds["score"])
     results = {"model": args.model, "tokens": args.tokens, "top_k": args.top_k, "seconds": seconds, "runs": {}}
     for name, (folder, argv, extra) in runs.items():
         record = folder / "run.json"
@@ -118,8 +145,12 @@ def main() -> None:
         (out / "recovery_curve.json").write_text(json.dumps(results, indent=2) + "\n")
     live, stored = results["runs"].get("live teacher"), results["runs"].get(f"stored top-{args.top_k}")
     if live and stored:  # the live teacher's curve at the stored run's wall-clock, scoring included
-        results["live_at_stored_seconds"] = _interpolated(live["points"], stored["seconds_with_scoring"])
-        (out / "recovery_curve.json").write_text(json.dumps(results, indent=2) + "\n")
+        results["live_at_stored_seconds"] = _at_seconds(live, stored["total_seconds"])
+    # every run read at one budget: the shortest run's wall-clock, its conversion (and scoring) included
+    results["budget_seconds"] = min(run["total_seconds"] for run in results["runs"].values())
+    for run in results["runs"].values():
+        run["mean_kl_at_budget"] = _at_seconds(run, results["budget_seconds"])
+    (out / "recovery_curve.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "recovery_curve.md").write_text(_table(results))
     print(_table(results))
 
@@ -149,8 +180,9 @@ def first_half_law(points: list[CurvePoint]):
     return forecast([p for p in points if p.tokens <= points[-1].tokens / 2], target_kl=1e-9).law
 
 
-def _judged(folder: Path, extra_seconds: float) -> dict:
-    """A run's curve, its tokens/s, and the forecast of its end from the first half of its tokens."""
+def _judged(folder: Path, before: float) -> dict:
+    """A run's curve, its tokens/s, and the forecast of its end from the first half of its tokens; `before` is the
+    wall-clock spent before its training (its conversion, and the scoring of stored log-probabilities)."""
     rows = read_metrics(folder / "metrics.jsonl")
     points = [p for p in map(CurvePoint.of, rows) if p is not None]
     end = points[-1]
@@ -159,7 +191,8 @@ def _judged(folder: Path, extra_seconds: float) -> dict:
     return {
         "tokens_per_s": end.tokens / end.seconds if end.seconds else None,  # training alone, evaluations left out
         "train_seconds": end.seconds,
-        "seconds_with_scoring": end.seconds + extra_seconds,
+        "seconds_before": before,
+        "total_seconds": end.seconds + before,
         "points": [
             {"tokens": p.tokens, "seconds": p.seconds, "mean_kl": p.mean_kl, "worst_ratio": p.worst_ratio}
             for p in points
@@ -179,18 +212,20 @@ def _judged(folder: Path, extra_seconds: float) -> dict:
 
 def _table(results: dict) -> str:
     lines = [
-        f"{results['model']}, {results['tokens']:,} tokens; conversion {results['seconds']['convert']:.0f} s"
-        + (f", scoring {results['seconds']['score']:.0f} s" if "score" in results["seconds"] else ""),
+        f"{results['model']}, {results['tokens']:,} tokens; "
+        + ", ".join(f"{step} {took:.0f} s" for step, took in results["seconds"].items()),
         "",
-        "| run | training tokens/s | training seconds (with scoring) | mean KL | worst × parent "
-        "| first half predicts | error |",
-        "|---|---|---|---|---|---|---|",
+        "| run | training tokens/s | training s | all s (conversion, scoring) | mean KL "
+        f"| mean KL at {results['budget_seconds']:.0f} s | worst × parent | first half predicts | error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in results["runs"].items():
         f = run["forecast_from_first_half"]
         lines.append(
-            f"| {name} | {run['tokens_per_s']:.0f} | {run['train_seconds']:.0f} ({run['seconds_with_scoring']:.0f}) "
-            f"| {run['final']['mean_kl']:.3f} | {run['final']['worst_ratio']:.2f}× | "
+            f"| {name} | {run['tokens_per_s']:.0f} | {run['train_seconds']:.0f} | {run['total_seconds']:.0f} "
+            f"| {run['final']['mean_kl']:.3f} | "
+            + ("—" if run["mean_kl_at_budget"] is None else f"{run['mean_kl_at_budget']:.3f}")
+            + f" | {run['final']['worst_ratio']:.2f}× | "
             + ("—" if f is None else f"{f['predicted_final_kl']:.3f} (b = {f['exponent']:.3f}) | {f['error']:+.1%}")
             + " |"
         )
@@ -209,9 +244,11 @@ def _table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _interpolated(points: list[dict], seconds: float) -> float | None:
-    """Mean KL at `seconds` of a curve, interpolated in log-log (None past its ends)."""
-    timed = [(p["seconds"], p["mean_kl"]) for p in points if p["seconds"] > 0]
+def _at_seconds(run: dict, seconds: float) -> float | None:
+    """A run's mean KL at `seconds` of wall-clock, what came before its training included, interpolated in log-log
+    between its evaluations (None before its first: it was still converting)."""
+    timed = [(run["seconds_before"] + p["seconds"], p["mean_kl"]) for p in run["points"]]
+    timed = [(s, k) for s, k in timed if s > 0]
     for (s0, k0), (s1, k1) in zip(timed, timed[1:], strict=False):
         if s0 <= seconds <= s1:
             w = (math.log(seconds) - math.log(s0)) / (math.log(s1) - math.log(s0))
