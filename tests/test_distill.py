@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gqaify.eval.perplexity import kl_sums
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 
 
@@ -28,6 +29,27 @@ def test_chunked_kl_and_its_gradient_equal_the_full_kl(chunk, temperature):
     (grad,) = torch.autograd.grad(chunked, student)
     assert chunked.item() == pytest.approx(reference.item(), abs=1e-6, rel=1e-9)
     torch.testing.assert_close(grad, expected_grad, atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("chunk", [5, 7, 40, 1000])  # 40 tokens: chunks that divide them, that do not, one, wider
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+def test_the_one_chunked_kl_equals_kl_div_over_all_tokens_at_once(chunk, temperature):
+    """eval's KL to the parent and the distillation loss's value both come from `kl_sums`: its chunks add up to
+    torch's kl_div over every token in one piece, and there is one sum per chunk of `chunk` tokens."""
+    generator = torch.Generator().manual_seed(2)
+    student = torch.randn(4, 10, 33, generator=generator, dtype=torch.float64)
+    parent = torch.randn(4, 10, 33, generator=generator, dtype=torch.float64)
+    expected = torch.nn.functional.kl_div(
+        torch.log_softmax(student / temperature, -1),
+        torch.log_softmax(parent / temperature, -1),
+        log_target=True,
+        reduction="sum",
+    )
+    sums = list(kl_sums(student, parent, temperature, chunk))
+    assert len(sums) == -(-40 // chunk)
+    assert sum(s.item() for s in sums) == pytest.approx(expected.item(), rel=1e-12)
+    loss = distillation_kl(student, parent, temperature, chunk=chunk)
+    assert loss.item() == pytest.approx(expected.item() / 40 * temperature**2, rel=1e-12)
 
 
 def test_kl_of_a_distribution_with_itself_is_zero_and_positive_otherwise():

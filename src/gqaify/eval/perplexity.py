@@ -12,11 +12,15 @@ context and is never scored.
 
 With `stride == seq_len` the windows do not overlap (GPTQ-style chunks): the first token of every chunk
 has no context in its window and is not scored.
+
+The KL from a parent on the same tokens is here too (`kl_sums`): the one chunked KL over the vocabulary, which
+uptraining's distillation loss (`uptrain/distill.py`) also takes its value from.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -114,21 +118,32 @@ def perplexity(
                     reference = parent(
                         inputs.to(parent.device), use_cache=False, logits_to_keep=keep.to(parent.device)
                     ).logits
-                    kl_sum += kl_sum_of(logits.flatten(0, 1), reference.flatten(0, 1).to(logits.device))
+                    kl_sum += sum(s.item() for s in kl_sums(logits, reference.to(logits.device)))
                 scored += targets.numel()
                 bar.update(targets.numel())
     return Perplexity(nll_sum, scored, kl_sum if parent is not None else None)
 
 
-def kl_sum_of(logits: torch.Tensor, parent_logits: torch.Tensor, chunk: int = 1024) -> float:
-    """Σ over rows of KL(softmax(parent_logits) || softmax(logits)), in float32, `chunk` rows (tokens) at a time.
+KL_CHUNK_TOKENS = 1024  # tokens per chunk: 1,024 x 49,152 x 4 bytes = 0.2 GB of float32 per intermediate
+
+
+def kl_sums(
+    logits: torch.Tensor, parent_logits: torch.Tensor, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS
+) -> Iterator[torch.Tensor]:
+    """Σ over each chunk of `chunk` tokens of KL(softmax(parent_logits / T) || softmax(logits / T)), chunk after
+    chunk, as 0-d tensors in float32 at least: the full-vocabulary intermediates exist for one chunk at a time.
+    The caller adds them up: eval as Python floats, the distillation loss as a tensor on the device.
 
     Args:
-        logits, parent_logits: (tokens, vocab), the same shape.
+        logits, parent_logits: (..., vocab), the same shape (every leading dimension counts as tokens).
+        temperature: T, dividing both logits before the softmax (1: the distributions themselves).
+        chunk: tokens per chunk (the sum over chunks does not depend on it, only the memory does).
     """
-    total = 0.0
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits, parent_logits = logits.reshape(-1, logits.shape[-1]), parent_logits.reshape(-1, logits.shape[-1])
     for begin in range(0, len(logits), chunk):
-        log_q = F.log_softmax(logits[begin : begin + chunk].float(), dim=-1)
-        log_p = F.log_softmax(parent_logits[begin : begin + chunk].float(), dim=-1)
-        total += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
-    return total
+        log_q, log_p = (
+            F.log_softmax(x[begin : begin + chunk].to(dtype) / temperature, dim=-1)  # (chunk, vocab)
+            for x in (logits, parent_logits)
+        )
+        yield F.kl_div(log_q, log_p, log_target=True, reduction="sum")

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-KL_CHUNK_TOKENS = 1024  # tokens per chunk: 1,024 x 49,152 x 4 bytes = 0.2 GB of float32 per intermediate
+from gqaify.eval.perplexity import KL_CHUNK_TOKENS, kl_sums
 
 
 def distillation_kl(
@@ -49,9 +49,8 @@ class _ChunkedKL(torch.autograd.Function):
         ctx.save_for_backward(student, teacher)
         ctx.temperature, ctx.chunk = temperature, chunk
         total = torch.zeros((), dtype=_dtype(student), device=student.device)
-        for s, t in _chunks(student, chunk, teacher):
-            log_q, log_p = _log_softmaxes(s, t, temperature)  # (chunk, vocab) each
-            total += (log_p.exp() * (log_p - log_q)).sum()
+        for chunk_sum in kl_sums(student, teacher, temperature, chunk):  # eval's KL, the one implementation
+            total += chunk_sum
         return total / _tokens(student) * temperature**2
 
     @staticmethod
