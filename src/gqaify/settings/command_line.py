@@ -1,0 +1,159 @@
+"""The command line of a stage: an option per settings field (`build_parser`), with --config, positionals and
+switches, and `parse`, which reads a --config file under the options and makes the settings object.
+
+Only the standard library is imported (transformers' HfArgumentParser took most of --help's time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import typing
+from typing import Literal
+
+from gqaify.errors import raise_if_problems
+from gqaify.settings.fields import _EMPTY_LIST, _hints, _without_none, field_default
+from gqaify.settings.files import read_config
+from gqaify.settings.stage import Stage, nearest, required_problems
+
+
+def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] = ()):
+    """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`,
+    with its types and required fields checked (a required field unset: with every problem `problems()` finds).
+    Otherwise the values' rules are left to the stage, which reports them with what only the files can tell
+    (SRC's config, the models' positions), all in one message. `stages`: the other commands', to name whose
+    settings a --config file holds when they are not this one's.
+
+    Raises:
+        UserError: the file is missing, not a mapping, or has unknown keys; an option is unknown; a value has
+            the wrong type (each of these, every problem at once); a positional and its option are both given;
+            a required field is unset.
+        SystemExit: --help (status 0), or a malformed option value (argparse's one-line error, status 2).
+    """
+    parser = build_parser(stage, prog)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    pre.add_argument(*stage.config_flags, dest="config")
+    try:
+        config = pre.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # `--config` without a file: the full parser reports it below
+        config = None
+    if config:
+        parser.set_defaults(**read_config(stage, config, stages))
+    namespace, unused = parser.parse_known_args(argv)
+    if unused:
+        flags = [a for a in unused if a.startswith("-")] or unused[:1]
+        raise_if_problems([f"unknown option {f}{nearest(stage, f.lstrip('-'), '--')}" for f in flags])
+    values = vars(namespace)
+    problems = []
+    for p in stage.positionals:
+        given = values.pop(f"positional {p.field}")
+        if given in (None, []):
+            continue
+        if values[p.field] not in (None, "", []) and values[p.field] != parser.get_default(p.field):
+            problems.append(f"{p.metavar} and --{p.field.replace('_', '-')} both given; give one")
+        values[p.field] = given
+    settings = stage.settings(**{name: values[name] for name in stage.field_names()})
+    missing = required_problems(stage, settings)  # the stage cannot start: say now all the values' problems too
+    raise_if_problems(problems + (settings.problems() if missing else []))
+    return settings
+
+
+def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
+    """An option per field of the stage's dataclass (`add_field_option`), with --config, positionals and switches;
+    the fields a base class declares (uptrain's and convert's `MethodSettings`) under its docstring's first line."""
+    parser = OneLineParser(
+        prog=prog or f"gqaify {stage.command}",
+        description=stage.description,
+        allow_abbrev=False,  # --max_token must not quietly mean --max_tokens
+        formatter_class=_Formatter,
+    )
+    hints = _hints(stage.settings)
+    for owner, fields in _by_declaring_class(stage.settings):
+        group = parser if owner is stage.settings else parser.add_argument_group(owner.__doc__.splitlines()[0])
+        for f in fields:
+            add_field_option(group, f, hints[f.name])
+    for p in stage.positionals:
+        parser.add_argument(
+            f"positional {p.field}",
+            nargs=p.nargs,
+            metavar=p.metavar,
+            default=None,
+            help=f"the same as --{p.field.replace('_', '-')}",
+        )
+    parser.add_argument(
+        *stage.config_flags,
+        metavar="FILE",
+        help="YAML file of settings (its keys are the options below), or the gqaify.json or "
+        "report.json gqaify wrote (its settings: a rerun); options given here win",
+    )
+    for s in stage.switches:
+        parser.add_argument(*s.flags, dest=s.field, action="store_const", const=s.value, help=s.help)
+    return parser
+
+
+def _by_declaring_class(settings: type) -> list[tuple[type, list[dataclasses.Field]]]:
+    """The fields of `settings` by the class that first declares each (one a subclass declares again, to change
+    its default, stays with its base): the class's own first, then each base's."""
+    declared_by = {}
+    for cls in reversed(settings.__mro__):
+        for name in inspect.get_annotations(cls):
+            declared_by.setdefault(name, cls)
+    groups: dict[type, list[dataclasses.Field]] = {settings: []}
+    for f in dataclasses.fields(settings):
+        groups.setdefault(declared_by[f.name], []).append(f)
+    return list(groups.items())
+
+
+def add_field_option(parser, f: dataclasses.Field, hint) -> None:
+    """`--field-name` (and `--field_name`) for one settings field, as transformers' HfArgumentParser adds it.
+
+    `X | None` is read as X; a Literal gives the choices; a list takes one value or more (`nargs="+"`; "*" for
+    `setting(..., empty_list=True)`), each of its item type; a boolean is a plain flag (`--force`, not
+    HfArgumentParser's optional value, which would take the next argument, `--force SRC`, for its value; files
+    give true/false), and a boolean that defaults to true also gets `--no-field`.
+    """
+    flags = _flags(f.name)
+    default = field_default(f)
+    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+    hint = _without_none(hint)
+    if hint is bool:
+        parser.add_argument(*flags, action="store_const", const=True, **kwargs)
+        if default is True:
+            parser.add_argument(
+                *_flags(f"no_{f.name}"),
+                action="store_false",
+                dest=f.name,
+                default=argparse.SUPPRESS,
+                help=f"the opposite of {flags[0]}",
+            )
+    elif typing.get_origin(hint) is list:
+        nargs = "*" if f.metadata.get(_EMPTY_LIST) else "+"
+        parser.add_argument(*flags, nargs=nargs, **_typed(typing.get_args(hint)[0]), **kwargs)
+    else:
+        parser.add_argument(*flags, **_typed(hint), **kwargs)
+
+
+def _typed(hint) -> dict:
+    """argparse's `type` (and `choices`, for a Literal) of an option's values."""
+    if typing.get_origin(hint) is not Literal:
+        return {"type": hint}
+    choices = typing.get_args(hint)
+    by_text = {str(c): c for c in choices}  # a choice typed on the command line is text
+    return {"choices": choices, "type": lambda text: by_text.get(text, text)}
+
+
+def _flags(name: str) -> list[str]:
+    """["--kv-heads", "--kv_heads"]: the dashed form first, as errors and --help show it."""
+    return list(dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name}"]))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a usage error on one line, exit status 2 (the `gqaify` command's and every stage's parser)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (it holds example commands); each option's default after its help."""

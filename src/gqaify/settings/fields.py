@@ -1,0 +1,162 @@
+"""A settings field and what its values may be: `setting(...)`, the `Settings` base whose objects always hold
+values of their fields' types, and the field helpers every part of the package reads (defaults, records,
+values cut short for messages).
+
+Only the standard library is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import reprlib
+import types
+import typing
+from typing import Literal
+
+from gqaify.errors import raise_if_problems
+
+
+def setting(default, help: str, *, required: bool = False, check=(), empty_list: bool = False):
+    """A settings field: its default, the help line --help shows, and what its values may be.
+
+    Args:
+        required: the field must be given (by a file, an option or a positional): not None, empty text or an
+            empty list.
+        check: a rule, or a tuple of rules, that a value must meet (None, unset, is not checked): `Range`,
+            `Limit`, `Finite`, `Needs`, `Excludes`, or a function `(value, name) -> problem | None`, `name` being
+            how the stage names the field. The first rule a value breaks is reported.
+        empty_list: a list option may be given with no values (`--generate` alone: an empty list, not None).
+    """
+    rules = check if isinstance(check, tuple) else (check,)
+    metadata = {"help": help, _REQUIRED: required, _RULES: rules, _EMPTY_LIST: empty_list}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# a field's metadata keys, beside "help" (HfArgumentParser's name for it)
+_REQUIRED = "gqaify_required"
+_RULES = "gqaify_rules"
+_EMPTY_LIST = "gqaify_empty_list"  # its list option may be given with no values
+
+
+class Settings:
+    """The base of every stage's settings dataclass.
+
+    Its fields hold values of their types, or it is not made: `__post_init__` refuses every wrong type at once, as
+    peft's configs check themselves in theirs (which raise at the first problem, and for value ranges too). Values
+    are left to `problems()`: an object may be incomplete while it is built up (`EvalSettings(seq_len=1024)` is
+    given its models later), and a range is reported with the problems found in the files, all in one message.
+    """
+
+    def __post_init__(self) -> None:
+        for name, value in text_lists(type(self), dataclasses.asdict(self)).items():
+            object.__setattr__(self, name, value)
+        raise_if_problems(type_problems(self))
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the values, at once; the stage's own (see `Stage.declared_problems`)."""
+        raise NotImplementedError
+
+
+def type_problems(settings) -> list[str]:
+    """Values of the wrong type or outside a field's choices (`Settings.__post_init__` refuses them)."""
+    hints = _hints(type(settings))
+    problems = []
+    for f in dataclasses.fields(settings):
+        value, hint = getattr(settings, f.name), hints[f.name]
+        if not _is_a(value, hint):
+            problems.append(f"{f.name} {shown(value)} is not {_describe(hint)}; fix the file, option or argument")
+    return problems
+
+
+@functools.cache
+def _hints(settings: type) -> dict:
+    """The field types of a settings class (its annotations are text until read: `from __future__ import
+    annotations`), read once."""
+    return typing.get_type_hints(settings)
+
+
+def _without_none(hint):
+    """X for `X | None` (the option takes an X; None is its default)."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else hint
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxdict = 6
+_SHORT.maxlevel = 3
+
+
+def shown(value) -> str:
+    """`repr(value)`, cut short (a string's middle, a list's tail, deep levels): messages show what a value is,
+    never all of it."""
+    return _SHORT.repr(value)
+
+
+def field_default(f: dataclasses.Field):
+    """The value a settings field takes when it is not given (a list field: a new list)."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def defaults(settings: type) -> dict:
+    """Every field's default, by name (what a record written before a field existed is read as)."""
+    return {f.name: field_default(f) for f in dataclasses.fields(settings)}
+
+
+def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:
+    """The settings as JSON-ready data, without the fields in `leave_out`."""
+    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in leave_out}
+
+
+def text_lists(settings: type, values: dict) -> dict:
+    """`values` with each list-of-text field's value as a list: one text is a list of one, an empty text (`--eval-data
+    ''`) unset (None, or [] where the field takes no None). Settings objects and records written before a field
+    became a list (a run.json's `data: x.txt`) are read through it."""
+    hints, found = _hints(settings), dict(values)
+    for name, value in values.items():
+        if name not in hints or not _takes_text_list(hints[name]):
+            continue
+        if value in ("", [""]):
+            found[name] = None if _without_none(hints[name]) != hints[name] else []
+        elif isinstance(value, str):
+            found[name] = [value]
+    return found
+
+
+def _takes_text_list(hint) -> bool:
+    """Whether `hint` is `list[str]` or `list[str] | None` (and not also `str`)."""
+    return _without_none(hint) == list[str]
+
+
+def _is_a(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    names = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "empty"}
+    return names.get(hint, str(hint))
