@@ -3,14 +3,16 @@ installed as users install it (not editable) and run from a folder that is no ch
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from conftest import CORPUS, REPO, build_model, save_with_tokenizer
+from conftest import ASSETS, CLOSED, CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.cli import main
 from gqaify.packaged import RECIPES, recipe_names
 from gqaify.uptrain.settings import load_recipe
@@ -217,3 +219,96 @@ def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     assert (work / "run" / "final" / "model.safetensors").is_file() and (work / "gqa2" / "gqaify.json").is_file()
     assert '"num_key_value_heads": 2' in (work / "run" / "final" / "config.json").read_text()
+
+
+# A stand-in for the hub in the process a test starts: datasets.load_dataset serves each hub dataset named here
+# (name, config, split) from a local copy, as a hub that answered (or datasets' cache) would, and records every hub
+# dataset asked for in ASKED; any other hub dataset is refused as the offline hub refuses it.
+MIRROR = r"""
+import json, sys
+import datasets
+
+served, asked = json.loads(sys.argv[1]), sys.argv[2]
+load = datasets.load_dataset
+
+def mirrored(path, name=None, *args, split=None, **kwargs):
+    if kwargs.get("data_files") is not None or path in ("text", "json", "csv", "parquet"):
+        return load(path, name, *args, split=split, **kwargs)  # a local file: datasets' own builders
+    with open(asked, "a") as f:
+        f.write(json.dumps([path, name, split]) + "\n")
+    local = served.get(json.dumps([path, name, split]))
+    if local is None:
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+    return load("text", data_files={"train": [local]}, split="train", sample_by="document")  # the slice served
+
+datasets.load_dataset = mirrored
+from gqaify.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@needs_assets
+def test_a_shipped_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets(tmp_path):
+    """ref-mha-6L-gqa2 by name from a folder that is no checkout, the hub unreachable and its two hub datasets served
+    by a local mirror: the recipe asks the hub for exactly the text it names, converts, trains and evaluates; without
+    a model of its own it is refused in one line naming what to pass, nothing written."""
+    text = ASSETS / "text"
+    served = {
+        json.dumps(["roneneldan/TinyStories", None, "validation[1000:]"]): str(text / "tinystories-train-sample.txt"),
+        json.dumps(["roneneldan/TinyStories", None, "validation[:1000]"]): str(text / "tinystories-valid-head.txt"),
+    }
+    asked = tmp_path / "asked.jsonl"
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "HF_ENDPOINT": CLOSED, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+
+    def gqaify(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", MIRROR, json.dumps(served), str(asked), "uptrain", "--recipe", *args]
+        return subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+
+    refused = gqaify("ref-mha-6L-gqa2")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "model ../shared/assets/models/ref-mha-6L does not exist here" in refused.stderr
+    assert "pass --model with" in refused.stderr and "pass --distill_from with" in refused.stderr
+    assert not list(work.iterdir()) and not asked.exists()
+
+    model = str(MODELS / "ref-mha-6L")
+    small = ["--max_tokens", "2048", "--eval_tokens", "512", "--eval_every", "0", "--save_every", "0"]
+    done = gqaify("ref-mha-6L-gqa2", "--model", model, "--distill_from", model, *small, "--no_progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(json.loads(line) for line in asked.read_text().splitlines()) == sorted(map(json.loads, served))
+    out = work / "runs" / "ref-mha-6L-gqa2"  # the recipe's output_dir, from the working directory
+    assert json.loads((out / "final" / "config.json").read_text())["num_key_value_heads"] == 2
+    assert "uptrained 1 steps, 2,048 tokens" in done.stdout, done.stdout
+
+
+@needs_assets
+def test_the_recipes_name_hub_text_and_the_local_copies_are_first_line_overrides():
+    """The local copies in ../shared are the first line's overrides only: each recipe itself names hub datasets (or
+    the corpus its first command writes); a first line that gives local copies (the CPU recipes') gives every text
+    it trains and evaluates on, each beside the checkout, so it runs offline; the 8-GPU recipe's needs the hub."""
+    from gqaify.data import named_texts
+    from gqaify.uptrain.settings import parse
+
+    offline = []
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        line = recipe.read_text().splitlines()[0].removeprefix("# ")
+        assignments, _, commands = line.rpartition("; ")
+        variables = dict(a.split("=", 1) for a in shlex.split(assignments))
+        written = []  # what the line's own first commands write (gqaify generate's OUT)
+        for command in commands.split(" && "):
+            words = shlex.split(command)
+            for name, value in variables.items():
+                words = [w.replace(f"${name}", value) for w in words]
+            if words[:2] == ["gqaify", "generate"]:
+                written.append(words[3])
+                continue
+            settings = parse(words[words.index("--recipe") :])
+            if variables:  # the local copies: every text is here, or the line's first command writes it
+                for source in [t.source for t in named_texts([*settings.data, *settings.eval_data])]:
+                    assert source in written or (REPO / source).exists(), (recipe.name, source)
+                offline.append(recipe.stem)
+        shipped = parse(["--recipe", str(recipe)])
+        for source in [t.source for t in named_texts([*shipped.data, *shipped.eval_data])]:
+            assert source in written or ("/" in source and not source.startswith((".", "/"))), (recipe.name, source)
+    assert offline == ["ref-mha-6L-gqa2", "smollm2-135m-mqa"]

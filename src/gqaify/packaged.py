@@ -5,8 +5,9 @@ recipes/ at the repository root), found by name from any folder once gqaify is i
     gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
     gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
 
-A recipe's paths (`data`, `calib_data`, `eval_data`) are read from the working directory, as every path gqaify is
-given; the shipped recipes name ../shared/assets beside a checkout, or a hub dataset in a comment.
+A recipe's paths (`data`, `calib_data`, `eval_data`, `model`) are read from the working directory, as every path
+gqaify is given; the shipped recipes name their text as hub datasets (`name[:config]@split`), what a user has, and
+each first line runs it offline from a checkout with the local copies in ../shared/assets as overrides.
 """
 
 from __future__ import annotations

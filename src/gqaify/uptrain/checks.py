@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gqaify.archs import ARCHITECTURES, attention_pattern
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.models import load_config, untrusted_problem
@@ -18,6 +20,13 @@ def check_inputs(s: UptrainSettings) -> None:
     configs = {}
     for key in ("model", "distill_from", "parent"):
         if value := getattr(s, key):
+            if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
+                # a recipe's path beside a checkout (ref-mha-6L-gqa2 by name from elsewhere): say what to pass
+                problems.append(
+                    f"{key} {value} does not exist here ({Path.cwd()}; a recipe's paths are read from the working "
+                    f"directory); pass --{key} with a model folder, hub id or .gguf file"
+                )
+                continue
             try:
                 # exists and is a model
                 configs[key] = load_config(value, option=key, trust_remote_code=s.trust_remote_code)
