@@ -312,3 +312,16 @@ def test_the_recipes_name_hub_text_and_the_local_copies_are_first_line_overrides
         for source in [t.source for t in named_texts([*shipped.data, *shipped.eval_data])]:
             assert source in written or ("/" in source and not source.startswith((".", "/"))), (recipe.name, source)
     assert offline == ["ref-mha-6L-gqa2", "smollm2-135m-mqa"]
+
+
+def test_an_accelerate_config_named_as_a_recipe_is_one_line_saying_where_it_goes(capsys, tmp_path, monkeypatch):
+    """Its seven keys were five 'unknown key' complaints that never said it is the launch's config."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("accelerate/fsdp", "recipes/accelerate/cpu.yaml"):
+        code = main(["uptrain", "--recipe", name, "--max_tokens", "4096"])
+        err = capsys.readouterr().err
+        stem = name.removeprefix("recipes/").removesuffix(".yaml")
+        assert code == 2 and err.count("\n") == 1 and "unknown key" not in err, err
+        assert f"--recipe {name} is an accelerate config, not a recipe; pass it to `accelerate launch" in err
+        assert f"--config_file {RECIPES / stem}.yaml -m gqaify.uptrain --recipe RECIPE`, or to --plan {stem}" in err
+    assert not list(tmp_path.iterdir())

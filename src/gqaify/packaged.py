@@ -33,6 +33,22 @@ def shipped(name: str) -> Path | None:
     return RECIPES / f"{stem}.yaml"
 
 
+def shipped_recipe(name: str) -> Path | None:
+    """The shipped recipe `name` for `--recipe NAME` (as `shipped`), or None.
+
+    Raises:
+        UserError: `name` is a shipped accelerate config: the launch's, which accelerate reads, not a recipe.
+    """
+    found = shipped(name)
+    if found is None or found.parent == RECIPES:
+        return found
+    stem = found.relative_to(RECIPES).with_suffix("").as_posix()
+    raise UserError(
+        f"--recipe {name} is an accelerate config, not a recipe; pass it to `accelerate launch --config_file {found} "
+        f"-m gqaify.uptrain --recipe RECIPE`, or to --plan {stem} for the memory a run needs under it"
+    )
+
+
 def first_line(path: Path) -> str:
     """A recipe's first line without its comment mark: the command that runs it."""
     with open(path) as f:

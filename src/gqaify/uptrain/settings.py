@@ -24,7 +24,7 @@ from gqaify.eval.settings import EVAL
 from gqaify.eval.tasks import TaskRequest
 from gqaify.generation.settings import GENERATE
 from gqaify.hub import repo_id_problem
-from gqaify.packaged import shipped
+from gqaify.packaged import shipped_recipe
 from gqaify.settings import QUIET, SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
 from gqaify.settings import parse as parse_settings
 
@@ -344,7 +344,7 @@ UPTRAIN = Stage(
     "config, before renting GPUs; trains nothing)",
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
-    shipped=shipped,
+    shipped=shipped_recipe,
     record_kind="an uptraining run's record",
     named_by="keys",
     switches=(QUIET,),
