@@ -73,7 +73,8 @@ LAYERS = [
     {"kvcache", "summary", "data", "models"},
     {"conversion", "eval", "generation"},
     {"uptrain"},
-    {"coverage", "demo"},
+    {"coverage", "demo", "stages"},
+    {"uptrain.__main__"},  # `python -m gqaify.uptrain`: an entry, like cli (it hands the settings every stage)
     {"cli", "gqaify"},
     {"__main__"},
 ]
@@ -141,7 +142,10 @@ def test_an_import_by_name_is_seen(source):
 
 
 def part(module: str) -> str:
-    """The top-level piece of gqaify a module belongs to: "conversion" for gqaify.conversion.core."""
+    """The top-level piece of gqaify a module belongs to: "conversion" for gqaify.conversion.core; a subpackage's
+    `__main__` is an entry of its own ("uptrain.__main__")."""
+    if module.endswith(".__main__") and module.count(".") > 1:
+        return module.split(".", 1)[1]
     return module.split(".")[1] if "." in module else module
 
 

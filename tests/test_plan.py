@@ -94,10 +94,23 @@ def test_plan_prints_the_table_and_writes_nothing(tiny, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_plan_is_an_option_of_the_settings_parser(tiny, tmp_path, capsys):
+    """--plan was taken out of the arguments by hand: --plan=CONFIG was an unknown option and --help omitted it."""
+    out = tmp_path / "run"
+    assert main(["uptrain", *args(tiny, out), "--plan", "accelerate/fsdp"]) == 0
+    spaced = capsys.readouterr().out
+    assert main(["uptrain", *args(tiny, out), "--plan=accelerate/fsdp"]) == 0
+    assert capsys.readouterr().out == spaced and not out.exists()
+    assert main(["uptrain", "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--plan [CONFIG] print the bytes each process holds at a step's peak under this accelerate config" in shown
+
+
 @pytest.mark.parametrize(
     ("given", "said"),
     [
         ([], "--plan needs the accelerate config of the launch"),
+        (["--lr", "1e-4"], "--plan needs the accelerate config of the launch"),
         (["no-such-config"], "--plan no-such-config: no such accelerate config"),
     ],
 )

@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
     parser = build_parser()
     try:
+        words = sys.argv[1:] if argv is None else argv
+        command = next((w for w in words if not w.startswith("-")), None)
+        if command in ("demo", "recipes") and any(w.split("=")[0] == "--config" for w in words):
+            parser.error(f"gqaify {command} takes no --config (it has no settings to keep): give its options as words")
         args, rest = parser.parse_known_args(argv)
         if rest and args.command in ("demo", "recipes"):  # the others' options belong to their settings parsers
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_convert(args) -> None:
     from gqaify.conversion.options import CONVERT
     from gqaify.settings import parse
-    from gqaify.uptrain.settings import STAGES
+    from gqaify.stages import STAGES
 
     # --help and bad options answer before torch is loaded
     settings = parse(CONVERT, args.rest, prog=args.prog, stages=STAGES)
@@ -99,7 +103,7 @@ def _run_convert(args) -> None:
 def _run_eval(args) -> None:
     from gqaify.eval.settings import EVAL
     from gqaify.settings import parse
-    from gqaify.uptrain.settings import STAGES
+    from gqaify.stages import STAGES
 
     settings = parse(EVAL, args.rest, prog=args.prog, stages=STAGES)
     if not settings.progress:
@@ -118,7 +122,7 @@ def _run_eval(args) -> None:
 def _run_generate(args) -> None:
     from gqaify.generation.settings import GENERATE
     from gqaify.settings import parse
-    from gqaify.uptrain.settings import STAGES
+    from gqaify.stages import STAGES
 
     settings = parse(GENERATE, args.rest, prog=args.prog, stages=STAGES)
     if not settings.progress:
@@ -134,9 +138,10 @@ def _run_generate(args) -> None:
 
 
 def _run_uptrain(args) -> None:
+    from gqaify.stages import STAGES
     from gqaify.uptrain.__main__ import command_line
 
-    command_line(args.rest, args.prog)
+    command_line(args.rest, args.prog, STAGES)
 
 
 def _run_recipes(args) -> None:

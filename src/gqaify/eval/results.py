@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
+
+if TYPE_CHECKING:
+    from gqaify.eval.perplexity import Perplexity
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,30 @@ class TextScore:
     ratio_to_parent: float | None = None  # perplexity / the parent's, on the same tokens
     kl_to_parent: float | None = None  # KL(parent || model), nats per scored token
 
+    @classmethod
+    def of(cls, text: str, found: Perplexity, words: int, text_bytes: int, parent_perplexity: float | None = None):
+        """The score of `found` (`perplexity.perplexity`, with its KL where it was given the parent) on the span of
+        `words` words and `text_bytes` bytes, with its ratio to `parent_perplexity` (the parent's on the same
+        tokens) where given: eval's panel and uptraining's evaluations build their scores here."""
+        return cls(
+            text,
+            found.tokens_scored,
+            found.nll,
+            found.perplexity,
+            math.exp(found.nll_sum / words),
+            found.nll_sum / (text_bytes * math.log(2)),
+            words,
+            text_bytes,
+            None if parent_perplexity is None else found.perplexity / parent_perplexity,
+            found.kl,
+        )
+
+
+def words_and_bytes(span: str) -> tuple[int, int]:
+    """The words and UTF-8 bytes of the span of text a score covers (at least 1 each): what word perplexity and bits
+    per byte divide by."""
+    return max(len(span.split()), 1), max(len(span.encode()), 1)
+
 
 @dataclass
 class PanelSummary:
@@ -77,16 +106,18 @@ class PanelSummary:
     mean_ratio_to_parent: float  # the arithmetic mean over the texts of perplexity / the parent's
     worst_ratio_to_parent: float
     worst_text: str  # the text of the worst ratio
-    mean_kl_to_parent: float
-    worst_kl_to_parent: float
+    mean_kl_to_parent: float | None  # None where a score has no KL (an uptraining evaluated without the parent)
+    worst_kl_to_parent: float | None
 
     @classmethod
     def of(cls, scores: list[TextScore]) -> PanelSummary | None:
         """The summary of a model's scores, or None where they have no ratios (the parent, another tokenizer)."""
-        if not scores or any(t.ratio_to_parent is None or t.kl_to_parent is None for t in scores):
+        if not scores or any(t.ratio_to_parent is None for t in scores):
             return None
         worst = max(scores, key=lambda t: t.ratio_to_parent)
         ratios, kls = [t.ratio_to_parent for t in scores], [t.kl_to_parent for t in scores]
+        if None in kls:
+            return cls(sum(ratios) / len(ratios), worst.ratio_to_parent, worst.text, None, None)
         return cls(sum(ratios) / len(ratios), worst.ratio_to_parent, worst.text, sum(kls) / len(kls), max(kls))
 
 

@@ -36,7 +36,7 @@ The package, one idea a module (only the standard library and PyYAML are importe
     files.py         `read_config` and `read_data`: a settings file read with care
 """
 
-from gqaify.settings.command_line import OneLineParser, add_field_option, build_parser, parse
+from gqaify.settings.command_line import OneLineParser, add_field_option, build_parser, parse, parse_command
 from gqaify.settings.fields import (
     Settings,
     defaults,
@@ -47,9 +47,9 @@ from gqaify.settings.fields import (
     text_lists,
     type_problems,
 )
-from gqaify.settings.files import MAX_DEPTH, MAX_JSON_BYTES, MAX_YAML_BYTES, read_config, read_data
+from gqaify.settings.files import MAX_DEPTH, MAX_JSON_BYTES, MAX_YAML_BYTES, read_config, read_data, read_settings_file
 from gqaify.settings.rules import SEED, Excludes, Finite, Limit, Needs, OnePerItem, Range
-from gqaify.settings.stage import QUIET, Context, Positional, Stage, Switch, nearest, required_problems
+from gqaify.settings.stage import QUIET, Context, Option, Positional, Stage, Switch, nearest, required_problems
 
 __all__ = [
     "MAX_DEPTH",
@@ -64,6 +64,7 @@ __all__ = [
     "Needs",
     "OnePerItem",
     "OneLineParser",
+    "Option",
     "Positional",
     "Range",
     "Settings",
@@ -75,8 +76,10 @@ __all__ = [
     "field_default",
     "nearest",
     "parse",
+    "parse_command",
     "read_config",
     "read_data",
+    "read_settings_file",
     "recorded",
     "required_problems",
     "setting",

@@ -13,22 +13,31 @@ import typing
 from typing import Literal
 
 from gqaify.errors import raise_if_problems
-from gqaify.settings.fields import _EMPTY_LIST, _hints, _without_none, field_default
-from gqaify.settings.files import read_config
+from gqaify.settings.fields import _EMPTY_LIST, Settings, _hints, _without_none, field_default
+from gqaify.settings.files import read_settings_file
 from gqaify.settings.stage import Stage, nearest, required_problems
 
 
 def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] = ()):
+    """The settings object of `stage` from `argv` (`parse_command`, without the command's other options)."""
+    return parse_command(stage, argv, prog, stages)[0]
+
+
+def parse_command(
+    stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] = ()
+) -> tuple[Settings, dict[str, str | None]]:
     """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`,
     with its types and required fields checked (a required field unset: with every problem `problems()` finds).
     Otherwise the values' rules are left to the stage, which reports them with what only the files can tell
     (SRC's config, the models' positions), all in one message. `stages`: the other commands', to name whose
-    settings a --config file holds when they are not this one's.
+    settings a --config file holds when they are not this one's. Beside it, the value of each of the stage's
+    `options` (by flag; None when not given).
 
     Raises:
         UserError: the file is missing, not a mapping, or has unknown keys; an option is unknown; a value has
             the wrong type (each of these, every problem at once); a positional and its option are both given;
-            a required field is unset.
+            a required field is unset; an option given without its value; a rerun from a record that changes
+            what the record pins (`Stage.rerun_problems`).
         SystemExit: --help (status 0), or a malformed option value (argparse's one-line error, status 2).
     """
     parser = build_parser(stage, prog)
@@ -38,14 +47,18 @@ def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages:
         config = pre.parse_known_args(argv)[0].config
     except argparse.ArgumentError:  # `--config` without a file: the full parser reports it below
         config = None
+    record = None
     if config:
-        parser.set_defaults(**read_config(stage, config, stages))
+        values, is_record = read_settings_file(stage, config, stages)
+        parser.set_defaults(**values)
+        record = values if is_record else None
     namespace, unused = parser.parse_known_args(argv)
     if unused:
         flags = [a for a in unused if a.startswith("-")] or unused[:1]
         raise_if_problems([f"unknown option {f}{nearest(stage, f.lstrip('-'), '--')}" for f in flags])
     values = vars(namespace)
-    problems = []
+    options = {o.flag: values.pop(f"option {o.flag}", None) for o in stage.options}
+    problems = [o.missing for o in stage.options if options[o.flag] == ""]
     for p in stage.positionals:
         given = values.pop(f"positional {p.field}")
         if given in (None, []):
@@ -56,7 +69,9 @@ def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages:
     settings = stage.settings(**{name: values[name] for name in stage.field_names()})
     missing = required_problems(stage, settings)  # the stage cannot start: say now all the values' problems too
     raise_if_problems(problems + (settings.problems() if missing else []))
-    return settings
+    if record is not None and stage.rerun_problems is not None:
+        raise_if_problems(stage.rerun_problems(record, settings))
+    return settings, options
 
 
 def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
@@ -89,6 +104,16 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     )
     for s in stage.switches:
         parser.add_argument(*s.flags, dest=s.field, action="store_const", const=s.value, help=s.help)
+    for o in stage.options:  # given without a value: "" (`Option.missing` says what to give)
+        parser.add_argument(
+            o.flag,
+            dest=f"option {o.flag}",
+            nargs="?",
+            const="",
+            default=argparse.SUPPRESS,
+            metavar=o.metavar,
+            help=o.help,
+        )
     return parser
 
 

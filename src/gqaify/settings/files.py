@@ -38,6 +38,11 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) 
         UserError: no such file, or not a file; too large, not YAML, not a mapping; a YAML alias, deep nesting;
             an unknown key (named with the nearest valid one), or another command's settings (named).
     """
+    return read_settings_file(stage, path, stages)[0]
+
+
+def read_settings_file(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> tuple[dict, bool]:
+    """What `read_config` reads, and whether the file is a record gqaify wrote (a rerun)."""
     path = Path(path).expanduser()
     if not path.exists() and stage.shipped is not None:
         if (local := path.with_name(f"{path.name}.yaml")).exists():
@@ -47,7 +52,7 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) 
     where = f"{stage.config_flags[0]} {path}"
     values, record = _settings_in(_parse(_read_text(path, where), where), where)
     _check_keys(stage, values, record, where, path, stages)
-    return _numbers_from_text(values, stage, where)
+    return _numbers_from_text(values, stage, where), record
 
 
 def read_data(path: Path, where: str):

@@ -82,6 +82,17 @@ QUIET = Switch(("-q", "--quiet"), "progress", False, "no progress bars (the same
 
 
 @dataclass(frozen=True)
+class Option:
+    """An option of the command that is no setting (no key of a --config file, not recorded), e.g. uptrain's
+    `--plan CONFIG`: `parse_command` hands its value (None when not given) to the command beside the settings."""
+
+    flag: str  # "--plan"
+    metavar: str
+    help: str
+    missing: str  # the problem when the flag is given without a value
+
+
+@dataclass(frozen=True)
 class Stage:
     """How one command reads its settings, and names them in what it says about them."""
 
@@ -90,6 +101,7 @@ class Stage:
     description: str
     positionals: tuple[Positional, ...] = ()
     switches: tuple[Switch, ...] = ()
+    options: tuple[Option, ...] = ()  # the command's options that are no settings
     foreign_names: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # theirs: (ours, note)
     config_flags: tuple[str, ...] = ("--config",)
     record_kind: str = "a record"  # what its gqaify.json is called, e.g. "an eval report"
@@ -98,6 +110,9 @@ class Stage:
     named_by: Literal["options", "keys"] = "options"
     # a file named by a --config flag that is no path: the shipped file of that name, or None (`gqaify.packaged`)
     shipped: Callable[[str], Path | None] | None = None
+    # what a rerun from a record (a gqaify.json this stage wrote) changed that the record pins, said before any work:
+    # (the record's settings, the settings made) -> problems
+    rerun_problems: Callable[[dict, Settings], list[str]] | None = None
 
     def field_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings)]

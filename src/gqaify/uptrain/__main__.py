@@ -13,17 +13,17 @@ from gqaify.packaged import shipped
 PROG = "python -m gqaify.uptrain"
 
 
-def command_line(argv: list[str], prog: str = PROG) -> None:
+def command_line(argv: list[str], prog: str = PROG, stages: tuple = ()) -> None:
     """Uptrain as the command line `argv` says, and print the summary (once per launch); with `--plan CONFIG`,
-    print the memory plan of that run under the accelerate config CONFIG instead, and train nothing."""
-    from gqaify.uptrain.settings import parse
+    print the memory plan of that run under the accelerate config CONFIG instead, and train nothing. `stages`:
+    every command's (`gqaify.stages.STAGES`), to name another command's settings file as such."""
+    from gqaify.uptrain.settings import parse_command_line
 
-    launch_config, argv = _plan_option(argv)
-    settings = parse(argv, prog=prog)  # --help and bad settings answer before torch is loaded
-    if launch_config is not None:
+    settings, plan_config = parse_command_line(argv, prog, stages)  # --help and bad settings: before torch
+    if plan_config is not None:
         from gqaify.uptrain.plan import Launch, plan
 
-        print(plan(settings, Launch.read(launch_config)).table())
+        print(plan(settings, Launch.read(_accelerate_config(plan_config))).table())
         return
 
     from accelerate import PartialState
@@ -37,27 +37,23 @@ def command_line(argv: list[str], prog: str = PROG) -> None:
         print(format_uptrain_summary(result))
 
 
-def _plan_option(argv: list[str]) -> tuple[Path | None, list[str]]:
-    """(the accelerate config `--plan CONFIG` names: a path, or a shipped one such as accelerate/fsdp; the rest).
+def _accelerate_config(name: str) -> Path:
+    """The accelerate config `--plan NAME` names: a path, or a shipped one such as accelerate/fsdp.
 
     Raises:
-        UserError: --plan without a config, or one that is neither a file nor shipped.
+        UserError: neither a file nor shipped.
     """
-    if "--plan" not in argv:
-        return None, argv
-    at = argv.index("--plan")
-    if at + 1 >= len(argv) or argv[at + 1].startswith("-"):
-        raise UserError("--plan needs the accelerate config of the launch, e.g. --plan accelerate/fsdp")
-    name, rest = argv[at + 1], argv[:at] + argv[at + 2 :]
     path = Path(name) if Path(name).is_file() else shipped(name)
     if path is None:
         raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
-    return path, rest
+    return path
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
-    return run_command(lambda: command_line(sys.argv[1:] if argv is None else argv, prog))
+    from gqaify.stages import STAGES
+
+    return run_command(lambda: command_line(sys.argv[1:] if argv is None else argv, prog, STAGES))
 
 
 if __name__ == "__main__":

@@ -3,18 +3,29 @@ mean KL and worst ratio to the parent) and lm-evaluation-harness task scores, lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gqaify.data import load_text, named_texts, tokenize
 from gqaify.eval.perplexity import perplexity
+from gqaify.eval.results import PanelSummary, TextScore, words_and_bytes
 from gqaify.models import load_model
 from gqaify.uptrain.curve import draw_curve
 from gqaify.uptrain.settings import UptrainSettings
 
 
-def evaluator(run, loop, texts: dict[str, torch.Tensor] | None, harness, tokenizer):
+@dataclass(frozen=True)
+class EvalText:
+    """One eval_data text as each evaluation scores it: its tokens, and the words and bytes of the span they cover."""
+
+    ids: torch.Tensor  # (N,) token ids
+    words: int
+    text_bytes: int
+
+
+def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
     """For the run (`train._Run`) and its loop (`train._Loop`), a function that logs the eval perplexity and KL
     (with eval_data, on the tokens of each of its `texts`: `_panel_row`) and task scores (with eval_tasks, through
     `harness`) at the current step, or None without either; after each evaluation the main process draws the
@@ -61,43 +72,50 @@ def _stored_runs_parent(s: UptrainSettings, accelerator):
     return model.requires_grad_(False)
 
 
-def _panel_row(model, teacher, texts: dict[str, torch.Tensor], seq_len: int, parents: dict | None) -> dict:
-    """The eval metrics of one evaluation: the first text's perplexity and KL from the teacher (eval_perplexity,
-    eval_kl); with several texts, each text's (eval_perplexity/NAME, eval_kl/NAME), the mean KL (eval_kl_mean) and
-    the worst ratio to the parent's perplexity (eval_ratio_worst)."""
-    scores = {
-        name: perplexity(model, ids, seq_len, seq_len, progress=False, parent=teacher) for name, ids in texts.items()
-    }
-    first = next(iter(scores.values()))
-    row = {"eval_perplexity": first.perplexity} | ({} if teacher is None else {"eval_kl": first.kl})
-    if len(scores) == 1:
-        if parents:  # the curve's worst ratio is this one text's
-            row["eval_ratio_worst"] = first.perplexity / next(iter(parents.values()))
-        return row
-    for name, found in scores.items():
-        row[f"eval_perplexity/{name}"] = found.perplexity
-        if teacher is not None:
-            row[f"eval_kl/{name}"] = found.kl
-    if teacher is not None:
-        row["eval_kl_mean"] = sum(found.kl for found in scores.values()) / len(scores)
-    if parents:
-        row["eval_ratio_worst"] = max(found.perplexity / parents[name] for name, found in scores.items())
+def _panel_row(model, teacher, texts: dict[str, EvalText], seq_len: int, parents: dict | None) -> dict:
+    """The eval metrics of one evaluation, from each text's `TextScore` and their `PanelSummary` (the summary eval's
+    report gives): the first text's perplexity and KL from the teacher (eval_perplexity, eval_kl); with several
+    texts, each text's (eval_perplexity/NAME, eval_kl/NAME) and the mean KL (eval_kl_mean); with the parent's
+    perplexities, the worst ratio to them (eval_ratio_worst)."""
+    scores = [
+        TextScore.of(
+            name,
+            perplexity(model, text.ids, seq_len, seq_len, progress=False, parent=teacher),
+            text.words,
+            text.text_bytes,
+            parents[name] if parents else None,
+        )
+        for name, text in texts.items()
+    ]
+    summary = PanelSummary.of(scores)  # None without the parent's perplexities; its KL None without a teacher
+    first = scores[0]
+    row = {"eval_perplexity": first.perplexity} | ({} if teacher is None else {"eval_kl": first.kl_to_parent})
+    if len(scores) > 1:
+        for score in scores:
+            row[f"eval_perplexity/{score.text}"] = score.perplexity
+            if teacher is not None:
+                row[f"eval_kl/{score.text}"] = score.kl_to_parent
+        if summary is not None and summary.mean_kl_to_parent is not None:  # a teacher comes with the parent's
+            row["eval_kl_mean"] = summary.mean_kl_to_parent
+    if summary is not None:  # the curve's worst ratio (one text's own where there is one)
+        row["eval_ratio_worst"] = summary.worst_ratio_to_parent
     return row
 
 
-def eval_texts(s: UptrainSettings, tokenizer) -> dict[str, torch.Tensor] | None:
-    """The tokens of each eval_data text, by name (None without eval_data)."""
+def eval_texts(s: UptrainSettings, tokenizer) -> dict[str, EvalText] | None:
+    """Each eval_data text's tokens and span, by name (None without eval_data)."""
     if not s.eval_data:
         return None
     texts = {}
     for named in named_texts(s.eval_data):
         text = load_text(named.source, s.eval_split, s.text_column, option="eval_data").text
-        texts[named.name] = tokenize(tokenizer, text, s.eval_tokens, f"eval_data {named.source}").ids
+        found = tokenize(tokenizer, text, s.eval_tokens, f"eval_data {named.source}")
+        texts[named.name] = EvalText(found.ids, *words_and_bytes(text[: found.chars]))
     return texts
 
 
 def _parent_perplexities(
-    s, loaded, loaded_name: str | None, texts: dict[str, torch.Tensor], seq_len: int, accelerator
+    s, loaded, loaded_name: str | None, texts: dict[str, EvalText], seq_len: int, accelerator
 ) -> dict | None:
     """The parent's perplexity on each eval text, by name, for the ratios and the plot's reference line (computed
     once per run); `loaded` (the model named `loaded_name`: the teacher, or a stored run's parent) is used where
@@ -110,6 +128,6 @@ def _parent_perplexities(
         model, _ = load_model(
             parent, "auto", accelerator.device, option="parent", trust_remote_code=s.trust_remote_code
         )
-    found = {name: perplexity(model, ids, seq_len, seq_len, progress=False).perplexity for name, ids in texts.items()}
+    found = {name: perplexity(model, t.ids, seq_len, seq_len, progress=False).perplexity for name, t in texts.items()}
     del model
     return found

@@ -17,16 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.options import CONVERT, ConvertSettings, MethodSettings
+from gqaify.conversion.options import ConvertSettings, MethodSettings
 from gqaify.data import named_texts_problem
 from gqaify.errors import raise_if_problems
-from gqaify.eval.settings import EVAL
 from gqaify.eval.tasks import TaskRequest
-from gqaify.generation.settings import GENERATE
 from gqaify.hub import repo_id_problem
 from gqaify.packaged import shipped_recipe
-from gqaify.settings import QUIET, SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
-from gqaify.settings import parse as parse_settings
+from gqaify.settings import (
+    QUIET,
+    SEED,
+    Excludes,
+    Needs,
+    OnePerItem,
+    Option,
+    Range,
+    Stage,
+    parse_command,
+    read_config,
+    setting,
+)
 
 TRACKERS = ("csv", "tensorboard", "wandb")
 Tracker = Literal[TRACKERS]
@@ -331,6 +340,15 @@ FOREIGN_NAMES = {
     "hub_model_id": ("push_to_hub", "the repository id itself"),
 }
 
+# `--plan CONFIG`: the memory plan of the run under that accelerate config instead of the run (`plan.py`)
+PLAN = Option(
+    "--plan",
+    "CONFIG",
+    "print the bytes each process holds at a step's peak under this accelerate config (a path, or a shipped one "
+    "such as accelerate/fsdp), and train nothing",
+    missing="--plan needs the accelerate config of the launch, e.g. --plan accelerate/fsdp",
+)
+
 
 UPTRAIN = Stage(
     command="uptrain",
@@ -348,31 +366,37 @@ UPTRAIN = Stage(
     record_kind="an uptraining run's record",
     named_by="keys",
     switches=(QUIET,),
+    options=(PLAN,),
 )
 
 
-# Every command's settings, for naming whose a file holds when it is not the command's own (`gqaify.settings`
-# is below the commands, so it is handed them)
-STAGES = (CONVERT, EVAL, GENERATE, UPTRAIN)
-
-
-def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> UptrainSettings:
-    """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`).
+def parse(
+    argv: list[str] | None = None, prog: str = "gqaify uptrain", stages: tuple[Stage, ...] = ()
+) -> UptrainSettings:
+    """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`);
+    `stages`, every command's (`gqaify.stages.STAGES`), to name another command's file as such.
 
     Raises:
         UserError: the recipe is missing, is not a mapping, or has unknown keys; an override is unknown;
             a value is out of range.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    settings = parse_settings(UPTRAIN, argv, prog, STAGES)
+    return parse_command_line(argv, prog, stages)[0]
+
+
+def parse_command_line(
+    argv: list[str] | None, prog: str, stages: tuple[Stage, ...] = ()
+) -> tuple[UptrainSettings, str | None]:
+    """The settings (`parse`) and the accelerate config `--plan CONFIG` names, as given (None: train)."""
+    settings, options = parse_command(UPTRAIN, argv, prog, stages)
     raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
-    return settings
+    return settings, options[PLAN.flag]
 
 
-def load_recipe(path: str | Path) -> dict:
+def load_recipe(path: str | Path, stages: tuple[Stage, ...] = ()) -> dict:
     """The settings a recipe file holds, as a dict of known keys.
 
     Raises:
         UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
     """
-    return read_config(UPTRAIN, path, STAGES)
+    return read_config(UPTRAIN, path, stages)
