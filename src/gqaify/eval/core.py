@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
-import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from gqaify.eval.diagnostics import compare
 from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
-from gqaify.eval.results import Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore
+from gqaify.eval.results import Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore, words_and_bytes
 from gqaify.eval.settings import EvalSettings, decode_context
 from gqaify.eval.speed import decode_speed
 from gqaify.eval.tasks import Harness
@@ -152,8 +151,7 @@ class _Panel:
                 f"--data {named.source} with the tokenizer of {model_name}",
             )
             self.spans[named.name] = found.chars
-            piece = loaded.text[: found.chars]
-            self.tokens[key] = found.ids, max(len(piece.split()), 1), max(len(piece.encode()), 1)
+            self.tokens[key] = found.ids, *words_and_bytes(loaded.text[: found.chars])
             self.tokenizers.add(fingerprint)
         return self.tokens[key]
 
@@ -172,20 +170,8 @@ class _Panel:
             LOG.info("evaluating %s on %s (%d tokens)", name, named.name, len(ids))
             desc = f"{Path(name).name[:20]} · {named.name[:16]}"
             ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
-            score = TextScore(
-                named.name,
-                ppl.tokens_scored,
-                ppl.nll,
-                ppl.perplexity,
-                math.exp(ppl.nll_sum / words),
-                ppl.nll_sum / (nbytes * math.log(2)),
-                words,
-                nbytes,
-            )
-            if parent is not None:
-                score.ratio_to_parent = ppl.perplexity / parent_scores[i].perplexity
-                score.kl_to_parent = ppl.kl
-            scores.append(score)
+            parent_perplexity = None if parent is None else parent_scores[i].perplexity
+            scores.append(TextScore.of(named.name, ppl, words, nbytes, parent_perplexity))
         return scores
 
 
