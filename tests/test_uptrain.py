@@ -23,7 +23,6 @@ from gqaify.conversion.core import convert
 from gqaify.data import named_texts
 from gqaify.errors import UserError
 from gqaify.eval.results import PanelSummary, TextScore
-from gqaify.eval.results import PanelSummary, TextScore
 from gqaify.settings import text_lists
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
@@ -996,57 +995,6 @@ def test_an_evaluations_row_is_the_one_it_was_key_for_key_and_bit_for_bit(tiny, 
     row = _panel_row(model, reference, texts, 16, parents)
     expected = previous_panel_row(scores, teacher, parents)
     assert list(row) == list(expected) and json.dumps(row) == json.dumps(expected)
-
-    for row in rows:  # every evaluation's summary is eval's PanelSummary of the scores it logged, bit for bit
-        ppl, kl = (row[f"eval_perplexity/{n}"] for n in parents), (row[f"eval_kl/{n}"] for n in parents)
-        scores = [TextScore(n, 1, 0, p, 0, 0, 1, 1, p / parents[n], k) for n, p, k in zip(parents, ppl, kl)]
-        summary = PanelSummary.of(scores)
-        assert (row["eval_kl_mean"], row["eval_ratio_worst"]) == (
-            summary.mean_kl_to_parent,
-            summary.worst_ratio_to_parent,
-        )
-
-
-def previous_panel_row(scores: dict, teacher: bool, parents: dict | None) -> dict:
-    """metrics.jsonl's eval keys as uptraining wrote them before it built them from eval's `PanelSummary`: from each
-    text's `Perplexity`, by name."""
-    first = next(iter(scores.values()))
-    row = {"eval_perplexity": first.perplexity} | ({"eval_kl": first.kl} if teacher else {})
-    if len(scores) == 1:
-        if parents:
-            row["eval_ratio_worst"] = first.perplexity / next(iter(parents.values()))
-        return row
-    for name, found in scores.items():
-        row[f"eval_perplexity/{name}"] = found.perplexity
-        if teacher:
-            row[f"eval_kl/{name}"] = found.kl
-    if teacher:
-        row["eval_kl_mean"] = sum(found.kl for found in scores.values()) / len(scores)
-    if parents:
-        row["eval_ratio_worst"] = max(found.perplexity / parents[name] for name, found in scores.items())
-    return row
-
-
-@pytest.mark.parametrize("names", [["first", "other"], ["first"]])
-@pytest.mark.parametrize(("teacher", "with_parents"), [(True, True), (False, True), (False, False)])
-def test_an_evaluations_row_is_the_one_it_was_key_for_key_and_bit_for_bit(tiny, names, teacher, with_parents):
-    """The panel row built from `TextScore`s and their `PanelSummary`: the same keys, in the same order, with the same
-    floats as before, with and without a teacher and the parent's perplexities, for a panel and for one text."""
-    from gqaify.eval.perplexity import perplexity
-    from gqaify.uptrain.evaluation import EvalText, _panel_row
-
-    model = AutoModelForCausalLM.from_pretrained(tiny["converted"])
-    parent = AutoModelForCausalLM.from_pretrained(tiny["parent"])
-    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny["parent"])(CORPUS)["input_ids"][:160])
-    texts = {name: EvalText(ids[i * 80 : (i + 1) * 80], 20, 100) for i, name in enumerate(names)}
-    parents = {n: perplexity(parent, t.ids, 16, 16, progress=False).perplexity for n, t in texts.items()}
-    parents = parents if with_parents else None
-    reference = parent if teacher else None
-    scores = {n: perplexity(model, t.ids, 16, 16, progress=False, parent=reference) for n, t in texts.items()}
-    row = _panel_row(model, reference, texts, 16, parents)
-    expected = previous_panel_row(scores, teacher, parents)
-    assert list(row) == list(expected) and json.dumps(row) == json.dumps(expected)
-
 
 
 def test_a_mixture_of_sources_keeps_every_block_in_its_share():
