@@ -527,3 +527,59 @@ def test_uptrain_takes_q_and_quiet_for_no_progress(tmp_path):
     assert parse_uptrain(args).progress
     assert not parse_uptrain([*args, "-q"]).progress
     assert not parse_uptrain([*args, "--quiet"]).progress
+
+
+# -- a rerun from gqaify.json that changes what its calib_sha256 pins besides the text
+
+
+@pytest.fixture(scope="module")
+def mixture_record(source, tmp_path_factory):
+    """A conversion calibrated on a mixture of two named texts weighed 2 1: its folder and its texts."""
+    folder = tmp_path_factory.mktemp("mixture")
+    prose, verse = folder / "prose.txt", folder / "verse.txt"
+    prose.write_text(CORPUS * 4)
+    verse.write_text(" ".join(reversed((CORPUS * 4).split())))
+    calib = ["--calib-data", f"p={prose}", f"v={verse}", "--calib-weights", "2", "1", "--calib-tokens", "1000"]
+    argv = ["convert", source, folder / "first", "--kv-heads", "2", "--method", "lsq", *calib, "--calib-seq-len", "48"]
+    assert main([str(a) for a in [*argv, "-q"]]) == 0
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        (
+            ["--calib-weights", "1", "1"],
+            "--calib-weights 1 1 differs from the recorded conversion's 2 1, and calib_sha256 pins the mixture by its "
+            "sources' names, weights and texts; give --calib-weights 2 1 for the recorded mixture, or pass "
+            "--calib-sha256 '' to convert with the new weights",
+        ),
+        (
+            ["--calib-data", "prose={prose}", "verse={verse}"],
+            "--calib-data names its sources prose, verse where the recorded conversion named them p, v, and "
+            "calib_sha256 pins the mixture by its sources' names, weights and texts; use the recorded names, or pass "
+            "--calib-sha256 '' to convert under the new ones",
+        ),
+    ],
+)
+def test_a_rerun_that_reweighs_or_renames_the_mixture_says_so(capsys, mixture_record, changed, said):
+    """Both were refused as "the text changed since the recorded conversion", which it had not."""
+    folder = mixture_record
+    changed = [c.format(prose=folder / "prose.txt", verse=folder / "verse.txt") for c in changed]
+    before = tree_hashes(folder)
+    code, err = run_cli(
+        capsys, "convert", "--config", folder / "first" / "gqaify.json", "--out", folder / "b", *changed
+    )
+    assert code == 2 and one_line(err) == f"gqaify: error: {said}", err
+    assert tree_hashes(folder) == before and not (folder / "b").exists()
+
+
+def test_a_rerun_with_the_recorded_mixture_however_written_converts(capsys, monkeypatch, mixture_record):
+    """The same names and shares (4 2 is 2 1; a relative path is the recorded absolute one) are the recorded mixture."""
+    folder = mixture_record
+    monkeypatch.chdir(folder)
+    given = ["--calib-data", "p=prose.txt", "v=./verse.txt", "--calib-weights", "4", "2", "-q"]
+    code, err = run_cli(capsys, "convert", "--config", folder / "first" / "gqaify.json", "--out", folder / "c", *given)
+    assert code == 0, err
+    first, again = (json.loads((folder / f / "gqaify.json").read_text()) for f in ("first", "c"))
+    assert again["calibration"]["sha256"] == first["calibration"]["sha256"] == first["settings"]["calib_sha256"]

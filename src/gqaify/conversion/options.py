@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Literal
 
-from gqaify.data import named_texts_problem
+from gqaify.data import NamedText, named_texts, named_texts_problem
 from gqaify.dtypes import DtypeName
 from gqaify.hub import repo_id_problem
 from gqaify.settings import QUIET, SEED, Finite, Limit, Needs, OnePerItem, Positional, Range, Settings, Stage, setting
@@ -224,6 +225,49 @@ HOLDOUT_NOTE = (
 )
 
 
+def rerun_problems(record: dict, settings: ConvertSettings) -> list[str]:
+    """What a rerun from gqaify.json (`record`: its settings) changed of a calibration mixture that calib_sha256 still
+    pins: its sources' names or weights, which the mixture's SHA-256 covers with their texts (`mixture_sha256`).
+    Said before anything is read, as what changed: it was refused as "the text changed", which it had not.
+    Other sources, or one text (whose SHA-256 is its text's alone), are left to the text read (`text_problem`)."""
+    pinned, recorded_data = record.get("calib_sha256"), record.get("calib_data")
+    if not pinned or settings.calib_sha256 != pinned or not isinstance(recorded_data, list):
+        return []
+    before, now = named_texts(recorded_data), named_texts(settings.calib_data or [])
+    if len(before) < 2 or len(now) != len(before) or not all(map(_same_source, before, now)):
+        return []
+    problems, pins = [], "calib_sha256 pins the mixture by its sources' names, weights and texts"
+    if [t.name for t in before] != [t.name for t in now]:
+        problems.append(
+            f"--calib-data names its sources {', '.join(t.name for t in now)} where the recorded conversion named "
+            f"them {', '.join(t.name for t in before)}, and {pins}; use the recorded names, or pass --calib-sha256 '' "
+            "to convert under the new ones"
+        )
+    was, given = record.get("calib_weights"), settings.calib_weights
+    if _shares_of(was, len(before)) != _shares_of(given, len(now)):
+        said = {key: " ".join(f"{w:g}" for w in ws or [1] * len(now)) for key, ws in (("was", was), ("now", given))}
+        problems.append(
+            f"--calib-weights {said['now']} differs from the recorded conversion's {said['was']}, and {pins}; give "
+            f"--calib-weights {said['was']} for the recorded mixture, or pass --calib-sha256 '' to convert with the "
+            "new weights"
+        )
+    return problems
+
+
+def _same_source(a: NamedText, b: NamedText) -> bool:
+    """Whether two calibration sources name one text: one file or folder however spelled, or one hub name."""
+    paths = [Path(t.source).expanduser() for t in (a, b)]
+    if all(p.exists() for p in paths):
+        return paths[0].resolve() == paths[1].resolve()
+    return a.source == b.source
+
+
+def _shares_of(weights: list[float] | None, sources: int) -> list[float]:
+    """Each source's share of the mixture as `mixture_sha256` hashes it (None: equal shares)."""
+    weights = weights or [1.0] * sources
+    return [float(w) / sum(weights) for w in weights]
+
+
 def _is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
 
@@ -368,4 +412,5 @@ CONVERT = Stage(
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
     switches=(QUIET,),
     record_kind="a conversion record",
+    rerun_problems=rerun_problems,
 )
