@@ -221,6 +221,77 @@ def test_the_one_line_is_one_write_with_its_newline(monkeypatch, error, line):
     assert stderr.writes == [line]
 
 
+# gloo's error in a process whose peer was killed, word for word (torch 2.13 on CPU processes)
+GLOO_PEER_GONE = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:48313: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. "
+    "Check the logs of the remote worker before reporting an error. GLHF!"
+)
+
+
+def test_a_peer_is_lost_where_gloo_says_its_connection_ended():
+    from gqaify.errors import peer_lost
+
+    closed = GLOO_PEER_GONE.replace(
+        "Read error [127.0.0.1]:48313: Connection reset by peer", "Connection closed by peer"
+    )
+    assert peer_lost(RuntimeError(GLOO_PEER_GONE)) and peer_lost(RuntimeError(closed))
+    try:
+        try:
+            raise RuntimeError(GLOO_PEER_GONE)
+        except RuntimeError:
+            raise Interrupted(signum=signal.SIGTERM)  # noqa: B904 (as the launcher's SIGTERM raises it while unwinding)
+    except Interrupted as stop:
+        assert peer_lost(stop)
+    assert not peer_lost(ResourceError("the line a stage says"))
+    assert not peer_lost(RuntimeError(GLOO_PEER_GONE.replace("Connection reset by peer", "Read timeout")))
+    assert not peer_lost(RuntimeError("Connection reset by peer"))  # not gloo's: a download, a hub
+    assert not peer_lost(None)
+
+
+@pytest.mark.parametrize(
+    ("raised", "line"),
+    [
+        (
+            "RuntimeError(GLOO)",
+            "gqaify: error: another process of the launch stopped, and this one with it: that "
+            "process's output says why",
+        ),
+        ("ResourceError('another process of the launch stopped; kept x')", None),
+    ],
+    ids=["raw", "said by the stage"],
+)
+def test_a_process_whose_peer_stopped_says_so_once_and_exits_1_through_the_launchers_sigterm(raised, line):
+    """A launch's process whose peer stopped fails in gloo, and the launcher sends it SIGTERM soon after: while it
+    unwinds, or after its line. Neither changes the one line nor the exit status 1 (a traceback and "internal
+    error" before, or death by SIGTERM after the line)."""
+    script = f"""
+import os, signal, sys
+from gqaify.command import run_command
+from gqaify.errors import ResourceError
+GLOO = {GLOO_PEER_GONE!r}
+
+def collective():
+    raise RuntimeError(GLOO)
+
+def command():
+    try:
+        collective()
+    except RuntimeError as exc:
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, in the middle of the unwinding
+        sum(range(1000))
+        raise {raised} from exc
+
+status = run_command(command)
+os.kill(os.getpid(), signal.SIGTERM)  # and once more after the line: it comes when the launcher looks
+sum(range(1000))
+sys.exit(status)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    expected = line or "gqaify: error: another process of the launch stopped; kept x"
+    assert (done.returncode, done.stderr) == (1, expected + "\n")
+
+
 def test_sigkill_mid_conversion_leaves_no_output(tmp_path):
     """Kill the converter once its first shard is on disk: OUT must not exist, only the hidden staging folder."""
     model = build_model(

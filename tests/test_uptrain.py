@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1298,6 +1299,59 @@ def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(
     assert losses(cut) == pytest.approx(losses(whole), abs=1e-6)
     a, b = load_file(whole / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("stopped", "signum"), [(1, signal.SIGKILL), (0, signal.SIGTERM)])
+def test_a_rank_stopped_mid_run_makes_the_other_say_so_in_one_line(tiny, tmp_path, stopped, signum):
+    """One process of an FSDP2 launch killed, or stopped by SIGTERM, once a checkpoint exists: the other's next
+    collective fails in gloo, and it says in one line that another process of the launch stopped and how to resume,
+    with no traceback, exit 1 (a traceback and "internal error" before). The launcher keeps each process's stderr
+    apart (--tee, --log_dir) and reports each exit status; it looks at its processes every 5 s here, so that its
+    own SIGTERM to the survivor (`command._sigterm_as_interrupt` ignores it) does not race with the survivor's end."""
+    settings = ("--grad_accum", "1", "--max_tokens", "64000", "--save_every", "20")  # 1,000 steps
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    launch = accelerate_launch("gqaify.uptrain", FSDP)
+    at = launch.index("-m", 3)  # the launched module's -m: the launcher's own options go before it
+    launch[at:at] = ["--tee", "3", "--log_dir", str(logs), "--monitor_interval", "5"]
+    launcher = subprocess.Popen(
+        [*launch, *args(tiny, out, *settings), "--dist_timeout", "300"],
+        env=CPU_PROCESSES,
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 600
+    while not list((out / "checkpoints").glob("step-*")) and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert launcher.poll() is None, "the run ended before a process could be stopped"
+    import psutil
+
+    children = psutil.Process(launcher.pid).children(recursive=True)
+    ranks = {int(p.environ()["RANK"]): p for p in children if "RANK" in p.environ()}
+    ranks[stopped].send_signal(signum)
+    _, summary = launcher.communicate(timeout=300)
+    survivor = 1 - stopped
+
+    def exit_status(rank: int) -> int:  # the launcher's failure report gives each failed process's status
+        found = re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s*exitcode\s*: (-?\d+)", summary)
+        assert found, summary[-3000:]
+        return int(found.group(1))
+
+    def said(rank: int) -> str:
+        return next(logs.glob(f"**/attempt_0/{rank}/stderr.log")).read_text()
+
+    err = said(survivor)
+    assert "Traceback" not in err and "internal error" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("gqaify:")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("gqaify: error: another process of the launch stopped; the last checkpoint is step ")
+    assert lines[0].endswith(": rerun the same command to resume from it") and " of 1000, in " in lines[0]
+    assert exit_status(survivor) == 1
+    assert launcher.returncode == 1 and not (out / "final").exists()
+    if signum == signal.SIGTERM:  # the stopped process says so itself
+        assert exit_status(stopped) == 143
+        assert "gqaify: stopped by SIGTERM; the last checkpoint is step " in said(stopped)
 
 
 def test_a_calibrated_conversion_is_fitted_on_the_training_data_unless_told_otherwise(tmp_path):

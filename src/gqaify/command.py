@@ -2,8 +2,9 @@
 one-line errors, and stop signals.
 
 Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr naming the problem and the fix,
-nothing written); 1 the machine ran out of something (one line, e.g. disk space) or an internal error (a bug:
-the traceback is printed); 130 interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left).
+nothing written); 1 the machine ran out of something (one line, e.g. disk space), another process of the launch
+stopped (one line), or an internal error (a bug: the traceback is printed); 130 interrupted with Ctrl-C, 143
+stopped with SIGTERM (one line saying what is left).
 """
 
 from __future__ import annotations
@@ -16,23 +17,40 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from gqaify.errors import Interrupted, ResourceError, UserError, as_interrupt, forget_stop_signals, record_stop_signal
+from gqaify.errors import (
+    Interrupted,
+    ResourceError,
+    UserError,
+    as_interrupt,
+    forget_stop_signals,
+    peer_lost,
+    record_stop_signal,
+)
+
+# What a process of a launch says when its peer stopped (`errors.peer_lost`); a stage adds what is left.
+PEER_STOPPED = "another process of the launch stopped"
 
 
 def run_command(command: Callable[[], object], verbose: bool = False) -> int:
     """Run `command` (a stage: it parses its settings, runs, prints what it did) and return its exit status."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    with _sigterm_as_interrupt():
+    with _sigterm_as_interrupt() as ignore_sigterm:
         try:
             command()
         except SystemExit as exc:  # a settings parser: --help, or a usage error reported on one line
             return int(exc.code or 0)
         except (UserError, ResourceError) as exc:
+            if peer_lost(exc):  # a stage that said what its peer's stop left (uptrain's checkpoints)
+                ignore_sigterm()
             say(f"gqaify: error: {exc}")
             return 2 if isinstance(exc, UserError) else 1
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
             return _stopped(as_interrupt(exc))
         except Exception as exc:
+            if peer_lost(exc):
+                ignore_sigterm()
+                say(f"gqaify: error: {PEER_STOPPED}, and this one with it: that process's output says why")
+                return 1
             stop = as_interrupt(exc)  # a stop signal that a library turned into an error of its own
             if stop is not None:
                 return _stopped(stop)
@@ -70,13 +88,26 @@ def _stopped(stop: Interrupted) -> int:
 def _sigterm_as_interrupt():
     """While the block runs, SIGTERM raises `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so that the
     same cleanup runs; a second SIGTERM is ignored until the cleanup is done. Both signals are recorded
-    (`errors.record_stop_signal`), so that a library turning the exception into its own is still a stop."""
+    (`errors.record_stop_signal`), so that a library turning the exception into its own is still a stop.
+
+    A process whose peer in a launch stopped (`errors.peer_lost`) ignores SIGTERM from then on, to its exit: the
+    launcher stops what is left of a launch with SIGTERM once one process ended, which would cut into the line
+    this process says about it, or replace its exit status. The block gets the function that starts ignoring it.
+    """
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
+        yield lambda: None
         return
+    ignoring = []  # not empty once SIGTERM is ignored to the end
+
+    def ignore_sigterm():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ignoring.append(True)
 
     def terminate(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if peer_lost(sys.exc_info()[1]):  # the launcher's echo of the peer's stop this process is handling
+            ignoring.append(True)
+            return
         record_stop_signal(signal.SIGTERM)
         raise Interrupted(signum=signal.SIGTERM)
 
@@ -91,7 +122,8 @@ def _sigterm_as_interrupt():
     if previous_int is signal.default_int_handler:
         signal.signal(signal.SIGINT, interrupt)
     try:
-        yield
+        yield ignore_sigterm
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not ignoring:
+            signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)

@@ -4,6 +4,9 @@ UserError       bad input: names the problem and the fix                       e
 ResourceError   the machine ran out of something (disk space): says what/how much   exit 1, no traceback
 Interrupted     Ctrl-C or SIGTERM: says what is left on disk, and how to resume    exit 130 or 143
 anything else   a bug in gqaify: the traceback is printed                          exit 1
+
+A process of a launch whose peer stopped (killed, out of memory, Ctrl-C) fails in its next collective: that is
+not a bug either (`peer_lost`), but a ResourceError saying so, exit 1.
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def as_interrupt(exc: BaseException) -> Interrupted | None:
     if _stop_signals and isinstance(exc, Exception):
         return Interrupted("", _stop_signals[-1])
     return None
+
+
+# What gloo (torch.distributed's CPU backend) says when the process at the other end of a connection is gone: its
+# socket read end of file, or the connection reset or broken. torch has no exception type for it: gloo's
+# IoException arrives as a plain RuntimeError whose message starts with the place in gloo's TCP transport that
+# raised it (third_party/gloo/gloo/transport/tcp/pair.cc: "Connection closed by peer [ADDRESS]", "Read error
+# [ADDRESS]: Connection reset by peer", "writev [ADDRESS]: Broken pipe", "Socket closed [ADDRESS]").
+_GLOO_TRANSPORT = "gloo/transport/"
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
+
+
+def peer_lost(exc: BaseException | None) -> bool:
+    """`exc`, or an error it arose from (its cause or context), is gloo's word that another process of the launch
+    is gone: the process that raised it stopped only because its peer did. Timeouts (a peer that hangs) are not."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and _GLOO_TRANSPORT in text and any(p in text for p in _PEER_GONE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def one_line(exc: BaseException) -> str:

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.errors import ResourceError, UserError, as_interrupt, raise_if_problems
+from gqaify.command import PEER_STOPPED
+from gqaify.errors import ResourceError, UserError, as_interrupt, peer_lost, raise_if_problems
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer
 from gqaify.outputs import is_full_disk
@@ -84,7 +85,8 @@ def run(settings: UptrainSettings) -> UptrainResult:
     Raises:
         UserError: bad settings or data, or an output_dir that belongs to another run, cannot be written or has a
             name the file system refuses; nothing is written.
-        ResourceError: the disk filled up; what was being written is removed, and the message says what is left.
+        ResourceError: the disk filled up, or another process of the launch stopped; what was being written is
+            removed, and the message says what is left.
         Interrupted: Ctrl-C or SIGTERM; its message says what is on disk and how to go on.
     """
     s = settings
@@ -114,16 +116,21 @@ def run(settings: UptrainSettings) -> UptrainResult:
     try:
         result = _run(_Run(s, out, accelerator, record, steps), tokenizer, loader, texts, harness)
     except BaseException as exc:
-        stop = as_interrupt(exc)
+        lost = peer_lost(exc)  # the launcher may stop this process too (SIGTERM): the peer's stop came first
+        stop = None if lost else as_interrupt(exc)
         full = f"no space left on the disk of output_dir {out}" if is_full_disk(exc) else None
         if "started" not in record:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
                 undo_claim(out, existed)
+            if lost:
+                raise ResourceError(f"{PEER_STOPPED}; nothing was written: rerun the same command") from exc
             if stop is not None:
                 raise stop.with_message("nothing was written") from None
             if full is not None:
                 raise ResourceError(f"{full}; nothing was written: free some space and rerun") from exc
             raise
+        if lost:
+            raise ResourceError(f"{PEER_STOPPED}; {what_is_left(out, steps)}") from exc
         if stop is not None:
             raise stop.with_message(what_is_left(out, steps)) from None
         if full is not None:  # what was being written was removed (`written_whole`): what is left is whole
