@@ -1,15 +1,23 @@
 """The PNG figures gqaify draws (eval's report plots, uptrain's recovery plot): matplotlib set up in one place,
-with its file-only backend, so that no display is needed and pyplot is imported only when a figure is drawn."""
+with its file-only backend, so that no display is needed and pyplot is imported only when a figure is drawn.
+What matplotlib warns of while drawing (a glyph its font lacks, in a model's name) goes to the log (-v), not the
+user's terminal."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from gqaify.logs import muted
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+
+LOG = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -35,8 +43,38 @@ def figure(
 
     fig, ax = plt.subplots(figsize=size, dpi=dpi, ncols=ncols)
     try:
-        yield ax if ncols == 1 else tuple(ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=save_dpi)
+        with warnings.catch_warnings(record=True) as said, muted("matplotlib"):
+            warnings.simplefilter("always")
+            yield ax if ncols == 1 else tuple(ax)
+            fig.tight_layout()
+            fig.savefig(path, dpi=save_dpi)
+        for message in dict.fromkeys(str(w.message) for w in said):  # each once
+            LOG.info("%s: %s", os.fspath(path), message)
     finally:
         plt.close(fig)
+
+
+def readable_xticks(ax: Axes, fontsize: float = 8) -> None:
+    """The x tick labels as set where none overprints its neighbour or leaves the figure; else each upright (rotated
+    90 degrees) and the figure widened and heightened so that each label has its own column and fits (8 texts and
+    more, long names).
+    Call it after the labels are set, before the figure is laid out."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    labels = [label for label in ax.get_xticklabels() if label.get_text()]
+
+    def boxes():
+        return sorted((label.get_window_extent(renderer) for label in labels), key=lambda box: box.x0)
+
+    placed = boxes()
+    apart = all(a.x1 <= b.x0 for a, b in zip(placed, placed[1:], strict=False))  # each beside the next
+    inside = all(box.x0 >= 0 and box.x1 <= fig.bbox.x1 for box in placed)
+    if apart and inside:
+        return
+    for label in labels:
+        label.set(rotation=90, ha="center", fontsize=fontsize)
+    line = max(box.width for box in boxes()) / fig.dpi  # inches: a label's width, upright
+    tallest = max(box.height for box in boxes()) / fig.dpi  # inches: the longest label, upright
+    width, height = fig.get_size_inches()
+    columns = len(labels) * max(1, len(ax.containers))  # one column per bar at least
+    fig.set_size_inches(max(width, 1.5 + columns * max(line * 1.6, 0.25)), height + tallest)

@@ -11,7 +11,7 @@ from gqaify._version import __version__
 from gqaify.eval.results import ModelReport, Report, TaskScore
 from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
-from gqaify.figures import figure
+from gqaify.figures import figure, readable_xticks
 from gqaify.outputs import REPORT, staged, write_provenance
 from gqaify.summary import printable
 
@@ -324,6 +324,7 @@ def plot_panel(report: Report, path: Path) -> None:
             )
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
         ax.set_xticks(range(len(report.data)), [t.name for t in report.data], rotation=20, ha="right", fontsize=8)
+        readable_xticks(ax)  # upright, the figure widened, where 8 texts or long names would overprint
         ax.set_yscale("log")
         ax.set_ylabel("perplexity / parent's")
         ax.set_title("Perplexity ratio to the parent, by text (--- parent)")
