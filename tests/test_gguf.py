@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MODELS, build_model, needs_assets, save_with_tokenizer, tree_hashes
+from conftest import MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
 from helpers import one_line, run_cli
 
@@ -127,6 +127,31 @@ def test_a_vocabulary_llama_cpp_would_misread_is_refused_and_nothing_written(tmp
     assert done.returncode == 2 and "convert_hf_to_gguf.py" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_type_whose_arch_entry_has_no_gguf_is_refused_naming_those_that_have_one(capsys, tmp_path):
+    """GGUF output is written for the model types whose `ArchSpec` names llama.cpp's architecture (`gguf`); another
+    is refused in one line naming them, exit 2, nothing written."""
+    src = save(build_model("mistral", num_kv_heads=4), tmp_path / "src")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out.gguf", "--kv-heads", "2", "-q")
+    assert code == 2 and "GGUF output is written for llama models, not mistral;" in one_line(err)
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_every_gguf_architecture_in_the_table_is_one_llama_cpp_knows():
+    """Each `ArchSpec.gguf` names a member of gguf's MODEL_ARCH whose tensor names cover the attention projections."""
+    import gguf
+
+    from gqaify.archs import ARCHITECTURES
+
+    written = {t: spec.gguf for t, spec in ARCHITECTURES.items() if spec.gguf is not None}
+    assert written.keys() == {"llama"} and written["llama"].permute_qk
+    for model_type, arch in written.items():
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.name], 2)
+        spec = ARCHITECTURES[model_type]
+        for part in (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj):
+            name = f"{spec.attention.format(layer=1)}.{part}.weight"
+            assert names.get_name(name, try_suffixes=(".weight",)) is not None, name
 
 
 def test_the_vocabulary_is_refused_before_the_conversion_runs(tmp_path, monkeypatch, capsys):

@@ -31,6 +31,9 @@ Three model types have no K/V head count in transformers (gpt2, gpt_neox, opt): 
 gqaify's shipped modeling file (`shipped/modeling_gqaify.py`), which the output carries and registers in its
 config's `auto_map`, to be loaded with `trust_remote_code=True`.
 
+`gguf` is how llama.cpp knows the architecture where `gqaify convert SRC OUT.gguf` writes one GGUF file
+(`conversion/to_gguf.py`); None: GGUF output is refused for it.
+
 Every other model type of transformers with K/V heads is in `REFUSED`, with the reason (`coverage.py` audits
 the installed transformers against both tables). Adding an architecture is one entry in `ARCHITECTURES` plus
 its tiny config in tests/conftest.py; the tests then check it against transformers.
@@ -51,6 +54,14 @@ _PER_EXPERT = "transformers fuses or renames its stored tensors on loading; cali
 
 LAYER = "{layer}"
 HEAD = "{head}"
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """How llama.cpp knows an architecture: its name there, and whether Q/K rows are permuted for its rotary."""
+
+    name: str  # gguf.MODEL_ARCH member
+    permute_qk: bool
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,8 @@ class ArchSpec:
     # against it and the attention projections before a conversion writes anything (`checks.weight_problem`).
     embed_tokens: str = "model.embed_tokens"
     embed_width_key: str | None = None
+    # GGUF output (OUT.gguf): only for the types whose output is tested in llama.cpp (tests/test_gguf.py)
+    gguf: GgufArchitecture | None = None
 
     def __post_init__(self) -> None:
         separate = (self.q_proj, self.k_proj, self.v_proj)
@@ -182,7 +195,7 @@ def _fused(model_type: str) -> ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
-        ArchSpec("llama"),
+        ArchSpec("llama", gguf=GgufArchitecture("LLAMA", permute_qk=True)),
         ArchSpec("mistral"),
         ArchSpec("qwen2"),  # K/V biases
         ArchSpec("qwen3", shared_head_norms=True),  # q_norm/k_norm over head_dim: copied through

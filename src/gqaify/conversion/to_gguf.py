@@ -10,7 +10,7 @@ re-laid out where llama.cpp wants it (its rotary embedding pairs a head's dimens
 so Q and K rows are permuted within each head, exactly as llama.cpp's own converter does), cast or quantized,
 and written: memory holds one tensor at a time. The file is written beside OUT and renamed into place whole.
 
-What llama.cpp needs to know per architecture is data (`GGUF_ARCHITECTURES`); an architecture without an entry,
+What llama.cpp needs to know per architecture is data (`ArchSpec.gguf` in archs.py); an architecture without it,
 a vocabulary llama.cpp would read wrongly, and a rotary scaling it would not reproduce are refused with the reason.
 """
 
@@ -26,20 +26,9 @@ import numpy as np
 import torch
 
 import gqaify.gguf_header as gguf_header
+from gqaify.archs import ARCHITECTURES, GgufArchitecture
 from gqaify.errors import UserError
 from gqaify.logs import muted
-
-
-@dataclass(frozen=True)
-class GgufArchitecture:
-    """How llama.cpp knows an architecture: its name there, and whether Q/K rows are permuted for its rotary."""
-
-    name: str  # gguf.MODEL_ARCH member
-    permute_qk: bool
-
-
-# model_type -> llama.cpp's architecture; only those whose output is tested in llama.cpp (tests/test_gguf.py)
-GGUF_ARCHITECTURES = {"llama": GgufArchitecture("LLAMA", permute_qk=True)}
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")  # the types llama.cpp's converter writes, by their names there
 
@@ -108,9 +97,10 @@ def type_problem(out_type: str | None) -> str | None:
 def gguf_problem(config: dict) -> str | None:
     """Why a checkpoint with `config` cannot be written as GGUF, or None."""
     model_type = config.get("model_type")
-    if model_type not in GGUF_ARCHITECTURES:
+    if _gguf_architecture(model_type) is None:
+        written = sorted(t for t, spec in ARCHITECTURES.items() if spec.gguf is not None)
         return (
-            f"GGUF output is written for {', '.join(sorted(GGUF_ARCHITECTURES))} models, not {model_type}; "
+            f"GGUF output is written for {', '.join(written)} models, not {model_type}; "
             "write safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py"
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -120,6 +110,12 @@ def gguf_problem(config: dict) -> str | None:
             "safetensors (OUT without .gguf) and use llama.cpp's convert_hf_to_gguf.py"
         )
     return None
+
+
+def _gguf_architecture(model_type: str | None) -> GgufArchitecture | None:
+    """llama.cpp's name for `model_type` and its Q/K layout (`ArchSpec.gguf`), or None where GGUF is not written."""
+    spec = ARCHITECTURES.get(model_type)
+    return None if spec is None else spec.gguf
 
 
 def write_gguf(
@@ -143,7 +139,7 @@ def write_gguf(
     config = json.loads((folder / "config.json").read_text())
     if problem := gguf_problem(config):
         raise UserError(problem)
-    arch = GGUF_ARCHITECTURES[config["model_type"]]
+    arch = _gguf_architecture(config["model_type"])
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.name]])
     _write_hyperparameters(writer, config, out.stem, out_type)
     if record is not None:
