@@ -325,3 +325,28 @@ def test_an_accelerate_config_named_as_a_recipe_is_one_line_saying_where_it_goes
         assert f"--recipe {name} is an accelerate config, not a recipe; pass it to `accelerate launch" in err
         assert f"--config_file {RECIPES / stem}.yaml -m gqaify.uptrain --recipe RECIPE`, or to --plan {stem}" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_commands_a_recipe_gives_for_an_installed_gqaify_name_it_and_write_what_it_reads(tmp_path, monkeypatch):
+    """The `#   gqaify ...` lines of a recipe's comment run it by name from a folder that is no checkout: each names
+    this recipe, and a `gqaify generate` among them writes the corpus the recipe trains on."""
+    from gqaify.data import named_texts
+    from gqaify.uptrain.settings import parse
+
+    monkeypatch.chdir(tmp_path)
+    by_name = {}
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        lines = [line.removeprefix("#").strip() for line in recipe.read_text().splitlines() if line.startswith("#   ")]
+        commands = [shlex.split(line) for line in lines if line.startswith("gqaify ")]
+        runs = [c for c in commands if c[:2] == ["gqaify", "uptrain"]]
+        if not runs:
+            continue
+        by_name[recipe.stem] = runs
+        for run in runs:
+            assert run[2:4] == ["--recipe", recipe.stem]
+            settings = parse(run[2:])
+            assert settings.max_tokens == load_recipe(recipe).get("max_tokens")
+            written = [c[3] for c in commands if c[:2] == ["gqaify", "generate"]]
+            local = [t.source for t in named_texts(settings.data) if not ("/" in t.source and "@" in t.source)]
+            assert local == written, (recipe.name, local, written)  # what it reads that is no hub dataset
+    assert sorted(by_name) == ["ref-mha-6L-gqa2", "smollm2-135m-mqa"]
