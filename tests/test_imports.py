@@ -69,7 +69,7 @@ def test_a_mean_conversion_loads_only_torch(tmp_path):
 LAYERS = [
     {"_version", "errors", "dtypes", "sizes", "shipped", "logs", "gguf_header", "records"},
     {"archs", "locations", "hub", "outputs", "settings", "command", "figures", "packaged"},
-    {"corpora"},
+    {"corpora", "field_groups"},
     {"kvcache", "summary", "data", "models"},
     {"conversion", "eval", "generation"},
     {"uptrain"},

@@ -583,3 +583,43 @@ def test_a_rerun_with_the_recorded_mixture_however_written_converts(capsys, monk
     assert code == 0, err
     first, again = (json.loads((folder / f / "gqaify.json").read_text()) for f in ("first", "c"))
     assert again["calibration"]["sha256"] == first["calibration"]["sha256"] == first["settings"]["calib_sha256"]
+
+
+# -- each field declared once
+
+
+SETTINGS = [CONVERT.settings, EVAL.settings, GENERATE.settings, UPTRAIN.settings]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.__name__)
+def test_no_field_of_the_settings_is_declared_twice(settings):
+    """`progress` was declared four times, `dtype`, `seed` and `trust_remote_code` three times, uptrain's calib_split
+    and calib_text_column again with other defaults: each field is declared by one class of the MRO, and a class
+    that gives it another default or help lists it in its `overrides`."""
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(settings)}
+    declared: dict[str, list[str]] = {}
+    for cls in settings.__mro__:
+        for name in set(inspect.get_annotations(cls)) & names:
+            if name not in vars(cls).get("overrides", ()):
+                declared.setdefault(name, []).append(cls.__name__)
+    assert {name: owners for name, owners in declared.items() if len(owners) > 1} == {}
+    assert set(declared) == names
+
+
+def test_an_override_changes_a_default_and_keeps_the_type_and_rules():
+    """Uptrain's calib_split defaults to None (the training data's split) where convert's is "train"; both keep the
+    one declaration's rules, and None is text only where the default made it so."""
+    from gqaify.conversion.options import ConvertSettings
+    from gqaify.uptrain.settings import UptrainSettings
+
+    assert UptrainSettings().calib_split is None and ConvertSettings().calib_split == "train"
+    assert UptrainSettings.overrides == {"calib_split", "calib_text_column", "seed", "push_to_hub"}
+    with pytest.raises(UserError, match="calib_split None is not text"):
+        ConvertSettings(calib_split=None)
+    helps = [next(f for f in dataclasses.fields(s) if f.name == "seed").metadata["help"] for s in SETTINGS[::3]]
+    assert helps == ["seed for --method random", "seed for the data order and the run"]  # convert's, uptrain's
+    for stage in (CONVERT, UPTRAIN):
+        problem = stage.settings(seed=2**32).problems()
+        assert any("must be a whole number from 0 to 2**32 - 1" in p for p in problem), problem

@@ -14,9 +14,20 @@ from pathlib import Path
 from typing import Literal
 
 from gqaify.data import NamedText, named_texts, named_texts_problem
-from gqaify.dtypes import DtypeName
-from gqaify.hub import repo_id_problem
-from gqaify.settings import QUIET, SEED, Finite, Limit, Needs, OnePerItem, Positional, Range, Settings, Stage, setting
+from gqaify.field_groups import Dtype, Hub, Output, Progress, Seed
+from gqaify.settings import (
+    QUIET,
+    Finite,
+    Limit,
+    Needs,
+    OnePerItem,
+    Positional,
+    Range,
+    Settings,
+    Stage,
+    override,
+    setting,
+)
 
 
 @dataclass(frozen=True)
@@ -361,15 +372,12 @@ class MethodSettings(Settings):
 
 
 @dataclass(frozen=True)
-class ConvertSettings(MethodSettings):
+class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
     """Everything `gqaify convert` is asked to do: the command line's options, a --config file's keys, and the
     keyword arguments of `gqaify.convert`. gqaify.json records them as resolved (see `resolved_record`)."""
 
     src: str | None = setting(
         None, "the model to convert: hub id, local model folder, or .gguf file (never modified)", required=True
-    )
-    out: str | None = setting(
-        None, "the folder to create; written beside it and renamed into place when complete", required=True
     )
     kv_heads: int | None = setting(
         None,
@@ -377,20 +385,18 @@ class ConvertSettings(MethodSettings):
         required=True,
         check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
     )
-    dtype: DtypeName = setting("auto", "output dtype of floating-point tensors (auto: keep each tensor's)")
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(
         None,
         "with OUT ending in .gguf (one file llama.cpp serves): the type of its matrices (default f16; norms stay f32)",
     )
     revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
-    seed: int = setting(0, "seed for --method random", check=SEED)
     allow_nonfinite: bool = setting(False, "convert K/V weights that hold NaN or Inf instead of refusing")
-    force: bool = setting(False, "replace OUT if it is empty or a conversion gqaify wrote (nothing else)")
-    push_to_hub: str | None = setting(
-        None, "upload OUT, once complete, to this hub repository (owner/name)", check=repo_id_problem
-    )
-    progress: bool = setting(True, "show a progress bar")
+    # the shared groups' fields (`gqaify.field_groups`), worded for a conversion
+    out = override(help="the folder to create; written beside it and renamed into place when complete")
+    force = override(help="replace OUT if it is empty or a conversion gqaify wrote (nothing else)")
+    dtype = override(help="output dtype of floating-point tensors (auto: keep each tensor's)")
+    seed = override(help="seed for --method random")
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (their declarations'); `checks.check_request` adds what the

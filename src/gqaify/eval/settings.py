@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gqaify.data import named_texts_problem
-from gqaify.dtypes import DtypeName
 from gqaify.eval.tasks import TaskRequest
-from gqaify.settings import QUIET, Limit, Positional, Range, Settings, Stage, setting
+from gqaify.field_groups import Output, Runtime
+from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
 
 # batches beyond this are no serving batch: each row holds a KV cache of --decode-context + --decode-tokens tokens
 DECODE_BATCH_MAX = 4096
 
 
 @dataclass(frozen=True)
-class EvalSettings(Settings):
+class EvalSettings(Output, Runtime):
     """What `gqaify eval` measures, and on what: the command line's options, a --config file's keys, and the
     fields of `gqaify.evaluate`'s `settings`. report.json records them."""
 
@@ -28,8 +28,8 @@ class EvalSettings(Settings):
         required=True,
         check=named_texts_problem,
     )
-    out: str | None = setting(None, "folder for the report", required=True)
-    force: bool = setting(False, "replace --out if it is empty or a report gqaify wrote (nothing else)")
+    out = override(help="folder for the report")
+    force = override(help="replace --out if it is empty or a report gqaify wrote (nothing else)")
     split: str = setting("test", "dataset split of data")
     text_column: str = setting("text", "column holding the text")
     seq_len: int = setting(2048, "window length in tokens", check=Range(2))
@@ -38,8 +38,6 @@ class EvalSettings(Settings):
     )
     max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text", check=Range(2))
     batch_size: int = setting(1, "windows (and task requests) per forward pass", check=Range(1))
-    dtype: DtypeName = setting("auto", "model dtype (auto: the config's)")
-    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     memory_budget: str = setting("80GB", "memory for weights + KV cache, for the context that fits")
     decode_context: int = setting(512, "prefill tokens before decoding", check=Range(1))
     decode_tokens: int = setting(32, "greedy tokens decoded", check=Range(1))
@@ -63,10 +61,6 @@ class EvalSettings(Settings):
         empty_list=True,
     )
     generate_tokens: int = setting(40, "tokens generated per prompt", check=Range(1))
-    trust_remote_code: bool = setting(
-        False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
-    )
-    progress: bool = setting(True, "show progress bars")
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once: their declarations', and the task knobs' (`TaskRequest`);

@@ -6,18 +6,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gqaify.data import named_texts_problem
-from gqaify.dtypes import DtypeName
+from gqaify.field_groups import Out, Runtime, Seed
 from gqaify.settings import (
     QUIET,
-    SEED,
     Excludes,
     Limit,
     Needs,
     OnePerItem,
     Positional,
     Range,
-    Settings,
     Stage,
+    override,
     recorded,
     setting,
 )
@@ -32,13 +31,11 @@ TOP_LOGPROBS_MAX = 1024
 
 
 @dataclass(frozen=True)
-class GenerateSettings(Settings):
+class GenerateSettings(Out, Seed, Runtime):
     """What `gqaify generate` samples from the parent, and where it writes it. gqaify.json in OUT records them."""
 
     model: str | None = setting(None, "the parent: a hub id, a folder or a .gguf file", required=True)
-    out: str | None = setting(
-        None, "folder for the corpus (a dataset folder `datasets` and every gqaify DATA read)", required=True
-    )
+    out = override(help="folder for the corpus (a dataset folder `datasets` and every gqaify DATA read)")
     tokens: int = setting(
         100_000, "tokens to sample in all (the parent's new tokens; prompts not counted)", check=Range(1)
     )
@@ -98,11 +95,8 @@ class GenerateSettings(Settings):
     )
     score_split: str = setting("train", "split of --score-data")
     score_text_column: str = setting("text", "column of --score-data holding the text")
-    seed: int = setting(0, "seed: the same seed and settings write the same tokens", check=SEED)
-    dtype: DtypeName = setting("auto", "model dtype (auto: the config's; a .gguf: float32)")
-    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
-    trust_remote_code: bool = setting(False, "run the modeling code a model folder carries")
-    progress: bool = setting(True, "show a progress bar")
+    seed = override(help="seed: the same seed and settings write the same tokens")
+    dtype = override(help="model dtype (auto: the config's; a .gguf: float32)")
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (their declarations'); `generate_corpus` adds --device and

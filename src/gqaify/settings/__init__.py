@@ -29,7 +29,8 @@ no YAML aliases, no deep nesting, and no message shows more than the start of a 
 
 The package, one idea a module (only the standard library and PyYAML are imported):
 
-    fields.py        `setting(...)`, the `Settings` base and its type check, the field helpers
+    fields.py        `setting(...)`, the `Settings` base and its type check, `override` of an inherited field's
+                     default or help, `FieldGroup` (the fields stages share: `gqaify.field_groups`), helpers
     rules.py         the rules a value must meet (`Range`, `Limit`, `Finite`, `Needs`, `Excludes`, ...)
     stage.py         `Stage`: how one command reads and names its settings; the problems its fields declare
     command_line.py  `parse` and `build_parser`: the options, --config and --help
@@ -38,9 +39,13 @@ The package, one idea a module (only the standard library and PyYAML are importe
 
 from gqaify.settings.command_line import OneLineParser, add_field_option, build_parser, parse, parse_command
 from gqaify.settings.fields import (
+    FieldGroup,
+    Override,
     Settings,
     defaults,
     field_default,
+    ordered_fields,
+    override,
     recorded,
     setting,
     shown,
@@ -59,10 +64,12 @@ __all__ = [
     "SEED",
     "Context",
     "Excludes",
+    "FieldGroup",
     "Finite",
     "Limit",
     "Needs",
     "OnePerItem",
+    "Override",
     "OneLineParser",
     "Option",
     "Positional",
@@ -75,6 +82,8 @@ __all__ = [
     "defaults",
     "field_default",
     "nearest",
+    "ordered_fields",
+    "override",
     "parse",
     "parse_command",
     "read_config",

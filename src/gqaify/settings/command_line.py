@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import typing
 from typing import Literal
 
 from gqaify.errors import raise_if_problems
-from gqaify.settings.fields import _EMPTY_LIST, Settings, _hints, _without_none, field_default
+from gqaify.settings.fields import (
+    _EMPTY_LIST,
+    Settings,
+    _hints,
+    _without_none,
+    declared_by,
+    field_default,
+    is_group,
+    ordered_fields,
+)
 from gqaify.settings.files import read_settings_file
 from gqaify.settings.stage import Stage, nearest, required_problems
 
@@ -118,15 +126,14 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
 
 
 def _by_declaring_class(settings: type) -> list[tuple[type, list[dataclasses.Field]]]:
-    """The fields of `settings` by the class that first declares each (one a subclass declares again, to change
-    its default, stays with its base): the class's own first, then each base's."""
-    declared_by = {}
-    for cls in reversed(settings.__mro__):
-        for name in inspect.get_annotations(cls):
-            declared_by.setdefault(name, cls)
+    """The fields of `settings` by the class that first declares each (an override stays with its base): the
+    class's own, with those of the shared groups it inherits after them (`ordered_fields`), then each other base's
+    (the conversion's `MethodSettings`) under its docstring's first line."""
+    owners = declared_by(settings)
     groups: dict[type, list[dataclasses.Field]] = {settings: []}
-    for f in dataclasses.fields(settings):
-        groups.setdefault(declared_by[f.name], []).append(f)
+    for f in ordered_fields(settings):
+        owner = owners[f.name]
+        groups.setdefault(settings if is_group(owner) else owner, []).append(f)
     return list(groups.items())
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import reprlib
 import types
 import typing
@@ -41,14 +42,70 @@ _RULES = "gqaify_rules"
 _EMPTY_LIST = "gqaify_empty_list"  # its list option may be given with no values
 
 
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """A stage's own default, or help line, for a field a base declares (`override`)."""
+
+    default: object = dataclasses.MISSING  # MISSING: the base's
+    help: str | None = None  # None: the base's
+
+
+def override(default=dataclasses.MISSING, help: str | None = None) -> Override:
+    """A stage's own default (or help line) for a field that a base of its settings declares, e.g. uptrain's
+
+        calib_split = override(None, "split of calib_data (default: split)")
+
+    The field's type and rules stay the base's (a default of None makes the type optional): it is declared once,
+    with the base, and its other stages keep the base's default.
+    """
+    return Override(default, help)
+
+
 class Settings:
-    """The base of every stage's settings dataclass.
+    """The base of every stage's settings dataclass, and of the groups of fields several stages share.
 
     Its fields hold values of their types, or it is not made: `__post_init__` refuses every wrong type at once, as
     peft's configs check themselves in theirs (which raise at the first problem, and for value ranges too). Values
     are left to `problems()`: an object may be incomplete while it is built up (`EvalSettings(seq_len=1024)` is
     given its models later), and a range is reported with the problems found in the files, all in one message.
+
+    A field is declared once, in one class; a subclass changes an inherited field's default or help with
+    `override` (listed in its `overrides`), never by declaring the field again.
     """
+
+    overrides = frozenset()  # the inherited fields whose default or help this class overrides (no field)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Turn each `override(...)` of the class body into the field it overrides, with the new default or help
+        (before `dataclass` reads the class: the field keeps its place among the fields)."""
+        super().__init_subclass__(**kwargs)
+        overridden = {name: value for name, value in vars(cls).items() if isinstance(value, Override)}
+        cls.overrides = frozenset(overridden)
+        if not overridden:
+            return
+        annotations = cls.__dict__.get("__annotations__", {})
+        for name, change in overridden.items():
+            base = next((b for b in cls.__mro__[1:] if name in getattr(b, "__dataclass_fields__", {})), None)
+            if base is None:
+                raise TypeError(f"{cls.__name__}.{name} overrides no field of its bases; declare it")
+            f, hint = base.__dataclass_fields__[name], _hints(base)[name]
+            default = field_default(f) if change.default is dataclasses.MISSING else change.default
+            if default is None and not _is_a(None, hint):
+                hint = hint | None
+            annotations[name] = hint
+            metadata = f.metadata
+            setattr(
+                cls,
+                name,
+                setting(
+                    default,
+                    change.help or metadata["help"],
+                    required=metadata[_REQUIRED],
+                    check=metadata[_RULES],
+                    empty_list=metadata[_EMPTY_LIST],
+                ),
+            )
+        cls.__annotations__ = annotations
 
     def __post_init__(self) -> None:
         for name, value in text_lists(type(self), dataclasses.asdict(self)).items():
@@ -60,11 +117,45 @@ class Settings:
         raise NotImplementedError
 
 
+class FieldGroup(Settings):
+    """A group of fields several stages share (`gqaify.field_groups`): a stage's settings inherit it, and list its
+    fields after their own (in --help, problems and records). Each group says so in its body (`shared = True`),
+    which the settings that inherit it do not: they are groups' heirs, not groups."""
+
+    shared = False  # True in a group's own body
+
+
+def is_group(cls: type) -> bool:
+    """Whether `cls` is a group of shared fields itself (not settings that inherit one)."""
+    return bool(vars(cls).get("shared"))
+
+
+def declared_by(settings: type) -> dict[str, type]:
+    """The class that declares each field of `settings` (an override stays its base's: `override`)."""
+    found = {}
+    for cls in reversed(settings.__mro__):
+        for name in inspect.get_annotations(cls):
+            found.setdefault(name, cls)
+    return found
+
+
+def ordered_fields(settings) -> list[dataclasses.Field]:
+    """The fields of a settings class (or object) in the order its stage lists them: its own and its other bases'
+    (the conversion's `MethodSettings`) in their order, then those of the shared groups it inherits."""
+    cls = settings if isinstance(settings, type) else type(settings)
+    owners, fields = declared_by(cls), {f.name: f for f in dataclasses.fields(cls)}
+    shared = {}  # name: field, the groups in the order the class lists them, each group's fields in their order
+    for group in cls.__mro__:
+        if is_group(group):
+            shared.update((f.name, fields[f.name]) for f in dataclasses.fields(group) if f.name not in shared)
+    return [f for name, f in fields.items() if not is_group(owners[name])] + list(shared.values())
+
+
 def type_problems(settings) -> list[str]:
     """Values of the wrong type or outside a field's choices (`Settings.__post_init__` refuses them)."""
     hints = _hints(type(settings))
     problems = []
-    for f in dataclasses.fields(settings):
+    for f in ordered_fields(settings):
         value, hint = getattr(settings, f.name), hints[f.name]
         if not _is_a(value, hint):
             problems.append(f"{f.name} {shown(value)} is not {_describe(hint)}; fix the file, option or argument")
@@ -105,12 +196,13 @@ def field_default(f: dataclasses.Field):
 
 def defaults(settings: type) -> dict:
     """Every field's default, by name (what a record written before a field existed is read as)."""
-    return {f.name: field_default(f) for f in dataclasses.fields(settings)}
+    return {f.name: field_default(f) for f in ordered_fields(settings)}
 
 
 def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:
     """The settings as JSON-ready data, without the fields in `leave_out`."""
-    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in leave_out}
+    values = dataclasses.asdict(settings)
+    return {f.name: values[f.name] for f in ordered_fields(settings) if f.name not in leave_out}
 
 
 def text_lists(settings: type, values: dict) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.settings.fields import _REQUIRED, _RULES, Settings, shown
+from gqaify.settings.fields import _REQUIRED, _RULES, Settings, ordered_fields, shown
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Stage:
     rerun_problems: Callable[[dict, Settings], list[str]] | None = None
 
     def field_names(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self.settings)]
+        return [f.name for f in ordered_fields(self.settings)]
 
     def named(self, field: str) -> str:
         """How a user gives `field`: its positional's metavar, its option, or (named by keys) its key."""
@@ -128,7 +128,7 @@ class Stage:
         """What the fields' declarations say is wrong with `settings` (but the fields in `leave_out`): each
         required field that is unset, and the first rule each set value breaks, in the order of the fields."""
         ctx, problems = Context(self, settings), []
-        for f in dataclasses.fields(settings):
+        for f in ordered_fields(settings):
             if f.name in leave_out:
                 continue
             value = getattr(settings, f.name)
@@ -165,7 +165,7 @@ def required_problems(stage: Stage, settings: Settings) -> list[str]:
     a caller that needs them set before it checks anything else)."""
     return [
         stage._required_problem(f.name, getattr(settings, f.name))
-        for f in dataclasses.fields(settings)
+        for f in ordered_fields(settings)
         if f.metadata.get(_REQUIRED) and _unset(getattr(settings, f.name))
     ]
 

@@ -21,17 +21,17 @@ from gqaify.conversion.options import ConvertSettings, MethodSettings
 from gqaify.data import named_texts_problem
 from gqaify.errors import raise_if_problems
 from gqaify.eval.tasks import TaskRequest
-from gqaify.hub import repo_id_problem
+from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
 from gqaify.packaged import shipped_recipe
 from gqaify.settings import (
     QUIET,
-    SEED,
     Excludes,
     Needs,
     OnePerItem,
     Option,
     Range,
     Stage,
+    override,
     parse_command,
     read_config,
     setting,
@@ -57,7 +57,7 @@ def _peft_problem(trainable: str, name: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class UptrainSettings(MethodSettings):
+class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
     """What an uptraining run trains, on what, for how long, and how it is watched: a recipe's keys, the command
     line's options, and the fields of `gqaify.uptrain.run`'s settings. With kv_heads, `model` is converted first,
     by the fields of `MethodSettings`."""
@@ -70,8 +70,8 @@ class UptrainSettings(MethodSettings):
         None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
     )
     # calibration text is read as the training data is, unless these say otherwise
-    calib_split: str | None = setting(None, "split of calib_data (default: split)")
-    calib_text_column: str | None = setting(None, "column of calib_data holding the text (default: text_column)")
+    calib_split = override(None, "split of calib_data (default: split)")
+    calib_text_column = override(None, "column of calib_data holding the text (default: text_column)")
     output_dir: str | None = setting(None, "folder for checkpoints, metrics, plot and final/", required=True)
     # -- the data
     data: list[str] = setting(
@@ -122,7 +122,7 @@ class UptrainSettings(MethodSettings):
     schedule: Literal["cosine", "linear", "constant"] = setting("cosine", "decay after warm-up")
     weight_decay: float = setting(0.0, "AdamW weight decay", check=Range(0))
     max_grad_norm: float = setting(1.0, "gradient clipping norm (0: none)", check=Range(0))
-    seed: int = setting(0, "seed for the data order and the run", check=SEED)
+    seed = override(help="seed for the data order and the run")
     mixed_precision: Literal["no", "bf16", "fp16"] | None = setting(
         None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
@@ -188,13 +188,7 @@ class UptrainSettings(MethodSettings):
     save_total_limit: int = setting(2, "checkpoints kept", check=POSITIVE)
     log_every: int = setting(1, "write metrics every N steps", check=POSITIVE)
     log_to: list[Tracker] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
-    push_to_hub: str | None = setting(
-        None, "upload final/, once complete, to this hub repository (owner/name)", check=repo_id_problem
-    )
-    progress: bool = setting(True, "show a progress bar")
-    trust_remote_code: bool = setting(
-        False, "run the modeling code a model folder carries (gqaify writes it for GPT-2, GPT-NeoX, OPT)"
-    )
+    push_to_hub = override(help="upload final/, once complete, to this hub repository (owner/name)")
     dist_timeout: int = setting(
         3600,
         "seconds processes wait for each other (the main one converts the model first; raise it for a large "
