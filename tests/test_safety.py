@@ -199,9 +199,9 @@ def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_sou
 
 def test_a_live_conversions_staging_is_left_alone(source, tmp_path):
     """A staging folder owned by a running process (this one) is not a leftover."""
-    from gqaify.outputs import _owner_tag, remove_leftovers
+    from gqaify.leftovers import owner_tag, remove_leftovers
 
-    live = tmp_path / f".out.gqaify-{_owner_tag()}-abc123"
+    live = tmp_path / f".out.gqaify-{owner_tag()}-abc123"
     unknown = tmp_path / ".out.gqaify-xyz"  # no owner in its name (an older gqaify)
     live.mkdir()
     unknown.mkdir()
@@ -227,9 +227,9 @@ def test_an_old_output_set_aside_by_a_killed_replacement_is_put_back(source, tmp
 
 
 def _host() -> str:
-    from gqaify.outputs import _host_hash
+    from gqaify.leftovers import host_hash
 
-    return _host_hash()
+    return host_hash()
 
 
 def test_two_conversions_to_one_out_without_force(big_source, tmp_path):

@@ -21,10 +21,10 @@ file it did not write.
 
     files       a file or folder that a run rewrites in a folder of its own (a corpus's shards and gqaify.json,
                 uptrain's run.json, checkpoints and final model) is written under a hidden name beside it,
-                .NAME.tmp, and renamed over it when complete (`written_whole`): it too is whole or absent.
+                .NAME.tmp, and renamed over it when complete (`whole.written_whole`): it too is whole or absent.
 
     claims      a command that writes into OUT over a long run, in place (generate's corpus, shard by shard), holds
-                OUT for its whole duration (`claimed`): an exclusive lock on a file beside it, .OUT.gqaify.claim,
+                OUT for its whole duration (`claims.claimed`): an exclusive lock on a file beside it, .OUT.gqaify.claim,
                 which names the holder's pid. A second run for the same OUT is refused at once and writes nothing.
                 The kernel drops the lock when its process ends, however it ends: what a killed run left is taken
                 over by the next run, never mistaken for a live one. Anything else of that name (a link, a FIFO,
@@ -33,33 +33,29 @@ file it did not write.
     leftovers   a run killed with SIGKILL cannot clean up after itself. The next run writing beside the same
                 OUT removes the staging folders whose owner process is gone (and puts back an old OUT that a
                 killed replacement had set aside), and says so; it leaves alone those of live processes, of
-                other hosts, and of unknown owners.
+                other hosts, and of unknown owners (`leftovers.remove_leftovers`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import glob
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import socket
-import stat
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from gqaify.errors import ResourceError, UserError
+from gqaify.claims import claimed  # noqa: F401 (re-exported: the stages import these from here)
+from gqaify.errors import UserError
+from gqaify.leftovers import owner_tag, remove_created, remove_leftovers  # noqa: F401
+from gqaify.whole import file_into_place, is_full_disk, put_in_place_when_whole, written_whole  # noqa: F401
 
 LOG = logging.getLogger(__name__)
 
 PROVENANCE_FILE = "gqaify.json"  # what produced a folder, and (under "files") every file gqaify wrote there
-_OWNER = re.compile(r"^\.(?P<out>.+)\.gqaify-(?P<old>old-)?(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-[^-]+$")
 
 
 def resolve_out(out: str | os.PathLike) -> Path:
@@ -260,79 +256,6 @@ def space_problem(out: Path, needed: int, option: str = "OUT") -> str | None:
     )
 
 
-# -- written whole --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def written_whole(path: Path, full_disk: str | None = None, main_process: bool = True) -> Iterator[Path]:
-    """A hidden name beside `path` (.NAME.tmp) to write a file or a folder into, renamed over `path` when the block
-    completes and removed if it does not: readers find the old `path` or the new one, never a part. What a killed
-    run left under that name is removed first. (`staged` is this for a command's OUT, with OUT's rules.)
-
-    Args:
-        full_disk: the message of the `ResourceError` a full disk raises (None: the OSError itself).
-        main_process: False in the other processes of a distributed run, which write into the same name and
-            leave removing it and renaming it to the main process.
-
-    Raises:
-        ResourceError: the disk filled up (with `full_disk`); `path` is as it was.
-    """
-    partial = path.with_name(f".{path.name}.tmp")
-    if not main_process:
-        yield partial
-        return
-    _remove(partial)
-    message = None if full_disk is None else lambda: full_disk
-    with _put_in_place_when_whole(partial, lambda: _replace(partial, path), message):
-        yield partial
-
-
-@contextlib.contextmanager
-def _put_in_place_when_whole(
-    partial: Path, put_in_place: Callable[[], None], full_disk: Callable[[], str] | None
-) -> Iterator[None]:
-    """Call `put_in_place` when the block completes; if the block or it fails, remove `partial`, and turn a full
-    disk into a `ResourceError` with the message `full_disk()` (where given)."""
-    try:
-        yield
-        put_in_place()
-    except BaseException as exc:
-        _remove(partial)
-        if full_disk is not None and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise ResourceError(full_disk()) from exc
-        raise
-
-
-def is_full_disk(exc: BaseException) -> bool:
-    """Whether `exc`, or an error it was raised from, is the file system's ENOSPC: an OSError, or a library's own
-    error that only says so in words (safetensors' StorageFull)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(exc) or "StorageFull" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _replace(partial: Path, path: Path) -> None:
-    """Rename `partial` to `path`, replacing the file or folder there."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)  # a rename replaces a file or an empty folder, not a full one
-    os.replace(partial, path)
-
-
-def _remove(path: Path) -> None:
-    """Remove the file or folder at `path`, if there is one."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
-
-
 # -- staging ---------------------------------------------------------------------------------------------------
 
 
@@ -357,9 +280,9 @@ def staged(out: Path, force: bool, size: int = 0, option: str = "OUT", writes: s
             created.append(parent)
     free = shutil.disk_usage(out.parent).free
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{owner_tag()}-", dir=out.parent))
     except OSError as exc:
-        _remove_created(created)
+        remove_created(created)
         raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another {option}") from exc
 
     def put_in_place() -> None:
@@ -373,10 +296,10 @@ def staged(out: Path, force: bool, size: int = 0, option: str = "OUT", writes: s
         )
 
     try:
-        with _put_in_place_when_whole(staging, put_in_place, full_disk):
+        with put_in_place_when_whole(staging, put_in_place, full_disk):
             yield staging
     except BaseException:
-        _remove_created(created)
+        remove_created(created)
         raise
 
 
@@ -386,7 +309,7 @@ def _swap_into_place(staging: Path, out: Path, force: bool, option: str, writes:
         problem = replace_problem(out, option, writes)  # checked again: it may have changed since the run started
         if problem:
             raise UserError(problem)
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-{_owner_tag()}-", dir=out.parent))
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-old-{owner_tag()}-", dir=out.parent))
         out.rename(aside / out.name)
         try:
             staging.rename(out)
@@ -419,255 +342,6 @@ def current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
-
-
-def _remove_created(created: list[Path]) -> None:
-    for parent in reversed(created):
-        with contextlib.suppress(OSError):
-            parent.rmdir()
-
-
-# -- claims ------------------------------------------------------------------------------------------------------
-
-CLAIM_SUFFIX = ".gqaify.claim"  # .OUT.gqaify.claim beside OUT: outside the .OUT.gqaify-* names of staging folders
-_CLAIM_WRITTEN_WITHIN = 1.0  # seconds a refused run waits for the holder to write its pid into a new claim
-_CLAIM_MAX_BYTES = 4096  # a claim is a short JSON object: a longer file is none
-
-
-@contextlib.contextmanager
-def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
-    """Hold `out` for this process for the whole block: a run that asks for the same `out` meanwhile (another
-    process, or another claim in this one) is refused at once, and the block's own run goes on untouched.
-
-    The claim is an exclusive `flock` on .OUT.gqaify.claim beside `out` (beside the folder a symbolic link names:
-    two names of one folder are one claim), which records the holder's pid and `command` for the refusal. The
-    kernel drops the lock when its process ends, so a claim file a killed run left is simply taken over. The file
-    is removed when the block ends, and so are the parent folders made for it if they are still empty. Anything
-    else of that name (a symbolic link, a FIFO, a folder, a file that is no claim) is refused, and left as it is.
-
-    Raises:
-        UserError: another run holds `out`: "OUT is being written by another gqaify generate (pid N); ...";
-            the claim's name holds something else; or nothing can be written beside `out`.
-    """
-    real = out.resolve()
-    path = real.with_name(f".{real.name}{CLAIM_SUFFIX}")
-    created = []  # parent folders made here, removed again at the end if empty
-    for parent in reversed(real.parents):
-        if not parent.exists():
-            try:
-                parent.mkdir()
-            except OSError as exc:
-                _remove_created(created)
-                raise UserError(f"cannot create {parent} ({exc.strerror}); choose another {option}") from exc
-            created.append(parent)
-    try:
-        fd = _lock_claim(path, out, option)
-    except BaseException:
-        _remove_created(created)
-        raise
-    try:
-        if fd is not None:
-            os.ftruncate(fd, 0)  # a claim file, locked: this run's own, or one a killed run left
-            os.write(fd, json.dumps({"pid": os.getpid(), "command": command}).encode())
-        yield
-    finally:
-        if fd is not None:
-            if _names(path, fd):  # while locked: a run that opened this file meanwhile sees it gone, and claims anew
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            os.close(fd)
-        _remove_created(created)
-
-
-def _lock_claim(path: Path, out: Path, option: str) -> int | None:
-    """An open descriptor of the claim file `path`, exclusively locked (None where the filesystem has no locks):
-    a new file (created with O_EXCL, links not followed), or a claim file a killed run left.
-
-    Raises:
-        UserError: another run holds the lock; `path` is no claim file (`_open_claim`); it cannot be created.
-    """
-    import fcntl
-
-    while True:
-        new = True
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        except FileExistsError:
-            new, fd = False, _open_claim(path, out, option)
-            if fd is None:
-                continue  # removed meanwhile: create it
-        except OSError as exc:
-            raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another {option}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _claim_holder(fd)
-            os.close(fd)
-            raise UserError(
-                f"{out} is being written by another {holder}; wait for it or choose another {option}"
-            ) from None
-        except OSError as exc:  # a filesystem without locks (some FUSE mounts): go on, and say what is not guarded
-            if new and _names(path, fd):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            os.close(fd)
-            LOG.warning("cannot lock %s (%s): a rival run writing %s would not be refused", path, exc.strerror, out)
-            return None
-        if not _names(path, fd):
-            os.close(fd)  # its holder finished and removed it between our open and our lock: claim the new file
-            continue
-        if not new and not _holds_a_claim(fd):  # locked, so no run is writing it now: what is in it is all there is
-            os.close(fd)
-            raise UserError(_not_a_claim(path, "a file of other content", out, option))
-        return fd
-
-
-def _open_claim(path: Path, out: Path, option: str) -> int | None:
-    """An open descriptor of the existing `path`, if it is a plain file (links not followed: a FIFO or a device
-    is never opened); None if it is gone.
-
-    Raises:
-        UserError: `path` is a symbolic link, a folder or any other thing than a plain file; it cannot be opened.
-    """
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(mode):
-        raise UserError(_not_a_claim(path, _file_kind(mode), out, option))
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # replaced by a link since the look
-            raise UserError(_not_a_claim(path, "a symbolic link", out, option)) from None
-        raise UserError(f"cannot write beside {out} ({exc.strerror}); choose another {option}") from exc
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise UserError(_not_a_claim(path, _file_kind(mode), out, option))
-    return fd
-
-
-def _file_kind(mode: int) -> str:
-    """ "a symbolic link", "a FIFO", ...: what a file of `mode` (lstat's) is, in words."""
-    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO"}
-    return next((name for test, name in kinds.items() if test(mode)), "a special file (a socket or device)")
-
-
-def _not_a_claim(path: Path, what: str, out: Path, option: str) -> str:
-    return (
-        f"{path} is {what}, not a claim gqaify wrote; gqaify holds {option} {out} under that name and left it as it "
-        "is: move it away, then rerun"
-    )
-
-
-def _holds_a_claim(fd: int) -> bool:
-    """Whether the file at `fd` holds a claim as `claimed` writes it ({"pid": N, "command": "..."}), or nothing
-    (what a claim is between its creation and its first write, and what a run killed then leaves)."""
-    data = os.pread(fd, _CLAIM_MAX_BYTES + 1, 0)
-    if not data:
-        return True
-    try:
-        value = json.loads(data) if len(data) <= _CLAIM_MAX_BYTES else None
-    except ValueError:
-        return False
-    return (
-        isinstance(value, dict)
-        and set(value) == {"pid", "command"}
-        and isinstance(value["pid"], int)
-        and isinstance(value["command"], str)
-    )
-
-
-def _names(path: Path, fd: int) -> bool:
-    """Whether `path` (not followed, if a link) is the file open at `fd`."""
-    try:
-        return os.path.samestat(os.fstat(fd), os.lstat(path))
-    except FileNotFoundError:
-        return False
-
-
-def _claim_holder(fd: int) -> str:
-    """ "gqaify generate (pid 123)": who holds the claim open at `fd`, as the holder wrote it (it writes just after
-    locking: wait a moment for it)."""
-    deadline = time.monotonic() + _CLAIM_WRITTEN_WITHIN
-    while True:
-        try:
-            holder = json.loads(os.pread(fd, _CLAIM_MAX_BYTES, 0))
-            return f"{holder['command']} (pid {int(holder['pid'])})"
-        except (OSError, ValueError, TypeError, KeyError):
-            if time.monotonic() > deadline:
-                return "gqaify run (pid unknown)"
-            time.sleep(0.02)
-
-
-# -- leftovers of killed runs ----------------------------------------------------------------------------------
-
-
-def remove_leftovers(out: Path) -> list[str]:
-    """Clear what killed runs left beside `out`; return one message per folder found (also logged).
-
-    A staging folder whose owner process is gone is removed; an old OUT that a killed replacement had set
-    aside is put back if OUT is missing (else removed: the replacement is in place). Folders of live
-    processes are left alone silently; those of other hosts or without an owner in their name, with a word.
-    """
-    messages = []
-    if not out.parent.is_dir():
-        return messages
-    for folder in sorted(out.parent.glob(f".{glob.escape(out.name)}.gqaify-*")):
-        if not folder.is_dir() or folder.is_symlink():
-            continue
-        owner = _OWNER.match(folder.name)
-        if owner is None or owner["out"] != out.name:
-            messages.append(f"left {folder} alone: its name records no owner; delete it if no conversion is running")
-            continue
-        alive = _alive(owner["host"], int(owner["pid"]), int(owner["start"]))
-        if alive is None:
-            messages.append(f"left {folder} alone: it belongs to a run on another host")
-            continue
-        if alive:
-            continue  # a run writing it now
-        pid = owner["pid"]
-        if owner["old"] and (folder / out.name).is_dir() and not out.exists() and not out.is_symlink():
-            (folder / out.name).rename(out)
-            shutil.rmtree(folder, ignore_errors=True)
-            messages.append(f"put back {out}, which a replacement killed mid-swap (process {pid}) had set aside")
-            continue
-        size = _tree_size(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        messages.append(f"removed {folder} ({size / 1e6:,.1f} MB), left by a run that was killed (process {pid})")
-    for message in messages:
-        LOG.warning(message)
-    return messages
-
-
-def _owner_tag(pid: int | None = None) -> str:
-    """host hash, pid and start time (centiseconds) of a process: what tells a later run whether it lives."""
-    pid = os.getpid() if pid is None else pid
-    return f"{_host_hash()}-{pid}-{_start_time(pid)}"
-
-
-def _host_hash() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def _start_time(pid: int) -> int | None:
-    import psutil
-
-    try:
-        return round(psutil.Process(pid).create_time() * 100)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def _alive(host: str, pid: int, start: int) -> bool | None:
-    """Whether the process (`pid`, started at `start`) on `host` still runs; None for another host."""
-    if host != _host_hash():
-        return None
-    started = _start_time(pid)
-    return started is not None and abs(started - start) <= 1  # a reused pid has another start time
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -709,44 +383,6 @@ def _some(paths: list[Path]) -> str:
     return f"{paths[0].name}{more}"
 
 
-def _tree_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def file_into_place(partial: Path, out: Path, replaceable: Callable[[], str | None] | None, option: str = "OUT"):
-    """Put the finished file `partial` (in this run's own work folder) at `out`, refusing a rival.
-
-    Without `replaceable` (no --force), `out` is created only if nothing is there: a hard link made with the
-    kernel's create-if-absent, so that of two runs writing one OUT, one wins and the other is refused, each file
-    whole. With it, `out` is replaced only if `replaceable()` (asked again now: another run may have written it
-    since the run began) finds no problem, by an atomic rename.
-
-    Raises:
-        UserError: `out` appeared meanwhile (without --force), or may no longer be replaced.
-    """
-    if replaceable is not None:
-        if problem := replaceable():
-            raise UserError(problem)
-        os.replace(partial, out)
-        return
-    try:
-        os.link(partial, out)
-    except FileExistsError as exc:
-        raise UserError(
-            f"{out} already exists: it appeared while this run was writing (another run writing the same {option}?) "
-            f"and was not touched; pass --force to replace it, or choose another {option}"
-        ) from exc
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP):  # no hard links here: rename
-            raise
-        if out.exists() or out.is_symlink():
-            raise UserError(
-                f"{out} already exists: it appeared while this run was writing; pass --force to "
-                f"replace it, or choose another {option}"
-            ) from exc
-        os.replace(partial, out)
-
-
 @contextlib.contextmanager
 def work_folder(out: Path) -> Iterator[Path]:
     """A hidden folder beside `out` for intermediate files, removed when the block ends, and named as a staging
@@ -758,14 +394,14 @@ def work_folder(out: Path) -> Iterator[Path]:
             parent.mkdir()
             created.append(parent)
     try:
-        folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{_owner_tag()}-", dir=out.parent))
+        folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.gqaify-{owner_tag()}-", dir=out.parent))
     except BaseException:
-        _remove_created(created)
+        remove_created(created)
         raise
     try:
         yield folder
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
-        _remove_created(created)
+        remove_created(created)
         raise
     shutil.rmtree(folder, ignore_errors=True)
