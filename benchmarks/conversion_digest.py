@@ -4,7 +4,7 @@ change what a conversion writes, and compare (`--compare BEFORE.json` exits 1 na
     python benchmarks/conversion_digest.py --out runs/digest-before.json
     python benchmarks/conversion_digest.py --out runs/digest-after.json --compare runs/digest-before.json
 
-Covered: every architecture of the test suite's tiny models (tests/conftest.py) with `mean` and, where it applies,
+Covered: every architecture of the test suite's tiny models (`gqaify.testing`) with `mean` and, where it applies,
 `lsq` calibrated on random tokens' text; ref-mha-6L and stories260K-mha (../shared/assets/models) with every method,
 calibrated sequentially (repaired, refined 4 steps) and in parallel, contiguous and similarity grouping. gqaify.json
 is compared without the fields that name the moment (`created`), the temporary folder replaced by `<tmp>`.
@@ -49,9 +49,8 @@ def _stable(value):
 
 def cases(tmp: Path):
     """(label, source folder, convert keyword arguments) for every conversion covered."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import ARCH_CONFIGS, QK_NORMS, build_model, save, save_with_tokenizer
     from gqaify.conversion.methods import METHOD_INFO
+    from gqaify.testing import ARCH_CONFIGS, QK_NORMS, build_model, save, save_with_tokenizer
 
     calib = tmp / "calib.txt"
     calib.write_text((TEXT / "wikitext-2-valid-tokenized.txt").read_text()[:60_000])

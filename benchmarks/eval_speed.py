@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,13 +21,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import gqaify
+from gqaify.demo import fetch_default_model
+from gqaify.eval.perplexity import perplexity
+from gqaify.eval.speed import decode_speed
+from gqaify.testing import duplicate_kv_heads, transformers_doc_loop  # the references the tests validate
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-import gqaify  # noqa: E402
-from conftest import ASSETS, duplicate_kv_heads, transformers_doc_loop  # noqa: E402  (the validated reference)
-from gqaify.demo import fetch_default_model  # noqa: E402
-from gqaify.eval.perplexity import perplexity  # noqa: E402
-from gqaify.eval.speed import decode_speed  # noqa: E402
+ASSETS = REPO.parent / "shared" / "assets"  # ../shared/assets beside the checkout
 
 
 def ppl_throughput(model, ids: torch.Tensor, seq_len: int, stride: int, batch_size: int) -> dict:

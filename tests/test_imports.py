@@ -70,7 +70,7 @@ LAYERS = [
     {"_version", "errors", "dtypes", "sizes", "shipped", "logs", "gguf_header", "records", "leftovers"},
     {"archs", "locations", "hub", "whole", "claims", "settings", "command", "figures", "packaged"},
     {"corpora", "field_groups", "outputs"},
-    {"kvcache", "summary", "data", "models"},
+    {"kvcache", "summary", "data", "models", "testing"},
     {"conversion", "eval", "generation"},
     {"uptrain"},
     {"coverage", "demo", "stages"},

@@ -92,16 +92,51 @@ def test_contributing_layout_names_every_module():
 
 
 BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
+TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").glob("*.py")}  # conftest, helpers, test_*
+
+
+def tests_imported(tree) -> list[str]:
+    """What a script's syntax tree takes from tests/: imports of its modules (conftest, helpers, ...), at the top or
+    inside a function, and sys.path changes that name tests."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in TEST_MODULES:
+            found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in TEST_MODULES]
+        elif isinstance(node, ast.Call) and "sys.path" in ast.unparse(node.func) and "tests" in ast.unparse(node):
+            found.append(ast.unparse(node))
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from conftest import build_model",
+        "def f():\n    import helpers",
+        "import tests.conftest",
+        'import sys\nsys.path.insert(0, str(REPO / "tests"))',
+    ],
+)
+def test_a_benchmark_taking_anything_from_tests_is_seen(source):
+    import ast
+
+    assert tests_imported(ast.parse(source))
+    assert not tests_imported(ast.parse("from gqaify.testing import build_model\nimport sys\nsys.path.insert(0, 'x')"))
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_every_benchmark_answers_help_and_imports_only_what_exists(script):
     """A benchmark that no longer runs cannot reproduce the figures the docs cite from it: each answers --help,
-    and every gqaify name it imports, at the top or inside a function, exists."""
+    every gqaify name it imports, at the top or inside a function, exists, and it imports nothing from tests/ (what
+    it shares with the tests comes from gqaify, e.g. `gqaify.testing`), nor puts tests/ on its import path."""
     import ast
     import importlib
 
     tree = ast.parse(script.read_text())
+    assert not (found := tests_imported(tree)), f"{script.name} imports from tests/: {found}"
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == "gqaify":

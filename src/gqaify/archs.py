@@ -36,7 +36,7 @@ config's `auto_map`, to be loaded with `trust_remote_code=True`.
 
 Every other model type of transformers with K/V heads is in `REFUSED`, with the reason (`coverage.py` audits
 the installed transformers against both tables). Adding an architecture is one entry in `ARCHITECTURES` plus
-its tiny config in tests/conftest.py; the tests then check it against transformers.
+its tiny config in `testing.ARCH_CONFIGS`; the tests then check it against transformers.
 """
 
 from __future__ import annotations
