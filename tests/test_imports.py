@@ -69,7 +69,8 @@ def test_a_mean_conversion_loads_only_torch(tmp_path):
 LAYERS = [
     {"_version", "errors", "dtypes", "sizes", "shipped", "logs", "gguf_header", "records", "leftovers"},
     {"archs", "locations", "hub", "whole", "claims", "settings", "command", "figures", "packaged"},
-    {"corpora", "field_groups", "outputs"},
+    {"outputs"},
+    {"corpora", "field_groups"},
     {"kvcache", "summary", "data", "models", "testing"},
     {"conversion", "eval", "generation"},
     {"uptrain"},
