@@ -495,7 +495,7 @@ def test_a_stopped_generate_says_what_it_holds_without_counting_past_the_target(
     """A shard holds whole samples, so shards can hold more tokens than asked: it said "32,768 of 20,000 tokens"."""
     from gqaify.generation import corpus
 
-    real, calls = corpus._write_record, []
+    real, calls = corpus.write_record, []
 
     def stopping(out, record, s, shards, samples, tokens, complete):
         real(out, record, s, shards, samples, tokens, complete)
@@ -503,7 +503,7 @@ def test_a_stopped_generate_says_what_it_holds_without_counting_past_the_target(
         if not complete and shards and (len(calls) > stop_after or tokens >= s.tokens):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(corpus, "_write_record", stopping)
+    monkeypatch.setattr(corpus, "write_record", stopping)
     code, err = run_cli(capsys, "generate", STORIES, tmp_path / "c", "--tokens", "600", *SMALL)
     line = one_line(err)
     assert code == 130 and f"{tmp_path / 'c'} holds " in line and " whole shard(s), " in line, line
@@ -512,7 +512,7 @@ def test_a_stopped_generate_says_what_it_holds_without_counting_past_the_target(
         assert "tokens (the corpus asked for 600); rerun the same command to go on from there" in line, line
     else:
         assert "the corpus is complete but its record was not yet written; rerun the same command" in line, line
-    monkeypatch.setattr(corpus, "_write_record", real)
+    monkeypatch.setattr(corpus, "write_record", real)
     assert generate(tmp_path / "c") == 0  # the rerun finishes it
 
 

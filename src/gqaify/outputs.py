@@ -39,23 +39,23 @@ file it did not write.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
-import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+import gqaify.records as records
 from gqaify.claims import claimed  # noqa: F401 (re-exported: the stages import these from here)
 from gqaify.errors import UserError
 from gqaify.leftovers import owner_tag, remove_created, remove_leftovers  # noqa: F401
+from gqaify.records import PROVENANCE_FILE, Provenance, listed_files, read_provenance, record_text
 from gqaify.whole import file_into_place, is_full_disk, put_in_place_when_whole, written_whole  # noqa: F401
 
 LOG = logging.getLogger(__name__)
-
-PROVENANCE_FILE = "gqaify.json"  # what produced a folder, and (under "files") every file gqaify wrote there
 
 
 def resolve_out(out: str | os.PathLike) -> Path:
@@ -194,29 +194,16 @@ def replace_problem(folder: Path, option: str = "OUT", writes: str | None = None
 
 def written_files(folder: Path) -> set[str] | None:
     """The files gqaify.json in `folder` says gqaify wrote there, or None if there is no such record."""
-    try:
-        record = json.loads((folder / PROVENANCE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    files = record.get("files") if isinstance(record, dict) and record.get("tool") == "gqaify" else None
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        return None
-    return set(files)
+    return listed_files(folder)
 
 
 # What a folder gqaify wrote holds, as its gqaify.json says (the first match): --force replaces a folder only with
-# output of the same kind. The records: a conversion's and an uptrained model's (`conversion.record.ConversionRecord`,
-# or {"tool", "uptrain"} for a model gqaify did not convert), eval's report's, generate's corpus's.
+# output of the same kind. The records' kinds (`records.Provenance.kind`), as the messages name them.
 CONVERSION = "a converted model"
 UPTRAINED = "an uptrained model"
 REPORT = "an eval report"
 CORPUS = "a corpus"
-_KINDS: tuple[tuple[str, Callable[[dict], bool]], ...] = (
-    (UPTRAINED, lambda record: "uptrain" in record),
-    (CONVERSION, lambda record: "source" in record),
-    (REPORT, lambda record: record.get("command") == "eval"),
-    (CORPUS, lambda record: record.get("kind") == "corpus"),
-)
+_KINDS = {records.CONVERSION: CONVERSION, records.UPTRAINED: UPTRAINED, records.REPORT: REPORT, records.CORPUS: CORPUS}
 # A model's files: a folder holding one is a model, whatever its record says (a report never holds one)
 _MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.gguf", "*.pt", "*.pth")
 
@@ -224,13 +211,8 @@ _MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.b
 def written_kind(folder: Path) -> str | None:
     """What gqaify wrote in `folder` (`CONVERSION`, `UPTRAINED`, `REPORT`, `CORPUS`), as its gqaify.json records;
     "a model" for any other folder holding a model's files; None where neither tells."""
-    try:
-        record = json.loads((folder / PROVENANCE_FILE).read_text())
-    except (OSError, ValueError):
-        record = None
-    found = None
-    if isinstance(record, dict) and record.get("tool") == "gqaify":
-        found = next((kind for kind, matches in _KINDS if matches(record)), None)
+    provenance = read_provenance(folder) if (folder / PROVENANCE_FILE).is_file() else None  # not a run.json
+    found = None if provenance is None else _KINDS.get(provenance.kind)
     if found in (CONVERSION, UPTRAINED):
         return found
     if any(any(folder.glob(pattern)) for pattern in _MODEL_FILES):
@@ -238,10 +220,11 @@ def written_kind(folder: Path) -> str | None:
     return found
 
 
-def write_provenance(folder: Path, record: dict) -> None:
-    """Write `record` as folder/gqaify.json, listing every file now in the folder: call it last."""
+def write_provenance(folder: Path, record: Provenance) -> None:
+    """Write `record` (a record with `files`: `records`) as folder/gqaify.json, listing every file now in the
+    folder: call it last."""
     files = sorted(p.name for p in folder.iterdir() if p.name != PROVENANCE_FILE)
-    (folder / PROVENANCE_FILE).write_text(json.dumps({**record, "files": files}, indent=2) + "\n")
+    (folder / PROVENANCE_FILE).write_text(record_text(dataclasses.replace(record, files=files)))
 
 
 def space_problem(out: Path, needed: int, option: str = "OUT") -> str | None:

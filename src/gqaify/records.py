@@ -1,28 +1,71 @@
-"""Records: what an artifact says about itself (a conversion's gqaify.json, the record inside a GGUF), as frozen
-dataclasses, written and read back in one place.
+"""Records: what an artifact gqaify wrote says about itself, as frozen dataclasses, written and read back typed.
 
-`as_json(record)` is a record's JSON value; `from_json(cls, value)` reads one back typed: nested records, lists of
-them, optional ones. A field declared `optional()` is left out of the JSON where it says nothing: while it is None
-(`optional()`), or while another field is None (`optional(unless_none="calibration")`: what calibration measured
-is said only by a calibrated conversion, null or not). Read back, a field left out takes its default.
+    gqaify.json   in a converted model's folder (`conversion.record.ConversionRecord`), an uptrained model's final/
+                  (the same record with `uptrain`, or `UptrainedRecord` for a model gqaify did not convert), an eval
+                  report's folder (`ReportRecord`) and a corpus's (`CorpusRecord`)
+    run.json      in uptrain's output_dir (`RunRecord`): which run the folder holds, and how far it went
+
+Every record opens with its `Provenance`: the tool, its version and the record's kind. `as_json(record)` is a
+record's JSON value; `read_record(path)` reads one back typed, whichever kind it is, and also reads the shapes that
+earlier versions wrote (no kind: a conversion told by its "source", an eval report by "command": "eval", an uptrained
+model by "uptrain" and no version of its own; a run.json by its name).
+
+`from_json(cls, value)` reads a JSON object back as `cls`: nested records, lists of them, optional ones. A field
+declared `optional()` is left out of the JSON where it says nothing: while it holds its default (`optional()`: None),
+or while another field is None (`optional(unless_none="calibration")`: what calibration measured is said only by a
+calibrated conversion, null or not). Read back, a field left out takes its default. A field whose JSON key is not a
+Python name (uptrain's "from") says so with `json_key(...)`.
+
+A record whose type lives above this module (a conversion's, in `gqaify.conversion.record`) registers its kind with
+`@recorded(kind)` where it is declared; `read_record` finds it there once that module is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
-_OMITTED_WITH = "gqaify_omitted_with"  # the field whose None leaves this one out of the JSON
+TOOL = "gqaify"  # every record's "tool"
+PROVENANCE_FILE = "gqaify.json"  # what produced a folder, and (under "files") every file gqaify wrote there
+RUN_FILE = "run.json"  # uptrain's output_dir: the run it holds
+
+# The kinds of record, as their "kind" says
+CONVERSION = "conversion"  # a converted model
+UPTRAINED = "uptrained"  # an uptrained model (final/): of a conversion (`ConversionRecord`) or not (`UptrainedRecord`)
+REPORT = "report"  # an eval report
+CORPUS = "corpus"  # a corpus gqaify generate wrote
+RUN = "run"  # an uptraining run's output_dir (run.json)
+
+_OMITTED_WITH = "gqaify_omitted_with"  # the field whose None leaves this one out of the JSON ("": its own default)
+_KEY = "gqaify_json_key"  # the field's key in the JSON, where it is not the field's name
 
 R = TypeVar("R")
 
 
 def optional(default: Any = None, unless_none: str | None = None) -> Any:
-    """A field left out of the JSON while it is None, or, with `unless_none`, while that other field is None."""
+    """A field left out of the JSON while it holds `default`, or, with `unless_none`, while that other field is
+    None."""
     return dataclasses.field(default=default, metadata={_OMITTED_WITH: unless_none or ""})
+
+
+def json_key(key: str, **field_options) -> Any:
+    """A field written under `key` in the JSON (a name Python keeps for itself, such as "from")."""
+    return dataclasses.field(metadata={_KEY: key}, **field_options)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """What every record opens with: the tool that wrote it, its version and the kind of record (`CONVERSION`,
+    `UPTRAINED`, `REPORT`, `CORPUS`, `RUN`)."""
+
+    tool: str = TOOL
+    version: str | None  # None: a record of an earlier gqaify that did not say
+    kind: str
 
 
 def as_json(record) -> dict:
@@ -30,9 +73,11 @@ def as_json(record) -> dict:
     nothing left out."""
     value = {}
     for f in dataclasses.fields(record):
-        if _OMITTED_WITH in f.metadata and getattr(record, f.metadata[_OMITTED_WITH] or f.name) is None:
-            continue
-        value[f.name] = _json(getattr(record, f.name))
+        if _OMITTED_WITH in f.metadata:
+            other = f.metadata[_OMITTED_WITH]
+            if (getattr(record, other) is None) if other else getattr(record, f.name) == f.default:
+                continue
+        value[f.metadata.get(_KEY, f.name)] = _json(getattr(record, f.name))
     return value
 
 
@@ -46,6 +91,11 @@ def _json(value):
     return value
 
 
+def record_text(record) -> str:
+    """`record` as the text of its JSON file."""
+    return json.dumps(as_json(record), indent=2) + "\n"
+
+
 def from_json(cls: type[R], value: dict) -> R:
     """The record of type `cls` that the JSON object `value` holds (`as_json` read back).
 
@@ -55,12 +105,12 @@ def from_json(cls: type[R], value: dict) -> R:
     """
     if not isinstance(value, dict):
         raise ValueError(f"{cls.__name__} is a JSON object, not {type(value).__name__}")
-    hints, names = _hints(cls), {f.name for f in dataclasses.fields(cls)}
+    hints, names = _hints(cls), {f.metadata.get(_KEY, f.name): f.name for f in dataclasses.fields(cls)}
     unknown = [key for key in value if key not in names]
     if unknown:
         raise ValueError(f"{cls.__name__} has no field {unknown[0]!r}")
     try:
-        return cls(**{key: _read(hints[key], item) for key, item in value.items()})
+        return cls(**{names[key]: _read(hints[names[key]], item) for key, item in value.items()})
     except TypeError as exc:  # a required field missing
         raise ValueError(f"{cls.__name__}: {exc}") from None
 
@@ -85,3 +135,164 @@ def _read(hint, value):
 @functools.cache
 def _hints(cls: type) -> dict:
     return typing.get_type_hints(cls)
+
+
+# -- the records ------------------------------------------------------------------------------------------------
+
+_TYPES: dict[str, list[type]] = {}  # kind: the record types that kind is read as (the one whose fields fit)
+
+
+def recorded(*kinds: str):
+    """Register the decorated record type as the one `read_record` reads a record of `kinds` as."""
+
+    def register(cls: type[R]) -> type[R]:
+        for kind in kinds:
+            _TYPES.setdefault(kind, []).append(cls)
+        return cls
+
+    return register
+
+
+@recorded(CORPUS)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CorpusRecord(Provenance):
+    """A corpus's gqaify.json (`gqaify generate`): the parent, the settings, and how much of the corpus is there."""
+
+    kind: str = CORPUS
+    parent: str
+    prompts_sha256: str | None = optional()  # of --prompts: what a resumed run's must still hold
+    score_sha256: str | None = optional()  # of --score-data's tokens: what a resumed run's must still give
+    settings: dict  # as resolved (`settings.recorded`): a rerun's, `--config OUT/gqaify.json`
+    shards: int  # whole shards 0..shards-1 in OUT/data
+    samples: int
+    tokens: int
+    complete: bool  # False while a generate writes it, or after one was stopped
+    files: list[str] | None = optional()  # every file gqaify wrote in OUT
+
+
+@recorded(REPORT)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportRecord(Provenance):
+    """An eval report's gqaify.json: the settings (`gqaify eval --config DIR/gqaify.json` reruns it), the files."""
+
+    kind: str = REPORT
+    settings: dict
+    files: list[str] | None = optional()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Uptraining:
+    """What an uptrained model's gqaify.json says of its uptraining (its "uptrain")."""
+
+    version: str | None = None
+    model: str = json_key("from")  # the model trained: a folder or a hub id
+    steps: int
+    tokens: int
+    settings: dict  # every setting of the run, as resolved
+    data_sha256: str | None = None  # of the training tokens (None: a run of a gqaify that did not record it)
+
+
+@recorded(UPTRAINED)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UptrainedRecord(Provenance):
+    """final/gqaify.json of a model gqaify did not convert: the uptraining is all there is to say (a converted
+    model's final/ holds its `ConversionRecord` with `uptrain`)."""
+
+    kind: str = UPTRAINED
+    uptrain: Uptraining
+    files: list[str] | None = optional()
+
+
+@recorded(RUN)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunRecord(Provenance):
+    """run.json in uptrain's output_dir: the settings and data that make it this run (a rerun must match both to
+    resume), and how far it went."""
+
+    kind: str = RUN
+    settings: dict  # the settings that define the run (`run_folder._identity`)
+    data_sha256: str | None = optional()  # of the training tokens (None: a run.json of an earlier gqaify)
+    parent_perplexity: float | None = optional()  # on the first eval text: `parent_perplexities`' first
+    parent_perplexities: dict[str, float] | None = optional()  # on each eval text, measured once per run
+    started: bool = optional(False)  # training began: what the folder holds is this run's, kept if it stops
+    distributed_type: str | None = optional()  # accelerate's (FSDP where the launch shards)
+    completed: bool = optional(False)  # final/ written
+
+
+# -- reading any of them ----------------------------------------------------------------------------------------
+
+
+def read_record(folder: Path) -> Provenance | None:
+    """The record in `folder`, typed by its kind: its gqaify.json, or in uptrain's output_dir its run.json. None
+    where there is none (or `folder` is not a folder), or the JSON is not a record gqaify wrote.
+
+    Raises:
+        ValueError: the file is not JSON, or a record gqaify cannot read (of a later version, or damaged).
+    """
+    file = _record_file(Path(folder))
+    if file is None:
+        return None
+    value = _current(json.loads(file.read_text()), file.name)
+    if value is None:
+        return None
+    kinds = _TYPES.get(value["kind"], [])
+    problems = []
+    for cls in kinds:
+        try:
+            return from_json(cls, value)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if not kinds:
+        raise ValueError(f"{file} records a {value['kind']!r}, which this gqaify does not read")
+    raise ValueError(f"{file} is not a {value['kind']} record this gqaify reads: {'; '.join(problems)}")
+
+
+def read_provenance(folder: Path) -> Provenance | None:
+    """The header of the record in `folder` (as `read_record` finds it), whichever shape it has; None where there is
+    none, or it cannot be read."""
+    file = _record_file(Path(folder))
+    try:
+        value = None if file is None else _current(json.loads(file.read_text()), file.name)
+    except (OSError, ValueError):
+        return None
+    return None if value is None else Provenance(tool=TOOL, version=value["version"], kind=value["kind"])
+
+
+def listed_files(folder: Path) -> set[str] | None:
+    """The files the gqaify.json in `folder` says gqaify wrote there, or None where there is no such list."""
+    try:
+        value = _current(json.loads((Path(folder) / PROVENANCE_FILE).read_text()), PROVENANCE_FILE)
+    except (OSError, ValueError):
+        return None
+    files = None if value is None else value.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return set(files)
+
+
+def _record_file(folder: Path) -> Path | None:
+    """folder/gqaify.json, else folder/run.json; None where neither is a file."""
+    return next((folder / n for n in (PROVENANCE_FILE, RUN_FILE) if (folder / n).is_file()), None)
+
+
+def _current(value, name: str) -> dict | None:
+    """The JSON object `value` (read from a file called `name`) in today's shape, with its kind; None where it is
+    not a record gqaify wrote. An earlier version's shape is told by what it holds (see the module's docstring)."""
+    if not isinstance(value, dict) or value.get("tool") != TOOL:
+        return None
+    if isinstance(value.get("kind"), str):
+        return value
+    rest = {k: v for k, v in value.items() if k not in ("tool", "version", "command")}
+    version = value.get("version")
+    if name == RUN_FILE:
+        kind = RUN
+    elif isinstance(value.get("uptrain"), dict):
+        kind = UPTRAINED
+        version = version or value["uptrain"].get("version")
+    elif "source" in value:
+        kind = CONVERSION
+    elif value.get("command") == "eval":
+        kind = REPORT
+    else:
+        return None
+    return {"tool": TOOL, "version": version, "kind": kind, **rest}

@@ -195,22 +195,12 @@ class CalibrationSource:
     sha256: str  # of the text read from it
 
 
-@dataclass(frozen=True)
-class CalibrationRecord:
-    """gqaify.json's "calibration": the calibration asked for (`Calibration`'s fields, `tokens` the tokens read
-    and `sha256` the text read's), and how it went."""
+@dataclass(frozen=True, kw_only=True)
+class CalibrationRecord(Calibration):
+    """gqaify.json's "calibration": the calibration asked for (`Calibration`'s fields, in their order, with
+    `tokens` the tokens read, in all, and `sha256` the text read's, `mixture_sha256`: what calib_sha256 pins), and
+    how it went."""
 
-    data: list[str]
-    tokens: int  # read, in all
-    split: str
-    text_column: str
-    seq_len: int
-    mode: CalibMode
-    refine_steps: int
-    refine_lr: float
-    repair: bool
-    sha256: str  # of the text read (`mixture_sha256`): what calib_sha256 pins
-    weights: list[float] | None
     tokens_requested: int
     sources: list[CalibrationSource]
     holdout: str  # what the repair and refinement were judged on

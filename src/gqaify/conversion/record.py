@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.options import CalibrationRecord
 from gqaify.conversion.source import Source
-from gqaify.outputs import PROVENANCE_FILE
-from gqaify.records import from_json, optional
+from gqaify.records import CONVERSION, UPTRAINED, Provenance, Uptraining, optional, read_record, recorded
 from gqaify.shipped import SHIPPED_FILE, SHIPPED_MODULE
 
 
@@ -64,14 +63,15 @@ class SourceRecord:
         return cls(source.recorded_name, source.kind, path, source.revision, hashes, **source.provenance)
 
 
+@recorded(CONVERSION, UPTRAINED)
 @dataclass(frozen=True, kw_only=True)
-class ConversionRecord:
+class ConversionRecord(Provenance):
     """A conversion's record: gqaify.json in its folder, `to_gguf.RECORD_KEY` inside its GGUF file (`as_json`),
-    read back with `read`. Enough to rerun it (`settings`, with `gqaify convert --config`) and to check it (the
-    source's hashes, the calibration text's)."""
+    read back with `read` (`records.read_record`). Enough to rerun it (`settings`, with `gqaify convert --config`)
+    and to check it (the source's hashes, the calibration text's). An uptrained model's final/ keeps it, with
+    `uptrain` and the kind `UPTRAINED` (`uptrained`)."""
 
-    tool: str = "gqaify"
-    version: str
+    kind: str = CONVERSION
     source: SourceRecord
     model_type: str
     method: str
@@ -88,14 +88,15 @@ class ConversionRecord:
     rotary_dim: int | None = optional(unless_none="calibration")
     permutations: list[list[int]] | None = optional(unless_none="calibration")  # per layer (similarity)
     fit_error: list[dict] | None = optional(unless_none="calibration")  # per layer (`calibrate.LayerFit.record`)
-    uptrain: dict | None = optional()  # in an uptrained model's final/: how it was uptrained
+    uptrain: Uptraining | None = optional()  # in an uptrained model's final/: how it was uptrained
     files: list[str] | None = optional()  # in a folder: every file gqaify wrote there (`outputs.write_provenance`)
 
     @classmethod
     def read(cls, folder: Path) -> ConversionRecord | None:
         """The record in `folder`'s gqaify.json; None where there is none, or it records no conversion."""
-        path = folder / PROVENANCE_FILE
-        if not path.is_file():
-            return None
-        value = json.loads(path.read_text())
-        return from_json(cls, value) if isinstance(value, dict) and "source" in value else None
+        record = read_record(folder)
+        return record if isinstance(record, cls) else None
+
+    def uptrained(self, uptrain: Uptraining) -> ConversionRecord:
+        """This conversion's record as the final/ of its uptraining holds it."""
+        return replace(self, kind=UPTRAINED, uptrain=uptrain, files=None)

@@ -83,7 +83,7 @@ class FolderSink:
 
     def finish(self, folder: Path, record: ConversionRecord, writer: ShardWriter, source: Source) -> Written:
         """Record the conversion in the folder, last (its file list names every other file)."""
-        write_provenance(folder, as_json(record))
+        write_provenance(folder, record)
         return Written(self.out, writer.num_shards, writer.bytes_written)
 
 

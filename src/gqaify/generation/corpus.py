@@ -23,29 +23,29 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.corpora import KIND, SHARDS, shard_index, shard_name
+from gqaify.corpora import SHARDS, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
+from gqaify.generation.record import (
+    check_scored_text,
+    finish_record,
+    new_record,
+    record_to_continue,
+    write_atomic,
+    write_record,
+)
 from gqaify.generation.scoring import ScoredText, length_problem, score_shard
 from gqaify.generation.settings import GenerateSettings
 from gqaify.logs import muted
 from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import (
-    PROVENANCE_FILE,
-    claimed,
-    destination_problems,
-    name_problem,
-    resolve_out,
-    space_problem,
-    written_whole,
-)
+from gqaify.outputs import claimed, destination_problems, name_problem, resolve_out, space_problem
+from gqaify.records import CorpusRecord
 
 LOG = logging.getLogger(__name__)
 
@@ -116,14 +116,12 @@ def _generate_into(
 ) -> Corpus:
     """`generate_corpus` once OUT is this run's: the main process reads and writes the record, and every process
     samples its share of the shards still missing."""
-    from gqaify._version import __version__
-
-    record = processes.on_main(lambda: _record_to_continue(out, s, prompts_sha256))
+    record = processes.on_main(lambda: record_to_continue(out, s, prompts_sha256))
     known = processes.on_main(lambda: _shards_on_disk(out))
     shards, found = _contiguous(known)
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
         if processes.main:
-            _finish_record(out, record, s, shards, found)
+            finish_record(out, record, s, shards, found)
         return Corpus(out, shards, shards * s.batch_size, found, shards, bool(s.score_data))
     processes.on_main(lambda: raise_if_problems(space_problem(out, _bytes_needed(s, out, known))))
     parent = _load(s, processes)
@@ -135,54 +133,26 @@ def _generate_into(
     if s.score_data:
         raise_if_problems(problems_in(length_problem(s, parent.model)))
         scored = processes.on_main(lambda: ScoredText.read(s, parent.tokenizer))  # tokenized once, shared
-        _check_scored_text(out, record, s, scored)
+        check_scored_text(out, record, s, scored.sha256)
         rows_of = functools.partial(score_shard, parent, scored, s, digits=LOGPROB_DIGITS)
     else:
         prompts = _prompt_ids(s, parent.tokenizer, lines)
         _check_positions(s, parent.model, prompts)
         rows_of = functools.partial(_sample_shard, parent, prompts, s)
     if record is None:
-        record = {"tool": "gqaify", "version": __version__, "kind": KIND, "parent": s.model}
-        if prompts_sha256 is not None:
-            record["prompts_sha256"] = prompts_sha256  # what a resumed run's --prompts must still hold
-        if s.score_data:
-            record["score_sha256"] = scored.sha256  # what a resumed run's --score-data must still give
+        record = new_record(s, prompts_sha256, scored.sha256 if s.score_data else None)
 
     def begin() -> None:  # the record before any shard
         out.mkdir(parents=True, exist_ok=True)
-        _write_record(out, record, s, shards, shards * s.batch_size, found, complete=False)
+        write_record(out, record, s, shards, shards * s.batch_size, found, complete=False)
         (out / SHARDS).mkdir(exist_ok=True)
 
     processes.on_main(begin)
     resumed_from = shards
     shards, samples, tokens = _sample_into(out, record, rows_of, s, known, processes)
     if processes.main:
-        _write_record(out, record, s, shards, samples, tokens, complete=True)
+        write_record(out, record, s, shards, samples, tokens, complete=True)
     return Corpus(out, shards, samples, tokens, resumed_from, bool(s.score_data))
-
-
-def _check_scored_text(out: Path, record: dict | None, s: GenerateSettings, scored: ScoredText) -> None:
-    """Refuses to go on with a corpus whose --score-data gives other tokens now than when it began."""
-    then = (record or {}).get("score_sha256")
-    if then is not None and then != scored.sha256:
-        raise UserError(
-            f"--score-data {' '.join(s.score_data)} gives other tokens than when {out} began (SHA-256 {then[:12]}... "
-            f"then, {scored.sha256[:12]}... now); put its text back to go on, or choose another OUT for the new text"
-        )
-
-
-def _finish_record(out: Path, record: dict, s: GenerateSettings, shards: int, tokens: int) -> None:
-    """A corpus that holds the --tokens asked already: mark it complete if a killed run had not, else leave it.
-
-    A lower --tokens changes nothing: the record keeps the --tokens its corpus was sampled to (what `--config
-    OUT/gqaify.json` writes again, and what it holds), and no shard is removed: the corpus holds what was asked.
-    """
-    recorded_tokens = record.get("settings", {}).get("tokens")
-    target = max(s.tokens, recorded_tokens) if isinstance(recorded_tokens, int) else s.tokens
-    if tokens >= target and not record.get("complete"):  # a run killed after its last shard, before its record
-        _write_record(out, record, replace(s, tokens=target), shards, shards * s.batch_size, tokens, complete=True)
-    elif s.tokens < target:
-        LOG.warning("%s holds %s tokens, more than --tokens %s; left as it is (its record too)", out, tokens, s.tokens)
 
 
 def _bytes_needed(s: GenerateSettings, out: Path, known: dict[int, int]) -> int:
@@ -198,7 +168,7 @@ def _bytes_needed(s: GenerateSettings, out: Path, known: dict[int, int]) -> int:
 
 
 def _sample_into(
-    out: Path, record: dict, rows_of, s: GenerateSettings, known: dict[int, int], processes: Processes
+    out: Path, record: CorpusRecord, rows_of, s: GenerateSettings, known: dict[int, int], processes: Processes
 ) -> tuple[int, int, int]:
     """Write the shards missing from `known` (index: tokens; `rows_of(index)` makes one: sampled, or scored with
     --score-data), in rounds of one per process, until shards 0..n-1
@@ -224,7 +194,7 @@ def _sample_into(
             shards, total = _contiguous(known)
             bar.update(min(total, s.tokens) - bar.n)
             if processes.main:
-                _write_record(out, record, s, shards, shards * s.batch_size, total, complete=False)
+                write_record(out, record, s, shards, shards * s.batch_size, total, complete=False)
     except BaseException as exc:
         stop = as_interrupt(exc)
         if stop is not None:
@@ -280,72 +250,6 @@ def _missing(known: dict[int, int], count: int) -> list[int]:
 # -- the folder -------------------------------------------------------------------------------------------------
 
 
-def _record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | None) -> dict | None:
-    """The record of the corpus this run continues (None: a new one); refuses an OUT that holds anything else, and
-    prompts that changed since the corpus began (`prompts_sha256`: the SHA-256 of --prompts now)."""
-    if out.is_dir() and all(_leftover(p) for p in out.iterdir()):
-        for path in out.iterdir():  # what a run killed before its first record left: nothing of its corpus
-            path.rmdir() if path.is_dir() else path.unlink()
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        raise_if_problems(destination_problems(out, force=True))
-        return None
-    if not out.is_dir():
-        raise UserError(f"{out} exists and is not a folder; choose another OUT")
-    try:
-        record = json.loads((out / PROVENANCE_FILE).read_text())
-    except (OSError, ValueError):
-        record = None
-    if not isinstance(record, dict) or record.get("kind") != KIND:
-        raise UserError(
-            f"{out} already exists and is not a corpus gqaify generate wrote; choose another OUT (nothing is replaced)"
-        )
-    theirs = {k: v for k, v in record.get("settings", {}).items() if k in s.identity()}
-    if isinstance(theirs.get("prompts"), str):  # recorded relative by earlier versions: as from here
-        theirs["prompts"] = str(resolve_out(theirs["prompts"]))
-    changed = sorted(k for k, v in s.identity().items() if theirs.get(k) != v)
-    if changed:
-        was = ", ".join(f"{k} {theirs.get(k)!r} -> {getattr(s, k)!r}" for k in changed)
-        raise UserError(
-            f"{out} holds a corpus sampled with other settings ({was}); rerun with its settings "
-            f"(--config {out / PROVENANCE_FILE}) to go on, or choose another OUT"
-        )
-    then = record.get("prompts_sha256")  # None in a record of an earlier version: not known, not checked
-    if prompts_sha256 is not None and then is not None and then != prompts_sha256:
-        raise UserError(
-            f"--prompts {s.prompts} changed since {out} was sampled from it (SHA-256 {then[:12]}... then, "
-            f"{prompts_sha256[:12]}... now); put its prompts back to go on, or choose another OUT for the new ones"
-        )
-    if not os.access(out, os.W_OK):
-        raise UserError(f"cannot write {out}: it is not writable; choose another OUT")
-    return record
-
-
-def _write_record(
-    out: Path, record: dict, s: GenerateSettings, shards: int, samples: int, tokens: int, complete: bool
-) -> None:
-    from gqaify.settings import recorded
-
-    files = sorted(p.name for p in out.iterdir() if p.name != PROVENANCE_FILE)
-    value = {
-        **record,
-        "settings": recorded(s),
-        "shards": shards,
-        "samples": samples,
-        "tokens": tokens,
-        "complete": complete,
-        "files": files,
-    }
-    _write_atomic(out / PROVENANCE_FILE, json.dumps(value, indent=2) + "\n")
-
-
-def _leftover(path: Path) -> bool:
-    """Whether `path` in OUT is what a run killed before its first record leaves: a half-written record, an
-    empty shard folder."""
-    if path.name == SHARDS and path.is_dir() and not path.is_symlink():
-        return not any(path.iterdir())
-    return path.name == f".{PROVENANCE_FILE}.tmp" and path.is_file()
-
-
 def _shards_on_disk(out: Path) -> dict[int, int]:
     """The whole shards in OUT, by index, with their tokens (a temporary left by a kill is removed); several
     processes, killed, may leave a gap."""
@@ -369,21 +273,7 @@ def _shard_tokens(path: Path) -> int:
 
 def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
     lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    _write_atomic(out / SHARDS / shard_name(index), lines)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (`outputs.written_whole`).
-
-    Raises:
-        ResourceError: the disk is full; what was whole before stays.
-    """
-    full_disk = (
-        f"no space left while writing {path}; the whole shards written so far are kept: free some space and rerun "
-        "the same command to go on"
-    )
-    with written_whole(path, full_disk=full_disk) as partial:
-        partial.write_text(text, encoding="utf-8")
+    write_atomic(out / SHARDS / shard_name(index), lines)
 
 
 # -- the model and its prompts ----------------------------------------------------------------------------------

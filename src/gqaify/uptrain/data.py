@@ -50,7 +50,8 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
             that is incomplete or damaged (`gqaify.corpora`); scored text in blocks of another length than seq_len.
     """
     rows = load_rows(data, split, None, streaming=streaming, option="data", vocab_size=vocab_size)
-    scored = (corpus_record(Path(data).expanduser()) or {}).get("settings", {})
+    record = corpus_record(Path(data).expanduser())
+    scored = record.settings if record is not None else {}
     if scored.get("score_data") and scored.get("length") != seq_len:
         raise UserError(
             f"data {data} is text scored in blocks of {scored.get('length')} tokens, so that each block is read as "

@@ -42,24 +42,23 @@ def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
     # the KL is measured from the live teacher; a run from stored log-probabilities measures it from `parent`
     reference = loop.teacher if loop.teacher is not None or texts is None else _stored_runs_parent(s, accelerator)
     reference_name = s.distill_from if loop.teacher is not None else s.parent  # the model `reference` is
-    if texts is not None and "parent_perplexity" not in run.record:
+    if texts is not None and run.record.parent_perplexities is None:
         parents = _parent_perplexities(s, reference, reference_name, texts, seq_len, accelerator)
-        run.record["parent_perplexity"] = None if parents is None else next(iter(parents.values()))
-        run.record["parent_perplexities"] = parents
-        run.save_record()
+        first = None if parents is None else next(iter(parents.values()))
+        run.save_record(parent_perplexity=first, parent_perplexities=parents)
     title = f"{Path(s.model).name} ({s.trainable}{', distilled' if s.distill_weight > 0 else ''})"
 
     def evaluate() -> None:
         row: dict = {"tokens": loop.progress.tokens, "train_seconds": round(loop.progress.seconds, 3)}
         model.eval()
         if texts is not None:
-            row |= _panel_row(model, reference, texts, seq_len, run.record.get("parent_perplexities"))
+            row |= _panel_row(model, reference, texts, seq_len, run.record.parent_perplexities)
         if harness is not None:
             row |= {score.name: score.value for score in harness.score(accelerator.unwrap_model(model), tokenizer)}
         model.train()
         accelerator.log(row, step=loop.progress.step)
         if texts is not None and accelerator.is_main_process:
-            draw_curve(run.out, s.target_kl, run.record.get("parent_perplexities"), title)
+            draw_curve(run.out, s.target_kl, run.record.parent_perplexities, title)
 
     return evaluate
 

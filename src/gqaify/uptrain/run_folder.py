@@ -2,7 +2,7 @@
 
     output_dir/
         run.json               the settings that define the run and the SHA-256 of its data's tokens (a rerun
-                               must match both to resume)
+                               must match both to resume), and how far it went (`records.RunRecord`)
         checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position (progress.json)
         final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
 
@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gqaify._version import __version__
@@ -26,12 +26,11 @@ from gqaify.conversion.record import ConversionRecord
 from gqaify.data import NamedText
 from gqaify.errors import UserError
 from gqaify.outputs import write_provenance, written_whole
-from gqaify.records import as_json
+from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record
 from gqaify.settings import defaults, text_lists
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 
-RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"
 LOG = logging.getLogger(__name__)
 
@@ -100,25 +99,26 @@ def _located(values: dict) -> dict:
     return {**values, **changed}
 
 
-def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator, data_sha256: str) -> dict:
-    """run.json of `out`, written if new; refuses a folder that holds another run or other files.
+def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator, data_sha256: str) -> RunRecord:
+    """The record of `out`'s run (run.json), written if new; refuses a folder that holds another run or other
+    files.
 
     Args:
         data_sha256: the SHA-256 of the training data's tokens (`data.training_loader`); a run recorded before run.json
             held it is not compared.
 
     Raises:
-        UserError: `out` holds another run's checkpoints (with different settings or data) or unrelated files.
+        UserError: `out` holds another run's checkpoints (with different settings or data) or unrelated files, or
+            a run.json gqaify cannot read.
     """
     identity = _identity(s, processes)
-    run_file = out / RUN_FILE
-    if run_file.exists():
-        run = json.loads(run_file.read_text())
+    if (out / RUN_FILE).exists():
+        run = _read_run(out)
         # a setting added since: it trained at its default; a text since made a list of texts: a list of one
-        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run["settings"]}))
+        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run.settings}))
         differs = [k for k in identity if had.get(k) != identity[k]]
-        recorded = run.get("data_sha256", data_sha256)
-        if (differs or recorded != data_sha256) and "started" not in run and not checkpoints(out / CHECKPOINTS):
+        recorded = run.data_sha256 if run.data_sha256 is not None else data_sha256  # an earlier run.json: not said
+        if (differs or recorded != data_sha256) and not run.started and not checkpoints(out / CHECKPOINTS):
             # a run that was stopped before it trained (killed while converting): nothing of it to keep
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
@@ -139,13 +139,35 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
         return run
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
-    run = {"tool": "gqaify", "version": __version__, "settings": identity, "data_sha256": data_sha256}
+    run = RunRecord(version=__version__, settings=identity, data_sha256=data_sha256)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        write_json(run_file, run)
+        save_run(out, run)
     accelerator.wait_for_everyone()
     return run
+
+
+def _read_run(out: Path) -> RunRecord:
+    """The record in `out`/run.json.
+
+    Raises:
+        UserError: it cannot be read as a run's record (damaged, or beside files of another kind of output).
+    """
+    try:
+        run = read_record(out)
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"output_dir {out}'s {RUN_FILE} cannot be read ({exc}); delete it to start over, or use a new output_dir"
+        ) from None
+    if not isinstance(run, RunRecord):
+        raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
+    return run
+
+
+def save_run(out: Path, run: RunRecord) -> None:
+    """`run` as `out`/run.json, written whole: every change to a run's record is saved here."""
+    write_json(out / RUN_FILE, as_json(run))
 
 
 def undo_claim(out: Path, existed: bool) -> None:
@@ -230,7 +252,9 @@ class Trained:
     dtype: object  # a torch.dtype
 
 
-def save_final(accelerator, model, tokenizer, trained: Trained, out: Path, s, progress: Progress, run: dict) -> None:
+def save_final(
+    accelerator, model, tokenizer, trained: Trained, out: Path, s, progress: Progress, run: RunRecord
+) -> None:
     """output_dir/final: a plain checkpoint in the trained model's dtype, gqaify.json provenance, and the model
     card with what uptraining measured (and the recovery plot)."""
     model_path, dtype = trained.path, trained.dtype
@@ -247,21 +271,21 @@ def save_final(accelerator, model, tokenizer, trained: Trained, out: Path, s, pr
         unwrapped.config.dtype = dtype
         unwrapped.save_pretrained(partial, state_dict=state)
         tokenizer.save_pretrained(partial)
-        uptrain = {
-            "version": __version__,
-            "from": model_path,
-            "steps": progress.step,
-            "tokens": progress.tokens,
-            "settings": asdict(s),
-            "data_sha256": run.get("data_sha256"),
-        }
+        uptrain = Uptraining(
+            version=__version__,
+            model=model_path,
+            steps=progress.step,
+            tokens=progress.tokens,
+            settings=asdict(s),
+            data_sha256=run.data_sha256,
+        )
         converted = ConversionRecord.read(Path(model_path))
         if converted is None:  # a model gqaify did not convert: the uptraining is all there is to say
-            write_provenance(partial, {"tool": "gqaify", "uptrain": uptrain})
+            write_provenance(partial, UptrainedRecord(version=__version__, uptrain=uptrain))
             return
-        record = replace(converted, uptrain=uptrain, files=None)
+        record = converted.uptrained(uptrain)
         _save_card(partial, record, out, s, progress, run)
-        write_provenance(partial, as_json(record))
+        write_provenance(partial, record)
 
 
 def _tied(model) -> dict[str, str]:
@@ -274,7 +298,7 @@ def _tied(model) -> dict[str, str]:
     return {alias: name for alias, name in aliases.items() if alias != name}
 
 
-def _save_card(folder: Path, record: ConversionRecord, out: Path, s, progress: Progress, run: dict) -> None:
+def _save_card(folder: Path, record: ConversionRecord, out: Path, s, progress: Progress, run: RunRecord) -> None:
     """folder/README.md: the conversion's model card with what uptraining measured, and the recovery plot."""
     _, perplexities = eval_curve(read_metrics(out / METRICS))
     plot = None
@@ -289,7 +313,7 @@ def _save_card(folder: Path, record: ConversionRecord, out: Path, s, progress: P
         distill_from=s.distill_from if s.distill_weight > 0 else None,
         perplexity_before=perplexities[0] if perplexities else None,
         perplexity_after=perplexities[-1] if len(perplexities) > 1 else None,
-        parent_perplexity=run.get("parent_perplexity"),
+        parent_perplexity=run.parent_perplexity,
         plot=plot,
     )
     model_card(record, uptrained).save(folder / "README.md")

@@ -30,6 +30,7 @@ from gqaify.errors import ResourceError, UserError, as_interrupt, peer_lost, rai
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer
 from gqaify.outputs import is_full_disk
+from gqaify.records import RunRecord
 from gqaify.uptrain.checks import check_inputs
 from gqaify.uptrain.curve import PLOT_FILE, Forecast, eval_steps, read_forecast
 from gqaify.uptrain.data import training_loader
@@ -46,16 +47,15 @@ from gqaify.uptrain.report import (
 )
 from gqaify.uptrain.run_folder import (
     CHECKPOINTS,
-    RUN_FILE,
     Progress,
     Trained,
     claim_output_dir,
     latest_checkpoint,
     save_checkpoint,
     save_final,
+    save_run,
     undo_claim,
     what_is_left,
-    write_json,
 )
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import fsdp_problem, shard_on_cpus
@@ -111,15 +111,16 @@ def run(settings: UptrainSettings) -> UptrainResult:
             with contextlib.suppress(OSError):
                 out.rmdir()
         raise ResourceError(f"no space left on the disk of output_dir {out}; nothing was written") from exc
-    if record.get("completed") and (out / "final").is_dir():
+    if record.completed and (out / "final").is_dir():
         return _pushed(s, _result_of_finished_run(out, record), accelerator)
+    this = _Run(s, out, accelerator, record, steps)  # its record changes as the run goes (`_Run.save_record`)
     try:
-        result = _run(_Run(s, out, accelerator, record, steps), tokenizer, loader, texts, harness)
+        result = _run(this, tokenizer, loader, texts, harness)
     except BaseException as exc:
         lost = peer_lost(exc)  # the launcher may stop this process too (SIGTERM): the peer's stop came first
         stop = None if lost else as_interrupt(exc)
         full = f"no space left on the disk of output_dir {out}" if is_full_disk(exc) else None
-        if "started" not in record:  # nothing trained yet: leave output_dir as it was found
+        if not this.record.started:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
                 undo_claim(out, existed)
             if lost:
@@ -162,12 +163,15 @@ class _Run:
     s: UptrainSettings
     out: Path
     accelerator: object
-    record: dict
+    record: RunRecord
     steps: int
 
-    def save_record(self) -> None:
+    def save_record(self, **changes) -> None:
+        """run.json with `changes` to its record's fields (`RunRecord`), in every process's `record`; written by
+        the main one."""
+        self.record = replace(self.record, **changes)
         if self.accelerator.is_main_process:
-            write_json(self.out / RUN_FILE, self.record)
+            save_run(self.out, self.record)
 
 
 @dataclass
@@ -215,17 +219,15 @@ def _run(run: _Run, tokenizer, loader, texts, harness) -> UptrainResult:
         truncate_metrics(out, progress.step if latest is not None else -1)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("gqaify-uptrain", config=_loggable(s))
-    run.record["started"] = True
-    run.record["distributed_type"] = accelerator.distributed_type.value  # FSDP where the launch shards
-    run.save_record()
+    # FSDP where the launch shards
+    run.save_record(started=True, distributed_type=accelerator.distributed_type.value)
     if evaluate and progress.step == 0:
         evaluate()
     _train(run, loop, evaluate)
 
     final = merged(accelerator.unwrap_model(model)) if s.trainable == "lora" else model  # a plain checkpoint
     save_final(accelerator, final, tokenizer, Trained(model_path, saved_dtype), out, s, progress, run.record)
-    run.record["completed"] = True
-    run.save_record()
+    run.save_record(completed=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # last: it also ends the process group
     return _result_of_finished_run(out, run.record)
@@ -366,7 +368,7 @@ def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     return str(converted)
 
 
-def _result_of_finished_run(out: Path, record: dict) -> UptrainResult:
+def _result_of_finished_run(out: Path, record: RunRecord) -> UptrainResult:
     rows = read_metrics(out / METRICS)
     losses = [r for r in rows if "loss" in r]
     _, ppl = eval_curve(rows)
@@ -377,7 +379,7 @@ def _result_of_finished_run(out: Path, record: dict) -> UptrainResult:
         tokens=losses[-1]["tokens"] if losses else 0,
         loss=losses[-1]["loss"] if losses else None,
         eval_perplexity=ppl[-1] if ppl else None,
-        parent_perplexity=record.get("parent_perplexity"),
+        parent_perplexity=record.parent_perplexity,
         metrics=out / METRICS,
         plot=plot if plot.exists() else None,
         forecast=read_forecast(out),
