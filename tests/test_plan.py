@@ -112,6 +112,7 @@ def test_plan_is_an_option_of_the_settings_parser(tiny, tmp_path, capsys):
         ([], "--plan needs the accelerate config of the launch"),
         (["--lr", "1e-4"], "--plan needs the accelerate config of the launch"),
         (["no-such-config"], "--plan no-such-config: no such accelerate config"),
+        (["nowhere", "--micro_batch_size", "100000000"], "--plan nowhere: no such accelerate config"),  # said first
     ],
 )
 def test_plan_without_a_config_is_refused(tiny, tmp_path, capsys, given, said):

@@ -4,11 +4,8 @@ uptrain stage's own entry, whose `command_line` `gqaify uptrain` runs too."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from gqaify.command import quiet_transformers, run_command
-from gqaify.errors import UserError
-from gqaify.packaged import shipped
 
 PROG = "python -m gqaify.uptrain"
 
@@ -23,7 +20,7 @@ def command_line(argv: list[str], prog: str = PROG, stages: tuple = ()) -> None:
     if plan_config is not None:
         from gqaify.uptrain.plan import Launch, plan
 
-        print(plan(settings, Launch.read(_accelerate_config(plan_config))).table())
+        print(plan(settings, Launch.read(plan_config)).table())
         return
 
     from accelerate import PartialState
@@ -35,18 +32,6 @@ def command_line(argv: list[str], prog: str = PROG, stages: tuple = ()) -> None:
     result = run(settings)
     if PartialState().is_main_process:  # one summary per launch
         print(format_uptrain_summary(result))
-
-
-def _accelerate_config(name: str) -> Path:
-    """The accelerate config `--plan NAME` names: a path, or a shipped one such as accelerate/fsdp.
-
-    Raises:
-        UserError: neither a file nor shipped.
-    """
-    path = Path(name) if Path(name).is_file() else shipped(name)
-    if path is None:
-        raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
-    return path
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

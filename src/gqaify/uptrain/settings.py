@@ -19,10 +19,10 @@ from typing import Literal
 
 from gqaify.conversion.options import ConvertSettings, MethodSettings
 from gqaify.data import named_texts_problem
-from gqaify.errors import raise_if_problems
+from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
-from gqaify.packaged import shipped_recipe
+from gqaify.packaged import shipped, shipped_recipe
 from gqaify.settings import (
     QUIET,
     Excludes,
@@ -380,11 +380,29 @@ def parse(
 
 def parse_command_line(
     argv: list[str] | None, prog: str, stages: tuple[Stage, ...] = ()
-) -> tuple[UptrainSettings, str | None]:
-    """The settings (`parse`) and the accelerate config `--plan CONFIG` names, as given (None: train)."""
+) -> tuple[UptrainSettings, Path | None]:
+    """The settings (`parse`) and the accelerate config `--plan CONFIG` names (None: train, not plan).
+
+    Raises:
+        UserError: what `parse` raises; --plan without a config, or one that is neither a file nor shipped (said
+            before the values' problems).
+    """
     settings, options = parse_command(UPTRAIN, argv, prog, stages)
+    plan = None if options[PLAN.flag] is None else accelerate_config(options[PLAN.flag])
     raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
-    return settings, options[PLAN.flag]
+    return settings, plan
+
+
+def accelerate_config(name: str) -> Path:
+    """The accelerate config `--plan NAME` names: a path, or a shipped one such as accelerate/fsdp.
+
+    Raises:
+        UserError: neither a file nor shipped.
+    """
+    path = Path(name) if Path(name).is_file() else shipped(name)
+    if path is None:
+        raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
+    return path
 
 
 def load_recipe(path: str | Path, stages: tuple[Stage, ...] = ()) -> dict:
