@@ -127,6 +127,17 @@ def test_what_is_not_a_record_gqaify_reads(value, header, tmp_path):
     assert read_provenance(tmp_path) == Provenance(version="9", kind=header)
 
 
+def test_a_models_record_of_another_kind_is_no_conversion_to_carry_over(tmp_path):
+    """uptrain's final/ carries over the record of the conversion it trained (`ConversionRecord.read`); a record of
+    another kind, one a later gqaify writes included, is none, and the uptraining is all final/ says."""
+    for value in ({"tool": TOOL, "version": "9", "kind": "hologram"}, {"tool": TOOL, "version": "9", "kind": RUN}):
+        (tmp_path / PROVENANCE_FILE).write_text(json.dumps(value))
+        assert ConversionRecord.read(tmp_path) is None
+    (tmp_path / PROVENANCE_FILE).write_text(json.dumps({"tool": TOOL, "version": "9", "kind": CONVERSION, "x": 1}))
+    with pytest.raises(ValueError, match="'x'"):
+        ConversionRecord.read(tmp_path)
+
+
 def test_a_damaged_record_is_an_error_to_read_and_has_no_header(tmp_path):
     (tmp_path / PROVENANCE_FILE).write_text(json.dumps({"tool": TOOL, "version": "9"})[:20])  # cut short
     with pytest.raises(ValueError):

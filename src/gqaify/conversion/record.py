@@ -20,7 +20,16 @@ from pathlib import Path
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.options import CalibrationRecord
 from gqaify.conversion.source import Source
-from gqaify.records import CONVERSION, UPTRAINED, Provenance, Uptraining, optional, read_record, recorded
+from gqaify.records import (
+    CONVERSION,
+    UPTRAINED,
+    Provenance,
+    Uptraining,
+    optional,
+    read_provenance,
+    read_record,
+    recorded,
+)
 from gqaify.shipped import SHIPPED_FILE, SHIPPED_MODULE
 
 
@@ -93,7 +102,15 @@ class ConversionRecord(Provenance):
 
     @classmethod
     def read(cls, folder: Path) -> ConversionRecord | None:
-        """The record in `folder`'s gqaify.json; None where there is none, or it records no conversion."""
+        """The record in `folder`'s gqaify.json; None where there is none, or it records no conversion (another
+        kind, one a later gqaify writes included).
+
+        Raises:
+            ValueError: a conversion's record that cannot be read (damaged, or with fields of a later gqaify).
+        """
+        header = read_provenance(folder)
+        if header is None or header.kind not in (CONVERSION, UPTRAINED):
+            return None
         record = read_record(folder)
         return record if isinstance(record, cls) else None
 
