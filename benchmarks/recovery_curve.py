@@ -96,6 +96,7 @@ def main() -> None:
         f"code={texts['code-b']}",
         f"licence={texts['licence']}",
     ]
+
     def convert(folder: Path, options: list[str]) -> float:
         return _timed(folder / "convert.seconds", [
             "convert", parent, folder / "converted", "--kv-heads", "1", "--method", "lsq", "--calib-data", *mixture,
@@ -119,7 +120,11 @@ def main() -> None:
     for extra in args.extra:
         name, _, options = extra.partition("=")
         folder = out / name
-        runs[name] = (folder, [*start, *common, "--distill_from", parent, "--output_dir", folder, *options.split()], seconds["convert"])
+        runs[name] = (
+            folder,
+            [*start, *common, "--distill_from", parent, "--output_dir", folder, *options.split()],
+            seconds["convert"],
+        )
     for other in args.start:
         name, _, options = other.partition("=")
         folder = out / f"start-{name}"
