@@ -1,12 +1,14 @@
 """Writes the records each gqaify artifact holds, as this gqaify writes them, into tests/data/records/VERSION/:
 the shapes a later gqaify must still read (tests/test_records.py reads every folder here back typed).
 
-    python tests/data/records/write_fixtures.py          # run from the checkout, before a release changes a record
+    python tests/data/records/write_fixtures.py          # with each release: its records, kept for the next ones
 
 Each file is one artifact's record: conversion*.json (a converted folder's gqaify.json), corpus.json (gqaify
 generate's), report.json (gqaify eval's gqaify.json), run*.json (uptrain's output_dir/run.json) and uptrained*.json
 (its final/gqaify.json, of a converted model and of one gqaify did not convert). The tiny models of
-tests/conftest.py make them in seconds; the paths they name are of a scratch folder, gone since.
+gqaify.testing make them in seconds; the paths they name are of a scratch folder, gone since. A version's folder
+is written once: the script refuses to replace one (0.1.0's were written before the record layer gave every
+record its kind, and must stay so).
 """
 
 from __future__ import annotations
@@ -16,24 +18,26 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # tests/: conftest's tiny models
-
 SCRATCH = Path("/tmp/gqaify-records")
 
 
 def main() -> None:
     import gqaify
-    from conftest import CORPUS, build_model, save_with_tokenizer
     from gqaify.eval.settings import EvalSettings
     from gqaify.generation import run as generate
     from gqaify.generation.settings import GenerateSettings
+    from gqaify.testing import CORPUS, build_model, save_with_tokenizer
     from gqaify.uptrain import UptrainSettings
     from gqaify.uptrain import run as uptrain
 
+    out = HERE / gqaify.__version__
+    if out.exists():
+        sys.exit(
+            f"{out} exists: the records of gqaify {gqaify.__version__} are written once; delete it to write them again"
+        )
     shutil.rmtree(SCRATCH, ignore_errors=True)
     SCRATCH.mkdir(parents=True)
-    out = HERE / gqaify.__version__
-    out.mkdir(exist_ok=True)
+    out.mkdir()
     text, prompts = SCRATCH / "train.txt", SCRATCH / "prompts.txt"
     text.write_text(CORPUS * 3)
     prompts.write_text("The quick brown fox\nA grouped-query attention model\n")
