@@ -6,9 +6,9 @@
     run.json      in uptrain's output_dir (`RunRecord`): which run the folder holds, and how far it went
 
 Every record opens with its `Provenance`: the tool, its version and the record's kind. `as_json(record)` is a
-record's JSON value; `read_record(path)` reads one back typed, whichever kind it is, and also reads the shapes that
-earlier versions wrote (no kind: a conversion told by its "source", an eval report by "command": "eval", an uptrained
-model by "uptrain" and no version of its own; a run.json by its name).
+record's JSON value (`record_text`: its file's text); `read_record(folder)` reads one back typed, whichever kind it
+is, and also reads the shapes that earlier versions wrote (no kind: a conversion told by its "source", an eval
+report by "command": "eval", an uptrained model by "uptrain" and no version of its own; a run.json by its name).
 
 `from_json(cls, value)` reads a JSON object back as `cls`: nested records, lists of them, optional ones. A field
 declared `optional()` is left out of the JSON where it says nothing: while it holds its default (`optional()`: None),
@@ -17,7 +17,9 @@ calibrated conversion, null or not). Read back, a field left out takes its defau
 Python name (uptrain's "from") says so with `json_key(...)`.
 
 A record whose type lives above this module (a conversion's, in `gqaify.conversion.record`) registers its kind with
-`@recorded(kind)` where it is declared; `read_record` finds it there once that module is loaded.
+`@recorded(kind)` where it is declared (this module sits below every stage and imports none of them);
+`read_record` finds it there once that module is loaded, as it is wherever gqaify reads a conversion's record.
+`read_provenance` reads any record's header without its type: what outputs' --force rules need.
 """
 
 from __future__ import annotations
