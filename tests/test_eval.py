@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import types
 from dataclasses import replace
 
 import pytest
@@ -458,6 +459,96 @@ def test_a_decode_context_past_the_positions_is_shortened_and_said(lm_pair, tmp_
         f"decode speed measured after a 124-token prefill, not --decode-context 100,000: with --decode-tokens 4 it "
         f"fills the 128 positions of {parent}"
     ]
+
+
+class _Clocked(torch.nn.Module):
+    """A stand-in model whose forward passes cost fake seconds on a shared clock and say who ran, in order."""
+
+    def __init__(self, name: str, prefill_s: float, step_s: float, clock: list[float], log: list[str]):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.name, self.prefill_s, self.step_s, self.clock, self.log = name, prefill_s, step_s, clock, log
+
+    def forward(self, ids, past_key_values=None, use_cache=True, logits_to_keep=None):
+        first = past_key_values is None
+        if first:
+            self.log.append(self.name)
+        self.clock[0] += self.prefill_s if first else self.step_s
+        return types.SimpleNamespace(logits=torch.zeros(ids.shape[0], 1, 8), past_key_values="cache")
+
+
+def test_speed_times_the_models_in_turns_after_one_warm_up_each():
+    """Parent and conversion alternate (each warmed up once first), so a load that comes and goes falls on both;
+    every run is kept. Fake seconds: A prefills 6 tokens x batch 2 in 1 s and decodes a token in 0.5 s, B in 2 s
+    and 0.25 s, so their rates are exact."""
+    from gqaify.eval.speed import timed_in_turns
+
+    clock, log = [0.0], []
+    a, b = _Clocked("A", 1.0, 0.5, clock, log), _Clocked("B", 2.0, 0.25, clock, log)
+    ids = torch.arange(6)
+    speed_a, speed_b = timed_in_turns([(a, ids), (b, ids)], 2, 4, 3, clock=lambda: clock[0])
+    assert log == ["A", "B", "A", "B", "A", "B", "A", "B"]
+    assert speed_a.decode.runs == [4.0] * 3 and speed_b.decode.runs == [8.0] * 3  # 2 x 4 tokens / (4 x step)
+    assert speed_a.prefill.runs == [12.0] * 3 and speed_b.prefill.runs == [6.0] * 3  # 2 x 6 tokens / prefill
+    assert (speed_a.batch, speed_a.context, speed_a.new_tokens) == (2, 6, 4)
+
+
+def test_speed_cell_says_not_resolved_where_the_spreads_overlap():
+    from gqaify.eval.report import decode_cell
+    from gqaify.eval.results import Spread
+
+    def row(spread, parent=None):
+        median = None if spread is None else spread.median
+        return types.SimpleNamespace(decode_tokens_per_s=median, decode_spread=spread, parent_decode_spread=parent)
+
+    parent = Spread.of([23.1, 25.0, 24.2, 24.0, 24.5])
+    assert (parent.low, parent.median, parent.high) == (23.1, 24.2, 25.0)
+    assert decode_cell(row(parent)) == "24.2 (23.1–25.0)"
+    overlapping = Spread.of([22.0, 27.1, 24.8, 26.0, 23.0])
+    assert decode_cell(row(overlapping, parent)) == "not resolved (22.0–27.1 vs parent 23.1–25.0)"
+    apart = Spread.of([25.5, 26.8, 26.1, 26.3, 25.9])  # every run faster than every run of the parent
+    assert decode_cell(row(apart, parent)) == "26.1 (25.5–26.8)"
+    slower = Spread.of([5.4, 5.1, 5.6])
+    assert decode_cell(row(slower, parent)) == "5.4 (5.1–5.6)"
+    touching = Spread.of([25.0, 26.0])  # its slowest run equals the parent's fastest: not told apart
+    assert decode_cell(row(touching, parent)).startswith("not resolved")
+    before = types.SimpleNamespace(decode_tokens_per_s=24.25, decode_spread=None, parent_decode_spread=None)
+    assert decode_cell(before) == "24.2" and decode_cell(row(None)) == "—"  # a report without runs; --no-speed
+
+
+def test_speed_spreads_are_stored_and_read_back_and_older_reports_still_read(lm_pair, tmp_path):
+    """The parent is timed in turns beside each model; its row pools those turns. report.json keeps every run and
+    reads back typed; a report written before the runs were kept reads back too, its cell the bare median."""
+    from gqaify.eval.report import format_table, markdown
+    from gqaify.eval.results import ModelReport, Report, Spread, TextInfo
+    from gqaify.records import from_json
+
+    root, parent, data = lm_pair
+    report = gqaify.evaluate(
+        [str(parent), str(root / "gqa2"), str(root / "same")], str(data), tmp_path / "r", replace(FAST, repeats=3)
+    )
+    parent_r, gqa2, same = report.models
+    assert len(gqa2.decode_spread.runs) == len(same.decode_spread.runs) == 3
+    assert parent_r.decode_spread.runs == gqa2.parent_decode_spread.runs + same.parent_decode_spread.runs
+    assert parent_r.parent_decode_spread is None
+    assert all(m.decode_tokens_per_s == m.decode_spread.median for m in report.models)
+
+    loaded = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [from_json(ModelReport, m) for m in loaded["models"]] == report.models
+    for m in loaded["models"]:
+        del m["decode_spread"], m["parent_decode_spread"]
+    older = [from_json(ModelReport, m) for m in loaded["models"]]
+    assert [m.decode_spread for m in older] == [None] * 3
+    older_report = Report([from_json(TextInfo, t) for t in loaded["data"]], loaded["settings"], older)
+    assert f"| {gqa2.decode_tokens_per_s:,.1f} |" in markdown(older_report)
+
+    gqa2.decode_spread = Spread.of([1e-3, 1e9])  # overlaps any parent's: said so, in the table and its note
+    text = format_table(report)
+    assert (
+        "not resolved (0.0–1,000,000,000.0 vs parent" in text
+        and "note: decode tok/s: the median (slowest–fastest)" in text
+    )
+    assert "timed in turns with the parent's" in markdown(report)
 
 
 def test_a_nan_score_is_null_in_report_json(lm_pair, tmp_path):

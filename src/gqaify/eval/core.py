@@ -29,7 +29,7 @@ from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
 from gqaify.eval.results import Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore, words_and_bytes
 from gqaify.eval.settings import EvalSettings, decode_context
-from gqaify.eval.speed import decode_speed
+from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.models import device_problem, load_config, load_model, load_tokenizer, resolve_device
@@ -85,6 +85,7 @@ def run(settings: EvalSettings) -> Report:
         settings={**recorded(s, frozenset({"force"})), "stride": stride, "device": str(device)},
     )
     parent = None
+    speeds = _Speeds(s, alone=len(s.models) == 1)
     for i, name in enumerate(s.models):
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint = _fingerprint(tokenizer)
@@ -98,6 +99,8 @@ def run(settings: EvalSettings) -> Report:
         ids = panel.ids(fingerprint)
         LOG.info("measuring %s", name)
         entry = _model_report(name, model, configs[i], fingerprint, scores, ids, s, budget)
+        if s.speed:
+            speeds.time(entry, model, ids)
         if harness:
             LOG.info("scoring %s on %s", name, ", ".join(harness.names))
             entry.tasks = harness.score(model, tokenizer)
@@ -233,14 +236,45 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
         texts=scores,
         panel=PanelSummary.of(scores),
     )
-    if s.speed:
-        context = ids[: min(decode_context(s.decode_context, s.decode_tokens, positions), len(ids))]
-        single = decode_speed(model, context, 1, s.decode_tokens, s.repeats)
-        batched = decode_speed(model, context, s.decode_batch, s.decode_tokens, s.repeats)
-        entry.prefill_tokens_per_s = single.prefill_tokens_per_s
-        entry.decode_tokens_per_s = single.decode_tokens_per_s
-        entry.decode_tokens_per_s_batched = batched.decode_tokens_per_s
     return entry
+
+
+class _Speeds:
+    """Prefill and decode speed, each model timed in turns with the parent (`speed.timed_in_turns`: parent, model,
+    parent, model, ...); the parent's own figures pool its turns beside every model (timed alone if it is the only
+    model). Each model's report keeps the parent's runs timed beside it, which its own are compared with."""
+
+    def __init__(self, s: EvalSettings, alone: bool):
+        self.s, self.alone = s, alone
+        self.parent = None  # (the parent's model, its context) once met
+        self.parent_entry: ModelReport | None = None
+        self.parent_turns: list[tuple[Speed, Speed]] = []  # (batch 1, decode batch) beside each model
+
+    def time(self, entry: ModelReport, model, ids) -> None:
+        """Time `model` after a prefill of `ids`' first --decode-context tokens (fewer where its positions end
+        first) and write its figures into `entry`; the first model met is the parent."""
+        s = self.s
+        context = ids[: min(decode_context(s.decode_context, s.decode_tokens, entry.max_positions), len(ids))]
+        if self.parent is None:
+            self.parent, self.parent_entry = (model, context), entry
+            if not self.alone:
+                return  # timed in turns with each other model
+        runs = [(model, context)] if self.alone else [self.parent, (model, context)]
+        single = timed_in_turns(runs, 1, s.decode_tokens, s.repeats)
+        batched = timed_in_turns(runs, s.decode_batch, s.decode_tokens, s.repeats)
+        _record_speed(entry, single[-1], batched[-1])
+        if not self.alone:
+            entry.parent_decode_spread = single[0].decode
+            self.parent_turns.append((single[0], batched[0]))
+            pooled_single, pooled_batched = (pooled(list(turns)) for turns in zip(*self.parent_turns, strict=True))
+            _record_speed(self.parent_entry, pooled_single, pooled_batched)
+
+
+def _record_speed(entry: ModelReport, single: Speed, batched: Speed) -> None:
+    entry.prefill_tokens_per_s = single.prefill_tokens_per_s
+    entry.decode_tokens_per_s = single.decode_tokens_per_s
+    entry.decode_tokens_per_s_batched = batched.decode_tokens_per_s
+    entry.decode_spread = single.decode
 
 
 # -- input -------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
 from gqaify.figures import figure, readable_xticks
 from gqaify.outputs import REPORT, staged, write_provenance
-from gqaify.records import ReportRecord
 from gqaify.summary import printable
 
 PLOT_KV = "perplexity_vs_kv.png"
@@ -50,7 +49,7 @@ def table_rows(report: Report) -> list[list[str]]:
                 f"{m.kv_cache_bytes_per_token:,.0f}",
                 f"{m.kv_ratio_to_parent:g}×",
                 _context(m),
-                "—" if m.decode_tokens_per_s is None else f"{m.decode_tokens_per_s:,.1f}",
+                decode_cell(m),
             ]
         )
     return rows
@@ -96,6 +95,22 @@ def _summary(panel, ratio, kl, where) -> str:
     return "—" if panel is None else f"{ratio:.2f}×{where}, KL {kl:.3f}"
 
 
+def decode_cell(m: ModelReport) -> str:
+    """The decode column's cell: the median and the spread of the runs, "24.2 (23.1–25.0)"; where a model's runs
+    and the parent's timed in turns with them overlap, the difference is not resolved, and the cell says so in place
+    of a figure a reader would compare."""
+    spread, parent = m.decode_spread, m.parent_decode_spread
+    if spread is None:  # not measured (--no-speed), or a report written before the runs were kept
+        return _num(m.decode_tokens_per_s)
+    runs = f"{spread.low:,.1f}–{spread.high:,.1f}"
+    if parent is not None and not spread.resolved_from(parent):
+        return f"{NOT_RESOLVED} ({runs} vs parent {parent.low:,.1f}–{parent.high:,.1f})"
+    return f"{spread.median:,.1f} ({runs})"
+
+
+NOT_RESOLVED = "not resolved"
+
+
 def _context(m) -> str:
     """The usable context at batch 1 and what binds it: "8,192 (positions)", "1,724 (memory)"."""
     if m.usable_context is None:
@@ -117,8 +132,26 @@ def format_table(report: Report) -> str:
             *_aligned(panel_rows(report)),
             *tasks,
             *[f"note: {n}" for n in report.notes],
+            *_decode_note(report),
         ]
     )
+
+
+# What the decode column says of itself: report.md's description, the terminal's note where a cell is not resolved
+_DECODE_RUNS = (
+    "the median (slowest–fastest) of each model's runs, timed in turns with the parent's (parent, model, ...)"
+)
+_NOT_RESOLVED_MEANS = (
+    f"'{NOT_RESOLVED}': the model's runs and the parent's beside them overlap, so the difference is within what the "
+    "runs varied (more --repeats, or a quieter machine, may resolve it)"
+)
+
+
+def _decode_note(report: Report) -> list[str]:
+    """The terminal's note on the decode column, where a cell of it is not resolved."""
+    if any(decode_cell(m).startswith(NOT_RESOLVED) for m in report.models):
+        return [f"note: decode tok/s: {_DECODE_RUNS}; {_NOT_RESOLVED_MEANS}"]
+    return []
 
 
 def _aligned(rows: list[list[str]]) -> list[str]:
@@ -247,7 +280,7 @@ def markdown(report: Report) -> str:
         f"report.json has both) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the "
         "parent). "
         f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {_decode_context(report):,}-token prefill, "
-        f"median of {s['repeats']}.",
+        f"{_DECODE_RUNS}, {s['repeats']} runs each; {_NOT_RESOLVED_MEANS}.",
         "",
         "| " + " | ".join(columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
@@ -434,4 +467,6 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
     with staged(out, force, REPORT_BYTES, "--out", writes=REPORT) as staging:
         for name, write in writers.items():
             write(staging / name)
-        write_provenance(staging, ReportRecord(version=__version__, settings=report.settings))
+        write_provenance(
+            staging, {"tool": "gqaify", "version": __version__, "command": "eval", "settings": report.settings}
+        )

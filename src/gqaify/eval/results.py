@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
-from gqaify.records import TOOL
 
 if TYPE_CHECKING:
     from gqaify.eval.perplexity import Perplexity
@@ -122,6 +122,26 @@ class PanelSummary:
         return cls(sum(ratios) / len(ratios), worst.ratio_to_parent, worst.text, sum(kls) / len(kls), max(kls))
 
 
+@dataclass(frozen=True)
+class Spread:
+    """A throughput over timed runs, in tokens per second: every run in the order timed, the slowest, the median
+    and the fastest (`speed.timed_in_turns`)."""
+
+    runs: list[float]
+    low: float
+    median: float
+    high: float
+
+    @classmethod
+    def of(cls, runs: list[float]) -> Spread:
+        return cls(list(runs), min(runs), statistics.median(runs), max(runs))
+
+    def resolved_from(self, other: Spread) -> bool:
+        """The two are told apart: they do not overlap (every run of one faster than every run of the other). Where
+        they overlap, the difference between their medians is within what the runs themselves varied."""
+        return self.low > other.high or self.high < other.low
+
+
 @dataclass
 class ModelReport:
     model: str
@@ -154,6 +174,8 @@ class ModelReport:
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     decode_tokens_per_s_batched: float | None = None
+    decode_spread: Spread | None = None  # batch-1 decode's runs (the parent's: its turns beside every model)
+    parent_decode_spread: Spread | None = None  # the parent's batch-1 decode, timed in turns with this model's
     diagnostics: Diagnostics | None = None
     tasks: list[TaskScore] | None = None  # one row per task and metric, with --tasks
     generations: list[Generation] | None = None  # one per prompt, with --generate
@@ -170,7 +192,7 @@ class Report:
 
     def to_dict(self) -> dict:
         return {
-            "tool": TOOL,
+            "tool": "gqaify",
             "version": __version__,
             "data": [asdict(t) for t in self.data],
             "settings": self.settings,

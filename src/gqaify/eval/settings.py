@@ -46,7 +46,7 @@ class EvalSettings(Output, Runtime):
         "the larger decode batch",
         check=(Range(1), Limit(DECODE_BATCH_MAX, "each row holds its own KV cache and its prefill")),
     )
-    repeats: int = setting(3, "timed runs, the median reported", check=Range(1))
+    repeats: int = setting(5, "timed runs of each model, in turns with the parent's", check=Range(1))
     diag_tokens: int = setting(512, "tokens for the attention diagnostics", check=Range(1))
     speed: bool = setting(True, "measure decode speed")
     tasks: list[str] = setting(
