@@ -34,7 +34,7 @@ from conftest import (
     tree_hashes,
 )
 from gqaify.archs import ARCHITECTURES
-from gqaify.conversion import walk
+from gqaify.conversion import layer_by_layer
 from gqaify.conversion.source import open_source
 from gqaify.errors import UserError
 from helpers import run_cli
@@ -71,15 +71,15 @@ def test_the_walk_computes_the_models_hidden_states(model_type, tmp_path):
     spec = ARCHITECTURES[model_type]
     config = json.loads((src / "config.json").read_text())
     state = model.state_dict()
-    skeleton = walk.skeleton(config)
+    skeleton = layer_by_layer.skeleton(config)
     outside = {n: t for n, t in state.items() if spec.layer_of(n) is None}
-    (hidden,), inputs = walk.capture(skeleton, spec, outside, [ids], torch.device("cpu"))
+    (hidden,), inputs = layer_by_layer.capture(skeleton, spec, outside, [ids], torch.device("cpu"))
     torch.testing.assert_close(hidden, expected[0])
     for layer in range(2):  # the last entry of hidden_states has the final norm applied
         prefix = spec.decoder_layer.format(layer=layer) + "."
         local = {n.removeprefix(prefix): t for n, t in state.items() if n.startswith(prefix)}
-        with walk.loaded(skeleton.get_submodule(prefix[:-1]), local, torch.device("cpu"), "layer") as block:
-            hidden = walk.run(block, hidden, inputs[layer][0], torch.device("cpu"))
+        with layer_by_layer.loaded(skeleton.get_submodule(prefix[:-1]), local, torch.device("cpu"), "layer") as block:
+            hidden = layer_by_layer.run(block, hidden, inputs[layer][0], torch.device("cpu"))
         torch.testing.assert_close(hidden, expected[layer + 1])
 
 
@@ -116,13 +116,15 @@ def test_calibration_is_refused_where_the_walk_cannot_load_layers(model_type, ca
 def _load_every_layer(src, spec):
     """Load each decoder layer's stored tensors into the walk's skeleton, as calibration does."""
     with open_source(src) as source:
-        skeleton = walk.skeleton(source.config)
+        skeleton = layer_by_layer.skeleton(source.config)
         names = list(source.tensors.metadata())
         for layer in range(source.config["num_hidden_layers"]):
             prefix = spec.decoder_layer.format(layer=layer) + "."
             state = source.tensors.load([n for n in names if spec.layer_of(n) == layer])
             local = {n.removeprefix(prefix): t for n, t in state.items()}
-            with walk.loaded(skeleton.get_submodule(prefix[:-1]), local, torch.device("cpu"), f"layer {layer}"):
+            with layer_by_layer.loaded(
+                skeleton.get_submodule(prefix[:-1]), local, torch.device("cpu"), f"layer {layer}"
+            ):
                 pass
 
 
@@ -151,7 +153,7 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
     """Every time a layer's weights are loaded, no other layer of either model (parent or converted) holds any."""
     _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4, num_hidden_layers=4)
     skeletons, seen = [], []
-    make, load_layer = walk.skeleton, walk.loaded
+    make, load_layer = layer_by_layer.skeleton, layer_by_layer.loaded
 
     def tracked_skeleton(*args, **kwargs):
         skeletons.append(make(*args, **kwargs))
@@ -165,8 +167,8 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
             seen.append((len(real), sum(1 for _ in block.parameters()), layers))
             yield block
 
-    monkeypatch.setattr(walk, "skeleton", tracked_skeleton)
-    monkeypatch.setattr(walk, "loaded", tracked_loaded)
+    monkeypatch.setattr(layer_by_layer, "skeleton", tracked_skeleton)
+    monkeypatch.setattr(layer_by_layer, "loaded", tracked_loaded)
     gqaify.convert(src, tmp_path / "out", kv_heads=1, method="lsq", **calibration, refine_steps=2, progress=False)
     assert len(skeletons) == 2 and len(seen) == 2 * 4  # the parent's and the converted layer, for each layer
     for real, in_layer, layers in seen:
@@ -207,18 +209,19 @@ def test_inputs_the_layers_share_are_moved_once():
     that all layers receive are copied once per window, not once per layer."""
     shared, own = torch.ones(4), torch.zeros(2)
     moved = {}
-    first = walk.to_device({"position_embeddings": (shared, shared), "mask": own}, "meta", moved)
-    second = walk.to_device({"position_embeddings": (shared,)}, "meta", moved)
+    first = layer_by_layer.to_device({"position_embeddings": (shared, shared), "mask": own}, "meta", moved)
+    second = layer_by_layer.to_device({"position_embeddings": (shared,)}, "meta", moved)
     assert first["position_embeddings"][0].is_meta and first["mask"].is_meta
     assert first["position_embeddings"][0] is first["position_embeddings"][1] is second["position_embeddings"][0]
     assert first["mask"] is not first["position_embeddings"][0]
-    assert walk.to_device(shared, "meta") is not first["position_embeddings"][0]  # without the memo: a new copy
+    copied = layer_by_layer.to_device(shared, "meta")  # without the memo: a new copy
+    assert copied is not first["position_embeddings"][0]
 
 
 def test_converted_config_drives_the_converted_skeleton(tmp_path):
     model, src = _tiny("qwen2", tmp_path / "src", num_kv_heads=2)
     config = json.loads((src / "config.json").read_text())
-    converted = walk.skeleton(config, num_kv_heads=1)
+    converted = layer_by_layer.skeleton(config, num_kv_heads=1)
     assert converted.config.num_key_value_heads == 1
     assert converted.model.layers[0].self_attn.k_proj.weight.shape == (16, 64)
     parent = AutoConfig.for_model("qwen2", **{k: v for k, v in config.items() if k != "model_type"})

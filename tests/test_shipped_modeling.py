@@ -156,10 +156,10 @@ def test_calibrated_methods_are_refused_with_the_reason(tmp_path, capsys):
     assert code == 2 and "cannot be calibrated" in err and "--method mean" in err, err
     assert not (tmp_path / "out").exists()
     # the premise: transformers' class, which calibration builds, ignores the K/V head count
-    from gqaify.conversion import walk
+    from gqaify.conversion import layer_by_layer
 
     config = json.loads((tmp_path / "mha" / "config.json").read_text())
-    assert walk.skeleton(config, num_kv_heads=1).model.decoder.layers[0].self_attn.k_proj.out_features == 64
+    assert layer_by_layer.skeleton(config, num_kv_heads=1).model.decoder.layers[0].self_attn.k_proj.out_features == 64
 
 
 def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):

@@ -2,7 +2,7 @@
 
     tokens      the first `tokens` tokens of the calibration text, in windows of `seq_len` (at most the
                 model's positions)
-    capture     every layer's inputs for every window, from transformers' own model (`walk.capture`)
+    capture     every layer's inputs for every window, from transformers' own model (`layer_by_layer.capture`)
     per layer   only that layer's weights are loaded from the source, then:
                 1. the parent layer runs on the parent's stream: its outputs are the targets, and the next
                    layer's parent stream
@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-import gqaify.conversion.walk as walk
+import gqaify.conversion.layer_by_layer as layer_by_layer
 from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.checkpoint import nonfinite_problem
 from gqaify.conversion.grouping import permute, similar_order
@@ -201,9 +201,10 @@ class CalibratedLayers:
 
 @dataclass
 class _Walk:
-    """Where the walk stands: the parent's skeleton and the converted one (sequential only; `walk.skeleton`), the
-    calibration windows as they reach the next layer (the parent's stream, and sequentially the converted one),
-    each layer's other inputs per window (masks, positions), the layer in progress, the seconds spent by phase."""
+    """Where the walk stands: the parent's skeleton and the converted one (sequential only;
+    `layer_by_layer.skeleton`), the calibration windows as they reach the next layer (the parent's stream, and
+    sequentially the converted one), each layer's other inputs per window (masks, positions), the layer in
+    progress, the seconds spent by phase."""
 
     parent_model: torch.nn.Module
     converted_model: torch.nn.Module | None
@@ -279,11 +280,11 @@ def calibrate(
     positions = source.config.get("max_position_embeddings") or c.seq_len
     windows = text.windows(min(c.seq_len, positions))
     metas = source.tensors.metadata()
-    parent = walk.skeleton(source.config)
-    converted = walk.skeleton(source.config, request.kv_heads) if c.mode == "sequential" else None
-    unused = walk.output_weights(parent)  # the LM head: the capture stops after the last layer
+    parent = layer_by_layer.skeleton(source.config)
+    converted = layer_by_layer.skeleton(source.config, request.kv_heads) if c.mode == "sequential" else None
+    unused = layer_by_layer.output_weights(parent)  # the LM head: the capture stops after the last layer
     outside = source.tensors.load([name for name in metas if spec.layer_of(name) is None and name not in unused])
-    stream, inputs = walk.capture(parent, spec, outside, windows, device)  # the parent's stream
+    stream, inputs = layer_by_layer.capture(parent, spec, outside, windows, device)  # the parent's stream
     del outside
     ours = [x.clone() for x in stream] if converted is not None else None  # the converted stream
     seconds = {"capture": time.perf_counter() - start, **dict.fromkeys(("fit", "repair", "refine", "run"), 0.0)}
@@ -331,7 +332,7 @@ def _fit_layer(
     local = {name.removeprefix(prefix): t for name, t in weights.items()}
     attention_path = spec.attention.format(layer=state.layer).removeprefix(prefix)
     input_module = f"{attention_path}.{spec.k_proj or spec.qkv_proj}"  # q, k and v read the same input
-    with walk.loaded(
+    with layer_by_layer.loaded(
         state.parent_model.get_submodule(prefix[:-1]), local, state.device, f"layer {state.layer}"
     ) as block:
         targets = _parent_pass(
@@ -355,7 +356,7 @@ def _fit_layer(
     state.seconds["fit"] += time.perf_counter() - tick
     if state.ours is not None:
         ours = {name.removeprefix(prefix): t.clone() for name, t in tensors.items()}
-        with walk.loaded(
+        with layer_by_layer.loaded(
             state.converted_model.get_submodule(prefix[:-1]),
             {**local, **ours},
             state.device,
@@ -375,16 +376,19 @@ def _parent_pass(block, fit_input, attention, state: _Walk, hidden_size: int, re
     inputs, device = state.inputs[state.layer], state.device
     moment = SecondMoment(hidden_size, device)
     outputs, attention_outputs = [], []
-    with walk.watching(fit_input) as attention_input, walk.watching(attention, output=True) as output:
+    with (
+        layer_by_layer.watching(fit_input) as attention_input,
+        layer_by_layer.watching(attention, output=True) as output,
+    ):
         for x, kw in zip(state.parent, inputs, strict=True):
-            outputs.append(walk.run(block, x, kw, device))
+            outputs.append(layer_by_layer.run(block, x, kw, device))
             if state.ours is None:  # parallel: the fit reads the parent's stream
                 moment.add(attention_input())
             elif repair:
                 attention_outputs.append(output().cpu())
     if state.ours is not None:  # sequential: the fit reads the converted stream (only the layer's input norm runs)
         for x, kw in zip(state.ours, inputs, strict=True):
-            moment.add(walk.run_until(block, fit_input, x, kw, device))
+            moment.add(layer_by_layer.run_until(block, fit_input, x, kw, device))
     return _Targets(outputs, attention_outputs, moment)
 
 
@@ -420,7 +424,7 @@ def _repair_and_run(
             )
         measured.update(refined=result.steps, refine_loss=(round(result.loss_before, 6), round(result.loss_after, 6)))
     with state.timing("run"), torch.no_grad():
-        state.ours = ours = [walk.run(block, x, kw, device) for x, kw in zip(ours, inputs, strict=True)]
+        state.ours = ours = [layer_by_layer.run(block, x, kw, device) for x, kw in zip(ours, inputs, strict=True)]
     parameters = block.state_dict()
     tensors = {name: parameters[name].detach().float().cpu().clone() for name in names}
     error = sum((a - b).pow(2).sum() for a, b in zip(ours, targets.outputs, strict=True))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.conversion.walk import forward, run_until
+from gqaify.conversion.layer_by_layer import forward, run_until
 
 HOLDOUT_EVERY = 8  # window i is held out when i % 8 == 7 (the last window when there are fewer than 8)
 _SHRINKS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)  # ridge strengths tried, relative to the inputs' mean energy
