@@ -6,7 +6,7 @@
 
 A parent MHA Llama of ref-mha-6L's shape family, widened (random weights, ref-mha-6L's tokenizer: memory does not
 depend on the values), is converted to GQA-2 and uptrained a few steps, distilling from the parent, under each
-launch: one process; two CPU processes with the shipped FSDP2 config, the teacher sharded and whole; two with
+launch: one process; two CPU processes with the packaged FSDP2 config, the teacher sharded and whole; two with
 DDP. Each process records its resident memory just before the student is loaded (and resets its peak there, Linux's
 clear_refs: the main process converted the model before) and its peak resident memory when training ends (before
 final/ is gathered and saved): the difference is what training added, which is what the plan counts. Every
@@ -92,7 +92,7 @@ def parent_model(folder: Path, layers: int, hidden: int) -> Path:
 
 
 def launch_config(folder: Path, kind: str, processes: int) -> Path:
-    """An accelerate config: the shipped fsdp.yaml for `processes` CPU processes in full precision, or DDP."""
+    """An accelerate config: the packaged fsdp.yaml for `processes` CPU processes in full precision, or DDP."""
     import yaml
 
     if kind == "fsdp":

@@ -1,4 +1,4 @@
-"""The shipped SmolLM2 recipe, run exactly as its first line says (offline, from the repository root, with the local
+"""The packaged SmolLM2 recipe, run exactly as its first line says (offline, from the repository root, with the local
 copies of its data in ../shared), timed end to end, then judged on the panel against its goals.
 
     python benchmarks/recipe_goals.py                      # about an hour on two CPU cores

@@ -1,10 +1,11 @@
-"""What ships inside the package: the recipes and accelerate configs, listed, copied and found by name, from a wheel
+"""What gqaify packages: the recipes and accelerate configs, listed, copied and found by name, from a wheel
 installed as users install it (not editable) and run from a folder that is no checkout."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -14,13 +15,14 @@ import yaml
 
 from conftest import ASSETS, CLOSED, CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.cli import main
-from gqaify.packaged import RECIPES, recipe_names
+from gqaify.errors import UserError
+from gqaify.packaged import RECIPES, find, recipe_by_name, recipe_names
 from gqaify.uptrain.settings import load_recipe
 
 
 def test_every_recipe_and_config_is_listed_with_its_command(capsys):
-    shipped = sorted(p.relative_to(RECIPES).with_suffix("").as_posix() for p in RECIPES.rglob("*.yaml"))
-    assert sorted(recipe_names()) == shipped and "smollm2-135m-mqa" in shipped and "accelerate/fsdp" in shipped
+    packaged = sorted(p.relative_to(RECIPES).with_suffix("").as_posix() for p in RECIPES.rglob("*.yaml"))
+    assert sorted(recipe_names()) == packaged and "smollm2-135m-mqa" in packaged and "accelerate/fsdp" in packaged
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == recipe_names()
@@ -31,7 +33,19 @@ def test_every_recipe_and_config_is_listed_with_its_command(capsys):
             if "/" not in name
             else shown == str(RECIPES / f"{name}.yaml")
         )
-    assert (REPO / "recipes").resolve() == RECIPES  # the checkout's recipes/ is the shipped folder
+    assert (REPO / "recipes").resolve() == RECIPES  # the checkout's recipes/ is the packaged folder
+
+
+def test_a_packaged_file_is_found_by_each_spelling_of_its_name_and_a_recipe_only_among_recipes():
+    recipe, config = RECIPES / "smollm2-135m-mqa.yaml", RECIPES / "accelerate" / "fsdp.yaml"
+    for name in ("smollm2-135m-mqa", "smollm2-135m-mqa.yaml", "recipes/smollm2-135m-mqa.yaml"):
+        assert find(name) == recipe and recipe_by_name(name) == recipe
+    for name in ("accelerate/fsdp", "accelerate/fsdp.yaml", "recipes/accelerate/fsdp.yaml"):
+        assert find(name) == config
+        with pytest.raises(UserError, match=re.escape(f"--recipe {name} is an accelerate config, not a recipe")):
+            recipe_by_name(name)
+    for name in ("nope", "fsdp", "accelerate/smollm2-135m-mqa", "../recipes/smollm2-135m-mqa"):
+        assert find(name) is None and recipe_by_name(name) is None
 
 
 def test_a_recipe_is_copied_out_byte_for_byte_and_never_over_a_file(capsys, tmp_path):
@@ -43,7 +57,7 @@ def test_a_recipe_is_copied_out_byte_for_byte_and_never_over_a_file(capsys, tmp_
     (tmp_path / "mine.yaml").write_text("edited")
     for args, expect in (
         (["smollm2-135m-mqa", str(tmp_path / "mine.yaml")], "already exists and is kept"),
-        (["nope"], "no shipped recipe or config 'nope'"),
+        (["nope"], "no packaged recipe or config 'nope'"),
         ([], "needs the NAME of a recipe"),
         (["smollm2-135m-mqa", str(tmp_path / "no" / "x.yaml")], "does not exist; create it"),
     ):
@@ -88,14 +102,14 @@ def test_a_recipe_copy_that_fails_while_writing_leaves_nothing(capsys, tmp_path,
     assert code == 2 and "No space left on device; choose another place" in err and not list(tmp_path.iterdir())
 
 
-def test_uptrain_finds_a_shipped_recipe_by_name_from_any_folder(tmp_path, monkeypatch):
+def test_uptrain_finds_a_packaged_recipe_by_name_from_any_folder(tmp_path, monkeypatch):
     from gqaify.uptrain.settings import parse
 
     monkeypatch.chdir(tmp_path)
     settings = parse(["--recipe", "ref-mha-6L-gqa2", "--model", "m", "--output_dir", "o", "--data", "d.txt"])
     expected = yaml.safe_load((RECIPES / "ref-mha-6L-gqa2.yaml").read_text())
     assert settings.seq_len == expected["seq_len"] and settings.lr == expected["lr"]
-    (tmp_path / "ref-mha-6L-gqa2").write_text("seq_len: 12\n")  # a file of that name here wins over the shipped
+    (tmp_path / "ref-mha-6L-gqa2").write_text("seq_len: 12\n")  # a file of that name here wins over the packaged
     again = parse(
         ["--recipe", "ref-mha-6L-gqa2", "--model", "m", "--output_dir", "o", "--data", "d.txt", "--max_tokens", "128"]
     )
@@ -131,7 +145,7 @@ def test_uptrain_finds_a_shipped_recipe_by_name_from_any_folder(tmp_path, monkey
 @pytest.mark.slow
 def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(tmp_path):
     """The wheel built from this tree, installed (not editable) into a folder of its own and put first on the path,
-    run from a folder that is no checkout: convert, a shipped recipe by name, and the demo's recipe found."""
+    run from a folder that is no checkout: convert, a packaged recipe by name, and the demo's recipe found."""
     built = subprocess.run(
         [
             sys.executable,
@@ -248,7 +262,7 @@ sys.exit(main(sys.argv[3:]))
 
 
 @needs_assets
-def test_a_shipped_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets(tmp_path):
+def test_a_packaged_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets(tmp_path):
     """ref-mha-6L-gqa2 by name from a folder that is no checkout, the hub unreachable and its two hub datasets served
     by a local mirror: the recipe asks the hub for exactly the text it names, converts, trains and evaluates; without
     a model of its own it is refused in one line naming what to pass, nothing written."""
@@ -308,8 +322,8 @@ def test_the_recipes_name_hub_text_and_the_local_copies_are_first_line_overrides
                 for source in [t.source for t in named_texts([*settings.data, *settings.eval_data])]:
                     assert source in written or (REPO / source).exists(), (recipe.name, source)
                 offline.append(recipe.stem)
-        shipped = parse(["--recipe", str(recipe)])
-        for source in [t.source for t in named_texts([*shipped.data, *shipped.eval_data])]:
+        packaged = parse(["--recipe", str(recipe)])
+        for source in [t.source for t in named_texts([*packaged.data, *packaged.eval_data])]:
             assert source in written or ("/" in source and not source.startswith((".", "/"))), (recipe.name, source)
     assert offline == ["ref-mha-6L-gqa2", "smollm2-135m-mqa"]
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gqaify.cli import main
-from gqaify.packaged import shipped
+from gqaify.packaged import find
 from gqaify.uptrain.plan import Launch, plan
 from gqaify.uptrain.settings import parse
 from helpers import one_line
@@ -79,10 +79,10 @@ def test_the_activations_grow_with_the_micro_batch(tiny, tmp_path):
     assert 0 < small.activations < large.activations
 
 
-def test_shipped_accelerate_configs_read_as_launches():
-    assert Launch.read(shipped("accelerate/fsdp")) == Launch(8, True, "bf16")
-    assert Launch.read(shipped("accelerate/multi-gpu")) == Launch(8, False, "bf16")
-    assert Launch.read(shipped("accelerate/cpu")) == Launch(1, False, "no")
+def test_packaged_accelerate_configs_read_as_launches():
+    assert Launch.read(find("accelerate/fsdp")) == Launch(8, True, "bf16")
+    assert Launch.read(find("accelerate/multi-gpu")) == Launch(8, False, "bf16")
+    assert Launch.read(find("accelerate/cpu")) == Launch(1, False, "no")
 
 
 def test_plan_prints_the_table_and_writes_nothing(tiny, tmp_path, capsys):

@@ -81,13 +81,13 @@ def test_the_smollm2_recipes_first_line_runs_it_offline_from_a_checkout():
         assert source == corpus or (REPO / source).is_file(), source  # every text is here, or the first step's
     assert corpus in [t.source for t in named_texts(settings.data)]
     assert not {t.source for t in named_texts(settings.data)} & {t.source for t in named_texts(settings.eval_data)}
-    shipped = parse(["--recipe", str(recipe)])
-    for source in [t.source for t in named_texts([*shipped.data, *shipped.eval_data])]:
+    packaged = parse(["--recipe", str(recipe)])
+    for source in [t.source for t in named_texts([*packaged.data, *packaged.eval_data])]:
         assert source == corpus or ("/" in source and not source.startswith(".")), source  # hub names, the corpus
-    assert shipped.calib_data is None and shipped.calibrated_on_data().calib_data == shipped.data
+    assert packaged.calib_data is None and packaged.calibrated_on_data().calib_data == packaged.data
 
 
-def test_recipes_and_accelerate_configs_are_shipped():
+def test_recipes_and_accelerate_configs_are_packaged():
     names = {r.name for r in RECIPES}
     assert {"smollm2-135m-mqa.yaml", "ref-mha-6L-gqa2.yaml", "llama2-7b-gqa8.yaml"} <= names
     assert {c.stem for c in ACCELERATE_CONFIGS} == {"cpu", "single-gpu", "multi-gpu", "fsdp"}
@@ -1181,7 +1181,7 @@ def test_output_dir_name_longer_than_the_file_system_allows_is_refused(tiny, tmp
     assert list(tmp_path.iterdir()) == []
 
 
-# -- the shipped FSDP config on two CPU processes ---------------------------------------------------------------
+# -- the packaged FSDP config on two CPU processes --------------------------------------------------------------
 # FSDP2 on gloo: accelerate shards only on accelerators, and gqaify finishes its set-up on CPU processes
 # (`uptrain/sharding.py`), so these run the code a user's 8 GPUs run: weights, gradients, optimizer state and the
 # teacher sharded, sharded checkpoints, the full state dict gathered for final/.
@@ -1190,7 +1190,7 @@ FSDP = REPO / "recipes" / "accelerate" / "fsdp.yaml"
 
 
 def launch_fsdp(argv: list[str], cwd: Path, **popen) -> subprocess.Popen:
-    """The shipped FSDP2 config on two CPU processes (gloo), in full precision: what a user's 8 GPUs launch."""
+    """The packaged FSDP2 config on two CPU processes (gloo), in full precision: what a user's 8 GPUs launch."""
     launch = [*accelerate_launch("gqaify.uptrain", FSDP), *argv, "--dist_timeout", "300"]
     return subprocess.Popen(launch, env=CPU_PROCESSES, cwd=cwd, text=True, **popen)
 

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     recipes = sub.add_parser(
         "recipes",
-        help="list the shipped uptraining recipes and accelerate configs, or copy one out to edit",
-        description="List the recipes and accelerate configs that ship with gqaify (uptrain's --recipe finds them "
+        help="list the uptraining recipes and accelerate configs gqaify packages, or copy one out to edit",
+        description="List the recipes and accelerate configs gqaify packages (uptrain's --recipe finds them "
         "by name), or copy one out to edit.\n\n  gqaify recipes\n  gqaify recipes cp smollm2-135m-mqa my.yaml\n"
         "  gqaify uptrain --recipe my.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter,

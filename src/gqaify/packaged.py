@@ -1,12 +1,12 @@
-"""The files that ship inside the package: uptraining recipes and accelerate configs (`src/gqaify/recipes`, linked as
-recipes/ at the repository root), found by name from any folder once gqaify is installed, as torchtune's configs are.
+"""The files gqaify packages: uptraining recipes and accelerate configs (`src/gqaify/recipes`, linked as recipes/ at
+the repository root), found by name from any folder once gqaify is installed, as torchtune's configs are.
 
     gqaify recipes                                   list them, each with the command that runs it
     gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
     gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
 
 A recipe's paths (`data`, `calib_data`, `eval_data`, `model`) are read from the working directory, as every path
-gqaify is given; the shipped recipes name their text as hub datasets (`name[:config]@split`), what a user has, and
+gqaify is given; the packaged recipes name their text as hub datasets (`name[:config]@split`), what a user has, and
 each first line runs it offline from a checkout with the local copies in ../shared/assets as overrides.
 """
 
@@ -20,26 +20,26 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
 def recipe_names() -> list[str]:
-    """Every shipped file's name: recipes by their stem, accelerate configs as `accelerate/NAME`."""
+    """Every packaged file's name: recipes by their stem, accelerate configs as `accelerate/NAME`."""
     recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
     return recipes + sorted(f"accelerate/{p.stem}" for p in (RECIPES / "accelerate").glob("*.yaml"))
 
 
-def shipped(name: str) -> Path | None:
-    """The shipped file `name` (with or without .yaml, or as the checkout names it: recipes/NAME.yaml), or None."""
+def find(name: str) -> Path | None:
+    """The packaged file `name` (with or without .yaml, or as the checkout names it: recipes/NAME.yaml), or None."""
     stem = name.removesuffix(".yaml").removeprefix("recipes/")
     if stem not in recipe_names():
         return None
     return RECIPES / f"{stem}.yaml"
 
 
-def shipped_recipe(name: str) -> Path | None:
-    """The shipped recipe `name` for `--recipe NAME` (as `shipped`), or None.
+def recipe_by_name(name: str) -> Path | None:
+    """The packaged recipe `name` for `--recipe NAME` (as `find`), or None.
 
     Raises:
-        UserError: `name` is a shipped accelerate config: the launch's, which accelerate reads, not a recipe.
+        UserError: `name` is a packaged accelerate config: the launch's, which accelerate reads, not a recipe.
     """
-    found = shipped(name)
+    found = find(name)
     if found is None or found.parent == RECIPES:
         return found
     stem = found.relative_to(RECIPES).with_suffix("").as_posix()
@@ -56,24 +56,24 @@ def first_line(path: Path) -> str:
 
 
 def listing() -> str:
-    """The shipped recipes, one a line, with the command that runs each (its `recipes/NAME.yaml` is found by name
+    """The packaged recipes, one a line, with the command that runs each (its `recipes/NAME.yaml` is found by name
     from any folder), then the accelerate configs with their paths (accelerate reads a file)."""
     names = recipe_names()
     width = max(len(n) for n in names)
-    shown = [str(shipped(n)) if n.startswith("accelerate/") else first_line(shipped(n)) for n in names]
+    shown = [str(find(n)) if n.startswith("accelerate/") else first_line(find(n)) for n in names]
     return "\n".join(f"{n.ljust(width)}  {s}" for n, s in zip(names, shown, strict=True))
 
 
 def copy_out(name: str, destination: str) -> Path:
-    """Copy the shipped file `name` to `destination` (a file, or a folder to put it in); never over a file.
+    """Copy the packaged file `name` to `destination` (a file, or a folder to put it in); never over a file.
 
     Raises:
-        UserError: no such shipped file, `destination` exists as a file, or it cannot be written (its folder not
+        UserError: no such packaged file, `destination` exists as a file, or it cannot be written (its folder not
             writable, a read-only file system, a full disk: the errno's reason); nothing is left behind.
     """
-    source = shipped(name)
+    source = find(name)
     if source is None:
-        raise UserError(f"no shipped recipe or config {name!r}; gqaify recipes lists them")
+        raise UserError(f"no packaged recipe or config {name!r}; gqaify recipes lists them")
     target = Path(destination).expanduser()
     if target.is_dir():
         target = target / source.name

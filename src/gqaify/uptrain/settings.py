@@ -22,7 +22,8 @@ from gqaify.data import named_texts_problem
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
-from gqaify.packaged import shipped, shipped_recipe
+from gqaify.packaged import find as shipped
+from gqaify.packaged import recipe_by_name as shipped_recipe
 from gqaify.settings import (
     QUIET,
     Excludes,
