@@ -95,7 +95,7 @@ BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
 TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").glob("*.py")}  # conftest, helpers, test_*
 
 
-def tests_imported(tree) -> list[str]:
+def imports_from_tests(tree) -> list[str]:
     """What a script's syntax tree takes from tests/: imports of its modules (conftest, helpers, ...), at the top or
     inside a function, and sys.path changes that name tests."""
     import ast
@@ -123,8 +123,10 @@ def tests_imported(tree) -> list[str]:
 def test_a_benchmark_taking_anything_from_tests_is_seen(source):
     import ast
 
-    assert tests_imported(ast.parse(source))
-    assert not tests_imported(ast.parse("from gqaify.testing import build_model\nimport sys\nsys.path.insert(0, 'x')"))
+    assert imports_from_tests(ast.parse(source))
+    assert not imports_from_tests(
+        ast.parse("from gqaify.testing import build_model\nimport sys\nsys.path.insert(0, 'x')")
+    )
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
@@ -136,7 +138,7 @@ def test_every_benchmark_answers_help_and_imports_only_what_exists(script):
     import importlib
 
     tree = ast.parse(script.read_text())
-    assert not (found := tests_imported(tree)), f"{script.name} imports from tests/: {found}"
+    assert not (found := imports_from_tests(tree)), f"{script.name} imports from tests/: {found}"
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == "gqaify":

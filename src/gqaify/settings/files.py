@@ -44,11 +44,11 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) 
 def read_settings_file(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> tuple[dict, bool]:
     """What `read_config` reads, and whether the file is a record gqaify wrote (a rerun)."""
     path = Path(path).expanduser()
-    if not path.exists() and stage.shipped is not None:
+    if not path.exists() and stage.packaged is not None:
         if (local := path.with_name(f"{path.name}.yaml")).exists():
-            path = local  # NAME for ./NAME.yaml (what `gqaify recipes cp NAME .` writes) before the shipped NAME
-        elif (found := stage.shipped(str(path))) is not None:
-            path = found  # a shipped recipe, by name
+            path = local  # NAME for ./NAME.yaml (what `gqaify recipes cp NAME .` writes) before the packaged NAME
+        elif (found := stage.packaged(str(path))) is not None:
+            path = found  # a packaged recipe, by name
     where = f"{stage.config_flags[0]} {path}"
     values, record = _settings_in(_parse(_read_text(path, where), where), where)
     _check_keys(stage, values, record, where, path, stages)
@@ -71,7 +71,7 @@ def _read_text(path: Path, where: str) -> str:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise UserError(
-            f"{where} does not exist; check the path (gqaify recipes lists the shipped recipes, which "
+            f"{where} does not exist; check the path (gqaify recipes lists the packaged recipes, which "
             "--recipe finds by name)"
         ) from None
     except OSError as exc:

@@ -108,8 +108,8 @@ class Stage:
     # how messages name a field: its positional's metavar or its option ("--seq-len"), or, for a stage set up
     # by a recipe file, its key ("seq_len")
     named_by: Literal["options", "keys"] = "options"
-    # a file named by a --config flag that is no path: the shipped file of that name, or None (`gqaify.packaged`)
-    shipped: Callable[[str], Path | None] | None = None
+    # a file named by a --config flag that is no path: the packaged file of that name, or None (`gqaify.packaged`)
+    packaged: Callable[[str], Path | None] | None = None
     # what a rerun from a record (a gqaify.json this stage wrote) changed that the record pins, said before any work:
     # (the record's settings, the settings made) -> problems
     rerun_problems: Callable[[dict, Settings], list[str]] | None = None

@@ -22,8 +22,7 @@ from gqaify.data import named_texts_problem
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
-from gqaify.packaged import find as shipped
-from gqaify.packaged import recipe_by_name as shipped_recipe
+from gqaify.packaged import find, recipe_by_name
 from gqaify.settings import (
     QUIET,
     Excludes,
@@ -339,7 +338,7 @@ FOREIGN_NAMES = {
 PLAN = Option(
     "--plan",
     "CONFIG",
-    "print the bytes each process holds at a step's peak under this accelerate config (a path, or a shipped one "
+    "print the bytes each process holds at a step's peak under this accelerate config (a path, or a packaged one "
     "such as accelerate/fsdp), and train nothing",
     missing="--plan needs the accelerate config of the launch, e.g. --plan accelerate/fsdp",
 )
@@ -350,14 +349,14 @@ UPTRAIN = Stage(
     settings=UptrainSettings,
     description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from --recipe "
     "(a YAML file of the fields below) and are overridden by --field value.\n\n"
-    "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a shipped recipe: gqaify recipes lists them)\n"
+    "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a packaged recipe: gqaify recipes lists them)\n"
     "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"
     "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)\n"
     "  gqaify uptrain --recipe llama2-7b-gqa8 --plan accelerate/fsdp   (memory per process under that accelerate "
     "config, before renting GPUs; trains nothing)",
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
-    shipped=shipped_recipe,
+    packaged=recipe_by_name,
     record_kind="an uptraining run's record",
     named_by="keys",
     switches=(QUIET,),
@@ -385,7 +384,7 @@ def parse_command_line(
     """The settings (`parse`) and the accelerate config `--plan CONFIG` names (None: train, not plan).
 
     Raises:
-        UserError: what `parse` raises; --plan without a config, or one that is neither a file nor shipped (said
+        UserError: what `parse` raises; --plan without a config, or one that is neither a file nor packaged (said
             before the values' problems).
     """
     settings, options = parse_command(UPTRAIN, argv, prog, stages)
@@ -395,12 +394,12 @@ def parse_command_line(
 
 
 def accelerate_config(name: str) -> Path:
-    """The accelerate config `--plan NAME` names: a path, or a shipped one such as accelerate/fsdp.
+    """The accelerate config `--plan NAME` names: a path, or a packaged one such as accelerate/fsdp.
 
     Raises:
-        UserError: neither a file nor shipped.
+        UserError: neither a file nor packaged.
     """
-    path = Path(name) if Path(name).is_file() else shipped(name)
+    path = Path(name) if Path(name).is_file() else find(name)
     if path is None:
         raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
     return path
