@@ -145,6 +145,16 @@ def test_a_damaged_record_is_an_error_to_read_and_has_no_header(tmp_path):
     assert read_provenance(tmp_path) is None and written_files(tmp_path) is None and written_kind(tmp_path) is None
 
 
+def test_a_record_without_its_version_still_has_a_header(tmp_path):
+    """A damaged record that still says its tool and kind: its header is read (the version not known), and --force's
+    checks name what the folder holds instead of failing over the version's absence."""
+    (tmp_path / PROVENANCE_FILE).write_text(json.dumps({"tool": TOOL, "kind": CORPUS}))
+    assert read_provenance(tmp_path) == Provenance(version=None, kind=CORPUS)
+    assert written_kind(tmp_path) == "a corpus"
+    with pytest.raises(ValueError):
+        read_record(tmp_path)
+
+
 def test_a_folder_without_a_record_and_a_file_read_none(tmp_path):
     assert read_record(tmp_path) is None and read_provenance(tmp_path) is None
     (tmp_path / "x.gguf").write_bytes(b"GGUF")

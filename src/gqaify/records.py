@@ -257,7 +257,7 @@ def read_provenance(folder: Path) -> Provenance | None:
         value = None if file is None else _current(json.loads(file.read_text()), file.name)
     except (OSError, ValueError):
         return None
-    return None if value is None else Provenance(tool=TOOL, version=value["version"], kind=value["kind"])
+    return None if value is None else Provenance(tool=TOOL, version=value.get("version"), kind=value["kind"])
 
 
 def listed_files(folder: Path) -> set[str] | None:
