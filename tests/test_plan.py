@@ -106,6 +106,23 @@ def test_plan_is_an_option_of_the_settings_parser(tiny, tmp_path, capsys):
     assert "--plan [CONFIG] print the bytes each process holds at a step's peak under this accelerate config" in shown
 
 
+@pytest.mark.parametrize("plan", [["--plan", "accelerate/fsdp"], ["--plan=accelerate/fsdp"]])
+def test_the_python_parse_refuses_plan(tiny, tmp_path, plan):
+    """gqaify.uptrain.parse took --plan and dropped it: run(parse(argv)) trained where a memory plan was asked."""
+    from gqaify.errors import UserError
+    from gqaify.uptrain.settings import parse_command_line
+
+    out = tmp_path / "run"
+    with pytest.raises(UserError) as refused:
+        parse(args(tiny, out, *plan))
+    said = str(refused.value)
+    assert "\n" not in said and said.startswith("--plan asks for a memory plan")
+    assert "parse_command_line" in said and "gqaify uptrain ... --plan CONFIG" in said
+    settings, config = parse_command_line(args(tiny, out, *plan), "gqaify uptrain")
+    assert config == find("accelerate/fsdp") and settings == parse(args(tiny, out))
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("given", "said"),
     [

@@ -400,6 +400,31 @@ def test_another_commands_record_is_named_with_its_command(capsys, records):
     assert code == 2 and "--recipe" in err and f"use `gqaify convert --config {conversion}`" in err
 
 
+def test_another_commands_record_is_named_by_uptrains_python_parse(records):
+    """With no stages handed, gqaify.uptrain.parse and load_recipe took none and said "unknown key 'src' ..."."""
+    from gqaify.errors import UserError
+    from gqaify.uptrain.settings import load_recipe
+    from gqaify.uptrain.settings import parse as parse_uptrain
+
+    conversion, report = records
+    for read in (lambda path: parse_uptrain(["--recipe", str(path)]), load_recipe):
+        with pytest.raises(UserError) as refused:
+            read(conversion)
+        assert str(refused.value).endswith(
+            f"is a conversion record, not uptrain's; use `gqaify convert --config {conversion}`"
+        ), refused.value
+        with pytest.raises(UserError) as refused:
+            read(report)
+        assert "is an eval report, not uptrain's; use `gqaify eval --config" in str(refused.value)
+
+
+def test_uptrains_stages_are_every_commands():
+    from gqaify.stages import STAGES
+    from gqaify.uptrain.settings import every_stage
+
+    assert every_stage() == STAGES
+
+
 def test_another_commands_settings_file_is_named_with_its_command(capsys, tmp_path):
     (tmp_path / "c.yaml").write_text("src: a\nout: b\nkv_heads: 1\nmethod: lsq\n")
     code, err = run_cli(capsys, "eval", "--config", tmp_path / "c.yaml")

@@ -365,32 +365,51 @@ UPTRAIN = Stage(
 
 
 def parse(
-    argv: list[str] | None = None, prog: str = "gqaify uptrain", stages: tuple[Stage, ...] = ()
+    argv: list[str] | None = None, prog: str = "gqaify uptrain", stages: tuple[Stage, ...] | None = None
 ) -> UptrainSettings:
     """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`);
-    `stages`, every command's (`gqaify.stages.STAGES`), to name another command's file as such.
+    `stages`, every command's (default: `every_stage()`), to name another command's file as such.
 
     Raises:
         UserError: the recipe is missing, is not a mapping, or has unknown keys; an override is unknown;
-            a value is out of range.
+            a value is out of range; `--plan`, which asks for a memory plan, not settings to train with.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    return parse_command_line(argv, prog, stages)[0]
+    settings, options = parse_command(UPTRAIN, argv, prog, every_stage() if stages is None else stages)
+    if options[PLAN.flag] is not None:
+        raise UserError(
+            "--plan asks for a memory plan, which gqaify.uptrain.parse does not give (it returns settings to train "
+            "with); call gqaify.uptrain.settings.parse_command_line, or run `gqaify uptrain ... --plan CONFIG`"
+        )
+    raise_if_problems(settings.problems())
+    return settings
 
 
 def parse_command_line(
-    argv: list[str] | None, prog: str, stages: tuple[Stage, ...] = ()
+    argv: list[str] | None, prog: str, stages: tuple[Stage, ...] | None = None
 ) -> tuple[UptrainSettings, Path | None]:
     """The settings (`parse`) and the accelerate config `--plan CONFIG` names (None: train, not plan).
 
     Raises:
-        UserError: what `parse` raises; --plan without a config, or one that is neither a file nor packaged (said
-            before the values' problems).
+        UserError: what `parse` raises but --plan; --plan without a config, or one that is neither a file nor
+            packaged (said before the values' problems).
     """
-    settings, options = parse_command(UPTRAIN, argv, prog, stages)
+    settings, options = parse_command(UPTRAIN, argv, prog, every_stage() if stages is None else stages)
     plan = None if options[PLAN.flag] is None else accelerate_config(options[PLAN.flag])
     raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
     return settings, plan
+
+
+def every_stage() -> tuple[Stage, ...]:
+    """Every command's settings, as `gqaify.stages.STAGES` holds them (a test keeps the two equal), for a Python
+    caller of `parse` or `load_recipe`: the commands' entries hand STAGES, but gqaify.stages is above uptrain, so
+    uptrain gathers them from below (`gqaify.uptrain.parse(["--recipe", "OUT/gqaify.json"])` then says it is a
+    conversion record, as `gqaify uptrain` does)."""
+    from gqaify.conversion.options import CONVERT
+    from gqaify.eval.settings import EVAL
+    from gqaify.generation.settings import GENERATE
+
+    return (CONVERT, EVAL, GENERATE, UPTRAIN)
 
 
 def accelerate_config(name: str) -> Path:
@@ -405,10 +424,10 @@ def accelerate_config(name: str) -> Path:
     return path
 
 
-def load_recipe(path: str | Path, stages: tuple[Stage, ...] = ()) -> dict:
+def load_recipe(path: str | Path, stages: tuple[Stage, ...] | None = None) -> dict:
     """The settings a recipe file holds, as a dict of known keys.
 
     Raises:
         UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
     """
-    return read_config(UPTRAIN, path, stages)
+    return read_config(UPTRAIN, path, every_stage() if stages is None else stages)
