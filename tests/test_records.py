@@ -155,6 +155,33 @@ def test_a_record_without_its_version_still_has_a_header(tmp_path):
         read_record(tmp_path)
 
 
+def test_a_run_is_read_from_its_run_json_whatever_lies_beside_it(tmp_path):
+    """uptrain's output_dir is read by its run.json, even where a gqaify.json lies beside it (which `read_record`
+    prefers): the run it holds is the one run.json records."""
+    from gqaify.uptrain.run_folder import _read_run, save_run
+
+    run = RunRecord(version="9", settings={"data": ["a.txt"]}, data_sha256="0" * 64, started=True)
+    save_run(tmp_path, run)
+    (tmp_path / PROVENANCE_FILE).write_text(record_text(ReportRecord(version="9", settings={})))
+    assert _read_run(tmp_path) == run
+
+
+def test_an_unreadable_run_json_is_never_to_be_deleted(tmp_path):
+    """A run.json gqaify cannot read (a later gqaify's, or damaged) sits beside the run's checkpoints: the refusal
+    says to resume it with the gqaify that wrote it, or to use a new output_dir, never to delete it."""
+    from gqaify.errors import UserError
+    from gqaify.uptrain.run_folder import _read_run
+
+    for text in (json.dumps({"tool": TOOL, "version": "9", "kind": RUN, "settings": {}, "pixels": 3}), "{cut"):
+        (tmp_path / RUN_FILE).write_text(text)
+        with pytest.raises(UserError) as caught:
+            _read_run(tmp_path)
+        message = str(caught.value)
+        assert message.startswith(f"output_dir {tmp_path}'s {RUN_FILE} cannot be read (") and "\n" not in message
+        assert message.endswith("; resume this run with the gqaify that wrote it, or use a new output_dir")
+        assert "delete" not in message
+
+
 def test_a_folder_without_a_record_and_a_file_read_none(tmp_path):
     assert read_record(tmp_path) is None and read_provenance(tmp_path) is None
     (tmp_path / "x.gguf").write_bytes(b"GGUF")

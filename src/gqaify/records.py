@@ -7,8 +7,9 @@
 
 Every record opens with its `Provenance`: the tool, its version and the record's kind. `as_json(record)` is a
 record's JSON value (`record_text`: its file's text); `read_record(folder)` reads one back typed, whichever kind it
-is, and also reads the shapes that earlier versions wrote (no kind: a conversion told by its "source", an eval
-report by "command": "eval", an uptrained model by "uptrain" and no version of its own; a run.json by its name).
+is (`read_record_file(file)`: the record in that one file), and also reads the shapes that earlier versions wrote
+(no kind: a conversion told by its "source", an eval report by "command": "eval", an uptrained model by "uptrain"
+and no version of its own; a run.json by its name).
 
 `from_json(cls, value)` reads a JSON object back as `cls`: nested records, lists of them, optional ones. A field
 declared `optional()` is left out of the JSON where it says nothing: while it holds its default (`optional()`: None),
@@ -232,8 +233,19 @@ def read_record(folder: Path) -> Provenance | None:
         ValueError: the file is not JSON, or a record gqaify cannot read (of a later version, or damaged).
     """
     file = _record_file(Path(folder))
-    if file is None:
-        return None
+    return None if file is None else read_record_file(file)
+
+
+def read_record_file(file: Path) -> Provenance | None:
+    """The record in `file` (a gqaify.json, or uptrain's run.json, told by its name), typed by its kind; None where
+    the JSON is not a record gqaify wrote. `read_record` without the choice of file: uptrain reads its run.json so,
+    whatever lies beside it.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is not JSON, or a record gqaify cannot read (of a later version, or damaged).
+    """
+    file = Path(file)
     value = _current(json.loads(file.read_text()), file.name)
     if value is None:
         return None

@@ -26,7 +26,7 @@ from gqaify.conversion.record import ConversionRecord
 from gqaify.data import NamedText
 from gqaify.errors import UserError
 from gqaify.outputs import write_provenance, written_whole
-from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record
+from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, text_lists
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
@@ -149,16 +149,17 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
 
 
 def _read_run(out: Path) -> RunRecord:
-    """The record in `out`/run.json.
+    """The record in `out`/run.json (read from that file, whatever else `out` holds).
 
     Raises:
-        UserError: it cannot be read as a run's record (damaged, or beside files of another kind of output).
+        UserError: it cannot be read as a run's record (damaged, of a later gqaify, or not a run's).
     """
     try:
-        run = read_record(out)
-    except (OSError, ValueError) as exc:
+        run = read_record_file(out / RUN_FILE)
+    except (OSError, ValueError) as exc:  # never "delete it": the checkpoints beside it are the run's
         raise UserError(
-            f"output_dir {out}'s {RUN_FILE} cannot be read ({exc}); delete it to start over, or use a new output_dir"
+            f"output_dir {out}'s {RUN_FILE} cannot be read ({exc}); resume this run with the gqaify that wrote it, "
+            "or use a new output_dir"
         ) from None
     if not isinstance(run, RunRecord):
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
