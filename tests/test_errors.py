@@ -282,7 +282,7 @@ def command():
         sum(range(1000))
         raise {raised} from exc
 
-status = run_command(command)
+status = run_command(command, process_exit=True)  # as the entry of the process runs it
 os.kill(os.getpid(), signal.SIGTERM)  # and once more after the line: it comes when the launcher looks
 sum(range(1000))
 sys.exit(status)
@@ -290,6 +290,32 @@ sys.exit(status)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     expected = line or "gqaify: error: another process of the launch stopped; kept x"
     assert (done.returncode, done.stderr) == (1, expected + "\n")
+
+
+@pytest.mark.parametrize("said_by_the_stage", [False, True])
+def test_a_caller_in_the_process_gets_its_sigterm_handler_back_after_a_lost_peer(monkeypatch, said_by_the_stage):
+    """SIGTERM stayed ignored after run_command returned once a lost peer was seen: a program calling
+    gqaify.uptrain.__main__.main (or gqaify.cli.main) with its argv could no longer be stopped by SIGTERM."""
+    import gqaify.uptrain.__main__ as entry
+
+    def command_line(argv, prog, stages):
+        try:
+            raise RuntimeError(GLOO_PEER_GONE)
+        except RuntimeError as exc:
+            if said_by_the_stage:
+                raise ResourceError("another process of the launch stopped; kept x") from exc
+            raise
+
+    def mine(signum, frame):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(entry, "command_line", command_line)
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert entry.main(["--recipe", "r.yaml"]) == 1
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_sigkill_mid_conversion_leaves_no_output(tmp_path):

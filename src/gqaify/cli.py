@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
+    """Run the command line `argv` (default: sys.argv[1:], the process's own, which exits with the status) and
+    return its exit status (`gqaify.command`)."""
     parser = build_parser()
     try:
         words = sys.argv[1:] if argv is None else argv
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error already reported on one line
         return int(exc.code or 0)
     args.rest, args.prog = rest, f"gqaify {args.command}"
-    return run_command(lambda: args.run(args), verbose=args.verbose)
+    return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=argv is None)
 
 
 def _run_convert(args) -> None:

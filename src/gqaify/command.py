@@ -2,9 +2,9 @@
 one-line errors, and stop signals.
 
 Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr naming the problem and the fix,
-nothing written); 1 the machine ran out of something (one line, e.g. disk space), another process of the launch
-stopped (one line), or an internal error (a bug: the traceback is printed); 130 interrupted with Ctrl-C, 143
-stopped with SIGTERM (one line saying what is left).
+nothing written); 1 the machine ran out of something (one line, e.g. disk space), another process of a CPU (gloo)
+launch stopped (one line; `errors.peer_lost`), or an internal error (a bug: the traceback is printed); 130
+interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 
 from gqaify.errors import (
+    PEER_STOPPED,
     Interrupted,
     ResourceError,
     UserError,
@@ -27,14 +28,15 @@ from gqaify.errors import (
     record_stop_signal,
 )
 
-# What a process of a launch says when its peer stopped (`errors.peer_lost`); a stage adds what is left.
-PEER_STOPPED = "another process of the launch stopped"
 
+def run_command(command: Callable[[], object], verbose: bool = False, process_exit: bool = False) -> int:
+    """Run `command` (a stage: it parses its settings, runs, prints what it did) and return its exit status.
 
-def run_command(command: Callable[[], object], verbose: bool = False) -> int:
-    """Run `command` (a stage: it parses its settings, runs, prints what it did) and return its exit status."""
+    `process_exit`: the process exits with that status next (its entry's `main` with no argv): a process whose peer
+    in a launch stopped then keeps SIGTERM ignored to its exit (`_sigterm_as_interrupt`); otherwise, a caller in
+    the same process, every signal handler is as it was before."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    with _sigterm_as_interrupt() as ignore_sigterm:
+    with _sigterm_as_interrupt(process_exit) as ignore_sigterm:
         try:
             command()
         except SystemExit as exc:  # a settings parser: --help, or a usage error reported on one line
@@ -85,14 +87,16 @@ def _stopped(stop: Interrupted) -> int:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
+def _sigterm_as_interrupt(process_exit: bool = False):
     """While the block runs, SIGTERM raises `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so that the
     same cleanup runs; a second SIGTERM is ignored until the cleanup is done. Both signals are recorded
     (`errors.record_stop_signal`), so that a library turning the exception into its own is still a stop.
 
-    A process whose peer in a launch stopped (`errors.peer_lost`) ignores SIGTERM from then on, to its exit: the
-    launcher stops what is left of a launch with SIGTERM once one process ended, which would cut into the line
-    this process says about it, or replace its exit status. The block gets the function that starts ignoring it.
+    A process whose peer in a launch stopped (`errors.peer_lost`) ignores SIGTERM from then on: the launcher stops
+    what is left of a launch with SIGTERM once one process ended, which would cut into the line this process says
+    about it, or replace its exit status. The block gets the function that starts ignoring it. With
+    `process_exit` (the process exits when the block ends) it stays ignored to the exit; otherwise the previous
+    handler is back when the block ends, as for every other way out.
     """
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield lambda: None
@@ -124,6 +128,6 @@ def _sigterm_as_interrupt():
     try:
         yield ignore_sigterm
     finally:
-        if not ignoring:
+        if not (ignoring and process_exit):
             signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)

@@ -5,8 +5,8 @@ ResourceError   the machine ran out of something (disk space): says what/how muc
 Interrupted     Ctrl-C or SIGTERM: says what is left on disk, and how to resume    exit 130 or 143
 anything else   a bug in gqaify: the traceback is printed                          exit 1
 
-A process of a launch whose peer stopped (killed, out of memory, Ctrl-C) fails in its next collective: that is
-not a bug either (`peer_lost`), but a ResourceError saying so, exit 1.
+A process of a CPU (gloo) launch whose peer stopped (killed, out of memory, Ctrl-C) fails in its next collective:
+that is not a bug either (`peer_lost`), but a ResourceError saying so, exit 1.
 """
 
 from __future__ import annotations
@@ -82,9 +82,15 @@ _GLOO_TRANSPORT = "gloo/transport/"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
 
 
+# What a process of a launch says when its peer stopped (`peer_lost`); a stage adds what is left.
+PEER_STOPPED = "another process of the launch stopped"
+
+
 def peer_lost(exc: BaseException | None) -> bool:
     """`exc`, or an error it arose from (its cause or context), is gloo's word that another process of the launch
-    is gone: the process that raised it stopped only because its peer did. Timeouts (a peer that hangs) are not."""
+    is gone: the process that raised it stopped only because its peer did. Timeouts (a peer that hangs) are not.
+    Only CPU (gloo) launches are recognised: NCCL's failures on GPUs are not told apart from others here (its
+    watchdog often aborts the process itself), so they still end with a traceback."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -35,10 +35,12 @@ def command_line(argv: list[str], prog: str = PROG, stages: tuple = ()) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    """Run the command line `argv` (default: sys.argv[1:]) and return its exit status (`gqaify.command`)."""
+    """Run the command line `argv` (default: sys.argv[1:], the process's own, which exits with the status) and
+    return its exit status (`gqaify.command`)."""
     from gqaify.stages import STAGES
 
-    return run_command(lambda: command_line(sys.argv[1:] if argv is None else argv, prog, STAGES))
+    words = sys.argv[1:] if argv is None else argv
+    return run_command(lambda: command_line(words, prog, STAGES), process_exit=argv is None)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.command import PEER_STOPPED
-from gqaify.errors import ResourceError, UserError, as_interrupt, peer_lost, raise_if_problems
+from gqaify.errors import PEER_STOPPED, ResourceError, UserError, as_interrupt, peer_lost, raise_if_problems
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer
 from gqaify.outputs import is_full_disk
