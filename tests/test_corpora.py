@@ -109,6 +109,10 @@ ATTACKS = {
     "incomplete": (incomplete, "is an incomplete corpus"),
     "extra-shard": (lambda f: shutil.copy(shard(f), shard(f, 99)), "which its record does not name"),
     "tokens-changed": (lambda f: edit_row(f, lambda r: r.update(tokens=r["tokens"] + 1)), "the shards were changed"),
+    "record-of-a-later-gqaify": (
+        lambda f: edit_record(f, lambda r: r.update(version="99.0", pixels=3)),  # a field this gqaify does not know
+        "holds a corpus written by gqaify 99.0, whose record this gqaify",
+    ),
 }
 
 
@@ -135,7 +139,9 @@ def test_distill_from_data_refuses_a_damaged_corpus_before_writing_anything(dama
     assert tree_hashes(folder) == before
 
 
-@pytest.mark.parametrize("damaged", ["incomplete", "shard-deleted", "nan-logprob"], indirect=True)
+@pytest.mark.parametrize(
+    "damaged", ["incomplete", "shard-deleted", "nan-logprob", "record-of-a-later-gqaify"], indirect=True
+)
 def test_eval_and_calibration_refuse_a_damaged_or_incomplete_corpus(damaged, tiny, tmp_path, capsys):
     folder, said = damaged
     before = tree_hashes(folder)

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import MODELS, needs_assets, tree_hashes
 from gqaify.cli import main
+from gqaify.records import CORPUS, TOOL
 from helpers import CPU_PROCESSES, accelerate_launch, kill_every_process, one_line, run_cli
 
 STORIES = MODELS / "stories260K"
@@ -107,6 +108,22 @@ def test_a_folder_gqaify_did_not_write_is_refused(tmp_path, capsys):
     assert main(["generate", "some/model", str(tmp_path / "mine")]) == 2
     assert "is not a corpus gqaify generate wrote" in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_corpus_of_a_later_gqaify_is_said_to_be_one(tmp_path, capsys):
+    """A corpus whose record this gqaify cannot read (a later one's, with a field it does not know) is no folder of
+    something else: the refusal says which gqaify wrote it, in one line, and the corpus is left as it was."""
+    out = tmp_path / "later"
+    out.mkdir()
+    record = {"tool": TOOL, "version": "99.0", "kind": CORPUS, "parent": "p", "settings": {}, "pixels": 3}
+    (out / "gqaify.json").write_text(json.dumps(record))
+    assert main(["generate", "some/model", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a corpus gqaify generate wrote" not in err
+    assert f"{out} holds a corpus written by gqaify 99.0, whose record this gqaify" in err
+    assert err.rstrip().endswith("go on with it with the gqaify that wrote it, or choose another OUT")
+    assert json.loads((out / "gqaify.json").read_text()) == record
+    assert [p.name for p in out.iterdir()] == ["gqaify.json"]
 
 
 @pytest.mark.parametrize(

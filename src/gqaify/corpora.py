@@ -18,7 +18,9 @@ import re
 import shlex
 from pathlib import Path
 
-from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record
+from gqaify._version import __version__
+from gqaify.errors import UserError
+from gqaify.records import CORPUS, PROVENANCE_FILE, CorpusRecord, read_provenance, read_record
 
 SHARDS = "data"  # the shards' folder in OUT
 TEXT = ("text", "prompt", "tokens")  # every row's columns
@@ -39,12 +41,32 @@ def shard_index(name: str) -> int | None:
 
 
 def corpus_record(folder: Path) -> CorpusRecord | None:
-    """The record of the corpus `folder` holds, or None where it holds none (any other data folder)."""
+    """The record of the corpus `folder` holds, or None where it holds none (any other data folder).
+
+    Raises:
+        UserError: `folder` holds a corpus whose record this gqaify cannot read (`unreadable_corpus`).
+    """
     try:
         record = read_record(folder)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        problem = unreadable_corpus(folder, exc)
+        if problem:
+            raise UserError(
+                f"{problem}; read it with the gqaify that wrote it, or write it again with this one (gqaify generate)"
+            ) from None
         return None
     return record if isinstance(record, CorpusRecord) else None
+
+
+def unreadable_corpus(folder: Path, error: Exception) -> str | None:
+    """What to say of `folder`, whose record `read_record` could not read (`error`), where its header says it is a
+    corpus (one a later gqaify wrote, with a field this one does not know, or one damaged since); None where it is
+    not a corpus's record: a reader takes such a folder as any other data folder."""
+    header = read_provenance(folder) if (folder / PROVENANCE_FILE).is_file() else None
+    if header is None or header.kind != CORPUS:
+        return None
+    by = f"gqaify {header.version}" if header.version not in (None, __version__) else "another gqaify version"
+    return f"{folder} holds a corpus written by {by}, whose record this gqaify ({__version__}) cannot read ({error})"
 
 
 def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: int | None = None) -> list[str]:
@@ -54,7 +76,10 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
         files: the data files a reader would load from `folder`.
         vocab_size: the ids must be below it (None: not known to the reader, only negative ids are refused).
     """
-    record = corpus_record(folder)
+    try:
+        record = corpus_record(folder)
+    except UserError as exc:  # a corpus whose record this gqaify cannot read
+        return [str(exc)]
     if record is None:
         return []
     settings = record.settings

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.corpora import SHARDS
+from gqaify.corpora import SHARDS, unreadable_corpus
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.outputs import destination_problems, resolve_out, written_whole
@@ -48,7 +48,10 @@ def record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | Non
         raise UserError(f"{out} exists and is not a folder; choose another OUT")
     try:
         record = read_record(out)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        problem = unreadable_corpus(out, exc)
+        if problem:
+            raise UserError(f"{problem}; go on with it with the gqaify that wrote it, or choose another OUT") from None
         record = None
     if not isinstance(record, CorpusRecord):
         raise UserError(
