@@ -299,6 +299,21 @@ def test_word_and_byte_normalisation(lm_pair, tmp_path):
     assert m.bits_per_byte == pytest.approx(nll_sum / len(span.encode()) / math.log(2))
 
 
+def test_a_diverged_models_score_is_inf_not_an_overflow():
+    """math.exp(nll_sum / words) raised OverflowError on text of few words per token: a diverged uptraining run
+    stopped at its evaluation."""
+    from gqaify.eval.perplexity import Perplexity
+    from gqaify.eval.results import TextScore
+
+    diverged = Perplexity(nll_sum=30_000.0, tokens_scored=100, kl_sum=5_000.0)  # 300 nats a token, 3,000 a word
+    score = TextScore.of("t", diverged, words=10, text_bytes=400, parent_perplexity=20.0)
+    assert score.word_perplexity == math.inf and score.ratio_to_parent == pytest.approx(math.exp(300) / 20)
+    assert score.bits_per_byte == pytest.approx(30_000 / (400 * math.log(2))) and score.kl_to_parent == 50.0
+    worse = TextScore.of("t", Perplexity(nll_sum=1e6, tokens_scored=100), words=10, text_bytes=400)
+    assert worse.perplexity == math.inf and worse.word_perplexity == math.inf and worse.nll == 1e4
+    assert TextScore.of("t", Perplexity(nll_sum=20.0, tokens_scored=10), 5, 40).word_perplexity == math.exp(4.0)
+
+
 @pytest.mark.parametrize(
     ("args", "expect"),
     [

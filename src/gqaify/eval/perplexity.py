@@ -19,7 +19,6 @@ uptraining's distillation loss (`uptrain/distill.py`) also takes its value from.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import groupby
@@ -27,6 +26,8 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from gqaify.eval.results import exp_or_inf
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Perplexity:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll)
+        return exp_or_inf(self.nll)
 
     @property
     def kl(self) -> float | None:

@@ -86,13 +86,22 @@ class TextScore:
             found.tokens_scored,
             found.nll,
             found.perplexity,
-            math.exp(found.nll_sum / words),
+            exp_or_inf(found.nll_sum / words),
             found.nll_sum / (text_bytes * math.log(2)),
             words,
             text_bytes,
             None if parent_perplexity is None else found.perplexity / parent_perplexity,
             found.kl,
         )
+
+
+def exp_or_inf(nll: float) -> float:
+    """e ** `nll`, a perplexity, or inf where it is too large for a float (a diverged model's: math.exp raised
+    OverflowError past 709.78 nats, which stopped a training run at its evaluation)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
 
 
 def words_and_bytes(span: str) -> tuple[int, int]:
