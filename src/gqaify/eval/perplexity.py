@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from gqaify.eval.results import exp_or_inf
+from gqaify.eval.results import Perplexity
 
 
 @dataclass(frozen=True)
@@ -59,27 +59,6 @@ def sliding_windows(num_tokens: int, seq_len: int, stride: int) -> list[Window]:
         if end == num_tokens:
             break
     return windows
-
-
-@dataclass(frozen=True)
-class Perplexity:
-    nll_sum: float  # natural-log negative log-likelihood summed over scored tokens
-    tokens_scored: int
-    kl_sum: float | None = None  # KL(parent || model) summed over the same tokens (None: no parent given)
-
-    @property
-    def nll(self) -> float:
-        return self.nll_sum / self.tokens_scored
-
-    @property
-    def perplexity(self) -> float:
-        return exp_or_inf(self.nll)
-
-    @property
-    def kl(self) -> float | None:
-        """KL(parent || model) in nats per scored token: how far the model's next-token distribution is from its
-        parent's (0: the parent's own), or None without a parent."""
-        return None if self.kl_sum is None else self.kl_sum / self.tokens_scored
 
 
 @torch.no_grad()

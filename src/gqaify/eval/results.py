@@ -5,13 +5,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.records import TOOL
-
-if TYPE_CHECKING:
-    from gqaify.eval.perplexity import Perplexity
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,39 @@ class Generation:
 
     prompt: str
     text: str
+
+
+def exp_or_inf(nll: float) -> float:
+    """e ** `nll`, a perplexity, or inf where it is too large for a float (a diverged model's: math.exp raised
+    OverflowError past 709.78 nats, which stopped a training run at its evaluation)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """A model's negative log-likelihood over the tokens it scored (`perplexity.perplexity`), and its KL to the
+    parent's next-token distribution on them where given the parent."""
+
+    nll_sum: float  # natural-log negative log-likelihood summed over scored tokens
+    tokens_scored: int
+    kl_sum: float | None = None  # KL(parent || model) summed over the same tokens (None: no parent given)
+
+    @property
+    def nll(self) -> float:
+        return self.nll_sum / self.tokens_scored
+
+    @property
+    def perplexity(self) -> float:
+        return exp_or_inf(self.nll)
+
+    @property
+    def kl(self) -> float | None:
+        """KL(parent || model) in nats per scored token: how far the model's next-token distribution is from its
+        parent's (0: the parent's own), or None without a parent."""
+        return None if self.kl_sum is None else self.kl_sum / self.tokens_scored
 
 
 @dataclass
@@ -93,15 +122,6 @@ class TextScore:
             None if parent_perplexity is None else found.perplexity / parent_perplexity,
             found.kl,
         )
-
-
-def exp_or_inf(nll: float) -> float:
-    """e ** `nll`, a perplexity, or inf where it is too large for a float (a diverged model's: math.exp raised
-    OverflowError past 709.78 nats, which stopped a training run at its evaluation)."""
-    try:
-        return math.exp(nll)
-    except OverflowError:
-        return math.inf
 
 
 def words_and_bytes(span: str) -> tuple[int, int]:
