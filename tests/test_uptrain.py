@@ -984,7 +984,8 @@ def test_an_evaluations_row_is_the_one_it_was_key_for_key_and_bit_for_bit(tiny, 
     """The panel row built from `TextScore`s and their `PanelSummary`: the same keys, in the same order, with the same
     floats as before, with and without a teacher and the parent's perplexities, for a panel and for one text."""
     from gqaify.eval.perplexity import perplexity
-    from gqaify.uptrain.evaluation import EvalText, _panel_row
+    from gqaify.eval.results import EvalText
+    from gqaify.uptrain.evaluation import _panel_row
 
     model = AutoModelForCausalLM.from_pretrained(tiny["converted"])
     parent = AutoModelForCausalLM.from_pretrained(tiny["parent"])

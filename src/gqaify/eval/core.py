@@ -27,7 +27,7 @@ from gqaify.eval.diagnostics import compare
 from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
-from gqaify.eval.results import Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore, words_and_bytes
+from gqaify.eval.results import EvalText, Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore
 from gqaify.eval.settings import EvalSettings, decode_context
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
@@ -139,11 +139,10 @@ class _Panel:
     def __init__(self, s: EvalSettings, texts: list[tuple[NamedText, TextData]]):
         self.s, self.texts = s, texts
         self.spans: dict[str, int | None] = {t.name: None for t, _ in texts}
-        # (text, fingerprint) -> its ids, and the words and bytes of the span they cover
-        self.tokens: dict[tuple[str, str], tuple[torch.Tensor, int, int]] = {}
+        self.tokens: dict[tuple[str, str], EvalText] = {}  # (text, fingerprint) -> its tokens and their span
         self.tokenizers: set[str] = set()
 
-    def _tokens(self, named: NamedText, loaded: TextData, tokenizer, fingerprint: str, model_name: str):
+    def _tokens(self, named: NamedText, loaded: TextData, tokenizer, fingerprint: str, model_name: str) -> EvalText:
         key = named.name, fingerprint
         if key not in self.tokens:
             span = self.spans[named.name]
@@ -154,13 +153,13 @@ class _Panel:
                 f"--data {named.source} with the tokenizer of {model_name}",
             )
             self.spans[named.name] = found.chars
-            self.tokens[key] = found.ids, *words_and_bytes(loaded.text[: found.chars])
+            self.tokens[key] = EvalText.of(found.ids, loaded.text[: found.chars])
             self.tokenizers.add(fingerprint)
         return self.tokens[key]
 
     def ids(self, fingerprint: str) -> torch.Tensor:
         """The first text's tokens (the KV cache, decode speed and diagnostics are measured on them)."""
-        return self.tokens[self.texts[0][0].name, fingerprint][0]
+        return self.tokens[self.texts[0][0].name, fingerprint].ids
 
     def score(
         self, name: str, model, tokenizer, fingerprint: str, stride: int, parent, parent_scores: list[TextScore] | None
@@ -169,12 +168,12 @@ class _Panel:
         `parent_scores`, the parent's own."""
         s, scores = self.s, []
         for i, (named, loaded) in enumerate(self.texts):
-            ids, words, nbytes = self._tokens(named, loaded, tokenizer, fingerprint, name)
-            LOG.info("evaluating %s on %s (%d tokens)", name, named.name, len(ids))
+            text = self._tokens(named, loaded, tokenizer, fingerprint, name)
+            LOG.info("evaluating %s on %s (%d tokens)", name, named.name, len(text.ids))
             desc = f"{Path(name).name[:20]} · {named.name[:16]}"
-            ppl = perplexity(model, ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
+            ppl = perplexity(model, text.ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
             parent_perplexity = None if parent is None else parent_scores[i].perplexity
-            scores.append(TextScore.of(named.name, ppl, words, nbytes, parent_perplexity))
+            scores.append(TextScore.of(named.name, ppl, text.words, text.text_bytes, parent_perplexity))
         return scores
 
 

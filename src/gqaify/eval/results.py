@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.records import TOOL
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,21 @@ def words_and_bytes(span: str) -> tuple[int, int]:
     """The words and UTF-8 bytes of the span of text a score covers (at least 1 each): what word perplexity and bits
     per byte divide by."""
     return max(len(span.split()), 1), max(len(span.encode()), 1)
+
+
+@dataclass(frozen=True)
+class EvalText:
+    """One text as a tokenizer read it for scoring (eval's panel, uptraining's eval_data): its tokens, and the
+    words and bytes of the span they cover (`words_and_bytes`), which `TextScore.of` divides by."""
+
+    ids: torch.Tensor  # (N,) token ids
+    words: int
+    text_bytes: int
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, span: str) -> EvalText:
+        """`ids`, the tokens of `span`, with the words and bytes of `span`."""
+        return cls(ids, *words_and_bytes(span))
 
 
 @dataclass

@@ -3,26 +3,14 @@ mean KL and worst ratio to the parent) and lm-evaluation-harness task scores, lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from gqaify.data import load_text, named_texts, tokenize
 from gqaify.eval.perplexity import perplexity
-from gqaify.eval.results import PanelSummary, TextScore, words_and_bytes
+from gqaify.eval.results import EvalText, PanelSummary, TextScore
 from gqaify.models import load_model
 from gqaify.uptrain.curve import draw_curve
 from gqaify.uptrain.settings import UptrainSettings
-
-
-@dataclass(frozen=True)
-class EvalText:
-    """One eval_data text as each evaluation scores it: its tokens, and the words and bytes of the span they cover."""
-
-    ids: torch.Tensor  # (N,) token ids
-    words: int
-    text_bytes: int
 
 
 def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
@@ -109,7 +97,7 @@ def eval_texts(s: UptrainSettings, tokenizer) -> dict[str, EvalText] | None:
     for named in named_texts(s.eval_data):
         text = load_text(named.source, s.eval_split, s.text_column, option="eval_data").text
         found = tokenize(tokenizer, text, s.eval_tokens, f"eval_data {named.source}")
-        texts[named.name] = EvalText(found.ids, *words_and_bytes(text[: found.chars]))
+        texts[named.name] = EvalText.of(found.ids, text[: found.chars])
     return texts
 
 
