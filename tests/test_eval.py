@@ -566,6 +566,47 @@ def test_speed_spreads_are_stored_and_read_back_and_older_reports_still_read(lm_
     assert "timed in turns with the parent's" in markdown(report)
 
 
+def test_a_panel_without_kl_shows_a_dash_for_it():
+    """PanelSummary holds None KL where a score has none; the panel's rows formatted it with :.3f (TypeError)."""
+    from gqaify.eval.report import panel_rows
+    from gqaify.eval.results import PanelSummary, TextScore
+
+    def scores(perplexities, parents):
+        return [
+            TextScore(name, 10, 1.0, p, 2.0, 0.5, 5, 20, None if q is None else p / q, None)
+            for name, p, q in zip(["a", "b"], perplexities, parents, strict=True)
+        ]
+
+    parent_scores, model_scores = scores([4.0, 5.0], [None, None]), scores([5.0, 8.0], [4.0, 5.0])
+    models = [
+        types.SimpleNamespace(model=f"x/{name}", texts=texts, panel=PanelSummary.of(texts))
+        for name, texts in [("parent", parent_scores), ("gqa", model_scores)]
+    ]
+    assert models[1].panel.mean_kl_to_parent is None
+    report = types.SimpleNamespace(
+        data=[types.SimpleNamespace(name="a"), types.SimpleNamespace(name="b")], models=models
+    )
+    assert panel_rows(report) == [
+        ["text", "tokens", "parent", "gqa"],
+        ["a", "10", "4.00", "5.00 (1.25×, KL —)"],
+        ["b", "10", "5.00", "8.00 (1.60×, KL —)"],
+        ["mean", "", "—", "1.43×, KL —"],
+        ["worst", "", "—", "1.60× (b), KL —"],
+    ]
+
+
+def test_a_model_timed_alone_is_described_as_timed_alone(lm_pair, tmp_path):
+    """report.md said every decode figure was timed in turns with the parent's, even for one model timed alone."""
+    from gqaify.eval.report import markdown
+
+    root, parent, data = lm_pair
+    report = gqaify.evaluate([str(parent)], str(data), tmp_path / "r", replace(FAST, repeats=2))
+    text = markdown(report)
+    assert "the median (slowest–fastest) of the model's 2 runs, timed alone." in text
+    assert "in turns" not in text and "not resolved" not in text
+    assert len(report.models[0].decode_spread.runs) == 2
+
+
 def test_a_nan_score_is_null_in_report_json(lm_pair, tmp_path):
     """A diverged model's perplexity is NaN; report.json held a bare NaN, which is not JSON."""
     from gqaify.eval.report import write_report

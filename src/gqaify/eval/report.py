@@ -66,7 +66,7 @@ def panel_rows(report: Report) -> list[list[str]]:
         cells = [printable(info.name), f"{report.models[0].texts[i].tokens_scored:,}"]
         for m in report.models:
             t = m.texts[i]
-            beside = "" if t.ratio_to_parent is None else f" ({t.ratio_to_parent:.2f}×, KL {t.kl_to_parent:.3f})"
+            beside = "" if t.ratio_to_parent is None else f" ({t.ratio_to_parent:.2f}×, KL {_kl(t.kl_to_parent)})"
             cells.append(f"{t.perplexity:,.2f}{beside}")
         rows.append(cells)
     if len(report.data) > 1:
@@ -93,7 +93,12 @@ def panel_rows(report: Report) -> list[list[str]]:
 
 
 def _summary(panel, ratio, kl, where) -> str:
-    return "—" if panel is None else f"{ratio:.2f}×{where}, KL {kl:.3f}"
+    return "—" if panel is None else f"{ratio:.2f}×{where}, KL {_kl(kl)}"
+
+
+def _kl(kl: float | None) -> str:
+    """A KL from the parent in nats per token, or "—" where there is none (a score made without the parent)."""
+    return "—" if kl is None else f"{kl:.3f}"
 
 
 def decode_cell(m: ModelReport) -> str:
@@ -138,7 +143,8 @@ def format_table(report: Report) -> str:
     )
 
 
-# What the decode column says of itself: report.md's description, the terminal's note where a cell is not resolved
+# What the decode column says of itself where models were timed in turns with the parent (`_decode_runs`): report.md's
+# description, the terminal's note where a cell is not resolved
 _DECODE_RUNS = (
     "the median (slowest–fastest) of each model's runs, timed in turns with the parent's (parent, model, ...)"
 )
@@ -146,6 +152,14 @@ _NOT_RESOLVED_MEANS = (
     f"'{NOT_RESOLVED}': the model's runs and the parent's beside them overlap, so the difference is within what the "
     "runs varied (more --repeats, or a quieter machine, may resolve it)"
 )
+
+
+def _decode_runs(report: Report, repeats: int) -> str:
+    """What the decode column's figures are, as they were timed: a model evaluated alone was timed alone (nothing to
+    resolve it from); several, each in turns with the parent."""
+    if len(report.models) == 1:
+        return f"the median (slowest–fastest) of the model's {repeats} run{'' if repeats == 1 else 's'}, timed alone"
+    return f"{_DECODE_RUNS}, {repeats} runs each; {_NOT_RESOLVED_MEANS}"
 
 
 def _decode_note(report: Report) -> list[str]:
@@ -281,7 +295,7 @@ def markdown(report: Report) -> str:
         f"report.json has both) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the "
         "parent). "
         f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {_decode_context(report):,}-token prefill, "
-        f"{_DECODE_RUNS}, {s['repeats']} runs each; {_NOT_RESOLVED_MEANS}.",
+        f"{_decode_runs(report, s['repeats'])}.",
         "",
         "| " + " | ".join(columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
