@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from gqaify.errors import UserError, raise_if_problems
+from gqaify.records import TOOL
 from gqaify.settings.fields import _describe, _hints, shown
 from gqaify.settings.stage import Stage, nearest
 
@@ -186,7 +187,7 @@ class _SettingsLoader(yaml.SafeLoader):
 
 def _settings_in(values, where: str) -> tuple[dict, bool]:
     """The settings mapping in a file's data (a record's "settings"), and whether it was a record gqaify wrote."""
-    record = isinstance(values, dict) and values.get("tool") == "gqaify" and "settings" in values
+    record = isinstance(values, dict) and values.get("tool") == TOOL and "settings" in values
     if record:
         values = values["settings"]
         if not isinstance(values, dict):
