@@ -270,7 +270,7 @@ def test_more_top_logprobs_than_the_vocabulary_is_refused(tmp_path):
 @needs_assets
 def test_a_run_into_an_out_another_run_holds_is_refused_and_writes_nothing(tmp_path, capsys):
     """The claim held here, as a live run holds it: a second run, new corpus or resumed, is one line and exit 2."""
-    from gqaify.outputs import claimed
+    from gqaify.claims import claimed
 
     out = tmp_path / "c"
     with claimed(out, "gqaify generate"):
@@ -369,7 +369,7 @@ def test_what_holds_the_claims_name_is_refused_and_left_as_it_is(tmp_path, capsy
 
 def test_a_claim_file_left_empty_is_taken_over(tmp_path):
     """What a claim is between its creation and its first write, and what a run killed in that instant leaves."""
-    from gqaify.outputs import claimed
+    from gqaify.claims import claimed
 
     out, claim = tmp_path / "c", tmp_path / ".c.gqaify.claim"
     claim.touch()

@@ -15,7 +15,7 @@ import gqaify
 from conftest import REPO
 from gqaify.conversion.options import CalibrationRecord
 from gqaify.conversion.record import ConversionRecord
-from gqaify.outputs import written_files, written_kind
+from gqaify.outputs import written_kind
 from gqaify.records import (
     CONVERSION,
     CORPUS,
@@ -32,6 +32,7 @@ from gqaify.records import (
     UptrainedRecord,
     Uptraining,
     as_json,
+    listed_files,
     read_provenance,
     read_record,
     record_text,
@@ -78,7 +79,7 @@ def test_an_earlier_versions_record_reads_back_typed_with_every_value(version, n
     assert as_json(record) == expected
     assert read_provenance(folder) == Provenance(version=version, kind=kind)
     assert written_kind(folder) == holds
-    assert written_files(folder) == (set(raw["files"]) if "files" in raw else None)
+    assert listed_files(folder) == (set(raw["files"]) if "files" in raw else None)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -142,7 +143,7 @@ def test_a_damaged_record_is_an_error_to_read_and_has_no_header(tmp_path):
     (tmp_path / PROVENANCE_FILE).write_text(json.dumps({"tool": TOOL, "version": "9"})[:20])  # cut short
     with pytest.raises(ValueError):
         read_record(tmp_path)
-    assert read_provenance(tmp_path) is None and written_files(tmp_path) is None and written_kind(tmp_path) is None
+    assert read_provenance(tmp_path) is None and listed_files(tmp_path) is None and written_kind(tmp_path) is None
 
 
 def test_a_record_without_its_version_still_has_a_header(tmp_path):

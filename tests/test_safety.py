@@ -212,7 +212,7 @@ def test_a_live_conversions_staging_is_left_alone(source, tmp_path):
 
 def test_an_old_output_set_aside_by_a_killed_replacement_is_put_back(source, tmp_path):
     """Killed between moving the old OUT aside and renaming the new one in: the next run restores the old one."""
-    from gqaify.outputs import remove_leftovers
+    from gqaify.leftovers import remove_leftovers
 
     gqaify.convert(source, tmp_path / "out", kv_heads=2, progress=False)
     before = tree_hashes(tmp_path / "out")
@@ -262,15 +262,15 @@ def test_out_that_appears_during_a_conversion_is_not_touched(capsys, source, tmp
 
 
 def test_a_claim_refuses_a_rival_until_its_holder_ends_however_it_ends(tmp_path):
-    """`outputs.claimed`: one holder of an OUT at a time (in this process too); the kernel drops a SIGKILLed
+    """`claims.claimed`: one holder of an OUT at a time (in this process too); the kernel drops a SIGKILLed
     holder's lock, so the claim file it leaves is taken over, and the holder's end removes the file."""
+    from gqaify.claims import claimed
     from gqaify.errors import UserError
-    from gqaify.outputs import claimed
 
     out = tmp_path / "out"
     holder = f"""
 import pathlib, time
-from gqaify.outputs import claimed
+from gqaify.claims import claimed
 with claimed(pathlib.Path({str(out)!r}), "gqaify generate"):
     print("held", flush=True)
     time.sleep(300)

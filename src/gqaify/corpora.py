@@ -40,6 +40,14 @@ def shard_index(name: str) -> int | None:
     return int(match[1]) if match and shard_name(int(match[1])) == name else None
 
 
+def corpus_full_disk(path: Path) -> str:
+    """What a full disk while `gqaify generate` writes `path` (a shard, or the record) says."""
+    return (
+        f"no space left while writing {path}; the whole shards written so far are kept: free some space and rerun "
+        "the same command to go on"
+    )
+
+
 def corpus_record(folder: Path) -> CorpusRecord | None:
     """The record of the corpus `folder` holds, or None where it holds none (any other data folder).
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gqaify.corpora import STORED, corpus_problems, corpus_record, stored_problem
 from gqaify.errors import UserError, one_line, raise_if_problems
 from gqaify.logs import muted
-from gqaify.outputs import PROVENANCE_FILE
+from gqaify.records import PROVENANCE_FILE
 
 if TYPE_CHECKING:
     import torch

@@ -49,11 +49,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gqaify.records as records
-from gqaify.claims import claimed  # noqa: F401 (re-exported: the stages import these from here)
 from gqaify.errors import UserError
-from gqaify.leftovers import owner_tag, remove_created, remove_leftovers  # noqa: F401
+from gqaify.leftovers import owner_tag, remove_created
 from gqaify.records import PROVENANCE_FILE, Provenance, listed_files, read_provenance, record_text
-from gqaify.whole import file_into_place, is_full_disk, put_in_place_when_whole, written_whole  # noqa: F401
+from gqaify.whole import put_in_place_when_whole
 
 LOG = logging.getLogger(__name__)
 
@@ -166,19 +165,20 @@ def _unreplaceable(folder: Path, option: str) -> str | None:
 
 def replace_problem(folder: Path, option: str = "OUT", writes: str | None = None) -> str | None:
     """Why `--force` may not replace `folder`, or None: it is empty, or holds exactly the files gqaify wrote as
-    `writes` (`CONVERSION`, `REPORT`: what the command writes; None: it replaces only an empty folder)."""
+    `writes` (the record kind the command writes, `records.CONVERSION` or `records.REPORT`; None: it replaces only an
+    empty folder)."""
     entries = sorted(folder.iterdir())
     if not entries:
         return None
-    listed = written_files(folder)
+    listed = listed_files(folder)
     if listed is None:
         return (
             f"--force replaces only a folder gqaify wrote, and {folder} holds {_some(entries)} but no "
             f"{PROVENANCE_FILE} listing them; choose another {option}, or empty it yourself"
         )
-    kind = written_kind(folder)
-    if writes is None or kind != writes:
-        what = "an empty folder" if writes is None else writes
+    kind, wanted = written_kind(folder), KIND_WORDS.get(writes)
+    if wanted is None or kind != wanted:
+        what = "an empty folder" if wanted is None else wanted
         return (
             f"--force on {option} replaces only {what}, and {folder} holds {kind or 'another output of gqaify'}; "
             f"choose another {option}"
@@ -192,32 +192,28 @@ def replace_problem(folder: Path, option: str = "OUT", writes: str | None = None
     return None
 
 
-def written_files(folder: Path) -> set[str] | None:
-    """The files gqaify.json in `folder` says gqaify wrote there, or None if there is no such record."""
-    return listed_files(folder)
-
-
-# What a folder gqaify wrote holds, as its gqaify.json says (the first match): --force replaces a folder only with
-# output of the same kind. The records' kinds (`records.Provenance.kind`), as the messages name them.
-CONVERSION = "a converted model"
-UPTRAINED = "an uptrained model"
-REPORT = "an eval report"
-CORPUS = "a corpus"
-_KINDS = {records.CONVERSION: CONVERSION, records.UPTRAINED: UPTRAINED, records.REPORT: REPORT, records.CORPUS: CORPUS}
+# What a folder gqaify wrote holds, as its gqaify.json says: --force replaces a folder only with output of the same
+# kind. Each record's kind (`records.Provenance.kind`) as the messages name it.
+KIND_WORDS = {
+    records.CONVERSION: "a converted model",
+    records.UPTRAINED: "an uptrained model",
+    records.REPORT: "an eval report",
+    records.CORPUS: "a corpus",
+}
 # A model's files: a folder holding one is a model, whatever its record says (a report never holds one)
 _MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.gguf", "*.pt", "*.pth")
 
 
 def written_kind(folder: Path) -> str | None:
-    """What gqaify wrote in `folder` (`CONVERSION`, `UPTRAINED`, `REPORT`, `CORPUS`), as its gqaify.json records;
-    "a model" for any other folder holding a model's files; None where neither tells."""
+    """What gqaify wrote in `folder`, in words (`KIND_WORDS`: "a converted model", "an eval report", ...), as its
+    gqaify.json records; "a model" for any other folder holding a model's files; None where neither tells."""
     provenance = read_provenance(folder) if (folder / PROVENANCE_FILE).is_file() else None  # not a run.json
-    found = None if provenance is None else _KINDS.get(provenance.kind)
-    if found in (CONVERSION, UPTRAINED):
-        return found
+    kind = None if provenance is None else provenance.kind
+    if kind in (records.CONVERSION, records.UPTRAINED):
+        return KIND_WORDS[kind]
     if any(any(folder.glob(pattern)) for pattern in _MODEL_FILES):
         return "a model (its config.json or weights)"
-    return found
+    return KIND_WORDS.get(kind)
 
 
 def write_provenance(folder: Path, record: Provenance) -> None:
@@ -250,7 +246,8 @@ def staged(out: Path, force: bool, size: int = 0, option: str = "OUT", writes: s
         out: the folder to create (or, with `force`, to replace; see `replace_problem`).
         size: the bytes the block will write, named in the message if the disk fills up.
         option: how the command line names `out`, for the messages.
-        writes: what the block writes (`CONVERSION`, `REPORT`): what `force` may replace.
+        writes: the record kind the block writes (`records.CONVERSION`, `records.REPORT`): what `force` may
+            replace.
 
     Raises:
         UserError: `out` appeared meanwhile (without `force`), or changed so that it may not be replaced.
@@ -369,8 +366,9 @@ def _some(paths: list[Path]) -> str:
 @contextlib.contextmanager
 def work_folder(out: Path) -> Iterator[Path]:
     """A hidden folder beside `out` for intermediate files, removed when the block ends, and named as a staging
-    folder is, so that `remove_leftovers(out)` removes it once a killed run's process is gone. The parent folders
-    made for it are removed again if the block fails (as `staged` removes its own): a refusal writes nothing."""
+    folder is, so that `leftovers.remove_leftovers(out)` removes it once a killed run's process is gone. The parent
+    folders made for it are removed again if the block fails (as `staged` removes its own): a refusal writes
+    nothing."""
     created = []
     for parent in reversed(out.parents):
         if not parent.exists():

@@ -1,6 +1,6 @@
 """A file or folder written whole or not at all: under a hidden name beside its place, renamed into place when
-complete (`written_whole`, `file_into_place`); a full disk said in one line (`is_full_disk`). A command's OUT is
-this with OUT's own rules (`outputs.staged`)."""
+complete (`written_whole`, `write_text_whole`, `file_into_place`); a full disk said in one line (`is_full_disk`).
+A command's OUT is this with OUT's own rules (`outputs.staged`)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,16 @@ def put_in_place_when_whole(
         if full_disk is not None and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise ResourceError(full_disk()) from exc
         raise
+
+
+def write_text_whole(path: Path, text: str, full_disk: str | None = None) -> None:
+    """Write the text file `path` (UTF-8) whole or not at all (`written_whole`).
+
+    Raises:
+        ResourceError: the disk filled up (with `full_disk`); what was at `path` before stays.
+    """
+    with written_whole(path, full_disk=full_disk) as partial:
+        partial.write_text(text, encoding="utf-8")
 
 
 def is_full_disk(exc: BaseException) -> bool:

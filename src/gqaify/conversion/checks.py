@@ -20,7 +20,8 @@ from gqaify.conversion.options import Calibration, ConvertSettings
 from gqaify.conversion.source import Source, read_config
 from gqaify.errors import UserError, problems_in
 from gqaify.locations import Location, locate
-from gqaify.outputs import CONVERSION, destination_problems, overlap_problem, resolve_out
+from gqaify.outputs import destination_problems, overlap_problem, resolve_out
+from gqaify.records import CONVERSION
 from gqaify.sizes import parse_size
 
 

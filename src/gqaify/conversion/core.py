@@ -58,7 +58,8 @@ from gqaify.dtypes import torch_dtype
 from gqaify.errors import raise_if_problems
 from gqaify.hub import push_folder
 from gqaify.kvcache import kv_cache_bytes_per_token
-from gqaify.outputs import remove_leftovers, space_problem
+from gqaify.leftovers import remove_leftovers
+from gqaify.outputs import space_problem
 from gqaify.settings import recorded
 
 LOG = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ sink says where that folder is made, what it must check first, and how the folde
 
     FolderSink   the folder is staged beside OUT and renamed to OUT when whole (`gqaify.outputs.staged`)
     GgufSink     the folder is made in a work folder beside OUT, written from there as one GGUF file, which is
-                 renamed into place when whole (`gqaify.outputs.file_into_place`); the work folder is removed
+                 renamed into place when whole (`gqaify.whole.file_into_place`); the work folder is removed
 
 Both refuse a rival run's or a user's file rather than write over it, and leave nothing behind when stopped.
 """
@@ -24,17 +24,9 @@ from gqaify.conversion.options import ConvertSettings
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
-from gqaify.outputs import (
-    CONVERSION,
-    current_umask,
-    file_into_place,
-    name_problem,
-    resolve_out,
-    staged,
-    work_folder,
-    write_provenance,
-)
-from gqaify.records import as_json
+from gqaify.outputs import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
+from gqaify.records import CONVERSION, as_json
+from gqaify.whole import file_into_place
 
 
 @dataclass(frozen=True)

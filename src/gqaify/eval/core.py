@@ -32,8 +32,10 @@ from gqaify.eval.settings import EvalSettings, decode_context
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
+from gqaify.leftovers import remove_leftovers
 from gqaify.models import device_problem, load_config, load_model, load_tokenizer, resolve_device
-from gqaify.outputs import REPORT, destination_problems, overlap_problem, remove_leftovers, resolve_out, space_problem
+from gqaify.outputs import destination_problems, overlap_problem, resolve_out, space_problem
+from gqaify.records import REPORT
 from gqaify.settings import recorded
 from gqaify.sizes import parse_size
 

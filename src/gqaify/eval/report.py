@@ -12,8 +12,8 @@ from gqaify.eval.results import ModelReport, Report, TaskScore
 from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
 from gqaify.figures import figure, readable_xticks
-from gqaify.outputs import REPORT, staged, write_provenance
-from gqaify.records import ReportRecord
+from gqaify.outputs import staged, write_provenance
+from gqaify.records import REPORT, ReportRecord
 from gqaify.summary import printable
 
 PLOT_KV = "perplexity_vs_kv.png"

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.corpora import SHARDS, shard_index, shard_name
+from gqaify.claims import claimed
+from gqaify.corpora import SHARDS, corpus_full_disk, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
 from gqaify.generation.record import (
@@ -37,15 +38,15 @@ from gqaify.generation.record import (
     finish_record,
     new_record,
     record_to_continue,
-    write_atomic,
     write_record,
 )
 from gqaify.generation.scoring import ScoredText, length_problem, score_shard
 from gqaify.generation.settings import GenerateSettings
 from gqaify.logs import muted
 from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import claimed, destination_problems, name_problem, resolve_out, space_problem
+from gqaify.outputs import destination_problems, name_problem, resolve_out, space_problem
 from gqaify.records import CorpusRecord
+from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Parent:
 def generate_corpus(settings: GenerateSettings) -> Corpus:
     """Sample the corpus `settings` describe into `settings.out`, or finish one a stopped run began.
 
-    OUT is held for the whole run (`outputs.claimed`): a second run into the same OUT meanwhile is refused.
+    OUT is held for the whole run (`claims.claimed`): a second run into the same OUT meanwhile is refused.
 
     Raises:
         UserError: bad settings, prompts or model; OUT holds something else, or another run is writing it; the
@@ -273,7 +274,8 @@ def _shard_tokens(path: Path) -> int:
 
 def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
     lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    write_atomic(out / SHARDS / shard_name(index), lines)
+    path = out / SHARDS / shard_name(index)
+    write_text_whole(path, lines, full_disk=corpus_full_disk(path))
 
 
 # -- the model and its prompts ----------------------------------------------------------------------------------

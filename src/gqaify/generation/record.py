@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.corpora import SHARDS, unreadable_corpus
+from gqaify.corpora import SHARDS, corpus_full_disk, unreadable_corpus
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
-from gqaify.outputs import destination_problems, resolve_out, written_whole
+from gqaify.outputs import destination_problems, resolve_out
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record, record_text
 from gqaify.settings import recorded
+from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def write_record(
         complete=complete,
         files=files,
     )
-    write_atomic(out / PROVENANCE_FILE, record_text(now))
+    write_text_whole(out / PROVENANCE_FILE, record_text(now), full_disk=corpus_full_disk(out / PROVENANCE_FILE))
 
 
 def leftover(path: Path) -> bool:
@@ -125,17 +126,3 @@ def leftover(path: Path) -> bool:
     if path.name == SHARDS and path.is_dir() and not path.is_symlink():
         return not any(path.iterdir())
     return path.name == f".{PROVENANCE_FILE}.tmp" and path.is_file()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `path` (the record, or a shard) whole or not at all (`outputs.written_whole`).
-
-    Raises:
-        ResourceError: the disk is full; what was whole before stays.
-    """
-    full_disk = (
-        f"no space left while writing {path}; the whole shards written so far are kept: free some space and rerun "
-        "the same command to go on"
-    )
-    with written_whole(path, full_disk=full_disk) as partial:
-        partial.write_text(text, encoding="utf-8")

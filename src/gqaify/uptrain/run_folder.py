@@ -6,7 +6,7 @@
         checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position (progress.json)
         final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
 
-Everything here is written to a hidden name and renamed into place when complete (`outputs.written_whole`), so
+Everything here is written to a hidden name and renamed into place when complete (`whole.written_whole`), so
 a run killed at any moment leaves only complete checkpoints; a run that never trained leaves the folder as it
 was found.
 """
@@ -25,11 +25,12 @@ from gqaify.conversion.card import Uptrained, model_card
 from gqaify.conversion.record import ConversionRecord
 from gqaify.data import NamedText
 from gqaify.errors import UserError
-from gqaify.outputs import write_provenance, written_whole
+from gqaify.outputs import write_provenance
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, text_lists
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
+from gqaify.whole import written_whole
 
 CHECKPOINTS = "checkpoints"
 LOG = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ from tqdm.auto import tqdm
 from gqaify.errors import PEER_STOPPED, ResourceError, UserError, as_interrupt, peer_lost, raise_if_problems
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer
-from gqaify.outputs import is_full_disk
 from gqaify.records import RunRecord
 from gqaify.uptrain.checks import check_inputs
 from gqaify.uptrain.curve import PLOT_FILE, Forecast, eval_steps, read_forecast
@@ -59,6 +58,7 @@ from gqaify.uptrain.run_folder import (
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import fsdp_problem, shard_on_cpus
 from gqaify.uptrain.student import load_teacher, optimizer_and_schedule, student_loss, trainable_student
+from gqaify.whole import is_full_disk
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
