@@ -18,7 +18,7 @@ calibrated conversion, null or not). Read back, a field left out takes its defau
 Python name (uptrain's "from") says so with `json_key(...)`.
 
 A record whose type lives above this module (a conversion's, in `gqaify.conversion.record`) registers its kind with
-`@recorded(kind)` where it is declared (this module sits below every stage and imports none of them);
+`@record_kind(kind)` where it is declared (this module sits below every stage and imports none of them);
 `read_record` finds it there once that module is loaded, as it is wherever gqaify reads a conversion's record.
 `read_provenance` reads any record's header without its type: what outputs' --force rules need.
 """
@@ -145,7 +145,7 @@ def _hints(cls: type) -> dict:
 _TYPES: dict[str, list[type]] = {}  # kind: the record types that kind is read as (the one whose fields fit)
 
 
-def recorded(*kinds: str):
+def record_kind(*kinds: str):
     """Register the decorated record type as the one `read_record` reads a record of `kinds` as."""
 
     def register(cls: type[R]) -> type[R]:
@@ -156,7 +156,7 @@ def recorded(*kinds: str):
     return register
 
 
-@recorded(CORPUS)
+@record_kind(CORPUS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CorpusRecord(Provenance):
     """A corpus's gqaify.json (`gqaify generate`): the parent, the settings, and how much of the corpus is there."""
@@ -173,7 +173,7 @@ class CorpusRecord(Provenance):
     files: list[str] | None = optional()  # every file gqaify wrote in OUT
 
 
-@recorded(REPORT)
+@record_kind(REPORT)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportRecord(Provenance):
     """An eval report's gqaify.json: the settings (`gqaify eval --config DIR/gqaify.json` reruns it), the files."""
@@ -195,7 +195,7 @@ class Uptraining:
     data_sha256: str | None = None  # of the training tokens (None: a run of a gqaify that did not record it)
 
 
-@recorded(UPTRAINED)
+@record_kind(UPTRAINED)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UptrainedRecord(Provenance):
     """final/gqaify.json of a model gqaify did not convert: the uptraining is all there is to say (a converted
@@ -206,7 +206,7 @@ class UptrainedRecord(Provenance):
     files: list[str] | None = optional()
 
 
-@recorded(RUN)
+@record_kind(RUN)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunRecord(Provenance):
     """run.json in uptrain's output_dir: the settings and data that make it this run (a rerun must match both to
