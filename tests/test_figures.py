@@ -94,3 +94,21 @@ def test_matplotlibs_warnings_stay_out_of_the_terminal_and_go_to_the_log(tmp_pat
         plot_panel(panel_report(["wiki"], "模型"), tmp_path / "again.png")
     said = [r.getMessage() for r in caplog.records if r.name == "gqaify.figures"]
     assert said and all("missing from font" in m and "again.png" in m for m in said), said
+
+
+def test_a_warning_of_the_callers_own_block_reaches_the_caller(tmp_path, caplog):
+    """The whole `with figure()` block was under catch_warnings(record=True): any library's warning raised in it (a
+    deprecation in the caller's data code, say) was demoted to a log line. Only gqaify's drawing calls are."""
+    import warnings
+
+    from gqaify.figures import figure
+
+    with (
+        caplog.at_level("INFO", logger="gqaify.figures"),
+        pytest.warns(DeprecationWarning, match="^the caller's own$"),
+        figure(tmp_path / "f.png", (3, 2)) as ax,
+    ):
+        ax.plot([0, 1], [1, 0])
+        warnings.warn("the caller's own", DeprecationWarning, stacklevel=1)
+    assert (tmp_path / "f.png").is_file()
+    assert not [r for r in caplog.records if r.name == "gqaify.figures"]

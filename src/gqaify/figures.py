@@ -1,7 +1,7 @@
 """The PNG figures gqaify draws (eval's report plots, uptrain's recovery plot): matplotlib set up in one place,
 with its file-only backend, so that no display is needed and pyplot is imported only when a figure is drawn.
-What matplotlib warns of while drawing (a glyph its font lacks, in a model's name) goes to the log (-v), not the
-user's terminal."""
+What matplotlib warns of while gqaify draws and saves a figure (a glyph its font lacks, in a model's name) goes to
+the log (-v), not the user's terminal; warnings raised by the caller's own drawing block are left to the caller."""
 
 from __future__ import annotations
 
@@ -42,16 +42,28 @@ def figure(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=size, dpi=dpi, ncols=ncols)
+    fig.set_label(os.fspath(path))  # the name `_drawing` logs under, in `readable_xticks` too
     try:
-        with warnings.catch_warnings(record=True) as said, muted("matplotlib"):
-            warnings.simplefilter("always")
+        with muted("matplotlib"):
             yield ax if ncols == 1 else tuple(ax)
-            fig.tight_layout()
-            fig.savefig(path, dpi=save_dpi)
-        for message in dict.fromkeys(str(w.message) for w in said):  # each once
-            LOG.info("%s: %s", os.fspath(path), message)
+            with _drawing(fig):
+                fig.tight_layout()
+                fig.savefig(path, dpi=save_dpi)
     finally:
         plt.close(fig)
+
+
+@contextlib.contextmanager
+def _drawing(fig) -> Iterator[None]:
+    """gqaify's own calls that draw `fig` (lay it out, save it, measure its texts): what is warned of meanwhile (a
+    glyph the font lacks, in a model's name) goes to the log (-v) under the figure's file, each message once, not
+    to the user's terminal. Only these calls: a warning raised in the caller's `with figure()` block reaches the
+    caller as any other."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        yield
+    for message in dict.fromkeys(str(w.message) for w in said):
+        LOG.info("%s: %s", fig.get_label(), message)
 
 
 def readable_xticks(ax: Axes, fontsize: float = 8) -> None:
@@ -60,6 +72,12 @@ def readable_xticks(ax: Axes, fontsize: float = 8) -> None:
     more, long names).
     Call it after the labels are set, before the figure is laid out."""
     fig = ax.figure
+    with _drawing(fig):
+        _upright_where_needed(ax, fig, fontsize)
+
+
+def _upright_where_needed(ax: Axes, fig, fontsize: float) -> None:
+    """`readable_xticks` itself, which measures the labels drawn (under `_drawing`)."""
     renderer = fig.canvas.get_renderer()
     labels = [label for label in ax.get_xticklabels() if label.get_text()]
 
