@@ -612,44 +612,40 @@ def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, 
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout
 
 
+# The conversion inside uptraining, stopped once its first tensor is in the shard: the process signals itself
+# there, so the stop lands mid-write on every machine (a test polling for the shard from outside could miss it
+# under load, the whole conversion done before it looked).
+_STOP_AFTER_FIRST_TENSOR = """
+import os, signal, sys
+from gqaify.cli import main
+from gqaify.conversion.checkpoint import ShardWriter
+
+done = ShardWriter._done
+def done_then_stop(self, name):
+    done(self, name)
+    os.kill(os.getpid(), signal.SIGTERM)
+ShardWriter._done = done_then_stop
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
-    """The conversion step of uptraining (a large model into small shards), stopped mid-write."""
-    model = build_model(
-        "llama",
-        num_kv_heads=8,
-        num_attention_heads=8,
-        head_dim=32,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=16,
-        vocab_size=320,
-    )
+    """The conversion step of uptraining, stopped mid-write."""
+    model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256, vocab_size=320)
     parent = save_with_tokenizer(model, tmp_path / "parent")
     (tmp_path / "train.txt").write_text(CORPUS * 3)
     out = tmp_path / "run"
-    process = _start_uptrain(
-        [
-            "--model",
-            str(parent),
-            "--kv_heads",
-            "1",
-            "--output_dir",
-            str(out),
-            "--data",
-            str(tmp_path / "train.txt"),
-            "--seq_len",
-            "16",
-            "--max_tokens",
-            "640",
-        ]
+    argv = ["--model", parent, "--kv_heads", "1", "--output_dir", out, "--data", tmp_path / "train.txt"]
+    argv += ["--seq_len", "16", "--max_tokens", "640"]
+    process = subprocess.run(
+        [sys.executable, "-c", _STOP_AFTER_FIRST_TENSOR, "uptrain", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    deadline = time.monotonic() + 120
-    while not list(out.glob(".converted.gqaify-*/*.safetensors")):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.005)
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
-    assert process.returncode == 143 and "nothing was written" in err.strip().splitlines()[-1], err
+    assert process.returncode == 143 and "nothing was written" in process.stderr.strip().splitlines()[-1], (
+        process.stderr
+    )
     assert not out.exists()
 
 
