@@ -5,8 +5,10 @@ For each shape, three models that differ only in their number of K/V heads: Smol
 (32 layers, hidden 4096, 32 query heads; MHA 32, GQA-8, MQA 1). Weights are random: the speed of a forward
 pass depends on the shapes, not on the values, and these are exactly the shapes of the parent and of what
 `gqaify convert` writes. bf16, transformers' sdpa attention and DynamicCache, greedy decoding from a prefilled
-context, timed by `gqaify.eval.speed.decode_speed` (what `gqaify eval` reports). A run that does not fit in
-GPU memory is reported as OOM, which is the other half of the story: the context x batch a cache allows.
+context, timed by `gqaify.eval.speed.decode_speed`: each model alone, one after the other, with the timer `gqaify
+eval` uses (one warm-up, then the prefill and the greedy steps timed apart); `gqaify eval` itself times each model
+in turns with the parent (`gqaify.eval.speed.timed_in_turns`). A run that does not fit in GPU memory is reported as
+OOM, which is the other half of the story: the context x batch a cache allows.
 
     python benchmarks/decode_long_context.py                                 # both shapes, the default grid
     python benchmarks/decode_long_context.py --shapes smollm2-135m --contexts 8192 --batches 1,64
