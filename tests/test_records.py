@@ -280,6 +280,44 @@ def test_what_the_records_say_of_their_runs(written, tiny):
     assert corpus.complete and corpus.tokens >= 32 and corpus.files == ["data"]
 
 
+def test_every_records_settings_are_listed_in_their_stages_order(written):
+    """A record's settings list the stage's own fields first, then its groups' (`settings.recorded`), whichever
+    record holds them: an uptrained model's "uptrain" and run.json's too, not the dataclass's order (which puts the
+    inherited groups, progress, trust_remote_code, push_to_hub and seed, first)."""
+    from gqaify.conversion.options import ConvertSettings
+    from gqaify.eval.settings import EvalSettings
+    from gqaify.generation.settings import GenerateSettings
+    from gqaify.settings import ordered_fields
+    from gqaify.uptrain import UptrainSettings
+
+    def order(settings: dict, cls: type) -> list[str]:
+        names = [f.name for f in ordered_fields(cls)]
+        return sorted((k for k in settings if k in names), key=names.index)
+
+    said = {
+        "conversion": (read_record(written["conversion"]).settings, ConvertSettings),
+        "corpus": (read_record(written["corpus"]).settings, GenerateSettings),
+        "report": (read_record(written["report"]).settings, EvalSettings),
+        "run": (read_record(written["run"]).settings, UptrainSettings),
+        "uptrained": (read_record(written["uptrained"]).uptrain.settings, UptrainSettings),
+        "uptrained-plain": (read_record(written["uptrained-plain"]).uptrain.settings, UptrainSettings),
+    }
+    for name, (settings, cls) in said.items():
+        assert [k for k in settings if k in order(settings, cls)] == order(settings, cls), name
+    assert list(said["uptrained"][0]) == [f.name for f in ordered_fields(UptrainSettings)]
+    assert list(said["run"][0])[-1] == "processes" and "progress" not in said["run"][0]
+
+
+def test_recorded_settings_hold_the_dataclass_values():
+    from dataclasses import asdict
+
+    from gqaify.settings import recorded
+    from gqaify.uptrain import UptrainSettings
+
+    s = UptrainSettings(model="m", data=["a.txt", "b=c.txt"], output_dir="o", seed=3, progress=False)
+    assert recorded(s) == asdict(s) and len(recorded(s)) == len(asdict(s))
+
+
 @pytest.mark.parametrize("name", sorted(EARLIER))
 def test_a_record_written_again_reads_back_equal(name, tmp_path):
     """`record_text` and `read_record` are inverses on every kind, the optional fields left out included."""

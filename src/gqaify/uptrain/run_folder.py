@@ -27,7 +27,7 @@ from gqaify.data import NamedText
 from gqaify.errors import UserError
 from gqaify.outputs import write_provenance
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
-from gqaify.settings import defaults, text_lists
+from gqaify.settings import defaults, recorded, text_lists
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 from gqaify.whole import written_whole
@@ -76,7 +76,7 @@ PATH_LIST_SETTINGS = ("data", "eval_data", "calib_data")
 
 
 def _identity(s: UptrainSettings, processes: int) -> dict:
-    values = {k: v for k, v in asdict(s).items() if k not in RESUMABLE_CHANGES}
+    values = recorded(s, leave_out=RESUMABLE_CHANGES)
     return _located({**values, "processes": processes})
 
 
@@ -278,7 +278,7 @@ def save_final(
             model=model_path,
             steps=progress.step,
             tokens=progress.tokens,
-            settings=asdict(s),
+            settings=recorded(s),
             data_sha256=run.data_sha256,
         )
         converted = ConversionRecord.read(Path(model_path))

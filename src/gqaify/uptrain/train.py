@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from gqaify.errors import PEER_STOPPED, ResourceError, UserError, as_interrupt, 
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer
 from gqaify.records import RunRecord
+from gqaify.settings import recorded
 from gqaify.uptrain.checks import check_inputs
 from gqaify.uptrain.curve import PLOT_FILE, Forecast, eval_steps, read_forecast
 from gqaify.uptrain.data import training_loader
@@ -386,4 +387,4 @@ def _result_of_finished_run(out: Path, record: RunRecord) -> UptrainResult:
 
 
 def _loggable(s: UptrainSettings) -> dict:
-    return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in asdict(s).items()}
+    return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in recorded(s).items()}
