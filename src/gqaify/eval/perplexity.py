@@ -119,6 +119,16 @@ def kl_sums(
         temperature: T, dividing both logits before the softmax (1: the distributions themselves).
         chunk: tokens per chunk (the sum over chunks does not depend on it, only the memory does).
     """
+    for log_q, log_p in log_softmax_chunks(logits, parent_logits, temperature, chunk):
+        yield F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+
+
+def log_softmax_chunks(
+    logits: torch.Tensor, parent_logits: torch.Tensor, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(log q, log p) = (log_softmax(logits / T), log_softmax(parent_logits / T)) of each chunk of `chunk` tokens,
+    (chunk, vocab) in float32 at least, chunk after chunk: what the KL (`kl_sums`) and the distillation's gradient
+    (`uptrain.distill`) are computed from, in one place. Arguments as `kl_sums`'."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     logits, parent_logits = logits.reshape(-1, logits.shape[-1]), parent_logits.reshape(-1, logits.shape[-1])
     for begin in range(0, len(logits), chunk):
@@ -126,4 +136,4 @@ def kl_sums(
             F.log_softmax(x[begin : begin + chunk].to(dtype) / temperature, dim=-1)  # (chunk, vocab)
             for x in (logits, parent_logits)
         )
-        yield F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+        yield log_q, log_p

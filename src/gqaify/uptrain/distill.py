@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gqaify.eval.perplexity import KL_CHUNK_TOKENS, kl_sums
+from gqaify.eval.perplexity import KL_CHUNK_TOKENS, kl_sums, log_softmax_chunks
 
 
 def distillation_kl(
@@ -59,10 +59,9 @@ class _ChunkedKL(torch.autograd.Function):
         temperature, scale = ctx.temperature, ctx.temperature / _tokens(student)
         out = torch.empty_like(student).reshape(-1, student.shape[-1])  # (tokens, vocab)
         begin = 0
-        for s, t in _chunks(student, ctx.chunk, teacher):
-            log_q, log_p = _log_softmaxes(s, t, temperature)
-            out[begin : begin + len(s)] = ((log_q.exp() - log_p.exp()) * (scale * grad)).to(out.dtype)
-            begin += len(s)
+        for log_q, log_p in log_softmax_chunks(student, teacher, temperature, ctx.chunk):  # as the forward's
+            out[begin : begin + len(log_q)] = ((log_q.exp() - log_p.exp()) * (scale * grad)).to(out.dtype)
+            begin += len(log_q)
         return out.view(student.shape), None, None, None
 
 
@@ -135,15 +134,6 @@ def _chunks(first: torch.Tensor, chunk: int, *others: torch.Tensor):
     tensors = [t.reshape(-1, t.shape[-1]) for t in (first, *others)]  # (tokens, vocab or k), views
     for begin in range(0, tensors[0].shape[0], chunk):
         yield tuple(t[begin : begin + chunk] for t in tensors)
-
-
-def _log_softmaxes(student: torch.Tensor, teacher: torch.Tensor, temperature: float):
-    """(log q, log p) of a chunk, in float32 at least."""
-    dtype = _dtype(student)
-    return (
-        F.log_softmax(student.to(dtype) / temperature, dim=-1),
-        F.log_softmax(teacher.to(dtype) / temperature, dim=-1),
-    )
 
 
 def _dtype(logits: torch.Tensor) -> torch.dtype:
