@@ -27,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from gqaify.records import RunRecord, read_record
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
@@ -100,8 +102,8 @@ def main() -> None:
             *args.override.split(),
         ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
-        done = run_dir / "run.json"
-        if not (done.exists() and json.loads(done.read_text()).get("completed")):
+        run = read_record(run_dir)
+        if not (isinstance(run, RunRecord) and run.completed):
             subprocess.run(command, check=True)
         finals[name] = run_dir / "final"
     report = None if args.skip_final_eval else final_eval(gguf, converted, finals, out)
@@ -215,7 +217,8 @@ def write_results(out: Path, finals: dict[str, Path], report: dict | None, token
     for name, final in finals.items():
         metrics = read_metrics(final.parent / "metrics.jsonl")
         curves[name] = eval_curve(metrics)
-        parent = json.loads((final.parent / "run.json").read_text()).get("parent_perplexity", parent)
+        run = read_record(final.parent)
+        parent = run.parent_perplexity if run.parent_perplexity is not None else parent
         kl = [(r["tokens"], r["eval_kl"]) for r in metrics if "eval_kl" in r]
         rows.append({"variant": name, "perplexity": list(zip(*curves[name], strict=True)), "kl": kl})
     plot_recovery(curves, parent, out / "parent_recovery.png", f"SmolLM2-135M-Instruct -> MQA, {tokens:,} tokens")

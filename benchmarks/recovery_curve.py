@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from calibration_domains import MODELS, TEXT, write_texts
+from gqaify.records import RunRecord, read_record
 from gqaify.uptrain.curve import CurvePoint, forecast
 from gqaify.uptrain.report import read_metrics
 
@@ -142,8 +143,8 @@ def main() -> None:
         runs[f"stored top-{args.top_k}"] = (out / "stored", stored, seconds["convert"] + seconds["score"])
     results = {"model": args.model, "tokens": args.tokens, "top_k": args.top_k, "seconds": seconds, "runs": {}}
     for name, (folder, argv, extra) in runs.items():
-        record = folder / "run.json"
-        if not (record.exists() and json.loads(record.read_text()).get("completed")):
+        run = read_record(folder)
+        if not (isinstance(run, RunRecord) and run.completed):
             print(f"== {name}", flush=True)
             subprocess.run([sys.executable, "-m", "gqaify.uptrain", *map(str, argv)], check=True)
         results["runs"][name] = _judged(folder, extra)

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gqaify.records import RunRecord, read_record
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
@@ -164,12 +166,13 @@ def recovery(
             *overrides,
         ]
         print(f"== {variant}: {' '.join(command[1:])}", flush=True)
-        done = run_dir / "run.json"
-        if not (done.exists() and json.loads(done.read_text()).get("completed")):  # else: measured before
+        run = read_record(run_dir)
+        if not (isinstance(run, RunRecord) and run.completed):  # else: measured before
             subprocess.run(command, check=True)
         metrics = read_metrics(run_dir / "metrics.jsonl")
         curves[variant] = eval_curve(metrics)
-        parent = json.loads((run_dir / "run.json").read_text()).get("parent_perplexity", parent)
+        run = read_record(run_dir)
+        parent = run.parent_perplexity if run.parent_perplexity is not None else parent
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
         rows.append(
             {
