@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tree_hashes
 from gqaify.cli import main
-from gqaify.corpora import corpus_problems
+from gqaify.text.corpus_format import corpus_problems
 from helpers import one_line_refusal
 from helpers import uptrain_args as args
 

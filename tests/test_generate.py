@@ -46,7 +46,7 @@ def test_the_same_seed_writes_the_same_tokens_and_another_seed_does_not(tmp_path
 def test_the_folder_loads_with_datasets_and_as_gqaify_data(tmp_path):
     import datasets
 
-    from gqaify.data import load_text
+    from gqaify.text.loading import load_text
 
     assert generate(tmp_path / "c") == 0
     rows = datasets.load_dataset(str(tmp_path / "c"), split="train")

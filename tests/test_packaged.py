@@ -301,7 +301,7 @@ def test_the_recipes_name_hub_text_and_the_local_copies_are_first_line_overrides
     """The local copies in ../shared are the first line's overrides only: each recipe itself names hub datasets (or
     the corpus its first command writes); a first line that gives local copies (the CPU recipes') gives every text
     it trains and evaluates on, each beside the checkout, so it runs offline; the 8-GPU recipe's needs the hub."""
-    from gqaify.data import named_texts
+    from gqaify.text.loading import named_texts
     from gqaify.uptrain.settings import parse
 
     offline = []
@@ -344,7 +344,7 @@ def test_an_accelerate_config_named_as_a_recipe_is_one_line_saying_where_it_goes
 def test_the_commands_a_recipe_gives_for_an_installed_gqaify_name_it_and_write_what_it_reads(tmp_path, monkeypatch):
     """The `#   gqaify ...` lines of a recipe's comment run it by name from a folder that is no checkout: each names
     this recipe, and a `gqaify generate` among them writes the corpus the recipe trains on."""
-    from gqaify.data import named_texts
+    from gqaify.text.loading import named_texts
     from gqaify.uptrain.settings import parse
 
     monkeypatch.chdir(tmp_path)

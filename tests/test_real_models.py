@@ -124,7 +124,7 @@ def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
 
 @pytest.mark.slow
 def test_eval_smollm2_parent_and_mqa(smollm2_gguf, tmp_path):
-    from gqaify.data import load_text
+    from gqaify.text.loading import load_text
 
     gqaify.convert(smollm2_gguf, tmp_path / "mqa", kv_heads=1, progress=False)
     text = tmp_path / "text.txt"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gqaify.data import packed_blocks
 from gqaify.generation.corpus import generate_corpus
 from gqaify.generation.settings import GenerateSettings
+from gqaify.text.loading import packed_blocks
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.report import read_metrics

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.conversion.core import convert
-from gqaify.data import named_texts
 from gqaify.errors import UserError
 from gqaify.eval.results import PanelSummary, TextScore
 from gqaify.records import TOOL
 from gqaify.settings import text_lists
+from gqaify.text.loading import named_texts
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.data import EpochSampler, packed_blocks

@@ -49,8 +49,8 @@ from gqaify.conversion.methods import Method, MethodContext, fit_error
 from gqaify.conversion.options import Calibration, CalibrationSource, mixture_sha256
 from gqaify.conversion.repair import Windows, refine, repair_output
 from gqaify.conversion.source import Source
-from gqaify.data import load_text, named_texts, tokenize
 from gqaify.errors import UserError, raise_if_problems
+from gqaify.text.loading import load_text, named_texts, tokenize
 
 LOG = logging.getLogger(__name__)
 

@@ -147,7 +147,7 @@ def _fit_summary(errors: list[dict] | None) -> str | None:
 
 
 def _uptrained(u: Uptrained) -> str:
-    from gqaify.data import NamedText
+    from gqaify.text.loading import NamedText
 
     text = f"Uptrained by gqaify on {u.tokens:,} tokens of {' and '.join(f'`{d}`' for d in u.data)} ({u.steps:,} steps)"
     if u.distill_from:

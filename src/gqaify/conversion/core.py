@@ -53,7 +53,6 @@ from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, 
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
-from gqaify.data import NamedText
 from gqaify.dtypes import torch_dtype
 from gqaify.errors import raise_if_problems
 from gqaify.hub import push_folder
@@ -61,6 +60,7 @@ from gqaify.kvcache import kv_cache_bytes_per_token
 from gqaify.leftovers import remove_leftovers
 from gqaify.outputs import space_problem
 from gqaify.settings import recorded
+from gqaify.text.loading import NamedText
 
 LOG = logging.getLogger(__name__)
 

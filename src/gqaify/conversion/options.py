@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from gqaify.data import NamedText, named_texts, named_texts_problem
 from gqaify.field_groups import Dtype, Hub, Output, Progress, Seed
 from gqaify.settings import (
     QUIET,
@@ -28,6 +27,7 @@ from gqaify.settings import (
     override,
     setting,
 )
+from gqaify.text.loading import NamedText, named_texts, named_texts_problem
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
-from gqaify.data import NamedText, TextData, load_text, named_texts, tokenize
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
@@ -38,6 +37,7 @@ from gqaify.outputs import destination_problems, overlap_problem, resolve_out, s
 from gqaify.records import REPORT
 from gqaify.settings import recorded
 from gqaify.sizes import parse_size
+from gqaify.text.loading import NamedText, TextData, load_text, named_texts, tokenize
 
 LOG = logging.getLogger(__name__)
 

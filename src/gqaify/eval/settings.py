@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gqaify.data import named_texts_problem
 from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Output, Runtime
 from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
+from gqaify.text.loading import named_texts_problem
 
 # batches beyond this are no serving batch: each row holds a KV cache of --decode-context + --decode-tokens tokens
 DECODE_BATCH_MAX = 4096

@@ -13,7 +13,7 @@ Shard k is a function of (settings, k) alone: its prompts are the k-th batch_siz
 its random numbers come from a seed derived from (seed, k). So a corpus is the same tokens on every run with
 the same settings (on the same device), and a stopped one resumes at its first missing shard and ends as an
 uninterrupted one would. Each shard is written to a temporary name and renamed, so a shard is whole or absent.
-Every reader refuses a corpus that is incomplete or not as its record says (`gqaify.corpora`).
+Every reader refuses a corpus that is incomplete or not as its record says (`gqaify.text.corpus_format`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify.claims import claimed
-from gqaify.corpora import SHARDS, corpus_full_disk, shard_index, shard_name
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
 from gqaify.generation.record import (
@@ -46,6 +45,7 @@ from gqaify.logs import muted
 from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import destination_problems, name_problem, resolve_out, space_problem
 from gqaify.records import CorpusRecord
+from gqaify.text.corpus_format import SHARDS, corpus_full_disk, shard_index, shard_name
 from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)

@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.corpora import SHARDS, corpus_full_disk, unreadable_corpus
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.generation.settings import GenerateSettings
 from gqaify.outputs import destination_problems, resolve_out
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record, record_text
 from gqaify.settings import recorded
+from gqaify.text.corpus_format import SHARDS, corpus_full_disk, unreadable_corpus
 from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.data import named_texts, packed_blocks, tokens_sha256
 from gqaify.errors import UserError
 from gqaify.generation.settings import GenerateSettings
+from gqaify.text.loading import named_texts, packed_blocks, tokens_sha256
 
 
 @dataclass(frozen=True)

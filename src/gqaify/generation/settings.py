@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gqaify.data import named_texts_problem
 from gqaify.field_groups import Out, Runtime, Seed
 from gqaify.settings import (
     QUIET,
@@ -20,6 +19,7 @@ from gqaify.settings import (
     recorded,
     setting,
 )
+from gqaify.text.loading import named_texts_problem
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved

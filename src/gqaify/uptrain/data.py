@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Sampler
 
-from gqaify.corpora import STORED, corpus_record
-from gqaify.data import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks, tokens_sha256
 from gqaify.errors import UserError
 from gqaify.models import load_config
+from gqaify.text.corpus_format import STORED, corpus_record
+from gqaify.text.loading import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks, tokens_sha256
 
 if TYPE_CHECKING:
     from gqaify.uptrain.settings import UptrainSettings
@@ -47,7 +47,8 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
 
     Raises:
         UserError: the data holds no stored log-probabilities, or (not streaming) less than one block; a corpus
-            that is incomplete or damaged (`gqaify.corpora`); scored text in blocks of another length than seq_len.
+            that is incomplete or damaged (`gqaify.text.corpus_format`); scored text in blocks of another length
+            than seq_len.
     """
     rows = load_rows(data, split, None, streaming=streaming, option="data", vocab_size=vocab_size)
     record = corpus_record(Path(data).expanduser())

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gqaify.data import load_text, named_texts, tokenize
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.results import EvalText, PanelSummary, TextScore
 from gqaify.models import load_model
+from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.uptrain.curve import draw_curve
 from gqaify.uptrain.settings import UptrainSettings
 

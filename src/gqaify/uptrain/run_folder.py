@@ -23,11 +23,11 @@ from pathlib import Path
 from gqaify._version import __version__
 from gqaify.conversion.card import Uptrained, model_card
 from gqaify.conversion.record import ConversionRecord
-from gqaify.data import NamedText
 from gqaify.errors import UserError
 from gqaify.outputs import write_provenance
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, recorded, text_lists
+from gqaify.text.loading import NamedText
 from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 from gqaify.whole import written_whole

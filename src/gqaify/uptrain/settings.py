@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Literal
 
 from gqaify.conversion.options import ConvertSettings, MethodSettings
-from gqaify.data import named_texts_problem
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
@@ -36,6 +35,7 @@ from gqaify.settings import (
     read_config,
     setting,
 )
+from gqaify.text.loading import named_texts_problem
 
 TRACKERS = ("csv", "tensorboard", "wandb")
 Tracker = Literal[TRACKERS]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gqaify.corpora import STORED, corpus_problems, corpus_record, stored_problem
 from gqaify.errors import UserError, one_line, raise_if_problems
 from gqaify.logs import muted
 from gqaify.records import PROVENANCE_FILE
+from gqaify.text.corpus_format import STORED, corpus_problems, corpus_record, stored_problem
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +122,9 @@ def load_rows(
 ):
     """The `datasets` dataset behind `data`, checked to have a `text_column` (None: any columns).
 
-    A corpus folder (`gqaify generate`) is checked whole before a row is read (`corpora.corpus_problems`), and
-    local data with stored top-K log-probabilities, not streamed, is checked as it loads (`corpora.stored_problem`).
+    A corpus folder (`gqaify generate`) is checked whole before a row is read (`corpus_format.corpus_problems`),
+    and local data with stored top-K log-probabilities, not streamed, is checked as it loads
+    (`corpus_format.stored_problem`).
 
     Args:
         streaming: return an `IterableDataset` that reads lazily (for sets larger than memory or disk).

@@ -1,5 +1,5 @@
 """A corpus folder as its readers open it: the layout `gqaify generate` writes (`gqaify.generation.corpus`), and the
-one check every reader makes before it reads a row (`gqaify.data.load_rows`: eval, calibration and uptrain).
+one check every reader makes before it reads a row (`gqaify.text.loading.load_rows`: eval, calibration and uptrain).
 
     OUT/gqaify.json              `records.CorpusRecord`: complete, shards, samples, tokens, settings (batch_size,
                                  top_logprobs)
