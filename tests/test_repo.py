@@ -91,6 +91,13 @@ def test_contributing_layout_names_every_module():
     assert not missing, f"docs/contributing.md's layout does not name {missing}"
 
 
+def test_no_module_in_src_is_over_500_lines():
+    """A module past 500 lines holds more than one idea: give the next one a room of its own."""
+    src = REPO / "src" / "gqaify"
+    long = {p.relative_to(src).as_posix(): n for p in src.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"
+
+
 BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
 TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").glob("*.py")}  # conftest, helpers, test_*
 
