@@ -70,13 +70,10 @@ _FITS = ".gqaify-fits"  # the fitted layers, in the staging folder while the str
 
 @dataclass(frozen=True)
 class ConversionResult:
+    """A conversion: its record (what gqaify.json says of it) and how the run went."""
+
     out: Path
-    model_type: str
-    method: str
-    num_heads: int
-    source_kv_heads: int
-    kv_heads: int
-    groups: list[list[int]]  # the source K/V heads pooled into each new K/V head (contiguous grouping)
+    record: ConversionRecord
     kv_bytes_per_token_before: int
     kv_bytes_per_token_after: int
     tensors_converted: int
@@ -84,10 +81,22 @@ class ConversionResult:
     num_shards: int
     bytes_written: int
     seconds: float
-    grouping: str = "contiguous"
-    permutations: list[list[int]] | None = None  # per layer, the source K/V heads in their new order
     fits: list[LayerFit] | None = None  # per layer, what calibration measured
-    calibration_seconds: dict | None = None  # time spent capturing, fitting, repairing and refining
+
+    # What the record says, under the names a result has always had.
+    model_type = property(lambda self: self.record.model_type)
+    method = property(lambda self: self.record.method)
+    kv_heads = property(lambda self: self.record.kv_heads)
+    groups = property(lambda self: self.record.groups)  # the source K/V heads pooled into each new one
+    grouping = property(lambda self: self.record.grouping)
+    permutations = property(lambda self: self.record.permutations)  # per layer, the source K/V heads' new order
+    num_heads = property(lambda self: self.record.source_geometry.num_heads)
+    source_kv_heads = property(lambda self: self.record.source_geometry.num_kv_heads)
+
+    @property
+    def calibration_seconds(self) -> dict | None:
+        """Time spent capturing, fitting, repairing and refining (None without calibration)."""
+        return None if self.record.calibration is None else self.record.calibration.seconds
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, **settings) -> ConversionResult:
@@ -128,7 +137,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         message = f"{attention_kind(s.kv_heads)} of {source.name} by gqaify {__version__} (--method {s.method})"
         push_folder(written.out, s.push_to_hub, message)
     LOG.info("wrote %s", written.out)
-    return _result(s, plan, calibrated, written, time.perf_counter() - start)
+    return _result(record, plan, calibrated, written, time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -250,30 +259,22 @@ def _record(
 
 
 def _result(
-    s: ConvertSettings, plan: _Plan, calibrated: CalibratedLayers | None, written: Written, seconds: float
+    record: ConversionRecord, plan: _Plan, calibrated: CalibratedLayers | None, written: Written, seconds: float
 ) -> ConversionResult:
     output, geometry = plan.output, plan.geometry
     kv_dtype = output.tensors[output.layer_outputs[0][0]].dtype
     converted = sum(len(names) for names in output.layer_outputs)
     return ConversionResult(
         out=written.out,
-        model_type=plan.spec.model_type,
-        method=s.method,
-        num_heads=geometry.num_heads,
-        source_kv_heads=geometry.num_kv_heads,
-        kv_heads=s.kv_heads,
-        groups=kv_groups(geometry.num_kv_heads, s.kv_heads),
+        record=record,
         kv_bytes_per_token_before=kv_cache_bytes_per_token(geometry, kv_dtype),
-        kv_bytes_per_token_after=kv_cache_bytes_per_token(geometry.with_kv_heads(s.kv_heads), kv_dtype),
+        kv_bytes_per_token_after=kv_cache_bytes_per_token(geometry.with_kv_heads(record.kv_heads), kv_dtype),
         tensors_converted=converted,
         tensors_copied=len(output.tensors) - converted,
         num_shards=written.num_shards,
         bytes_written=written.bytes_written,
         seconds=seconds,
-        grouping=s.grouping,
-        permutations=calibrated.orders if calibrated else None,
         fits=calibrated.fits if calibrated else None,
-        calibration_seconds=calibrated.seconds if calibrated else None,
     )
 
 
