@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conftest import ASSETS, CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify import convert, evaluate
-from gqaify.eval.generate import DEFAULT_PROMPTS
+from gqaify.eval.continuations import DEFAULT_PROMPTS
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import PLOT_TASKS, _md
 from gqaify.eval.settings import EVAL, EvalSettings

@@ -22,8 +22,8 @@ import torch
 
 from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
 from gqaify.errors import UserError, problems_in, raise_if_problems
+from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.diagnostics import compare
-from gqaify.eval.generate import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
 from gqaify.eval.results import EvalText, Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore
