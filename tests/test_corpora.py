@@ -109,6 +109,10 @@ ATTACKS = {
     "incomplete": (incomplete, "is an incomplete corpus"),
     "extra-shard": (lambda f: shutil.copy(shard(f), shard(f, 99)), "which its record does not name"),
     "tokens-changed": (lambda f: edit_row(f, lambda r: r.update(tokens=r["tokens"] + 1)), "the shards were changed"),
+    "record-damaged": (
+        lambda f: edit_record(f, lambda r: r.update(pixels=3)),  # this version's record, with a field it never wrote
+        "holds a corpus whose record is damaged",
+    ),
     "record-of-a-later-gqaify": (
         lambda f: edit_record(f, lambda r: r.update(version="99.0", pixels=3)),  # a field this gqaify does not know
         "holds a corpus written by gqaify 99.0, whose record this gqaify",

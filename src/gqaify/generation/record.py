@@ -50,9 +50,15 @@ def record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | Non
     try:
         record = read_record(out)
     except (OSError, ValueError) as exc:
-        problem = unreadable_corpus(out, exc)
-        if problem:
-            raise UserError(f"{problem}; go on with it with the gqaify that wrote it, or choose another OUT") from None
+        unreadable = unreadable_corpus(out, exc)
+        if unreadable:
+            problem, damaged = unreadable
+            fix = (
+                "choose another OUT"
+                if damaged
+                else "go on with it with the gqaify that wrote it, or choose another OUT"
+            )
+            raise UserError(f"{problem}; {fix}") from None
         record = None
     if not isinstance(record, CorpusRecord):
         raise UserError(

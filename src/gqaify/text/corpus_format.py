@@ -57,24 +57,31 @@ def corpus_record(folder: Path) -> CorpusRecord | None:
     try:
         record = read_record(folder)
     except (OSError, ValueError) as exc:
-        problem = unreadable_corpus(folder, exc)
-        if problem:
-            raise UserError(
-                f"{problem}; read it with the gqaify that wrote it, or write it again with this one (gqaify generate)"
-            ) from None
+        unreadable = unreadable_corpus(folder, exc)
+        if unreadable:
+            problem, damaged = unreadable
+            fix = (
+                "write it again (gqaify generate)"
+                if damaged
+                else "read it with the gqaify that wrote it, or write it again with this one (gqaify generate)"
+            )
+            raise UserError(f"{problem}; {fix}") from None
         return None
     return record if isinstance(record, CorpusRecord) else None
 
 
-def unreadable_corpus(folder: Path, error: Exception) -> str | None:
+def unreadable_corpus(folder: Path, error: Exception) -> tuple[str, bool] | None:
     """What to say of `folder`, whose record `read_record` could not read (`error`), where its header says it is a
-    corpus (one a later gqaify wrote, with a field this one does not know, or one damaged since); None where it is
-    not a corpus's record: a reader takes such a folder as any other data folder."""
+    corpus, and whether it is damaged (this version's record, or one without a version) rather than another
+    version's (a later gqaify's, with a field this one does not know); None where it is not a corpus's record: a
+    reader takes such a folder as any other data folder."""
     header = read_provenance(folder) if (folder / PROVENANCE_FILE).is_file() else None
     if header is None or header.kind != CORPUS:
         return None
-    by = f"gqaify {header.version}" if header.version not in (None, __version__) else "another gqaify version"
-    return f"{folder} holds a corpus written by {by}, whose record this gqaify ({__version__}) cannot read ({error})"
+    if header.version in (None, __version__):
+        return f"{folder} holds a corpus whose record is damaged ({error})", True
+    said = f"{folder} holds a corpus written by gqaify {header.version}, whose record this gqaify ({__version__}) "
+    return said + f"cannot read ({error})", False
 
 
 def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: int | None = None) -> list[str]:
@@ -87,7 +94,7 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
     try:
         record = corpus_record(folder)
     except UserError as exc:  # a corpus whose record this gqaify cannot read
-        return [str(exc)]
+        return [f"{option} {exc}"]
     if record is None:
         return []
     settings = record.settings
