@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from calibration_domains import TEXT, write_texts
-from gqaify.records import RunRecord, read_record
+from gqaify.records import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
@@ -133,8 +133,8 @@ def main() -> None:
             *args.override.split(),
         ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
-        run = read_record(run_dir)
-        if not (isinstance(run, RunRecord) and run.completed):
+        run = read_run(run_dir)
+        if not (run is not None and run.completed):
             subprocess.run(command, check=True)
         models += [converted, run_dir / "final"]
     if args.variant is not None:

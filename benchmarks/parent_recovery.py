@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from gqaify.records import RunRecord, read_record
+from gqaify.records import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
@@ -102,8 +102,8 @@ def main() -> None:
             *args.override.split(),
         ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
-        run = read_record(run_dir)
-        if not (isinstance(run, RunRecord) and run.completed):
+        run = read_run(run_dir)
+        if not (run is not None and run.completed):
             subprocess.run(command, check=True)
         finals[name] = run_dir / "final"
     report = None if args.skip_final_eval else final_eval(gguf, converted, finals, out)
@@ -217,7 +217,7 @@ def write_results(out: Path, finals: dict[str, Path], report: dict | None, token
     for name, final in finals.items():
         metrics = read_metrics(final.parent / "metrics.jsonl")
         curves[name] = eval_curve(metrics)
-        run = read_record(final.parent)
+        run = read_run(final.parent)
         parent = run.parent_perplexity if run.parent_perplexity is not None else parent
         kl = [(r["tokens"], r["eval_kl"]) for r in metrics if "eval_kl" in r]
         rows.append({"variant": name, "perplexity": list(zip(*curves[name], strict=True)), "kl": kl})

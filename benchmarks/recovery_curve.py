@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from calibration_domains import MODELS, TEXT, write_texts
-from gqaify.records import RunRecord, read_record
+from gqaify.records import read_run
 from gqaify.uptrain.curve import CurvePoint, forecast
 from gqaify.uptrain.report import read_metrics
 
@@ -143,8 +143,8 @@ def main() -> None:
         runs[f"stored top-{args.top_k}"] = (out / "stored", stored, seconds["convert"] + seconds["score"])
     results = {"model": args.model, "tokens": args.tokens, "top_k": args.top_k, "seconds": seconds, "runs": {}}
     for name, (folder, argv, extra) in runs.items():
-        run = read_record(folder)
-        if not (isinstance(run, RunRecord) and run.completed):
+        run = read_run(folder)
+        if not (run is not None and run.completed):
             print(f"== {name}", flush=True)
             subprocess.run([sys.executable, "-m", "gqaify.uptrain", *map(str, argv)], check=True)
         results["runs"][name] = _judged(folder, extra)
@@ -232,7 +232,7 @@ def _table(results: dict) -> str:
             f"| {run['final']['mean_kl']:.3f} | "
             + ("—" if run["mean_kl_at_budget"] is None else f"{run['mean_kl_at_budget']:.3f}")
             + f" | {run['final']['worst_ratio']:.2f}× | "
-            + ("—" if f is None else f"{f['predicted_final_kl']:.3f} (b = {f['exponent']:.3f}) | {f['error']:+.1%}")
+            + ("— | —" if f is None else f"{f['predicted_final_kl']:.3f} (b = {f['exponent']:.3f}) | {f['error']:+.1%}")
             + " |"
         )
     if results.get("live_at_stored_seconds") is not None:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gqaify.records import read_record
+from gqaify.records import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
@@ -117,7 +117,7 @@ def main() -> None:
         evals = [r for r in evals if "eval_kl" in r]
         rows.append({"data": data_name, "loss": loss, "trainable": trainable, "start": evals[0], "end": evals[-1]})
         print(rows[-1], flush=True)
-    parent = read_record(run_dir).parent_perplexity
+    parent = read_run(run_dir).parent_perplexity
     start = rows[0]["start"]
     lines = [
         f"stories260K-mha -> MQA (`lsq`), {args.tokens:,} tokens per run, TinyStories validation: parent "

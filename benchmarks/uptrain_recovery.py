@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gqaify.records import RunRecord, read_record
+from gqaify.records import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
@@ -166,12 +166,12 @@ def recovery(
             *overrides,
         ]
         print(f"== {variant}: {' '.join(command[1:])}", flush=True)
-        run = read_record(run_dir)
-        if not (isinstance(run, RunRecord) and run.completed):  # else: measured before
+        run = read_run(run_dir)
+        if not (run is not None and run.completed):  # else: measured before
             subprocess.run(command, check=True)
         metrics = read_metrics(run_dir / "metrics.jsonl")
         curves[variant] = eval_curve(metrics)
-        run = read_record(run_dir)
+        run = read_run(run_dir)
         parent = run.parent_perplexity if run.parent_perplexity is not None else parent
         rate = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][-1]
         rows.append(

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gqaify.records import read_record
+from gqaify.records import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
@@ -104,7 +104,7 @@ def run(shape: str, args, gguf: Path, out: Path) -> dict:
     subprocess.run(command, check=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"time"' in line]
     tokens_per_s = (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["time"] - rows[0]["time"])
-    distilled = read_record(run_dir).settings["distill_weight"] > 0
+    distilled = read_run(run_dir).settings["distill_weight"] > 0
     flops = flops_per_token(run_dir / "final", gguf if distilled else None, seq_len)
     return {
         "shape": shape,

@@ -261,6 +261,13 @@ def read_record_file(file: Path) -> Provenance | None:
     raise ValueError(f"{file} is not a {value['kind']} record this gqaify reads: {'; '.join(problems)}")
 
 
+def read_run(folder: Path) -> RunRecord | None:
+    """An uptrain output_dir's run.json, typed (None: it holds none), whatever lies beside it."""
+    path = Path(folder) / RUN_FILE
+    record = read_record_file(path) if path.is_file() else None
+    return record if isinstance(record, RunRecord) else None
+
+
 def read_provenance(folder: Path) -> Provenance | None:
     """The header of the record in `folder` (as `read_record` finds it), whichever shape it has; None where there is
     none, or it cannot be read."""
