@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -73,7 +73,7 @@ class ConversionResult:
     """A conversion: its record (what gqaify.json says of it) and how the run went."""
 
     out: Path
-    record: ConversionRecord
+    record: ConversionRecord = field(repr=False)  # printed whole, it is the model card, every hash, every layer's fit
     kv_bytes_per_token_before: int
     kv_bytes_per_token_after: int
     tensors_converted: int
