@@ -56,7 +56,7 @@ def figure(
 @contextlib.contextmanager
 def _drawing(fig) -> Iterator[None]:
     """gqaify's own calls that draw `fig` (lay it out, save it, measure its texts): what is warned of meanwhile (a
-    glyph the font lacks, in a model's name) goes to the log (-v) under the figure's file, each message once, not
+    glyph the font lacks, in a model's name) goes to the log (-v) under the figure's file, once per call, not
     to the user's terminal. Only these calls: a warning raised in the caller's `with figure()` block reaches the
     caller as any other."""
     with warnings.catch_warnings(record=True) as said:
