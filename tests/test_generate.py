@@ -453,10 +453,42 @@ def test_too_little_disk_space_is_refused_before_any_work(tmp_path, capsys, monk
     assert code == 0, err
 
 
-def launch_two(out: Path, *extra: str, **popen) -> subprocess.Popen:
+def launch_two(out: Path, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """`accelerate launch` of two CPU processes (gloo) writing one corpus."""
     cmd = [*accelerate_launch("gqaify.cli"), "generate", str(STORIES), str(out), *SMALL, *extra]
-    return subprocess.Popen(cmd, env=CPU_PROCESSES, cwd=out.parent, text=True, **popen)
+    return subprocess.Popen(cmd, env=env or CPU_PROCESSES, cwd=out.parent, text=True, **popen)
+
+
+# Loaded first by every Python process started with its folder on PYTHONPATH: once gqaify.generation.corpus is
+# imported, a process that has written shard 3 or later waits there (until it is killed), so a launch killed once
+# shard 3 is on disk holds shards 0-4 at most, on any machine, however loaded.
+_HOLD_AFTER_SHARD_3 = """
+import importlib.abc, importlib.util, sys, time
+
+class HoldAfterShard3(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "gqaify.generation.corpus":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            write = module._write_shard
+
+            def write_then_hold(out, index, rows):
+                write(out, index, rows)
+                while index >= 3:
+                    time.sleep(1)
+
+            module._write_shard = write_then_hold
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, HoldAfterShard3())
+"""
 
 
 def record_of(out: Path) -> dict:
@@ -481,14 +513,18 @@ def test_two_processes_write_the_corpus_one_process_writes(tmp_path):
 @needs_assets
 def test_a_corpus_whose_processes_were_killed_resumes_to_the_same_corpus(tmp_path):
     assert generate(tmp_path / "whole", "--tokens", "3000") == 0
-    out = tmp_path / "killed"
-    process = launch_two(out, "--tokens", "3000", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out, hook = tmp_path / "killed", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD_AFTER_SHARD_3)
+    env = {**CPU_PROCESSES, "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    process = launch_two(out, "--tokens", "3000", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (out / "data" / "train-00003.jsonl").exists() and time.monotonic() < deadline:
+        assert process.poll() is None, "the launch ended before shard 3"
         time.sleep(0.05)
     kill_every_process(process)
     found = shards(out)  # stopped part-way, often with a gap: shard 3 written, shard 2 not yet
-    assert "data/train-00003.jsonl" in found and len(found) < len(shards(tmp_path / "whole"))
+    assert "data/train-00003.jsonl" in found and len(found) <= 5 < len(shards(tmp_path / "whole"))  # 0-4 at most
     assert generate(out, "--tokens", "3000") == 0  # resumed by one process: the same corpus either way
     assert shards(out) == shards(tmp_path / "whole")
     assert record_of(out) == record_of(tmp_path / "whole")
