@@ -30,6 +30,24 @@ def run_uptrain(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gqaify", "uptrain", *argv], capture_output=True, text=True, **kwargs)
 
 
+# Run before a command in a fresh process (`python -c HOLD_MID_WRITE ARGV...` is `gqaify ARGV`): once the first
+# tensor is in a shard, the process waits there until it is stopped, so that a test that stops a conversion "mid-
+# write" stops it there on every machine; polling for the shard from outside, it could finish before the test looked.
+HOLD_MID_WRITE = """
+import sys, time
+from gqaify.conversion.checkpoint import ShardWriter
+done = ShardWriter._done
+def done_then_hold(self, name):
+    done(self, name)
+    while True:
+        time.sleep(0.01)
+ShardWriter._done = done_then_hold
+if sys.argv[1:]:
+    from gqaify.cli import main
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
 # accelerate's --cpu starts one process unless MPI is set up; ACCELERATE_USE_CPU with torchrun gives gloo
 CPU_PROCESSES = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 

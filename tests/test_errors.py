@@ -14,7 +14,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 from conftest import build_model, save, tree_hashes
 from gqaify.archs import ARCHITECTURES
 from gqaify.errors import Interrupted, ResourceError, UserError
-from helpers import run_cli
+from helpers import HOLD_MID_WRITE, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +334,7 @@ def test_sigkill_mid_conversion_leaves_no_output(tmp_path):
     before = tree_hashes(src)
     out = tmp_path / "out"
     code = f"import gqaify; gqaify.convert({str(src)!r}, {str(out)!r}, kv_heads=1, max_shard_size='200KB')"
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_MID_WRITE + code])  # waits mid-write, until killed
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".out.gqaify-*/model-*.safetensors")):
         assert proc.poll() is None, "conversion ended before it could be killed"

@@ -23,6 +23,45 @@ STORIES = MODELS / "stories260K"
 SMALL = ["--length", "48", "--batch-size", "4", "-q"]
 
 
+# Loaded first by every Python process started with its folder on PYTHONPATH (`held_env`): once
+# gqaify.generation.corpus is imported, a process that has written shard LAST or a later one waits there (until it
+# is killed), so that a test that kills it once that shard is on disk knows what it holds, on any machine.
+_HOLD_AFTER_SHARD = """
+import importlib.abc, importlib.util, sys, time
+
+class HoldAfterShard(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "gqaify.generation.corpus":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            write = module._write_shard
+
+            def write_then_hold(out, index, rows):
+                write(out, index, rows)
+                while index >= LAST:
+                    time.sleep(1)
+
+            module._write_shard = write_then_hold
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, HoldAfterShard())
+"""
+
+
+def held_env(folder: Path, last: int) -> dict:
+    """The environment of CPU processes that wait once they have written shard `last` or a later one."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(_HOLD_AFTER_SHARD.replace("LAST", str(last)))
+    return {**CPU_PROCESSES, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 def generate(out: Path, *extra: str) -> int:
     return main(["generate", str(STORIES), str(out), "--tokens", "600", *SMALL, *extra])
 
@@ -68,14 +107,16 @@ def test_a_corpus_killed_mid_run_resumes_without_repeating_or_skipping(tmp_path)
     assert generate(tmp_path / "whole", "--tokens", "3000") == 0
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "gqaify.cli", "generate", str(STORIES), str(out), "--tokens", "3000", *SMALL]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = held_env(tmp_path / "hook", 2)  # it waits once shard 2 is written: killed, it holds shards 0-2
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (out / "data" / "train-00002.jsonl").exists() and time.monotonic() < deadline:
+        assert process.poll() is None, "generate ended before shard 2"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
     found = shards(out)
-    assert 3 <= len(found) < len(shards(tmp_path / "whole"))  # stopped part-way
+    assert len(found) == 3 < len(shards(tmp_path / "whole"))  # stopped part-way: shards 0-2
     assert generate(out, "--tokens", "3000") == 0
     assert shards(out) == shards(tmp_path / "whole")
     assert not [p for p in (out / "data").iterdir() if p.name.startswith(".")]
@@ -459,38 +500,6 @@ def launch_two(out: Path, *extra: str, env: dict | None = None, **popen) -> subp
     return subprocess.Popen(cmd, env=env or CPU_PROCESSES, cwd=out.parent, text=True, **popen)
 
 
-# Loaded first by every Python process started with its folder on PYTHONPATH: once gqaify.generation.corpus is
-# imported, a process that has written shard 3 or later waits there (until it is killed), so a launch killed once
-# shard 3 is on disk holds shards 0-4 at most, on any machine, however loaded.
-_HOLD_AFTER_SHARD_3 = """
-import importlib.abc, importlib.util, sys, time
-
-class HoldAfterShard3(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "gqaify.generation.corpus":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            write = module._write_shard
-
-            def write_then_hold(out, index, rows):
-                write(out, index, rows)
-                while index >= 3:
-                    time.sleep(1)
-
-            module._write_shard = write_then_hold
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, HoldAfterShard3())
-"""
-
-
 def record_of(out: Path) -> dict:
     """The corpus's record, but for where it is (settings.out)."""
     record = json.loads((out / "gqaify.json").read_text())
@@ -513,10 +522,7 @@ def test_two_processes_write_the_corpus_one_process_writes(tmp_path):
 @needs_assets
 def test_a_corpus_whose_processes_were_killed_resumes_to_the_same_corpus(tmp_path):
     assert generate(tmp_path / "whole", "--tokens", "3000") == 0
-    out, hook = tmp_path / "killed", tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_HOLD_AFTER_SHARD_3)
-    env = {**CPU_PROCESSES, "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    out, env = tmp_path / "killed", held_env(tmp_path / "hook", 3)
     process = launch_two(out, "--tokens", "3000", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not (out / "data" / "train-00003.jsonl").exists() and time.monotonic() < deadline:

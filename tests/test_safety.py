@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import gqaify
 from conftest import ASSETS, CORPUS, MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
-from helpers import one_line, run_cli
+from helpers import HOLD_MID_WRITE, one_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +107,12 @@ def test_force_replaces_an_empty_folder_and_an_untouched_conversion(source, tmp_
 # -- signals and what killed runs leave ------------------------------------------------------------------------
 
 
-def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
+def _start_convert(src: Path, out: Path, *extra: str, hold: bool = False) -> subprocess.Popen:
+    """`gqaify convert SRC OUT --kv-heads 1 ...` in a fresh process; with `hold`, one that waits once the first
+    tensor is in a shard (`HOLD_MID_WRITE`) until it is stopped."""
     argv = [
         sys.executable,
-        "-m",
-        "gqaify",
+        *(["-c", HOLD_MID_WRITE] if hold else ["-m", "gqaify"]),
         "convert",
         str(src),
         str(out),
@@ -135,7 +136,7 @@ def _wait_for(pattern: str, folder: Path, process: subprocess.Popen, timeout: fl
 
 def test_sigterm_mid_conversion_cleans_up_and_exits_143(big_source, tmp_path):
     out = tmp_path / "out"
-    process = _start_convert(big_source, out)
+    process = _start_convert(big_source, out, hold=True)
     _wait_for(".out.gqaify-*/model-*.safetensors", tmp_path, process)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
@@ -181,7 +182,7 @@ def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, 
 
 def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_source, tmp_path):
     out = tmp_path / "out"
-    process = _start_convert(big_source, out)
+    process = _start_convert(big_source, out, hold=True)
     _wait_for(".out.gqaify-*/model-*.safetensors", tmp_path, process)
     process.kill()
     process.wait()
