@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -339,6 +340,21 @@ def test_an_accelerate_config_named_as_a_recipe_is_one_line_saying_where_it_goes
         assert f"--recipe {name} is an accelerate config, not a recipe; pass it to `accelerate launch" in err
         assert f"--config_file {RECIPES / stem}.yaml -m gqaify.uptrain --recipe RECIPE`, or to --plan {stem}" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_an_accelerate_config_given_by_its_path_as_a_recipe_is_one_line_saying_where_it_goes(capsys, tmp_path):
+    """A file that exists is read as a recipe; accelerate's keys (compute_environment, distributed_type) say what
+    it is, wherever it lies."""
+    config = tmp_path / "my launch.yaml"
+    shutil.copy(RECIPES / "accelerate" / "fsdp.yaml", config)
+    code = main(["uptrain", "--recipe", str(config), "--max_tokens", "4096"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "unknown key" not in err, err
+    quoted = shlex.quote(str(config))
+    said = f"--recipe {config} is an accelerate config, not a recipe; pass it to `accelerate launch --config_file "
+    assert said in err
+    assert f"{quoted} -m gqaify.uptrain --recipe RECIPE`, or to --plan {quoted} for the memory" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my launch.yaml"]
 
 
 def test_the_commands_a_recipe_gives_for_an_installed_gqaify_name_it_and_write_what_it_reads(tmp_path, monkeypatch):

@@ -220,6 +220,8 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
             else f"name {stage.command}'s settings file instead"
         )
         raise UserError(f"{where} {what}, not {stage.command}'s; {fix}")
+    if stage.foreign_file is not None and (said := stage.foreign_file(values, where)):
+        raise UserError(said)
     problems = [f"unknown key {shown(key)}{nearest(stage, str(key))}" for key in unknown[:5]]
     more = [f"and {len(unknown) - 5} more unknown keys"] if len(unknown) > 5 else []
     raise UserError(f"{where}: " + "; ".join(problems + more))

@@ -110,6 +110,9 @@ class Stage:
     named_by: Literal["options", "keys"] = "options"
     # a file named by a --config flag that is no path: the packaged file of that name, or None (`gqaify.packaged`)
     packaged: Callable[[str], Path | None] | None = None
+    # what a file of these keys is, where it is no command's settings but a file users confuse with them (an
+    # accelerate config for uptrain's recipe): (its keys, how messages name it) -> the one-line refusal, or None
+    foreign_file: Callable[[dict, str], str | None] | None = None
     # what a rerun from a record (a gqaify.json this stage wrote) changed that the record pins, said before any work:
     # (the record's settings, the settings made) -> problems
     rerun_problems: Callable[[dict, Settings], list[str]] | None = None

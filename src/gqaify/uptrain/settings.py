@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -344,6 +345,18 @@ PLAN = Option(
 )
 
 
+def _accelerate_config(values: dict, where: str) -> str | None:
+    """The refusal of an accelerate config given as a recipe (accelerate writes compute_environment and
+    distributed_type into every config it makes), or None."""
+    if not {"compute_environment", "distributed_type"} <= set(values):
+        return None
+    path = shlex.quote(where.split(" ", 1)[-1])
+    return (
+        f"{where} is an accelerate config, not a recipe; pass it to `accelerate launch --config_file {path} -m "
+        f"gqaify.uptrain --recipe RECIPE`, or to --plan {path} for the memory a run needs under it"
+    )
+
+
 UPTRAIN = Stage(
     command="uptrain",
     settings=UptrainSettings,
@@ -357,6 +370,7 @@ UPTRAIN = Stage(
     foreign_names=FOREIGN_NAMES,
     config_flags=("--recipe", "--config"),
     packaged=recipe_by_name,
+    foreign_file=_accelerate_config,
     record_kind="an uptraining run's record",
     named_by="keys",
     switches=(QUIET,),
