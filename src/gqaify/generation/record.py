@@ -15,7 +15,7 @@ from gqaify.generation.settings import GenerateSettings
 from gqaify.outputs import destination_problems, resolve_out
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record, record_text
 from gqaify.settings import recorded
-from gqaify.text.corpus_format import SHARDS, corpus_full_disk, unreadable_corpus
+from gqaify.text.corpus_format import SHARDS, corpus_full_disk, refuse_unreadable_corpus
 from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)
@@ -50,15 +50,12 @@ def record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | Non
     try:
         record = read_record(out)
     except (OSError, ValueError) as exc:
-        unreadable = unreadable_corpus(out, exc)
-        if unreadable:
-            problem, damaged = unreadable
-            fix = (
-                "choose another OUT"
-                if damaged
-                else "go on with it with the gqaify that wrote it, or choose another OUT"
-            )
-            raise UserError(f"{problem}; {fix}") from None
+        refuse_unreadable_corpus(
+            out,
+            exc,
+            damaged="choose another OUT",
+            later="go on with it with the gqaify that wrote it, or choose another OUT",
+        )
         record = None
     if not isinstance(record, CorpusRecord):
         raise UserError(

@@ -52,36 +52,39 @@ def corpus_record(folder: Path) -> CorpusRecord | None:
     """The record of the corpus `folder` holds, or None where it holds none (any other data folder).
 
     Raises:
-        UserError: `folder` holds a corpus whose record this gqaify cannot read (`unreadable_corpus`).
+        UserError: `folder` holds a corpus whose record this gqaify cannot read (`refuse_unreadable_corpus`).
     """
     try:
         record = read_record(folder)
     except (OSError, ValueError) as exc:
-        unreadable = unreadable_corpus(folder, exc)
-        if unreadable:
-            problem, damaged = unreadable
-            fix = (
-                "write it again (gqaify generate)"
-                if damaged
-                else "read it with the gqaify that wrote it, or write it again with this one (gqaify generate)"
-            )
-            raise UserError(f"{problem}; {fix}") from None
+        refuse_unreadable_corpus(
+            folder,
+            exc,
+            damaged="write it again (gqaify generate)",
+            later="read it with the gqaify that wrote it, or write it again with this one (gqaify generate)",
+        )
         return None
     return record if isinstance(record, CorpusRecord) else None
 
 
-def unreadable_corpus(folder: Path, error: Exception) -> tuple[str, bool] | None:
-    """What to say of `folder`, whose record `read_record` could not read (`error`), where its header says it is a
-    corpus, and whether it is damaged (this version's record, or one without a version) rather than another
-    version's (a later gqaify's, with a field this one does not know); None where it is not a corpus's record: a
-    reader takes such a folder as any other data folder."""
+def refuse_unreadable_corpus(folder: Path, error: Exception, damaged: str, later: str) -> None:
+    """Refuse `folder`, whose record `read_record` could not read (`error`), where its header says it is a corpus:
+    damaged (this version's record, or one without a version), with the fix `damaged`, or another version's (a
+    later gqaify's, with a field this one does not know), with the fix `later`. Returns where it is not a corpus's
+    record: a reader takes such a folder as any other data folder.
+
+    Raises:
+        UserError: the corpus, what keeps its record from being read, and the fix.
+    """
     header = read_provenance(folder) if (folder / PROVENANCE_FILE).is_file() else None
     if header is None or header.kind != CORPUS:
-        return None
+        return
     if header.version in (None, __version__):
-        return f"{folder} holds a corpus whose record is damaged ({error})", True
-    said = f"{folder} holds a corpus written by gqaify {header.version}, whose record this gqaify ({__version__}) "
-    return said + f"cannot read ({error})", False
+        raise UserError(f"{folder} holds a corpus whose record is damaged ({error}); {damaged}")
+    raise UserError(
+        f"{folder} holds a corpus written by gqaify {header.version}, whose record this gqaify ({__version__}) "
+        f"cannot read ({error}); {later}"
+    )
 
 
 def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: int | None = None) -> list[str]:
