@@ -385,6 +385,8 @@ def _symbolic_link(claim: Path) -> None:
 CLAIM_NAME_TAKEN = {
     "a symbolic link": _symbolic_link,  # it was followed: notes.txt held the claim, then was deleted
     "a file of other content": lambda claim: claim.write_text("mine\n"),  # truncated, then deleted
+    # an empty file of the user's under a second name: the claim was written into it, and stayed there
+    "a file with other names (a hard link)": lambda claim: (claim.touch(), os.link(claim, claim.with_name("notes"))),
     "a FIFO": lambda claim: os.mkfifo(claim),  # a traceback, then deleted
     "a folder": lambda claim: (claim.mkdir(), (claim / "inside.txt").write_text("mine\n")),
 }

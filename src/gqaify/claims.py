@@ -2,8 +2,9 @@
 
 `claimed` holds an exclusive lock on .OUT.gqaify.claim beside OUT, which names the holder's pid: a second run
 for the same OUT is refused at once and writes nothing. The kernel drops the lock when its process ends, however
-it ends: what a killed run left is taken over by the next run, never mistaken for a live one. Anything else of that
-name (a link, a FIFO, a file that is no claim) is refused, never followed, truncated or deleted.
+it ends: the claim file a killed run left is removed by the next run, never mistaken for a live one. A claim is only
+ever written into a file its run created (O_EXCL): anything else of that name (a symbolic or hard link, a FIFO, a
+file that is no claim) is refused, never followed, truncated or deleted.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
 
     The claim is an exclusive `flock` on .OUT.gqaify.claim beside `out` (beside the folder a symbolic link names:
     two names of one folder are one claim), which records the holder's pid and `command` for the refusal. The
-    kernel drops the lock when its process ends, so a claim file a killed run left is simply taken over. The file
+    kernel drops the lock when its process ends, so a claim file a killed run left is removed and made anew. The file
     is removed when the block ends, and so are the parent folders made for it if they are still empty. Anything
     else of that name (a symbolic link, a FIFO, a folder, a file that is no claim) is refused, and left as it is.
 
@@ -60,8 +61,7 @@ def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
         remove_created(created)
         raise
     try:
-        if fd is not None:
-            os.ftruncate(fd, 0)  # a claim file, locked: this run's own, or one a killed run left
+        if fd is not None:  # a file this run created and locked: nothing else has it open for writing
             os.write(fd, json.dumps({"pid": os.getpid(), "command": command}).encode())
         yield
     finally:
@@ -75,10 +75,12 @@ def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
 
 def _lock_claim(path: Path, out: Path, option: str) -> int | None:
     """An open descriptor of the claim file `path`, exclusively locked (None where the filesystem has no locks):
-    a new file (created with O_EXCL, links not followed), or a claim file a killed run left.
+    always a new file, created here with O_EXCL (links not followed); a claim file a killed run left is removed
+    first.
 
     Raises:
-        UserError: another run holds the lock; `path` is no claim file (`_open_claim`); it cannot be created.
+        UserError: another run holds the lock; `path` is no claim file (`_open_claim`), has other names (a hard
+            link) or other content; it cannot be created.
     """
     import fcntl
 
@@ -110,10 +112,20 @@ def _lock_claim(path: Path, out: Path, option: str) -> int | None:
         if not _names(path, fd):
             os.close(fd)  # its holder finished and removed it between our open and our lock: claim the new file
             continue
-        if not new and not _holds_a_claim(fd):  # locked, so no run is writing it now: what is in it is all there is
-            os.close(fd)
-            raise UserError(_not_a_claim(path, "a file of other content", out, option))
-        return fd
+        if new:
+            return fd
+        # A claim a killed run left (locked now, so no run is writing it): it is removed and claimed anew with
+        # O_EXCL, so that the claim is only ever written into a file this run created. A file with another name
+        # (a hard link) or other content is not gqaify's: refused, and left as it is.
+        problem = "a file with other names (a hard link)" if os.fstat(fd).st_nlink != 1 else None
+        if problem is None and not _holds_a_claim(fd):
+            problem = "a file of other content"
+        if problem is None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        os.close(fd)
+        if problem is not None:
+            raise UserError(_not_a_claim(path, problem, out, option))
 
 
 def _open_claim(path: Path, out: Path, option: str) -> int | None:

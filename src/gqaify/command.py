@@ -4,7 +4,8 @@ one-line errors, and stop signals.
 Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr naming the problem and the fix,
 nothing written); 1 the machine ran out of something (one line, e.g. disk space), another process of a CPU (gloo)
 launch stopped (one line; `errors.peer_lost`), or an internal error (a bug: the traceback is printed); 130
-interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left).
+interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left); 141, with nothing said, where the
+reader of its output went away (`gqaify recipes | head`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
             return 2 if isinstance(exc, UserError) else 1
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
             return _stopped(as_interrupt(exc))
+        except BrokenPipeError:  # `gqaify recipes | head`: the reader has what it wanted
+            return _reader_gone()
         except Exception as exc:
             if peer_lost(exc):
                 ignore_sigterm()
@@ -75,6 +78,17 @@ def quiet_transformers() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
+
+
+def _reader_gone() -> int:
+    """The status of a command whose standard output was closed by its reader (`| head`), as a shell reports a
+    process SIGPIPE stopped (128 + 13), with nothing said: stdout is pointed at /dev/null, so that the exit's
+    flush of what is still buffered cannot fail again."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _stopped(stop: Interrupted) -> int:

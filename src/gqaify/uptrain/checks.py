@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gqaify.archs import ARCHITECTURES, attention_pattern
+from gqaify.conversion.checkpoint import open_checkpoint
 from gqaify.errors import UserError, problems_in, raise_if_problems
+from gqaify.locations import locate
 from gqaify.models import load_config, untrusted_problem
 from gqaify.outputs import name_problem, resolve_out, writable_problem
 from gqaify.uptrain.settings import UptrainSettings
@@ -28,8 +30,10 @@ def check_inputs(s: UptrainSettings) -> None:
                 )
                 continue
             try:
-                # exists and is a model
+                # exists and is a model, whose weights are whole (their headers: a damaged one is found before
+                # output_dir is touched, not by the load that follows the claim)
                 configs[key] = load_config(value, option=key, trust_remote_code=s.trust_remote_code)
+                _check_weights(value, key)
             except UserError as exc:
                 problems.append(str(exc))
     model_type = getattr(configs.get("model"), "model_type", None)
@@ -46,6 +50,22 @@ def check_inputs(s: UptrainSettings) -> None:
         if positions and length and length > positions:
             problems.append(f"{key} {length} exceeds the {positions} positions of {s.model}; lower {key}")
     raise_if_problems(problems)
+
+
+def _check_weights(name: str, option: str) -> None:
+    """Read the headers of a local folder's weights (a hub model's are fetched, and checked, as it loads; a .gguf
+    file's header was read by `locate`).
+
+    Raises:
+        UserError: a shard is missing, cut short or damaged.
+    """
+    where = locate(name, option)
+    if where.kind != "local":
+        return
+    try:
+        open_checkpoint(where.path)
+    except UserError as exc:
+        raise UserError(f"{option} {name}: {exc}") from None
 
 
 def _output_dir_problem(output_dir: str) -> str | None:

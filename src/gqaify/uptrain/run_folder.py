@@ -28,11 +28,15 @@ from gqaify.outputs import write_provenance
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
-from gqaify.uptrain.report import METRICS, eval_curve, read_metrics
+from gqaify.text.pins import located
+from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
+from gqaify.uptrain.report import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 from gqaify.whole import written_whole
 
 CHECKPOINTS = "checkpoints"
+CONVERTED = "converted"  # the model converted by a run given a source and kv_heads
+FINAL = "final"
 LOG = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
@@ -86,23 +90,18 @@ def _located(values: dict) -> dict:
     `s-gqa2/`, `./s-gqa2` and its absolute path are one model. A hub name, or a path that is not there, is kept as
     it is."""
 
-    def located(value):
-        if not isinstance(value, str):
-            return value
-        text = NamedText.parse(value)
-        path = Path(text.source).expanduser()
-        if not path.exists():
-            return value
-        return str(path.resolve()) if text.source == value else f"{text.name}={path.resolve()}"
+    def found(value):
+        return located(value) if isinstance(value, str) else value
 
-    changed = {k: located(values[k]) for k in PATH_SETTINGS if k in values}
-    changed |= {k: [located(v) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)}
+    changed = {k: found(values[k]) for k in PATH_SETTINGS if k in values}
+    changed |= {k: [found(v) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)}
     return {**values, **changed}
 
 
 def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator, data_sha256: str) -> RunRecord:
     """The record of `out`'s run (run.json), written if new; refuses a folder that holds another run or other
-    files.
+    files. A run recorded there that never trained (killed while converting) with other settings or data is
+    replaced, and the line says what changed and what it replaces.
 
     Args:
         data_sha256: the SHA-256 of the training data's tokens (`data.training_loader`); a run recorded before run.json
@@ -123,8 +122,17 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
             # a run that was stopped before it trained (killed while converting): nothing of it to keep
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                undo_claim(out, existed=True)
-            return claim_output_dir(out, s, processes, accelerator, data_sha256)
+                replaced = remove_run_files(out, run_files(out), reads=read_paths(s))
+                change = (
+                    "; ".join(f"{k} was {had.get(k)!r}, now {identity[k]!r}" for k in differs) or "its data changed"
+                )
+                LOG.warning(
+                    "output_dir %s held a run that never trained (%s): replaced its %s; nothing else there was touched",
+                    out,
+                    change,
+                    ", ".join(replaced) or "nothing",
+                )
+            return _new_run(out, identity, accelerator, data_sha256)  # in the folder this run had claimed
         if differs:
             k = differs[0]
             raise UserError(
@@ -140,6 +148,11 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
         return run
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
+    return _new_run(out, identity, accelerator, data_sha256)
+
+
+def _new_run(out: Path, identity: dict, accelerator, data_sha256: str) -> RunRecord:
+    """A new run's record, written to `out`/run.json (the folder made if need be) by the main process."""
     run = RunRecord(version=__version__, settings=identity, data_sha256=data_sha256)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -172,17 +185,49 @@ def save_run(out: Path, run: RunRecord) -> None:
     write_json(out / RUN_FILE, as_json(run))
 
 
-def undo_claim(out: Path, existed: bool) -> None:
-    """Remove what a run that never trained wrote (run.json, converted/); an output_dir that existed is kept,
-    empty, as it was found (a claimed folder held nothing but this run's files)."""
-    if not existed:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for path in out.iterdir() if out.is_dir() else []:
+# What a run writes in its output_dir, by name: all it ever removes there (never anything else of that folder).
+RUN_NAMES = (RUN_FILE, CONVERTED, CHECKPOINTS, FINAL, METRICS, METRICS_CSV, PLOT_FILE, FORECAST_FILE, REPORT_FILE)
+
+
+def run_files(out: Path) -> set[str]:
+    """The names of `RUN_NAMES` present in `out` (links included)."""
+    return {name for name in RUN_NAMES if (out / name).exists() or (out / name).is_symlink()}
+
+
+def read_paths(s: UptrainSettings) -> list[Path]:
+    """Every local file or folder the run reads (its model, parent, teacher, texts), links resolved."""
+    values = _located({k: getattr(s, k) for k in (*PATH_SETTINGS, *PATH_LIST_SETTINGS)})
+    named = [values[k] for k in PATH_SETTINGS if k != "output_dir" and values[k]]
+    named += [v for k in PATH_LIST_SETTINGS for v in values[k] or ()]
+    return [Path(NamedText.parse(v).source) for v in named if Path(NamedText.parse(v).source).is_absolute()]
+
+
+def remove_run_files(out: Path, names: set[str], reads: list[Path]) -> list[str]:
+    """Remove `names` (each one of `RUN_NAMES`) from `out`, except any that is, holds or lies inside a path the run
+    reads (`read_paths`): a model the run trains is never removed, however it is named. A link is removed, never
+    what it leads to. Returns what was removed, in `RUN_NAMES`' order."""
+    removed = []
+    for name in (n for n in RUN_NAMES if n in names):
+        path = out / name
+        if not path.is_symlink():
+            real = path.resolve()
+            if any(r == real or real in r.parents or r in real.parents for r in reads):
+                continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+        removed.append(name + ("/" if name in (CONVERTED, CHECKPOINTS, FINAL) else ""))
+    return removed
+
+
+def undo_claim(out: Path, found: set[str], existed: bool, s: UptrainSettings) -> None:
+    """Remove what a run that never trained wrote (of `RUN_NAMES`, those not `found` in `out` when it began), so
+    that `out` is left as it was found; a folder made for the run goes too, if nothing else is in it."""
+    remove_run_files(out, run_files(out) - found, reads=read_paths(s))
+    if not existed:
+        with contextlib.suppress(OSError):
+            out.rmdir()
 
 
 def checkpoints(root: Path) -> list[Path]:
@@ -269,7 +314,7 @@ def save_final(
     for alias, name in _tied(unwrapped).items():  # FSDP gathers tied weights as copies: make them one tensor again
         if alias in state and name in state:
             state[alias] = state[name]
-    with written_whole(out / "final") as partial:
+    with written_whole(out / FINAL) as partial:
         unwrapped.config.dtype = dtype
         unwrapped.save_pretrained(partial, state_dict=state)
         tokenizer.save_pretrained(partial)
@@ -278,7 +323,7 @@ def save_final(
             model=model_path,
             steps=progress.step,
             tokens=progress.tokens,
-            settings=recorded(s),
+            settings=_located(recorded(s)),  # paths absolute: `gqaify uptrain --config final/gqaify.json`
             data_sha256=run.data_sha256,
         )
         converted = ConversionRecord.read(Path(model_path))

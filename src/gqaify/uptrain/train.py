@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from gqaify.claims import claimed
 from gqaify.errors import PEER_STOPPED, ResourceError, UserError, as_interrupt, peer_lost, raise_if_problems
 from gqaify.eval.tasks import Harness
 from gqaify.models import load_config, load_model, load_tokenizer
@@ -46,10 +47,12 @@ from gqaify.uptrain.report import (
 )
 from gqaify.uptrain.run_folder import (
     CHECKPOINTS,
+    FINAL,
     Progress,
     Trained,
     claim_output_dir,
     latest_checkpoint,
+    run_files,
     save_checkpoint,
     save_final,
     save_run,
@@ -101,7 +104,16 @@ def run(settings: UptrainSettings) -> UptrainResult:
     texts = eval_texts(s, tokenizer)
     request = s.task_request()
     harness = Harness(request) if request.names else None  # reads the tasks' datasets
+    with claimed_by_launch(out, accelerator):  # a second run into output_dir is refused here, writing nothing
+        result = _claimed_run(s, out, accelerator, tokenizer, loader, steps, data_sha256, texts, harness)
+    return _pushed(s, result, accelerator)
+
+
+def _claimed_run(s: UptrainSettings, out: Path, accelerator, tokenizer, loader, steps, data_sha256, texts, harness):
+    """The run in output_dir, claimed: its record, the run, and what a failure before training leaves (output_dir as
+    it was found: only what this run wrote there is removed, never what it reads)."""
     existed = out.exists()
+    found = run_files(out)
     try:
         record = claim_output_dir(out, s, accelerator.num_processes, accelerator, data_sha256)
     except OSError as exc:
@@ -111,18 +123,18 @@ def run(settings: UptrainSettings) -> UptrainResult:
             with contextlib.suppress(OSError):
                 out.rmdir()
         raise ResourceError(f"no space left on the disk of output_dir {out}; nothing was written") from exc
-    if record.completed and (out / "final").is_dir():
-        return _pushed(s, _result_of_finished_run(out, record), accelerator)
+    if record.completed and (out / FINAL).is_dir():
+        return _result_of_finished_run(out, record)
     this = _Run(s, out, accelerator, record, steps)  # its record changes as the run goes (`_Run.save_record`)
     try:
-        result = _run(this, tokenizer, loader, texts, harness)
+        return _run(this, tokenizer, loader, texts, harness)
     except BaseException as exc:
         lost = peer_lost(exc)  # the launcher may stop this process too (SIGTERM): the peer's stop came first
         stop = None if lost else as_interrupt(exc)
         full = f"no space left on the disk of output_dir {out}" if is_full_disk(exc) else None
         if not this.record.started:  # nothing trained yet: leave output_dir as it was found
             if accelerator.is_main_process:
-                undo_claim(out, existed)
+                undo_claim(out, found, existed, s)
             if lost:
                 raise ResourceError(f"{PEER_STOPPED}; nothing was written: rerun the same command") from exc
             if stop is not None:
@@ -137,7 +149,31 @@ def run(settings: UptrainSettings) -> UptrainResult:
         if full is not None:  # what was being written was removed (`written_whole`): what is left is whole
             raise ResourceError(f"{full}; {what_is_left(out, steps)}, once space is freed") from exc
         raise
-    return _pushed(s, result, accelerator)
+
+
+@contextlib.contextmanager
+def claimed_by_launch(out: Path, accelerator):
+    """`claims.claimed` on output_dir, held by the launch's main process for the whole run; where another run holds
+    it, every process of this launch is refused with the same line.
+
+    Raises:
+        UserError: another gqaify run (its pid named) is writing output_dir, or its claim's name holds something
+            else.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    with contextlib.ExitStack() as held:
+        refusal = [None]
+        if accelerator.is_main_process:
+            try:
+                held.enter_context(claimed(out, "gqaify uptrain", option="output_dir"))
+            except UserError as exc:
+                refusal = [str(exc)]
+        if accelerator.num_processes > 1:
+            broadcast_object_list(refusal)
+        if refusal[0] is not None:
+            raise UserError(refusal[0])
+        yield
 
 
 def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainResult:
