@@ -106,3 +106,26 @@ def test_a_claim_is_never_written_through_a_hard_link(tiny, tmp_path):
     line = one_line(refused.stderr)
     assert refused.returncode == 2 and "is a file with other names (a hard link), not a claim gqaify wrote" in line
     assert notes.read_bytes() == b"" and notes.stat().st_nlink == 2 and not out.exists()
+
+
+def test_final_is_readable_as_every_output_is(tiny, tmp_path):
+    """safetensors writes final/model.safetensors 0600 where every other output is 0644 (under umask 022)."""
+    out = tmp_path / "run"
+    assert run_uptrain(uptrain_args(tiny, out)).returncode == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (out / "final").iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_a_damaged_run_json_is_called_damaged_and_a_later_ones_names_its_version(tiny, tmp_path):
+    """A damaged run.json was told to "resume with the gqaify that wrote it"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text('{"tool": "gqaify", "kind": "run", "settings": ')
+    line = one_line(run_uptrain(uptrain_args(tiny, out)).stderr)
+    assert "run.json is damaged" in line and "use a new output_dir" in line and "wrote it" not in line
+    later = {"tool": TOOL, "version": "99.0", "kind": "run", "settings": {}, "a field from later": 1}
+    (out / "run.json").write_text(json.dumps(later))
+    line = one_line(run_uptrain(uptrain_args(tiny, out)).stderr)
+    assert "written by gqaify 99.0" in line and "resume the run with gqaify 99.0" in line

@@ -168,18 +168,19 @@ def test_a_run_is_read_from_its_run_json_whatever_lies_beside_it(tmp_path):
 
 
 def test_an_unreadable_run_json_is_never_to_be_deleted(tmp_path):
-    """A run.json gqaify cannot read (a later gqaify's, or damaged) sits beside the run's checkpoints: the refusal
-    says to resume it with the gqaify that wrote it, or to use a new output_dir, never to delete it."""
+    """A run.json gqaify cannot read sits beside the run's checkpoints: a later gqaify's is to be resumed with that
+    version, a damaged one (this version's, or none's) says so; either may go to a new output_dir, never "delete it"."""
     from gqaify.errors import UserError
     from gqaify.uptrain.run_folder import _read_run
 
-    for text in (json.dumps({"tool": TOOL, "version": "9", "kind": RUN, "settings": {}, "pixels": 3}), "{cut"):
+    later = json.dumps({"tool": TOOL, "version": "9", "kind": RUN, "settings": {}, "pixels": 3})
+    for text, says in ((later, "was written by gqaify 9, which this gqaify"), ("{cut", "is damaged (")):
         (tmp_path / RUN_FILE).write_text(text)
         with pytest.raises(UserError) as caught:
             _read_run(tmp_path)
         message = str(caught.value)
-        assert message.startswith(f"output_dir {tmp_path}'s {RUN_FILE} cannot be read (") and "\n" not in message
-        assert message.endswith("; resume this run with the gqaify that wrote it, or use a new output_dir")
+        assert message.startswith(f"output_dir {tmp_path}'s {RUN_FILE} {says}") and "\n" not in message
+        assert message.endswith("or use a new output_dir" if text == later else "(this one is left as it is)")
         assert "delete" not in message
 
 

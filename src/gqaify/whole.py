@@ -64,6 +64,16 @@ def write_text_whole(path: Path, text: str, full_disk: str | None = None) -> Non
         partial.write_text(text, encoding="utf-8")
 
 
+def readable_as_umask_allows(folder: Path) -> None:
+    """Give every file under `folder` the mode a file the process creates gets (0666 less the umask): a library
+    that writes through a private temporary file (safetensors' 0600) leaves it readable to its owner alone."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+
+
 def is_full_disk(exc: BaseException) -> bool:
     """Whether `exc`, or an error it was raised from, is the file system's ENOSPC: an OSError, or a library's own
     error that only says so in words (safetensors' StorageFull)."""

@@ -32,7 +32,7 @@ from gqaify.text.pins import located
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.report import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
-from gqaify.whole import written_whole
+from gqaify.whole import readable_as_umask_allows, written_whole
 
 CHECKPOINTS = "checkpoints"
 CONVERTED = "converted"  # the model converted by a run given a source and kv_heads
@@ -171,13 +171,28 @@ def _read_run(out: Path) -> RunRecord:
     try:
         run = read_record_file(out / RUN_FILE)
     except (OSError, ValueError) as exc:  # never "delete it": the checkpoints beside it are the run's
+        version = _version_in(out / RUN_FILE)
+        if version in (None, __version__):
+            raise UserError(
+                f"output_dir {out}'s {RUN_FILE} is damaged ({exc}): the run cannot resume from it; use a new "
+                "output_dir (this one is left as it is)"
+            ) from None
         raise UserError(
-            f"output_dir {out}'s {RUN_FILE} cannot be read ({exc}); resume this run with the gqaify that wrote it, "
-            "or use a new output_dir"
+            f"output_dir {out}'s {RUN_FILE} was written by gqaify {version}, which this gqaify ({__version__}) cannot "
+            f"read ({exc}); resume the run with gqaify {version}, or use a new output_dir"
         ) from None
     if not isinstance(run, RunRecord):
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
     return run
+
+
+def _version_in(file: Path) -> str | None:
+    """The gqaify version a record file says wrote it; None where it says none or cannot be read."""
+    try:
+        version = json.loads(file.read_text()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) else None
 
 
 def save_run(out: Path, run: RunRecord) -> None:
@@ -318,6 +333,7 @@ def save_final(
         unwrapped.config.dtype = dtype
         unwrapped.save_pretrained(partial, state_dict=state)
         tokenizer.save_pretrained(partial)
+        readable_as_umask_allows(partial)  # safetensors writes its files 0600: final/ is read as every output is
         uptrain = Uptraining(
             version=__version__,
             model=model_path,
