@@ -118,3 +118,14 @@ def test_a_target_the_trend_reaches_only_past_a_thousand_times_the_tokens_seen_i
     found = forecast(law(3.0, 0.04, TOKENS), 0.15)
     assert found.status == "beyond reach" and found.tokens_to_target is None
     assert "beyond 1,000 times the tokens seen" in found.sentence()
+
+
+def test_a_run_that_ended_further_from_its_parent_than_it_started_gets_no_forecast():
+    """A run that ended twice as far from its parent as its conversion was got "about 228k more tokens to reach"
+    with no word of it: its curve falls after an early rise, but never back to where it began."""
+    start = [CurvePoint(0, 0.0, 0.05, None, {"a": 1.0})]
+    found = forecast(start + law(3.0, 0.3, TOKENS), 0.01)  # ends at 3.0 * 128000^-0.3 = 0.088
+    assert found.status == "moved away" and found.tokens_to_target is None
+    assert "1.8x the 0.050 the run started from" in found.sentence() and "lower lr" in found.sentence()
+    nearer = [CurvePoint(0, 0.0, 0.5, None, {"a": 1.0})]
+    assert forecast(nearer + law(3.0, 0.3, TOKENS), 0.05).status == "on track"  # ends below where it began

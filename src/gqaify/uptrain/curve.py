@@ -134,7 +134,7 @@ def _crossing(law: PowerLaw, kl: float, after: float, side: float) -> float | No
     return math.exp(high)
 
 
-Status = Literal["reached", "on track", "beyond reach", "flattened", "too few points", "no teacher"]
+Status = Literal["reached", "on track", "beyond reach", "flattened", "moved away", "too few points", "no teacher"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,13 @@ class Forecast:
             )
         if self.status == "reached":
             return f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens: the target {target} is reached"
+        if self.status == "moved away":
+            start = self.points[0].mean_kl
+            return (
+                f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens, {self.mean_kl / start:.1f}x the "
+                f"{start:.3f} the run started from: training moved the model away from its parent, so no forecast "
+                "is made; try a lower lr"
+            )
         law = self.law
         trend = f"KL ∝ tokens^{-law.exponent:.3f} (± {law.exponent_se:.3f}) over {law.points} points"
         if self.status == "flattened":
@@ -199,6 +206,8 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
         return made("no teacher")
     if last is not None and last <= target_kl:
         return made("reached")
+    if kls[0][0] == 0 and last is not None and last > kls[0][1]:  # further from the parent than the conversion was
+        return made("moved away")
     trained = [(t, k) for t, k in kls if t > 0]
     early = (len(trained) + 1) // 2  # the first half of the points: the first steps' disturbance, if any, is there
     peak = max(range(early), key=lambda i: trained[i][1], default=-1)
