@@ -91,7 +91,7 @@ def test_a_reached_target_too_few_points_and_no_teacher_are_said_so():
     assert forecast(blind, 0.1).status == "no teacher"
 
 
-def test_a_run_draws_its_curve_and_reads_its_forecast_back_typed(tiny, tmp_path):
+def test_a_run_draws_its_curve_and_reads_its_forecast_back_typed(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     settings = parse(
         args(tiny, out, "--eval_data", str(tiny["eval"]), "--distill_from", str(tiny["parent"]), "--eval_points", "4")
@@ -111,6 +111,23 @@ def test_a_run_draws_its_curve_and_reads_its_forecast_back_typed(tiny, tmp_path)
     with Image.open(out / "recovery.png") as image:
         image.load()
         assert (image.format, image.size) == ("PNG", (1680, 504))  # 14 x 4.2 inches at 120 dpi
+    # the finished run asked for another target: a forecast for it (a new --target_kl was silently ignored)
+    again = parse(
+        args(
+            tiny,
+            out,
+            "--eval_data",
+            str(tiny["eval"]),
+            "--distill_from",
+            str(tiny["parent"]),
+            "--eval_points",
+            "4",
+            "--target_kl",
+            "0.0001",
+        )
+    )
+    assert uptrain(again).forecast.target_kl == 0.0001 == read_forecast(out).target_kl
+    assert f"its forecast for target_kl 0.0001: {read_forecast(out).sentence()}" in capsys.readouterr().out
 
 
 def test_a_target_the_trend_reaches_only_past_a_thousand_times_the_tokens_seen_is_beyond_reach():

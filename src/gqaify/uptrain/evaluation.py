@@ -34,7 +34,7 @@ def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
         parents = _parent_perplexities(s, reference, reference_name, texts, seq_len, accelerator)
         first = None if parents is None else next(iter(parents.values()))
         run.save_record(parent_perplexity=first, parent_perplexities=parents)
-    title = f"{Path(s.model).name} ({s.trainable}{', distilled' if s.distill_weight > 0 else ''})"
+    title = curve_title(s)
 
     def evaluate() -> None:
         row: dict = {"tokens": loop.progress.tokens, "train_seconds": round(loop.progress.seconds, 3)}
@@ -118,3 +118,8 @@ def _parent_perplexities(
     found = {name: perplexity(model, t.ids, seq_len, seq_len, progress=False).perplexity for name, t in texts.items()}
     del model
     return found
+
+
+def curve_title(s: UptrainSettings) -> str:
+    """The recovery plot's title: the model, what trains, and whether it is distilled."""
+    return f"{Path(s.model).name} ({s.trainable}{', distilled' if s.distill_weight > 0 else ''})"

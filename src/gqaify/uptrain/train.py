@@ -32,9 +32,9 @@ from gqaify.models import load_config, load_model, load_tokenizer
 from gqaify.records import RunRecord
 from gqaify.settings import recorded
 from gqaify.uptrain.checks import check_inputs
-from gqaify.uptrain.curve import PLOT_FILE, Forecast, eval_steps, read_forecast
+from gqaify.uptrain.curve import PLOT_FILE, Forecast, draw_curve, eval_steps, read_forecast
 from gqaify.uptrain.data import training_loader
-from gqaify.uptrain.evaluation import eval_texts, evaluator
+from gqaify.uptrain.evaluation import curve_title, eval_texts, evaluator
 from gqaify.uptrain.lora import merged
 from gqaify.uptrain.report import (
     METRICS,
@@ -124,6 +124,8 @@ def _claimed_run(s: UptrainSettings, out: Path, accelerator, tokenizer, loader, 
                 out.rmdir()
         raise ResourceError(f"no space left on the disk of output_dir {out}; nothing was written") from exc
     if record.completed and (out / FINAL).is_dir():
+        if accelerator.is_main_process:
+            _forecast_for(s, out, record)
         return _result_of_finished_run(out, record)
     this = _Run(s, out, accelerator, record, steps)  # its record changes as the run goes (`_Run.save_record`)
     try:
@@ -149,6 +151,16 @@ def _claimed_run(s: UptrainSettings, out: Path, accelerator, tokenizer, loader, 
         if full is not None:  # what was being written was removed (`written_whole`): what is left is whole
             raise ResourceError(f"{full}; {what_is_left(out, steps)}, once space is freed") from exc
         raise
+
+
+def _forecast_for(s: UptrainSettings, out: Path, record: RunRecord) -> None:
+    """A finished run asked again with another target_kl: its forecast made anew for that target (from its
+    metrics.jsonl, no model loaded), and said."""
+    had = read_forecast(out)
+    if had is None or had.target_kl == s.target_kl:
+        return
+    found = draw_curve(out, s.target_kl, record.parent_perplexities, curve_title(s))
+    print(f"the run in {out} is finished; its forecast for target_kl {s.target_kl:g}: {found.sentence()}")
 
 
 @contextlib.contextmanager
