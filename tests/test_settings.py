@@ -648,3 +648,12 @@ def test_an_override_changes_a_default_and_keeps_the_type_and_rules():
     for stage in (CONVERT, UPTRAIN):
         problem = stage.settings(seed=2**32).problems()
         assert any("must be a whole number from 0 to 2**32 - 1" in p for p in problem), problem
+
+
+def test_words_after_double_dash_are_positionals_not_unknown_options(capsys, tmp_path):
+    """`gqaify convert SRC -- --out --kv-heads 1` (an output folder named like an option) answered "unknown option
+    --kv-heads (did you mean --kv-heads?)"."""
+    from helpers import one_line_refusal
+
+    err = one_line_refusal(capsys, "convert", tmp_path / "src", "--", "--out", "--kv-heads", "1")
+    assert "unexpected argument --kv-heads after '--'" in err and "then '--' and all the positionals" in err

@@ -11,7 +11,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from gqaify.errors import raise_if_problems
+from gqaify.errors import UserError, raise_if_problems
 from gqaify.settings.fields import (
     _EMPTY_LIST,
     Settings,
@@ -62,6 +62,13 @@ def parse_command(
         record = values if is_record else None
     namespace, unused = parser.parse_known_args(argv)
     if unused:
+        after_dashes = argv[argv.index("--") + 1 :] if "--" in argv else []
+        if surplus := [a for a in unused if a in after_dashes]:  # `convert SRC -- --out --kv-heads 1`: no option
+            raise UserError(
+                f"unexpected argument {surplus[0]} after '--': every word after '--' is a positional argument; give "
+                "the options first, then '--' and all the positionals (or write a folder named like an option as "
+                "./NAME)"
+            )
         flags = [a for a in unused if a.startswith("-")] or unused[:1]
         raise_if_problems([f"unknown option {f}{nearest(stage, f.lstrip('-'), '--')}" for f in flags])
     values = vars(namespace)
