@@ -178,3 +178,17 @@ def test_stored_log_probabilities_of_a_loose_file_are_checked_too(tmp_path):
     write_rows(tmp_path / "c.jsonl", [row] * 4)
     with pytest.raises(UserError, match="12 top_logprobs are not finite"):
         packed_stored_blocks(str(tmp_path / "c.jsonl"), "train", seq_len=4)
+
+
+def test_stored_log_probabilities_streamed_are_checked_as_they_are_read(tmp_path):
+    """A NaN in stored log-probabilities read by a streamed run reached the loss, and the run was told its lr was
+    likely too high."""
+    from gqaify.errors import UserError
+    from gqaify.uptrain.data import packed_stored_blocks
+
+    row = {"text": "", "input_ids": [1, 2, 3], "top_ids": [[1, 2]] * 3, "top_logprobs": [[-0.1, float("nan")]] * 3}
+    write_rows(tmp_path / "c.jsonl", [row] * 4)
+    blocks = packed_stored_blocks(str(tmp_path / "c.jsonl"), "train", seq_len=4, streaming=True)
+    with pytest.raises(UserError, match="12 top_logprobs are not finite") as caught:
+        next(iter(blocks))
+    assert "(streamed: checked as it is read" in str(caught.value) and "lr" not in str(caught.value)

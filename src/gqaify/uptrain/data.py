@@ -24,7 +24,7 @@ from torch.utils.data import Sampler
 
 from gqaify.errors import UserError
 from gqaify.models import load_config
-from gqaify.text.corpus_format import STORED, corpus_record
+from gqaify.text.corpus_format import STORED, corpus_record, stored_problem
 from gqaify.text.loading import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks, tokens_sha256
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
         )
 
     def pack(batch: dict) -> dict:
+        if streaming:  # read as the run goes, after `load_rows`' check of the whole: each batch checked as it comes
+            _check_streamed(batch, data, vocab_size)
         streams = {key: [value for row in batch[key] for value in row] for key in STORED}
         whole = len(streams["input_ids"]) // seq_len * seq_len
         return {key: [stream[i : i + seq_len] for i in range(0, whole, seq_len)] for key, stream in streams.items()}
@@ -74,6 +76,22 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
     if not streaming and len(blocks) == 0:
         raise UserError(f"data {data} holds less than one block of seq_len {seq_len}; generate more or lower seq_len")
     return blocks.with_format("torch")
+
+
+def _check_streamed(batch: dict, data: str, vocab_size: int | None) -> None:
+    """The stored top-k of a batch of rows read as a run streams them, checked as `load_rows` checks a corpus
+    read whole (`corpus_format.stored_problem`): a NaN there would reach the loss and be taken for a high lr.
+
+    Raises:
+        UserError: a log-probability that is not finite or above 0, or an id outside the vocabulary.
+    """
+    import pyarrow as pa
+
+    where = f"data {data} (streamed: checked as it is read, so after training began)"
+    fix = "write it again with gqaify generate --top-logprobs K, or train without --streaming to check it first"
+    problem = stored_problem(pa.table({key: batch[key] for key in STORED}), where, fix, vocab_size=vocab_size)
+    if problem is not None:
+        raise UserError(problem)
 
 
 def mixed(
