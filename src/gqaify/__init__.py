@@ -26,6 +26,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
+from gqaify.records import CONVERSION, UPTRAINED, declare_types
+
+# The record types declared above gqaify.records, named here, where every import of gqaify passes first, so that
+# `gqaify.records.read_record` reads every kind whatever else was imported (each imported on first read)
+declare_types(
+    {
+        CONVERSION: ("gqaify.conversion.record:ConversionRecord",),
+        UPTRAINED: ("gqaify.conversion.record:ConversionRecord",),
+    }
+)
 
 # public name -> the module that defines it
 _EXPORTS = {

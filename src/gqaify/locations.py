@@ -6,6 +6,8 @@ uptrain load it (`models.py`). Nothing is fetched here, so a name is classified,
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,36 @@ import gqaify.gguf_header as gguf_header
 from gqaify.errors import UserError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # owner/name, or a bare name (e.g. gpt2)
+
+
+def is_repo_id(name: str) -> bool:
+    """Whether `name` is written as a hub repository id (a model's or a dataset's): owner/name, or a bare name."""
+    return _REPO_ID.fullmatch(name) is not None
+
+
+def exists(name: str | os.PathLike) -> bool:
+    """Whether the path a user named (`~` expanded) is there: the one existence check of a user's names. False,
+    never an error, where the file system cannot even look the name up (pathlib's exists() raises ENAMETOOLONG for
+    a name longer than it allows); `lookup_problem` says why."""
+    return os.path.exists(os.path.expanduser(os.fspath(name)))
+
+
+def lookup_problem(name: str | os.PathLike, option: str) -> str | None:
+    """Why the file system refuses even to look up the path a user named (a name in it longer than it allows, a
+    path longer than it allows, a NUL character), or None: such a name is no path, nor any hub id."""
+    try:
+        os.stat(os.path.expanduser(os.fspath(name)))
+    except ValueError:  # "embedded null byte"
+        return f"{option} {name!r} holds a NUL character, which no path or hub id holds; check the name"
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            size = max(len(os.fsencode(part)) for part in Path(name).parts)
+            shown = name if len(name) <= 60 else f"{name[:40]}..."
+            return (
+                f"{option} {shown} names a path longer than the file system allows (its longest name {size} bytes, "
+                f"{len(os.fsencode(name)):,} bytes in all); check the path or name"
+            )
+    return None
 
 
 @dataclass(frozen=True)
@@ -34,15 +66,17 @@ def locate(name: str | Path, option: str = "MODEL") -> Location:
     name = str(name)
     if not name.strip():
         raise UserError(f"{option} is empty; name a model folder, hub id or .gguf file")
+    if (problem := lookup_problem(name, option)) is not None:
+        raise UserError(problem)
     path = Path(name).expanduser()
-    if path.is_dir():
+    if os.path.isdir(path):
         return Location(name, "local", path)
-    if path.is_file():
+    if os.path.isfile(path):
         if path.suffix == ".gguf":
             if (problem := gguf_header.problem(path, option)) is not None:  # read bounded, before transformers
                 raise UserError(problem)
             return Location(name, "gguf", path)
         raise UserError(f"{option} {name} is a file but not a .gguf; point it at a model folder, hub id, or .gguf file")
-    if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or not _REPO_ID.match(name):
+    if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or not is_repo_id(name):
         raise UserError(f"{option} not found: {name} does not exist; check the path")
     return Location(name, "hub")

@@ -11,15 +11,18 @@ is (`read_record_file(file)`: the record in that one file), and also reads the s
 (no kind: a conversion told by its "source", an eval report by "command": "eval", an uptrained model by "uptrain"
 and no version of its own; a run.json by its name).
 
-`from_json(cls, value)` reads a JSON object back as `cls`: nested records, lists of them, optional ones. A field
+`from_json(cls, value)` reads a JSON object back as `cls`: nested records, lists of them, optional ones, each value
+checked against its field's type (a `Mistyped` error names the field, whatever the kind of record). A field
 declared `optional()` is left out of the JSON where it says nothing: while it holds its default (`optional()`: None),
 or while another field is None (`optional(unless_none="calibration")`: what calibration measured is said only by a
 calibrated conversion, null or not). Read back, a field left out takes its default. A field whose JSON key is not a
 Python name (uptrain's "from") says so with `json_key(...)`.
 
-A record whose type lives above this module (a conversion's, in `gqaify.conversion.record`) registers its kind with
-`@record_kind(kind)` where it is declared (this module sits below every stage and imports none of them);
-`read_record` finds it there once that module is loaded, as it is wherever gqaify reads a conversion's record.
+Every kind is listed once, in `KINDS`: the record types it is read as, and how a record of it reruns its stage
+(`Kind.command`, where its settings are: what `--config RECORD` reads, `rerun_settings`). A type declared above this
+module, which imports no stage (a conversion's, in `gqaify.conversion.record`), is named, not imported, by the
+package's front door, gqaify/__init__.py (`declare_types`), which Python runs before any gqaify module is imported,
+and imported on the first read of its kind: `read_record` reads every kind whatever the caller imported.
 `read_provenance` reads any record's header without its type: what outputs' --force rules need.
 """
 
@@ -27,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -103,8 +108,8 @@ def from_json(cls: type[R], value: dict) -> R:
     """The record of type `cls` that the JSON object `value` holds (`as_json` read back).
 
     Raises:
-        ValueError: a key `cls` has no field for (a record of something else, or of a later gqaify), or a
-            required field missing.
+        ValueError: a key `cls` has no field for (a record of something else, or of a later gqaify), a required
+            field missing, or a value not of its field's type (`Mistyped`, naming the field).
     """
     if not isinstance(value, dict):
         raise ValueError(f"{cls.__name__} is a JSON object, not {type(value).__name__}")
@@ -112,10 +117,64 @@ def from_json(cls: type[R], value: dict) -> R:
     unknown = [key for key in value if key not in names]
     if unknown:
         raise ValueError(f"{cls.__name__} has no field {unknown[0]!r}")
+    read = {}
+    for key, item in value.items():
+        hint = hints[names[key]]
+        if not _fits(hint, item):
+            raise Mistyped(key, item, _words(hint))
+        try:
+            read[names[key]] = _read(hint, item)
+        except Mistyped as exc:  # in a nested record: its field, under this one's
+            raise Mistyped(f"{key}.{exc.field}", exc.value, exc.wanted) from None
     try:
-        return cls(**{names[key]: _read(hints[names[key]], item) for key, item in value.items()})
+        return cls(**read)
     except TypeError as exc:  # a required field missing
         raise ValueError(f"{cls.__name__}: {exc}") from None
+
+
+class Mistyped(ValueError):
+    """A record's field whose JSON value is not of the field's type: "started 'yes' is not true or false"."""
+
+    def __init__(self, field: str, value, wanted: str):
+        super().__init__(f"{field} {'null' if value is None else reprlib.repr(value)} is not {wanted}")
+        self.field, self.value, self.wanted = field, value, wanted
+
+
+# What a JSON value of a field of each type is, as a message says it
+_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text", type(None): "null"}
+
+
+def _fits(hint, value) -> bool:
+    """Whether the JSON value `value` is of the field type `hint` (a record's, by its contents where it is one;
+    a Literal's by its values' types: which values a field takes is its reader's to say)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(arm, value) for arm in args)
+    if origin is typing.Literal:
+        return any(_fits(type(arg), value) for arg in args)
+    if dataclasses.is_dataclass(hint) or hint is dict or origin is dict:
+        return isinstance(value, dict) and (len(args) < 2 or all(_fits(args[1], v) for v in value.values()))
+    if hint in (list, tuple) or origin in (list, tuple):
+        return isinstance(value, list) and (not args or all(_fits(args[0], v) for v in value))
+    if hint in (int, float):
+        return isinstance(value, int if hint is int else (int, float)) and not isinstance(value, bool)
+    if hint in _WORDS:
+        return isinstance(value, hint)
+    return True  # Any, or a type JSON holds no values of: not checked
+
+
+def _words(hint) -> str:
+    """What a JSON value of the field type `hint` is: "a whole number or null"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_words(arm) for arm in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if dataclasses.is_dataclass(hint) or hint is dict or origin is dict:
+        return "a JSON object" if len(args) < 2 else f"a JSON object, each value {_words(args[1])}"
+    if hint in (list, tuple) or origin in (list, tuple):
+        return f"a list, each item {_words(args[0])}" if args else "a list"
+    return _WORDS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def _read(hint, value):
@@ -142,27 +201,14 @@ def _hints(cls: type) -> dict:
 
 # -- the records ------------------------------------------------------------------------------------------------
 
-_TYPES: dict[str, list[type]] = {}  # kind: the record types that kind is read as (the one whose fields fit)
 
-
-def record_kind(*kinds: str):
-    """Register the decorated record type as the one `read_record` reads a record of `kinds` as."""
-
-    def register(cls: type[R]) -> type[R]:
-        for kind in kinds:
-            _TYPES.setdefault(kind, []).append(cls)
-        return cls
-
-    return register
-
-
-@record_kind(CORPUS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CorpusRecord(Provenance):
     """A corpus's gqaify.json (`gqaify generate`): the parent, the settings, and how much of the corpus is there."""
 
     kind: str = CORPUS
     parent: str
+    vocab_size: int | None = optional()  # the parent's: a reader's model must have it (None: an earlier record)
     prompts_sha256: str | None = optional()  # of --prompts: what a resumed run's must still hold
     score_sha256: str | None = optional()  # of --score-data's tokens: what a resumed run's must still give
     settings: dict  # as resolved (`settings.recorded`): a rerun's, `--config OUT/gqaify.json`
@@ -173,7 +219,6 @@ class CorpusRecord(Provenance):
     files: list[str] | None = optional()  # every file gqaify wrote in OUT
 
 
-@record_kind(REPORT)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportRecord(Provenance):
     """An eval report's gqaify.json: the settings (`gqaify eval --config DIR/gqaify.json` reruns it), the files."""
@@ -195,7 +240,6 @@ class Uptraining:
     data_sha256: str | None = None  # of the training tokens (None: a run of a gqaify that did not record it)
 
 
-@record_kind(UPTRAINED)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UptrainedRecord(Provenance):
     """final/gqaify.json of a model gqaify did not convert: the uptraining is all there is to say (a converted
@@ -206,7 +250,6 @@ class UptrainedRecord(Provenance):
     files: list[str] | None = optional()
 
 
-@record_kind(RUN)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunRecord(Provenance):
     """run.json in uptrain's output_dir: the settings and data that make it this run (a rerun must match both to
@@ -220,6 +263,50 @@ class RunRecord(Provenance):
     started: bool = optional(False)  # training began: what the folder holds is this run's, kept if it stops
     distributed_type: str | None = optional()  # accelerate's (FSDP where the launch shards)
     completed: bool = optional(False)  # final/ written
+
+
+# -- every kind -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A kind of record: the types it is read as, and how it reruns the stage that wrote it (`--config RECORD`)."""
+
+    types: tuple[type, ...]  # the types declared here, tried in order (then those declared above, `declare_types`)
+    command: str  # the gqaify command that `--config RECORD` reruns
+    said: str  # how messages name such a record
+    settings: tuple[str, ...] = ("settings",)  # the keys that lead to its settings in the JSON
+    not_settings: frozenset[str] = frozenset()  # keys among those settings that are no setting of `command`
+
+
+KINDS = {
+    CONVERSION: Kind((), "convert", "a conversion record"),  # `ConversionRecord`, declared above (`declare_types`)
+    # final/ of an uptraining: `UptrainedRecord`, or the conversion's record with "uptrain" (a converted model)
+    UPTRAINED: Kind((UptrainedRecord,), "uptrain", "an uptrained model's record", settings=("uptrain", "settings")),
+    REPORT: Kind((ReportRecord,), "eval", "an eval report"),
+    CORPUS: Kind((CorpusRecord,), "generate", "a generated corpus's record"),
+    # run.json: the settings that make the run, and the processes it was launched with (an accelerate launch's)
+    RUN: Kind((RunRecord,), "uptrain", "an uptraining run's record", not_settings=frozenset({"processes"})),
+}
+_ABOVE: dict[str, tuple[str, ...]] = {}  # kind: the types declared above this module that it is read as, by name
+
+
+def declare_types(named: dict[str, tuple[str, ...]]) -> None:
+    """Name the record types declared above this module (which imports no stage), by kind, as "module:Class":
+    each is imported on the first read of its kind. Called once, by gqaify/__init__.py, which Python runs before
+    any gqaify module, so that `read_record` reads every kind whatever the caller imported."""
+    _ABOVE.update(named)
+    _types.cache_clear()
+
+
+@functools.cache
+def _types(kind: str) -> tuple[type, ...]:
+    """The record types a record of `kind` is read as (none: a kind this gqaify does not know)."""
+    above = []
+    for name in _ABOVE.get(kind, ()):
+        module, _, cls = name.partition(":")
+        above.append(getattr(importlib.import_module(module), cls))
+    return (*(KINDS[kind].types if kind in KINDS else ()), *above)
 
 
 # -- reading any of them ----------------------------------------------------------------------------------------
@@ -249,7 +336,7 @@ def read_record_file(file: Path) -> Provenance | None:
     value = _current(json.loads(file.read_text()), file.name)
     if value is None:
         return None
-    kinds = _TYPES.get(value["kind"], [])
+    kinds = _types(value["kind"])
     problems = []
     for cls in kinds:
         try:
@@ -259,6 +346,22 @@ def read_record_file(file: Path) -> Provenance | None:
     if not kinds:
         raise ValueError(f"{file} records a {value['kind']!r}, which this gqaify does not read")
     raise ValueError(f"{file} is not a {value['kind']} record this gqaify reads: {'; '.join(problems)}")
+
+
+def rerun_settings(value, name: str) -> tuple[Kind, dict | None] | None:
+    """The kind of the record `value` (the JSON read from a file called `name`) and the settings it reruns its stage
+    with (`Kind.settings`, without `Kind.not_settings`; None where they are not a JSON object); None where `value`
+    is no record of a kind this gqaify knows."""
+    value = _current(value, name)
+    if value is None or value["kind"] not in KINDS:
+        return None
+    kind = KINDS[value["kind"]]
+    settings = value
+    for key in kind.settings:
+        settings = settings.get(key) if isinstance(settings, dict) else None
+    if not isinstance(settings, dict):
+        return kind, None
+    return kind, {key: item for key, item in settings.items() if key not in kind.not_settings}
 
 
 def read_run(folder: Path) -> RunRecord | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import logging
 import platform
 import time
@@ -51,6 +50,7 @@ from gqaify.conversion.repair import Windows, refine, repair_output
 from gqaify.conversion.source import Source
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.text.loading import load_text, named_texts, tokenize
+from gqaify.text.pins import text_sha256
 
 LOG = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
             )
         text = load_text(named.source, c.split, c.text_column, "--calib-data", max_chars=share * _CHARS_PER_TOKEN).text
         ids = tokenize(tokenizer, text, share, f"--calib-data {named.source}").ids
-        sha256 = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        sha256 = text_sha256(text)
         parts.append(ids)
         sources.append(CalibrationSource(named.name, named.source, weight, share, len(ids), sha256))
     return CalibrationText(parts, sources, time.perf_counter() - start)

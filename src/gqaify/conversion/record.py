@@ -28,7 +28,6 @@ from gqaify.records import (
     optional,
     read_provenance,
     read_record,
-    record_kind,
 )
 from gqaify.shipped import SHIPPED_FILE, SHIPPED_MODULE
 
@@ -72,7 +71,6 @@ class SourceRecord:
         return cls(source.recorded_name, source.kind, path, source.revision, hashes, **source.provenance)
 
 
-@record_kind(CONVERSION, UPTRAINED)
 @dataclass(frozen=True, kw_only=True)
 class ConversionRecord(Provenance):
     """A conversion's record: gqaify.json in its folder, `to_gguf.RECORD_KEY` inside its GGUF file (`as_json`),

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import logging
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -26,18 +26,29 @@ from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_pro
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import REPORT_BYTES, write_report
-from gqaify.eval.results import EvalText, Generation, ModelReport, PanelSummary, Report, TextInfo, TextScore
-from gqaify.eval.settings import EvalSettings, decode_context
+from gqaify.eval.results import (
+    EvalText,
+    Generation,
+    ModelReport,
+    PanelSummary,
+    Report,
+    TextInfo,
+    TextScore,
+    model_labels,
+)
+from gqaify.eval.settings import DATA_PIN, EvalSettings, decode_context, window_length
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
 from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.leftovers import remove_leftovers
-from gqaify.models import device_problem, load_config, load_model, load_tokenizer, resolve_device
+from gqaify.locations import exists
+from gqaify.models import check_weights, device_problem, load_config, load_model, load_tokenizer, resolve_device
 from gqaify.outputs import destination_problems, overlap_problem, resolve_out, space_problem
 from gqaify.records import REPORT
 from gqaify.settings import recorded
 from gqaify.sizes import parse_size
-from gqaify.text.loading import NamedText, TextData, load_text, named_texts, tokenize
+from gqaify.text.loading import NamedText, TextData, load_text, named_texts, tokenize, tokens_sha256
+from gqaify.text.pins import local_path, located_all, panel_sha256, text_sha256
 
 LOG = logging.getLogger(__name__)
 
@@ -71,34 +82,35 @@ def evaluate(
 def run(settings: EvalSettings) -> Report:
     """The evaluation `settings` describe (see `evaluate`); what `gqaify eval` runs."""
     s = settings
-    stride = s.seq_len if s.stride is None else s.stride
     request = s.task_request()
     if s.out and s.out.strip():
         remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
     configs, budget, device = _check(s)
+    s = replace(s, seq_len=window_length(s.seq_len, configs))  # the models' positions where --seq-len is not set
+    stride = s.seq_len if s.stride is None else s.stride
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
     prompts = None if s.generate is None else list(s.generate or DEFAULT_PROMPTS)
     panel = _Panel(s, [(t, load_text(t.source, s.split, s.text_column)) for t in named_texts(s.data)])
+    sha256 = panel_sha256([(t.name, text_sha256(loaded.text)) for t, loaded in panel.texts])
+    raise_if_problems(DATA_PIN.problem(f"--data {' '.join(s.data)}", s.data_sha256, sha256))
     report = Report(
         data=[
             TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
             for t, loaded in panel.texts
         ],
-        settings={**recorded(s, frozenset({"force"})), "stride": stride, "device": str(device)},
+        settings={**_recorded(s, sha256), "stride": stride, "device": str(device)},
     )
     parent = None
     speeds = _Speeds(s, alone=len(s.models) == 1)
-    for i, name in enumerate(s.models):
+    for i, (name, label) in enumerate(zip(s.models, model_labels(s.models), strict=True)):
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
-        fingerprint = _fingerprint(tokenizer)
+        fingerprint, texts = panel.read(tokenizer, name)
         same_vocabulary = getattr(configs[i], "vocab_size", None) == getattr(configs[0], "vocab_size", None)
         reference = (
             parent if parent is not None and fingerprint == report.models[0].tokenizer and same_vocabulary else None
         )
-        scores = panel.score(
-            name, model, tokenizer, fingerprint, stride, reference, report.models[0].texts if report.models else None
-        )
-        ids = panel.ids(fingerprint)
+        scores = panel.score(label, model, texts, stride, reference, report.models[0].texts if report.models else None)
+        ids = texts[0].ids  # the KV cache, decode speed and diagnostics are measured on the first text's tokens
         LOG.info("measuring %s", name)
         entry = _model_report(name, model, configs[i], fingerprint, scores, ids, s, budget)
         if s.speed:
@@ -131,11 +143,22 @@ def run(settings: EvalSettings) -> Report:
     return report
 
 
+def _recorded(s: EvalSettings, sha256: str) -> dict:
+    """The settings as report.json records them: local paths absolute, links resolved (hub ids as given), and the
+    texts pinned by `sha256`, so that `gqaify eval --config report.json` evaluates the same texts from any folder, or
+    says they changed (--force is how that run went, not what it measured)."""
+    models = [local_path(m) for m in s.models]
+    resolved = replace(s, models=models, data=located_all(s.data), out=str(resolve_out(s.out)), data_sha256=sha256)
+    return recorded(resolved, frozenset({"force"}))
+
+
 class _Panel:
-    """The texts of the panel, and their tokens under each tokenizer met (by fingerprint).
+    """The texts of the panel, and their tokens under each tokenizer met, by what it does (`_fingerprint`).
 
     The first tokenizer to read a text cuts it at --max-tokens; the others read the same characters, so that word
-    perplexity and bits per byte compare every model on one span of each text.
+    perplexity and bits per byte compare every model on one span of each text. A tokenizer that reads every span as
+    one met before (the same ids) gets that one's tokens, and is the same tokenizer to the report, whatever its files
+    (a GGUF's vocabulary and the tokenizer.json it was written from).
     """
 
     def __init__(self, s: EvalSettings, texts: list[tuple[NamedText, TextData]]):
@@ -144,35 +167,36 @@ class _Panel:
         self.tokens: dict[tuple[str, str], EvalText] = {}  # (text, fingerprint) -> its tokens and their span
         self.tokenizers: set[str] = set()
 
-    def _tokens(self, named: NamedText, loaded: TextData, tokenizer, fingerprint: str, model_name: str) -> EvalText:
-        key = named.name, fingerprint
-        if key not in self.tokens:
-            span = self.spans[named.name]
-            found = tokenize(
-                tokenizer,
-                loaded.text[:span],
-                self.s.max_tokens if span is None else None,
-                f"--data {named.source} with the tokenizer of {model_name}",
-            )
-            self.spans[named.name] = found.chars
-            self.tokens[key] = EvalText.of(found.ids, loaded.text[: found.chars])
-            self.tokenizers.add(fingerprint)
-        return self.tokens[key]
+    def read(self, tokenizer, model_name: str) -> tuple[str, list[EvalText]]:
+        """`tokenizer`'s fingerprint, and the tokens of every text it scores with: those of the first tokenizer met
+        that read every span alike."""
+        found = [self._tokens(named, loaded, tokenizer, model_name) for named, loaded in self.texts]
+        fingerprint = _fingerprint(tokenizer, [whole for _, whole in found])
+        for (named, _), (text, _) in zip(self.texts, found, strict=True):
+            self.tokens.setdefault((named.name, fingerprint), text)
+        self.tokenizers.add(fingerprint)
+        return fingerprint, [self.tokens[named.name, fingerprint] for named, _ in self.texts]
 
-    def ids(self, fingerprint: str) -> torch.Tensor:
-        """The first text's tokens (the KV cache, decode speed and diagnostics are measured on them)."""
-        return self.tokens[self.texts[0][0].name, fingerprint].ids
+    def _tokens(self, named: NamedText, loaded: TextData, tokenizer, model_name: str) -> tuple[EvalText, torch.Tensor]:
+        """The tokens of one text to score (the first tokenizer's cut at --max-tokens), and of its span read whole:
+        what tokenizers are compared on (a cut at --max-tokens may end where reading the span alone would not)."""
+        span = self.spans[named.name]
+        what = f"--data {named.source} with the tokenizer of {model_name}"
+        found = tokenize(tokenizer, loaded.text[:span], self.s.max_tokens if span is None else None, what)
+        given = len(loaded.text[:span])
+        self.spans[named.name] = found.chars
+        whole = found.ids if found.chars == given else tokenize(tokenizer, loaded.text[: found.chars], None, what).ids
+        return EvalText.of(found.ids, loaded.text[: found.chars]), whole
 
     def score(
-        self, name: str, model, tokenizer, fingerprint: str, stride: int, parent, parent_scores: list[TextScore] | None
+        self, label: str, model, texts: list[EvalText], stride: int, parent, parent_scores: list[TextScore] | None
     ) -> list[TextScore]:
-        """`model` on every text; with `parent` (same tokenizer), its KL from the parent and its ratio to
-        `parent_scores`, the parent's own."""
+        """`model` on every text (`texts`, its tokens of each); with `parent` (same tokenizer), its KL from the
+        parent and its ratio to `parent_scores`, the parent's own."""
         s, scores = self.s, []
-        for i, (named, loaded) in enumerate(self.texts):
-            text = self._tokens(named, loaded, tokenizer, fingerprint, name)
-            LOG.info("evaluating %s on %s (%d tokens)", name, named.name, len(text.ids))
-            desc = f"{Path(name).name[:20]} · {named.name[:16]}"
+        for i, ((named, _), text) in enumerate(zip(self.texts, texts, strict=True)):
+            LOG.info("evaluating %s on %s (%d tokens)", label, named.name, len(text.ids))
+            desc = f"{label[-20:]} · {named.name[:16]}"
             ppl = perplexity(model, text.ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
             parent_perplexity = None if parent is None else parent_scores[i].perplexity
             scores.append(TextScore.of(named.name, ppl, text.words, text.text_bytes, parent_perplexity))
@@ -291,12 +315,14 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     problems += problems_in(device_problem(s.device))
     configs = []
     for name in s.models:
+        config = None
         try:
-            configs.append(load_config(name, trust_remote_code=s.trust_remote_code))
+            config = load_config(name, trust_remote_code=s.trust_remote_code)
+            check_weights(name)  # whole, before the first model is loaded (the parent is evaluated first)
         except UserError as exc:
             problems.append(str(exc))
-            configs.append(None)
-    problems += _position_problems(s, configs)
+        configs.append(config)
+    problems += _position_problems(s, configs) + problems_in(_stride_problem(s, configs))
     raise_if_problems(problems)
     return configs, budget, resolve_device(s.device)
 
@@ -311,7 +337,7 @@ def _out_problems(s: EvalSettings) -> list[str]:
     read = [(name, "the model") for name in s.models] + [(t.source, "the text") for t in texts]
     read += [(s.include_path, "--include-path")] if s.include_path else []
     for path, what in read:
-        local = isinstance(path, str) and path.strip() and Path(path).expanduser().exists()  # else a hub name
+        local = isinstance(path, str) and path.strip() and exists(path)  # else a hub name
         if local and (overlap := overlap_problem(out, path, what, "--out")):
             return [overlap]  # not "pass --force": the report would replace what it reports on
     return destination_problems(out, s.force, "--out", writes=REPORT) or problems_in(
@@ -327,7 +353,7 @@ def _position_problems(s: EvalSettings, configs: list) -> list[str]:
         positions = None if config is None else getattr(config, "max_position_embeddings", None)
         if not positions:
             continue
-        if s.seq_len > positions:
+        if s.seq_len is not None and s.seq_len > positions:
             problems.append(f"--seq-len {s.seq_len} exceeds the {positions} positions of {name}; lower --seq-len")
         if s.speed and s.decode_tokens >= positions:
             problems.append(
@@ -340,6 +366,15 @@ def _position_problems(s: EvalSettings, configs: list) -> list[str]:
     return problems
 
 
+def _stride_problem(s: EvalSettings, configs: list) -> str | None:
+    """--stride against the window the models' positions give where --seq-len is not set (`window_length`; against a
+    --seq-len given, the settings check it)."""
+    window = window_length(s.seq_len, configs)
+    if s.seq_len is not None or s.stride is None or s.stride <= window:
+        return None
+    return f"--stride {s.stride} exceeds the {window}-token windows the models' positions give; lower --stride"
+
+
 def _generation_problems(s: EvalSettings, name: str, positions: int) -> list[str]:
     """--generate's prompts, read with the tokenizer of `name` alone (no model yet), and --generate-tokens."""
     try:
@@ -350,7 +385,20 @@ def _generation_problems(s: EvalSettings, name: str, positions: int) -> list[str
     return [problem] if problem else []
 
 
-def _fingerprint(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    described = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+# A text every tokenizer also reads, beside the texts evaluated: words, numbers, code, accents, other scripts, emoji
+PROBE = "The café's naïve résumé, 3.14 × 2,048 tokens!\n\tdef f(x):  return x ** 2  # 東京 Привет 😀 <s></s>"
+
+
+def _fingerprint(tokenizer, texts: list[torch.Tensor]) -> str:
+    """What `tokenizer` does, hashed: the size of its vocabulary, its special tokens, its ids of `PROBE` and its ids of
+    the texts evaluated (`texts`). Tokenizers with equal fingerprints give the models the same ids, whatever their
+    files hold: a GGUF's vocabulary, read by transformers, is serialized otherwise than the tokenizer.json it was
+    written from, and reads text alike."""
+    special = {name: [value, tokenizer.convert_tokens_to_ids(value)] for name, value in _special_tokens(tokenizer)}
+    described = json.dumps([len(tokenizer), special, tokenizer(PROBE)["input_ids"], tokens_sha256(texts)])
     return hashlib.sha256(described.encode()).hexdigest()[:12]
+
+
+def _special_tokens(tokenizer) -> list[tuple[str, str | list[str]]]:
+    """The named special tokens (bos, eos, unk, pad, ...) of `tokenizer` that it has, by name."""
+    return sorted((name, value) for name, value in tokenizer.special_tokens_map.items() if value is not None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
@@ -248,3 +249,16 @@ class Report:
             "models": [asdict(m) for m in self.models],
             "notes": self.notes,
         }
+
+
+def model_labels(names: list[str]) -> list[str]:
+    """How tables and plots name each of the models `names` (paths, hub ids, .gguf files): the shortest ending of its
+    path that no other model's path shares, so that runs/up1/final and runs/up2/final read up1/final and up2/final,
+    and a model alone, or alone with its folder's name, reads as that name. A name given twice is shown whole."""
+    paths = [Path(name).parts or (name,) for name in names]
+    labels = []
+    for i, parts in enumerate(paths):
+        others = paths[:i] + paths[i + 1 :]
+        k = next((k for k in range(1, len(parts) + 1) if all(p[-k:] != parts[-k:] for p in others)), None)
+        labels.append(names[i] if k is None else str(Path(*parts[-k:])))
+    return labels

@@ -8,9 +8,13 @@ from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Output, Runtime
 from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
 from gqaify.text.loading import named_texts_problem
+from gqaify.text.pins import Pin, sha256_problem
 
+# data_sha256: the texts a rerun from a report must evaluate
+DATA_PIN = Pin("data_sha256", "evaluation", "its perplexities would differ", "evaluate")
 # batches beyond this are no serving batch: each row holds a KV cache of --decode-context + --decode-tokens tokens
 DECODE_BATCH_MAX = 4096
+SEQ_LEN_MOST = 2048  # the window where --seq-len is not set and the models have more positions
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,17 @@ class EvalSettings(Output, Runtime):
     )
     out = override(help="folder for the report")
     force = override(help="replace --out if it is empty or a report gqaify wrote (nothing else)")
+    data_sha256: str | None = setting(
+        None,
+        "SHA-256 of the texts --data must hold (report.json records it, so that a rerun refuses text that changed "
+        "since); '' evaluates any text",
+        check=sha256_problem,
+    )
     split: str = setting("test", "dataset split of data")
     text_column: str = setting("text", "column holding the text")
-    seq_len: int = setting(2048, "window length in tokens", check=Range(2))
+    seq_len: int | None = setting(
+        None, f"window length in tokens (default: the models' positions, at most {SEQ_LEN_MOST:,})", check=Range(2)
+    )
     stride: int | None = setting(
         None, "tokens between window starts (default: seq_len, no overlap)", check=Range(1, "seq_len")
     )
@@ -111,6 +123,13 @@ EVAL = Stage(
     foreign_names=FOREIGN_NAMES,
     record_kind="an eval report",
 )
+
+
+def window_length(seq_len: int | None, configs: list) -> int:
+    """The window length: `seq_len` (--seq-len) where set, else the fewest positions of the models' `configs`
+    (max_position_embeddings; None for a config that could not be read), at most `SEQ_LEN_MOST`."""
+    positions = [getattr(c, "max_position_embeddings", None) for c in configs if c is not None]
+    return seq_len or min([SEQ_LEN_MOST, *(p for p in positions if p)])
 
 
 def decode_context(asked: int, new_tokens: int, positions: int | None) -> int:

@@ -46,6 +46,7 @@ from gqaify.models import device_problem, resolve_device
 from gqaify.outputs import destination_problems, name_problem, resolve_out, space_problem
 from gqaify.records import CorpusRecord
 from gqaify.text.corpus_format import SHARDS, corpus_full_disk, shard_index, shard_name
+from gqaify.text.pins import local_path, located_all
 from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)
@@ -96,11 +97,17 @@ def generate_corpus(settings: GenerateSettings) -> Corpus:
     lines, prompts_sha256 = _prompt_lines(s)
     # recorded as they resolve: absolute paths (`--config OUT/gqaify.json` may be given from another folder), and
     # the device, whose random numbers are its own, so that a corpus is never resumed on another kind of device
-    model = str(resolve_out(s.model)) if Path(s.model).expanduser().exists() else s.model
-    prompts = None if s.prompts is None else str(resolve_out(s.prompts))
+    prompts = None if s.prompts is None else local_path(s.prompts)
     out = resolve_out(s.out)
     processes = Processes.launched()
-    s = replace(s, model=model, prompts=prompts, out=str(out), device=resolve_device(s.device).type)
+    s = replace(
+        s,
+        model=local_path(s.model),
+        prompts=prompts,
+        score_data=located_all(s.score_data),
+        out=str(out),
+        device=resolve_device(s.device).type,
+    )
     with contextlib.ExitStack() as held:
 
         def hold() -> None:  # the main process holds OUT for all of them
@@ -135,13 +142,14 @@ def _generate_into(
         raise_if_problems(problems_in(length_problem(s, parent.model)))
         scored = processes.on_main(lambda: ScoredText.read(s, parent.tokenizer))  # tokenized once, shared
         check_scored_text(out, record, s, scored.sha256)
+        s = replace(s, score_sha256=scored.sha256)  # what the record pins: a rerun from it must score this text
         rows_of = functools.partial(score_shard, parent, scored, s, digits=LOGPROB_DIGITS)
     else:
         prompts = _prompt_ids(s, parent.tokenizer, lines)
         _check_positions(s, parent.model, prompts)
         rows_of = functools.partial(_sample_shard, parent, prompts, s)
     if record is None:
-        record = new_record(s, prompts_sha256, scored.sha256 if s.score_data else None)
+        record = new_record(s, prompts_sha256, scored.sha256 if s.score_data else None, vocab)
 
     def begin() -> None:  # the record before any shard
         out.mkdir(parents=True, exist_ok=True)

@@ -11,21 +11,26 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.generation.settings import GenerateSettings
-from gqaify.outputs import destination_problems, resolve_out
+from gqaify.generation.settings import SCORE_PIN, GenerateSettings
+from gqaify.outputs import destination_problems
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record, record_text
 from gqaify.settings import recorded
-from gqaify.text.corpus_format import SHARDS, corpus_full_disk, refuse_unreadable_corpus
+from gqaify.text.corpus_format import SHARDS, corpus_full_disk, count_problem, refuse_unreadable_corpus
+from gqaify.text.pins import local_path, located_all
 from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)
 
 
-def new_record(s: GenerateSettings, prompts_sha256: str | None, score_sha256: str | None) -> CorpusRecord:
-    """The record of a corpus about to begin: no shard yet."""
+def new_record(
+    s: GenerateSettings, prompts_sha256: str | None, score_sha256: str | None, vocab_size: int
+) -> CorpusRecord:
+    """The record of a corpus about to begin: no shard yet (`vocab_size`: the parent's, which every reader's model
+    must have)."""
     return CorpusRecord(
         version=__version__,
         parent=s.model,
+        vocab_size=vocab_size,
         prompts_sha256=prompts_sha256,  # what a resumed run's --prompts must still hold
         score_sha256=score_sha256,  # what a resumed run's --score-data must still give
         settings=recorded(s),
@@ -61,9 +66,14 @@ def record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | Non
         raise UserError(
             f"{out} already exists and is not a corpus gqaify generate wrote; choose another OUT (nothing is replaced)"
         )
+    if damaged := count_problem(record, f"{out}: its record {out / PROVENANCE_FILE}"):
+        raise UserError(f"{damaged}; choose another OUT")
     theirs = {k: v for k, v in record.settings.items() if k in s.identity()}
-    if isinstance(theirs.get("prompts"), str):  # recorded relative by earlier versions: as from here
-        theirs["prompts"] = str(resolve_out(theirs["prompts"]))
+    for key in ("model", "prompts"):  # recorded relative, or with links, by earlier versions: as from here
+        if isinstance(theirs.get(key), str):
+            theirs[key] = local_path(theirs[key])
+    if isinstance(theirs.get("score_data"), list):
+        theirs["score_data"] = located_all(theirs["score_data"])
     changed = sorted(k for k, v in s.identity().items() if theirs.get(k) != v)
     if changed:
         was = ", ".join(f"{k} {theirs.get(k)!r} -> {getattr(s, k)!r}" for k in changed)
@@ -83,7 +93,9 @@ def record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | Non
 
 
 def check_scored_text(out: Path, record: CorpusRecord | None, s: GenerateSettings, sha256: str) -> None:
-    """Refuses to go on with a corpus whose --score-data gives other tokens now (`sha256`) than when it began."""
+    """Refuses to score other text than a rerun's record pins (score_sha256), or to go on with a corpus whose
+    --score-data gives other tokens now (`sha256`) than when it began."""
+    raise_if_problems(SCORE_PIN.problem(f"--score-data {' '.join(s.score_data)}", s.score_sha256, sha256))
     then = record.score_sha256 if record is not None else None
     if then is not None and then != sha256:
         raise UserError(

@@ -20,11 +20,15 @@ from gqaify.settings import (
     setting,
 )
 from gqaify.text.loading import named_texts_problem
+from gqaify.text.pins import Pin, sha256_problem
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
 # to and may not change: a GPU's random numbers are not the CPU's.
 RESUMABLE_CHANGES = frozenset({"out", "progress", "tokens"})
+# score_sha256: the text a rerun from a corpus's record must score (a resumed corpus's is checked on its own, against
+# the record's score_sha256, so it is no part of the settings a resume must repeat)
+SCORE_PIN = Pin("score_sha256", "corpus", "its blocks would differ", "score")
 # Stored log-probabilities cost 8 bytes (id and value) per kept token at every position, as JSON text more:
 # beyond a few hundred the file outweighs the teacher it replaces.
 TOP_LOGPROBS_MAX = 1024
@@ -95,6 +99,12 @@ class GenerateSettings(Out, Seed, Runtime):
     )
     score_split: str = setting("train", "split of --score-data")
     score_text_column: str = setting("text", "column of --score-data holding the text")
+    score_sha256: str | None = setting(
+        None,
+        "SHA-256 of the tokens --score-data must give (gqaify.json records it, so that a rerun refuses text that "
+        "changed since); '' scores any text",
+        check=sha256_problem,
+    )
     seed = override(help="seed: the same seed and settings write the same tokens")
     dtype = override(help="model dtype (auto: the config's; a .gguf: float32)")
 
@@ -122,7 +132,7 @@ class GenerateSettings(Out, Seed, Runtime):
 
     def identity(self) -> dict:
         """The settings that decide the tokens written: a resumed corpus must have the same."""
-        return recorded(self, leave_out=RESUMABLE_CHANGES)
+        return recorded(self, leave_out=RESUMABLE_CHANGES | {SCORE_PIN.setting})
 
 
 GENERATE = Stage(

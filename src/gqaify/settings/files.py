@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.records import TOOL
+from gqaify.records import TOOL, rerun_settings
 from gqaify.settings.fields import _describe, _hints, shown
 from gqaify.settings.stage import Stage, nearest
 
@@ -31,8 +31,9 @@ MAX_DEPTH = 32  # of YAML (PyYAML composes nodes recursively); settings are valu
 def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> dict:
     """The settings a --config file holds, as a dict of known keys.
 
-    A YAML mapping of field: value; or a record gqaify wrote (a conversion's gqaify.json, an evaluation's
-    report.json), whose "settings" are taken. `stages` are the other commands' (given by the caller, who knows
+    A YAML mapping of field: value; or a record gqaify wrote (any gqaify.json, uptrain's run.json, an evaluation's
+    report.json), whose settings are taken where it is this command's (`records.KINDS`), else refused, naming the
+    command that reruns it. `stages` are the other commands' (given by the caller, who knows
     them: this module is below them all): a file that holds one of theirs is named as such.
 
     Raises:
@@ -45,13 +46,14 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) 
 def read_settings_file(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> tuple[dict, bool]:
     """What `read_config` reads, and whether the file is a record gqaify wrote (a rerun)."""
     path = Path(path).expanduser()
-    if not path.exists() and stage.packaged is not None:
-        if (local := path.with_name(f"{path.name}.yaml")).exists():
+    # os.path.exists, as gqaify.locations.exists (a layer above): False, not ENAMETOOLONG, for too long a name
+    if not os.path.exists(path) and stage.packaged is not None:
+        if os.path.exists(local := path.with_name(f"{path.name}.yaml")):
             path = local  # NAME for ./NAME.yaml (what `gqaify recipes cp NAME .` writes) before the packaged NAME
         elif (found := stage.packaged(str(path))) is not None:
             path = found  # a packaged recipe, by name
     where = f"{stage.config_flags[0]} {path}"
-    values, record = _settings_in(_parse(_read_text(path, where), where), where)
+    values, record = _settings_in(stage, _parse(_read_text(path, where), where), where, path)
     _check_keys(stage, values, record, where, path, stages)
     return _numbers_from_text(values, stage, where), record
 
@@ -152,9 +154,12 @@ class _SettingsLoader(yaml.SafeLoader):
     An alias (`*name`) repeats a whole subtree by reference: nine levels of nine aliases are 81 aliases in a few
     hundred bytes, but 9**9 values to any code that walks them (a message's repr ran out of memory). Counting
     aliases would not catch that, and a settings file has no need for them, so every alias is refused.
+
+    An integer Python will not read (more digits than `sys.get_int_max_str_digits()`) is refused naming its key.
     """
 
     _depth = 0
+    _keys: tuple[str, ...] = ()  # the keys of the mappings whose values are being composed, outermost first
 
     def compose_node(self, parent, index):
         mark = self.peek_event().start_mark
@@ -163,10 +168,29 @@ class _SettingsLoader(yaml.SafeLoader):
         if self._depth >= MAX_DEPTH:
             raise _Refused(f"nests values more than {MAX_DEPTH} deep", "write values and lists of values", mark)
         self._depth += 1
+        keys = self._keys
+        if isinstance(index, yaml.ScalarNode):  # a mapping's value, `index` its key
+            self._keys = (*keys, index.value)
         try:
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
         finally:
             self._depth -= 1
+            self._keys = keys
+        self._check_integer(node, index.value if isinstance(index, yaml.ScalarNode) else (keys or (None,))[-1])
+        return node
+
+    def _check_integer(self, node, key: str | None) -> None:
+        """Refuse an integer scalar that Python's int() will not read (its int-str conversion limit)."""
+        if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:int":
+            return
+        try:
+            self.construct_yaml_int(node)
+        except ValueError:
+            digits = sum(c.isdigit() for c in node.value)
+            whose = f"gives {key} an integer" if key is not None else "holds an integer"
+            raise _Refused(
+                f"{whose} of {digits:,} digits", "no setting takes a number that long: fix the value", node.start_mark
+            ) from None
 
     def construct_mapping(self, node, deep=False):
         """A mapping whose keys are each given once: PyYAML keeps the last of a repeated key, silently dropping
@@ -185,8 +209,24 @@ class _SettingsLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _settings_in(values, where: str) -> tuple[dict, bool]:
-    """The settings mapping in a file's data (a record's "settings"), and whether it was a record gqaify wrote."""
+def _settings_in(stage: Stage, values, where: str, path: Path) -> tuple[dict, bool]:
+    """The settings mapping in a file's data (a record's: `records.rerun_settings`, or an eval's report.json's
+    "settings"), and whether it was a record gqaify wrote.
+
+    Raises:
+        UserError: a record another command reruns (named with that command), or one without settings.
+    """
+    rerun = rerun_settings(values, path.name)
+    if rerun is not None:
+        kind, settings = rerun
+        if kind.command != stage.command:
+            raise UserError(
+                f"{where} is {kind.said}, not {stage.command}'s; use `gqaify {kind.command} --config "
+                f"{shlex.quote(str(path))}`"
+            )
+        if settings is None:
+            raise UserError(f"{where} has no settings gqaify can read; check the file")
+        return settings, True
     record = isinstance(values, dict) and values.get("tool") == TOOL and "settings" in values
     if record:
         values = values["settings"]

@@ -35,7 +35,8 @@ class Range:
             return None  # the bound's own problem is reported
         above_low = low is None or (value > low if self.low_open else value >= low)
         below_high = high is None or (value < high if self.high_open else value <= high)
-        if math.isfinite(value) and above_low and below_high:
+        finite = isinstance(value, int) or math.isfinite(value)  # an int too large for a float is finite too
+        if finite and above_low and below_high:
             return None
         return ctx.requirement(field, value, f"must be {self.says or self.words(ctx)}", self.fix)
 

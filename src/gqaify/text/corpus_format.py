@@ -6,10 +6,13 @@ one check every reader makes before it reads a row (`gqaify.text.loading.load_ro
     OUT/data/train-00000.jsonl   batch_size rows: {"text", "prompt", "tokens"}, with --top-logprobs K also
                                  {"input_ids", "top_ids", "top_logprobs"}: a list of K at each of the input_ids
 
-`corpus_problems` refuses a corpus that is not the one its record describes: incomplete (a generate stopped
-before its end), a shard missing, cut short or not named by the record, a shard of another K, and stored
-log-probabilities that are not finite or above 0, ids outside the vocabulary, rows of ids and top-K not aligned.
-Each shard is parsed once by pyarrow and checked column by column, not token by token.
+`corpus_problems` refuses a corpus that is not the one its record describes: a record whose counts are no counts
+of a corpus (`count_problem`, asked before anything is made of a count; the shards it names are then counted from
+the files on disk), incomplete (a generate stopped before its end), a shard missing, cut short or not named by the
+record, a shard of another K, and stored log-probabilities that are not finite or above 0, ids outside the
+vocabulary, rows of ids and top-K not aligned. Each shard is parsed once by pyarrow and checked column by column,
+not token by token. A folder that is no corpus but holds corpora is refused (`nested_corpus_problem`): read as loose
+files, they would pass by these checks.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from gqaify._version import __version__
 from gqaify.errors import UserError
 from gqaify.records import CORPUS, PROVENANCE_FILE, CorpusRecord, read_provenance, read_record
+from gqaify.settings.fields import shown
 
 SHARDS = "data"  # the shards' folder in OUT
 TEXT = ("text", "prompt", "tokens")  # every row's columns
@@ -87,6 +91,23 @@ def refuse_unreadable_corpus(folder: Path, error: Exception, damaged: str, later
     )
 
 
+def nested_corpus_problem(folder: Path, option: str) -> str | None:
+    """A data folder that is no corpus but holds corpora below it (None: it holds none): read as loose files, their
+    shards would pass by every check a corpus's record makes (complete, one corpus, the length of its blocks)."""
+    inside = sorted(
+        record.parent
+        for record in folder.rglob(PROVENANCE_FILE)
+        if record.parent != folder and (header := read_provenance(record.parent)) is not None and header.kind == CORPUS
+    )
+    if not inside:
+        return None
+    held = f"the corpus {inside[0]}" if len(inside) == 1 else f"{len(inside)} corpora ({inside[0]} first)"
+    return (
+        f"{option} {folder} holds {held} among its files; a corpus is read only as itself, as its record describes "
+        f"it: name the corpus folder ({inside[0]}), or each corpus as a source of its own (NAME=FOLDER)"
+    )
+
+
 def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: int | None = None) -> list[str]:
     """What keeps the corpus in `folder` from being read as its record describes (empty: nothing).
 
@@ -100,29 +121,38 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
         return [f"{option} {exc}"]
     if record is None:
         return []
-    settings = record.settings
     # the record's settings, OUT named again: a corpus moved since keeps the OUT it was written to in its record
-    rerun = f"gqaify generate --config {shlex.quote(str(folder / PROVENANCE_FILE))} --out {shlex.quote(str(folder))}"
+    record_file = shlex.quote(str(folder / PROVENANCE_FILE))
+    rerun = f"gqaify generate --config {record_file} --out {shlex.quote(str(folder))}"
     where = f"{option} {folder}"
+    damaged = count_problem(record, f"{where}: its record {folder / PROVENANCE_FILE}")
+    if damaged:
+        return [
+            f"{damaged}; write the corpus again into an empty OUT (gqaify generate --config {record_file} --out NEW)"
+        ]
+    settings = record.settings
     if not record.complete:
         return [
             f"{where} is an incomplete corpus ({record.tokens:,} of {settings.get('tokens', 0):,} tokens; "
             f"its gqaify generate was stopped): finish it by rerunning the same command ({rerun})"
         ]
-    wanted = [folder / SHARDS / shard_name(i) for i in range(record.shards)]
-    missing = [p for p in wanted if not p.is_file()]
-    if missing:
+    # the shards named that are on disk, counted from the files there: a record's count allocates nothing
+    shards = folder / SHARDS
+    present = {i for f in files if f.parent == shards and (i := shard_index(f.name)) is not None and i < record.shards}
+    if len(present) < record.shards:
+        first = shards / shard_name(next(i for i in range(record.shards) if i not in present))
         return [
-            f"{where} lacks {len(missing)} of the {len(wanted)} shards its record names ({_short(missing[0], folder)} "
-            f"first); write them again with the same gqaify generate command ({rerun})"
+            f"{where} lacks {record.shards - len(present):,} of the {record.shards:,} shards its record names "
+            f"({_short(first, folder)} first); write them again with the same gqaify generate command ({rerun})"
         ]
+    wanted = [shards / shard_name(i) for i in range(record.shards)]  # each one a file on disk
     extra = sorted(set(files) - set(wanted))
     if extra:
         return [
             f"{where} holds {_short(extra[0], folder)}, which its record does not name; move it out of the corpus "
             "(gqaify generate writes every shard the record names)"
         ]
-    k, rows = int(settings.get("top_logprobs") or 0), int(settings.get("batch_size") or 0)
+    k, rows = settings.get("top_logprobs") or 0, settings.get("batch_size", 1)
     tokens, again = 0, f"delete it and rerun the same gqaify generate command to write it again ({rerun})"
     for path in wanted:
         table, found = _read_shard(path, folder, where)
@@ -151,6 +181,39 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
             f"since gqaify generate wrote them: write the corpus again ({rerun}) into an empty OUT"
         ]
     return []
+
+
+# What a corpus's record counts, by where it says it ("settings.batch_size": its settings' batch_size), and the least
+# each may be: a value that is no whole number from it on is a damaged record's
+_COUNTS = {
+    "shards": 0,
+    "samples": 0,
+    "tokens": 0,
+    "settings.tokens": 1,
+    "settings.batch_size": 1,
+    "settings.top_logprobs": 0,
+}
+
+
+def count_problem(record: CorpusRecord, where: str) -> str | None:
+    """What makes the counts of a corpus's `record` no counts of a corpus gqaify generate wrote (None: nothing): one
+    that is no whole number (or below its least), or samples other than its shards of batch_size samples. Asked
+    before anything is made of a count (a record of 10**12 shards was a list of 10**12 paths); `where` names the
+    record in the message, which ends before the fix."""
+    if not isinstance(record.settings, dict):
+        return f"{where} holds settings {shown(record.settings)}, not a mapping of setting: value: it is damaged"
+    for name, least in _COUNTS.items():
+        key = name.partition(".")[2]
+        value = record.settings.get(key, least) if key else getattr(record, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            return f"{where} says {name} {shown(value)}, which is no count of a corpus: it is damaged"
+    batch = record.settings.get("batch_size", 1)
+    if record.samples != record.shards * batch:
+        return (
+            f"{where} says {record.shards:,} shards of {batch:,} samples (settings.batch_size), but "
+            f"{record.samples:,} samples: it is damaged"
+        )
+    return None
 
 
 def stored_problem(table, where: str, fix: str, k: int | None = None, vocab_size: int | None = None) -> str | None:

@@ -1,7 +1,8 @@
 """Text data through `datasets`, and its tokens: the one loader for evaluation, uptraining and calibration.
 
 DATA is a local file (.txt, .jsonl/.json, .parquet, .csv), a local folder of such files, or a hub dataset
-written `name[:config]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1`. Rows are joined with blank lines
+written `name[:config][@split]`, e.g. `Salesforce/wikitext:wikitext-2-raw-v1` (a name that is neither an existing
+path nor that is refused as the settings are read: `_source_problem`). Rows are joined with blank lines
 ("\\n\\n"), the usual perplexity setup. A plain text file is one row, its text kept verbatim (datasets'
 default of a row per line would double every newline once joined); it has no columns, so a text column asked of
 the sources that have them does not apply to it. Where the hub does not answer, a hub dataset comes
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqaify.errors import UserError, one_line, raise_if_problems
+from gqaify.locations import exists, is_repo_id, lookup_problem
 from gqaify.logs import muted
 from gqaify.records import PROVENANCE_FILE
-from gqaify.text.corpus_format import STORED, corpus_problems, corpus_record, stored_problem
+from gqaify.text.corpus_format import STORED, corpus_problems, corpus_record, nested_corpus_problem, stored_problem
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +44,7 @@ class NamedText:
     @classmethod
     def parse(cls, value: str) -> NamedText:
         name, sep, source = value.partition("=")
-        if sep and _NAME.fullmatch(name) and source and not Path(value).expanduser().exists():
+        if sep and _NAME.fullmatch(name) and source and not exists(value):
             return cls(name, source)
         return cls(_default_name(value), value)
 
@@ -53,12 +55,13 @@ _NAME_RULE = "1 to 64 ASCII letters, digits, '_', '.' or '-', the first a letter
 
 def _named_text_problem(value: str, option: str) -> str | None:
     """What is wrong with one `NAME=SOURCE` value: a NAME that breaks the rule (where the value is no path
-    either), NAME= with no SOURCE, or a value that is both an existing file and NAME=SOURCE of an existing SOURCE."""
+    either), NAME= with no SOURCE, a value that is both an existing file and NAME=SOURCE of an existing SOURCE, or
+    a SOURCE that is neither a path nor a hub dataset (`_source_problem`)."""
     name, sep, source = value.partition("=")
     if not sep:
-        return None
-    if Path(value).expanduser().exists():
-        if _NAME.fullmatch(name) and source and Path(source).expanduser().exists():
+        return _source_problem(value, value, option)
+    if exists(value):
+        if _NAME.fullmatch(name) and source and exists(source):
             return (
                 f"{option} {value} is ambiguous: a file of that name exists, and so does {source}, which it would "
                 f"name {name!r}; write ./{value} for the file, or {name}=./{source} for {source} named {name!r}"
@@ -73,12 +76,44 @@ def _named_text_problem(value: str, option: str) -> str | None:
         return (
             f"{option} {value} names the text {name!r} but no source after '='; write NAME=SOURCE, e.g. {name}=wiki.txt"
         )
-    return None
+    return _source_problem(source, value, option)
+
+
+def _source_problem(source: str, value: str, option: str) -> str | None:
+    """What is wrong with a text's SOURCE (of `value`, as given): a name the file system cannot look up, or a name
+    that is no existing path, none meant (`_path_like`: a missing one is `load_rows`' to tell), and no hub dataset."""
+    if problem := lookup_problem(source, option):
+        return problem
+    if exists(source) or _path_like(source) or _hub_dataset(source) is not None:
+        return None
+    return _no_source(source, value, option)
+
+
+def _no_source(source: str, value: str, option: str) -> str:
+    return (
+        f"{option} {value}: no such file or folder, and {source!r} is no hub dataset (owner/name[:config][@split], "
+        "e.g. Salesforce/wikitext:wikitext-2-raw-v1@test); check the path or the dataset's name"
+    )
+
+
+def _path_like(data: str) -> bool:
+    """Whether `data` is meant as a local path (a data file's suffix, or ./ / ~ first), not as a hub dataset."""
+    return Path(data).suffix in _BUILDERS or data.startswith((".", "/", "~"))
+
+
+def _hub_dataset(data: str) -> tuple[str, str, str] | None:
+    """The hub dataset `name[:config][@split]` as (name, config, split), '' for a part not given; None where `data`
+    is none (its name no hub repository id, or ':' or '@' followed by nothing)."""
+    rest, at, split = data.partition("@")
+    name, colon, config = rest.partition(":")
+    if not is_repo_id(name) or (colon and not config) or (at and not split):
+        return None
+    return name, config, split
 
 
 def _default_name(source: str) -> str:
     path = Path(source).expanduser()
-    if path.suffix in _BUILDERS or path.exists():
+    if path.suffix in _BUILDERS or exists(path):
         return path.stem or path.name or source
     return source.split("@")[0].split(":")[0].rsplit("/", 1)[-1] or source  # a hub dataset: no owner, config, split
 
@@ -142,12 +177,14 @@ def load_rows(
     corpus = False
     builder = None
     try:
-        if path.exists():
+        if exists(path):
             builder, files = _local_files(path, option)
             _check_readable(builder, files, option)
             corpus = path.is_dir() and corpus_record(path) is not None
             if corpus:
                 raise_if_problems(corpus_problems(path, files, option, vocab_size))
+            elif path.is_dir():
+                raise_if_problems(nested_corpus_problem(path, option))
             # A local file is one split, whatever it is called: name it as asked so that `split` holds.
             options = {"sample_by": "document"} if builder == "text" else {}
             files_by_split = {split: [str(f) for f in files]}
@@ -159,7 +196,7 @@ def load_rows(
                 # Plain text has no columns: its one column ("text") is the text, whatever column is asked of the
                 # sources that have them (a panel of a .txt and a .jsonl whose column is "content").
                 dataset = dataset.rename_column("text", text_column)
-        elif path.suffix in _BUILDERS or data.startswith((".", "/", "~")):
+        elif _path_like(data):
             raise UserError(f"{option} {data}: no such file or folder; check the path")
         else:
             dataset = _load_hub(data, split, streaming, option)
@@ -175,7 +212,7 @@ def load_rows(
     columns = dataset.column_names  # None for some streamed sets: then a missing column shows on first read
     if columns is not None and text_column is not None and text_column not in columns:
         raise UserError(f"{option} {data} has no column {text_column!r}; pass --text-column with one of {columns}")
-    if path.exists() and not corpus and not streaming and set(STORED) <= set(columns):
+    if exists(path) and not corpus and not streaming and set(STORED) <= set(columns):
         fix = "write it again with gqaify generate --top-logprobs K"
         raise_if_problems(stored_problem(dataset.data.table, f"{option} {data}", fix, vocab_size=vocab_size))
     return dataset
@@ -192,8 +229,10 @@ def _load_hub(data: str, split: str, streaming: bool, option: str):
 
     from gqaify.hub import offline_unless_reachable
 
-    data, _, own_split = data.partition("@")
-    name, _, config = data.partition(":")
+    hub = _hub_dataset(data)
+    if hub is None:
+        raise UserError(_no_source(data, data, option))
+    name, config, own_split = hub
     split = own_split or split
     with offline_unless_reachable() as why:
         if why is not None and streaming:

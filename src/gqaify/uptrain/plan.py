@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import reprlib
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,7 @@ class Launch:
                 f"distributed_type {kind}; give a DDP or FSDP config"
             )
         fsdp = kind == "FSDP"
-        if fsdp and int((config.get("fsdp_config") or {}).get("fsdp_version", 1)) != 2:
+        if fsdp and _fsdp_version(config, path) != 2:
             raise UserError(f"--plan {path}: gqaify plans FSDP2 only; set fsdp_version: 2")
         processes = 1 if config.get("num_processes") is None else config["num_processes"]
         if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
@@ -80,6 +81,24 @@ class Launch:
                 "number of processes the launch starts"
             )
         return cls(processes, fsdp and processes > 1, str(config.get("mixed_precision") or "no"))
+
+
+def _fsdp_version(config: dict, path: Path) -> int:
+    """The FSDP version an accelerate config's fsdp_config asks for (1 where it does not say: accelerate's default).
+
+    Raises:
+        UserError: fsdp_config is no mapping, or its fsdp_version is neither 1 nor 2.
+    """
+    fsdp_config = config.get("fsdp_config") or {}
+    if not isinstance(fsdp_config, dict):
+        raise UserError(
+            f"--plan {path}: fsdp_config must be a mapping of fsdp_* keys, got {reprlib.repr(fsdp_config)}; "
+            "write it as `accelerate config` does (fsdp_config: then fsdp_version: 2 indented below it)"
+        )
+    version = fsdp_config.get("fsdp_version", 1)
+    if isinstance(version, bool) or version not in (1, 2, "1", "2"):  # accelerate passes it on as text
+        raise UserError(f"--plan {path}: fsdp_config's fsdp_version {version!r} is not 1 or 2; set fsdp_version: 2")
+    return int(version)
 
 
 @dataclass(frozen=True)

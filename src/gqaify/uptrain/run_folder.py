@@ -28,7 +28,7 @@ from gqaify.outputs import write_provenance
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
-from gqaify.text.pins import located
+from gqaify.text.pins import local_path, located
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.report import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
@@ -90,11 +90,13 @@ def _located(values: dict) -> dict:
     `s-gqa2/`, `./s-gqa2` and its absolute path are one model. A hub name, or a path that is not there, is kept as
     it is."""
 
-    def found(value):
-        return located(value) if isinstance(value, str) else value
+    def found(value, where=local_path):
+        return where(value) if isinstance(value, str) else value
 
     changed = {k: found(values[k]) for k in PATH_SETTINGS if k in values}
-    changed |= {k: [found(v) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)}
+    changed |= {
+        k: [found(v, located) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)
+    }
     return {**values, **changed}
 
 
