@@ -195,7 +195,7 @@ def training_loader(s: UptrainSettings, tokenizer, accelerator):
             blocks, counts = mixed(blocks, s.data_weights, s.seed, limit=max(steps, 1) * blocks_per_step)
             if counts is not None:
                 LOG.info("data: %s", ", ".join(f"{t.name} {n:,} blocks" for t, n in zip(sources, counts, strict=True)))
-    if problem := s.step_problem(accelerator.num_processes):  # steps < 1
+    if problem := s.step_problem(accelerator.num_processes):  # steps < 1, or fewer than eval_points
         raise UserError(problem)
     if s.streaming:  # the size is unknown: read as far as one step needs
         head = [block["input_ids"] for block in itertools.islice(blocks, blocks_per_step)]

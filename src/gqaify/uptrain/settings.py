@@ -22,10 +22,12 @@ from gqaify.conversion.options import ConvertSettings, MethodSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
+from gqaify.locations import exists
 from gqaify.packaged import find, recipe_by_name
 from gqaify.settings import (
     QUIET,
     Excludes,
+    Limit,
     Needs,
     OnePerItem,
     Option,
@@ -47,6 +49,10 @@ TASK_FLAGS = {
     "include_path": "eval_include_path",
 }
 POSITIVE = Range(1, says="a positive integer")
+# eval_points and save_every when not given (`evaluations`, `checkpoint_due`)
+EVAL_POINTS = 8
+CHECKPOINTS_PER_RUN = 10  # a checkpoint every tenth of the run at least...
+CHECKPOINT_SECONDS = 600  # ...and after every 10 minutes without one, whichever comes first
 # The fields of the conversion: checked only when there is one to run (kv_heads set)
 CONVERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(MethodSettings))
 
@@ -133,7 +139,9 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
         "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
         check=_peft_problem,
     )
-    lora_rank: int = setting(16, "rank of the adapters, for trainable lora", check=POSITIVE)
+    lora_rank: int = setting(
+        16, "rank of the adapters, for trainable lora (at most the model's hidden size)", check=POSITIVE
+    )
     lora_alpha: float = setting(
         32.0, "scale of the adapters (alpha / rank multiplies them), for trainable lora", check=Range(0, low_open=True)
     )
@@ -160,15 +168,22 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
         check=named_texts_problem,
     )
     eval_split: str = setting("test", "split of eval_data")
-    eval_tokens: int = setting(16384, "evaluate on the first N tokens of each eval_data text", check=POSITIVE)
-    eval_seq_len: int | None = setting(None, "perplexity window (default seq_len)", check=POSITIVE)
-    eval_every: int = setting(
-        0, "also evaluate every N steps (0: only at the start and the eval_points)", check=Range(0)
+    eval_tokens: int = setting(
+        16384, "evaluate on the first N tokens of each eval_data text (a shorter text: all of it)", check=POSITIVE
     )
-    eval_points: int = setting(
-        8,
+    eval_seq_len: int | None = setting(
+        None, "perplexity window (default seq_len; at most the model's positions)", check=POSITIVE
+    )
+    eval_every: int = setting(
+        0,
+        "also evaluate every N steps (0, or more than the run's steps: only at the start and the eval_points)",
+        check=Range(0),
+    )
+    eval_points: int | None = setting(
+        None,
         "evaluations after the start, at steps spaced evenly in log(tokens), the last at the end: the recovery curve "
-        "(recovery.png, recovery.md) and its forecast (0: the end only)",
+        f"(recovery.png, recovery.md) and its forecast (0: the end only; at most the run's steps; default: "
+        f"{EVAL_POINTS}, fewer in a shorter run)",
         check=Range(0),
     )
     target_kl: float = setting(
@@ -185,16 +200,26 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
     parent: str | None = setting(
         None, "model whose perplexity the plot shows as a line (default distill_from, or the converted source)"
     )
-    save_every: int = setting(100, "checkpoint every N steps (0: none; resume needs them)", check=Range(0))
-    save_total_limit: int = setting(2, "checkpoints kept", check=POSITIVE)
-    log_every: int = setting(1, "write metrics every N steps", check=POSITIVE)
+    save_every: int | None = setting(
+        None,
+        "checkpoint every N steps and at the end (0: none; resume needs them; more than the run's steps: the end "
+        f"only; default: every tenth of the run, and after {CHECKPOINT_SECONDS // 60} minutes without one)",
+        check=Range(0),
+    )
+    save_total_limit: int = setting(2, "checkpoints kept (more than the run writes: all)", check=POSITIVE)
+    log_every: int = setting(
+        1, "write metrics every N steps and at the end (more than the run's steps: the end only)", check=POSITIVE
+    )
     log_to: list[Tracker] = setting([], f"extra trackers: {', '.join(TRACKERS)}")
     push_to_hub = override(help="upload final/, once complete, to this hub repository (owner/name)")
     dist_timeout: int = setting(
         3600,
         "seconds processes wait for each other (the main one converts the model first; raise it for a large "
-        "calibrated conversion, or convert beforehand with gqaify convert)",
-        check=POSITIVE,
+        "calibrated conversion, or convert beforehand with gqaify convert; at most a week)",
+        check=(
+            POSITIVE,
+            Limit(7 * 24 * 3600, "a week, longer than any conversion takes; far more overflows torch's timer"),
+        ),
     )
 
     def problems(self) -> list[str]:
@@ -255,19 +280,40 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
     def step_problem(self, processes: int) -> str | None:
-        """A budget smaller than one optimizer step of `processes` processes (it trains nothing; a batch that large
-        is refused before anything is planned, loaded or read). Unknown or broken budgets are other problems."""
+        """A budget smaller than one optimizer step of `processes` processes (it trains nothing: refused before
+        anything is planned, loaded or read), or more eval_points than the run's steps (one evaluation per step at
+        most). Unknown or broken budgets are other problems."""
         try:
             budget = self.budget()
         except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
             return None
         step = self.tokens_per_step_per_process * processes
-        if budget <= 0 or budget >= step:
+        if budget <= 0:
             return None
-        return (
-            f"the budget of {budget:,} tokens is less than one optimizer step of {step:,} "
-            "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
-        )
+        if budget < step:
+            return (
+                f"the budget of {budget:,} tokens is less than one optimizer step of {step:,} "
+                "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+            )
+        steps = budget // step
+        if self.eval_points is not None and self.eval_points > steps:
+            return (
+                f"eval_points {self.eval_points:,} is more than the {steps:,} optimizer steps of this run (the budget "
+                f"over micro_batch_size x grad_accum x processes x seq_len); give at most {steps:,}"
+            )
+        return None
+
+    def evaluations(self) -> int:
+        """eval_points, by default `EVAL_POINTS` (steps that round alike merge: a short run has fewer)."""
+        return EVAL_POINTS if self.eval_points is None else self.eval_points
+
+    def checkpoint_due(self, step: int, steps: int, seconds_since: float) -> bool:
+        """Whether a run of `steps` checkpoints after `step`, `seconds_since` its last one (or its start): every
+        save_every steps and at the end; by default every tenth of the run, or sooner once `CHECKPOINT_SECONDS`
+        have passed (a launch's processes must agree on the seconds: each has its own clock)."""
+        every = max(1, steps // CHECKPOINTS_PER_RUN) if self.save_every is None else self.save_every
+        by_time = self.save_every is None and seconds_since >= CHECKPOINT_SECONDS
+        return every > 0 and (step % every == 0 or step == steps or by_time)
 
     def task_request(self) -> TaskRequest:
         """The lm-evaluation-harness tasks scored at each evaluation (no names: none)."""
@@ -432,7 +478,7 @@ def accelerate_config(name: str) -> Path:
     Raises:
         UserError: neither a file nor packaged.
     """
-    path = Path(name) if Path(name).is_file() else find(name)
+    path = Path(name) if exists(name) and Path(name).is_file() else find(name)
     if path is None:
         raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
     return path

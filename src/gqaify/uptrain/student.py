@@ -78,10 +78,18 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if n in names]
 
 
+# the decay after warm-up, as a factor of lr at p, the fraction of the decay's steps gone (transformers' schedules)
+DECAY = {
+    "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+    "linear": lambda p: 1 - p,
+    "constant": lambda p: 1.0,
+}
+
+
 def optimizer_and_schedule(s: UptrainSettings, params: list[torch.nn.Parameter], steps: int, accelerator):
-    """AdamW over `params` (matrices decay; norms and biases do not) and its warm-up + decay schedule."""
+    """AdamW over `params` (matrices decay; norms and biases do not) and its warm-up + decay schedule
+    (`lr_factor`)."""
     from accelerate.utils import DistributedType
-    from transformers import get_scheduler
 
     decay = [p for p in params if p.ndim >= 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": [p for p in params if p.ndim < 2]}]
@@ -89,9 +97,18 @@ def optimizer_and_schedule(s: UptrainSettings, params: list[torch.nn.Parameter],
     # whose sharded parameters accelerate swaps into the optimizer after prepare.
     fused = accelerator.distributed_type != DistributedType.FSDP
     optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0, fused=fused)
-    warmup = math.ceil(s.warmup * steps) if s.warmup < 1 else int(s.warmup)
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[s.schedule]
-    return optimizer, get_scheduler(name, optimizer, num_warmup_steps=min(warmup, steps), num_training_steps=steps)
+    warmup = min(math.ceil(s.warmup * steps) if s.warmup < 1 else int(s.warmup), steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, steps, s.schedule))
+    return optimizer, schedule
+
+
+def lr_factor(step: int, warmup: int, steps: int, schedule: str) -> float:
+    """The factor of lr that optimizer step `step` (from 0) of `steps` uses: a linear warm-up over the first `warmup`
+    steps that starts above 0 (step k of it at (k + 1) / (warmup + 1): no step is taken at lr 0), then the decay
+    `schedule` names (`DECAY`) from lr down over the steps left."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    return max(0.0, DECAY[schedule]((step - warmup) / max(1, steps - warmup)))
 
 
 def load_teacher(s: UptrainSettings, accelerator, vocab_size: int):

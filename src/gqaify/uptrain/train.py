@@ -299,7 +299,8 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
     )
     started, tokens_at_start = time.perf_counter(), progress.tokens
     clock = started  # progress.seconds counts training alone: the clock restarts after an evaluation or a save
-    at = set(eval_steps(steps, s.eval_points))
+    saved = started  # the last checkpoint (or the start): a default run writes one at least every few minutes
+    at = set(eval_steps(steps, s.evaluations()))
     step_loss = torch.zeros(2, device=accelerator.device)  # (loss, LM loss) summed over micro-batches
     window = 0  # micro-batches since the last optimizer step: grad_accum, or fewer where an epoch ends
     while progress.step < steps:
@@ -314,6 +315,7 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
                 if accelerator.sync_gradients:
                     if s.max_grad_norm > 0:  # the prepared model's parameters: FSDP replaces the originals
                         accelerator.clip_grad_norm_(model.parameters(), s.max_grad_norm)
+                    lr = scheduler.get_last_lr()[0]  # the step's: the schedule moves on after it
                     optimizer.step()
                     if not accelerator.optimizer_step_was_skipped:
                         scheduler.step()
@@ -324,7 +326,12 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
             progress.step += 1
             progress.tokens += tokens_per_step // s.grad_accum * window
             progress.seconds += time.perf_counter() - clock
-            loss, lm_loss = (accelerator.reduce(step_loss, "mean") / window).tolist()  # micro-batch means
+            # the micro-batch means, and the seconds since the last checkpoint as the processes' mean (each process
+            # has its own clock; a checkpoint is written by all of them or none)
+            means = accelerator.reduce(
+                torch.cat([step_loss, step_loss.new_tensor([time.perf_counter() - saved])]), "mean"
+            )
+            loss, lm_loss = (means[:2] / window).tolist()
             if not math.isfinite(loss):  # every process reads the same mean: all stop here, none waits
                 bar.close()
                 kept = latest_checkpoint(run.out / CHECKPOINTS)
@@ -343,15 +350,16 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
                     "tokens": progress.tokens,
                     "loss": loss,
                     "lm_loss": lm_loss,
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "tokens_per_s": rate,
                     "time": time.time(),
                 }
                 accelerator.log(row, step=progress.step)
             if evaluate and (progress.step in at or s.eval_every and progress.step % s.eval_every == 0):
                 evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
-            if s.save_every and (progress.step % s.save_every == 0 or progress.step == steps):
+            if s.checkpoint_due(progress.step, steps, seconds_since=means[2].item()):
                 save_checkpoint(accelerator, run.out / CHECKPOINTS, progress, s.save_total_limit)
+                saved = time.perf_counter()
             clock = time.perf_counter()
             if progress.step == steps:
                 break
