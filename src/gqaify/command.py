@@ -74,10 +74,15 @@ def say(line: str) -> None:
 
 
 def quiet_transformers() -> None:
-    """Turn off transformers' own progress bars (loading and saving a model), which would cut into gqaify's."""
+    """Turn off transformers' own progress bars ("Loading weights", the hub's downloads, "Converting and de-quantizing
+    GGUF tensors"), which printed between gqaify's lines, -q or not: a command shows one bar per long step, its own,
+    and -q silences that too. Each command calls this before it loads a model. transformers' GGUF reader draws its bar
+    with tqdm itself, past transformers' switch: it is given the bar that follows the switch."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
+    gguf_reader.tqdm = transformers_logging.tqdm
 
 
 def _reader_gone() -> int:

@@ -8,10 +8,10 @@ import math
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.eval.results import ModelReport, Report, TaskScore
+from gqaify.eval.results import ModelReport, Report, TaskScore, model_labels
 from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
-from gqaify.figures import figure, readable_xticks
+from gqaify.figures import distinct_colors, figure, integer_ticks, log_scale, readable_xticks
 from gqaify.outputs import staged, write_provenance
 from gqaify.records import REPORT, ReportRecord
 from gqaify.summary import printable
@@ -23,13 +23,15 @@ PLOT_PANEL = "perplexity_by_text.png"
 PLOT_SIZE = (6.4, 4.4)  # inches, at figures.figure's 120 dpi
 REPORT_BYTES = 1 << 20  # room the report needs, checked before the evaluation: its files are a few hundred KB
 
-COLUMNS = ["model", "kv heads", "ppl", "Δppl", "KV bytes/token", "KV ratio", "max context (bound)"]
+COLUMNS = ["model", "kv heads", "ppl ({text})", "Δppl", "KV bytes/token", "KV ratio", "max context (bound)"]
 
 
 def columns(report: Report) -> list[str]:
-    """The table's header: the decode column says its context, where the cache's size shows in the speed only
-    when it is long (README's 8,192-token figures: MQA 1.51× MHA's speed on a GPU)."""
-    return [*COLUMNS, f"decode tok/s @{_decode_context(report):,} ctx"]
+    """The table's header: the perplexity column names its text (the panel's first), the decode column its context,
+    where the cache's size shows in the speed only when it is long (README's 8,192-token figures: MQA 1.51× MHA's
+    speed on a GPU)."""
+    text = printable(report.data[0].name)
+    return [*(c.format(text=text) for c in COLUMNS), f"decode tok/s @{_decode_context(report):,} ctx"]
 
 
 def _decode_context(report: Report) -> int:
@@ -60,7 +62,7 @@ def panel_rows(report: Report) -> list[list[str]]:
     """The panel as rows: a header, then one row per text (its perplexity under each model, and beside each other
     model's its ratio to the parent's and its KL from the parent), then with several texts the mean and the worst
     over them (the KL's too)."""
-    names = [printable(Path(m.model).name) for m in report.models]
+    names = [printable(label) for label in _labels(report)]
     rows = [["text", "tokens", *names]]
     for i, info in enumerate(report.data):
         cells = [printable(info.name), f"{report.models[0].texts[i].tokens_scored:,}"]
@@ -90,6 +92,11 @@ def panel_rows(report: Report) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _labels(report: Report) -> list[str]:
+    """How the tables name each model (`results.model_labels`): up1/final and up2/final, not final twice."""
+    return model_labels([m.model for m in report.models])
 
 
 def _summary(panel, ratio, kl, where) -> str:
@@ -195,8 +202,8 @@ def _headline_rows(report: Report) -> list[tuple[str, str, list[tuple[str, str]]
     rows = []
     for task, first in per_model[0].items():
         cells = [
-            (printable(Path(m.model).name), f"{found[task].value:.4f}" if task in found else "—")
-            for m, found in zip(report.models, per_model, strict=True)
+            (printable(label), f"{found[task].value:.4f}" if task in found else "—")
+            for label, found in zip(_labels(report), per_model, strict=True)
         ]
         rows.append((task, first.metric, cells))
     return rows
@@ -221,7 +228,7 @@ def task_lines(report: Report) -> list[str]:
         f"lm-evaluation-harness, few-shot: {shots}{limit}. Each converted model's score with its difference "
         "from the parent's; ± is the harness's standard error.",
         "",
-        "| task | metric | n | " + " | ".join(_md(Path(m.model).name) for m in report.models) + " |",
+        "| task | metric | n | " + " | ".join(_md(label) for label in _labels(report)) + " |",
         "|---|---|---|" + "---|" * len(report.models),
     ]
     for key, n in keys.items():
@@ -248,7 +255,8 @@ def generation_lines(report: Report) -> list[str]:
     lines = ["## Generations", "", f"Greedy, at most {report.settings['generate_tokens']} new tokens.", ""]
     for i, prompt in enumerate(prompts):
         lines += [f"**{_md(prompt)}** …", "", "| model | continuation |", "|---|---|"]
-        lines += [f"| {_md(Path(m.model).name)} | {_md(m.generations[i].text)} |" for m in report.models]
+        named = zip(_labels(report), report.models, strict=True)
+        lines += [f"| {_md(label)} | {_md(m.generations[i].text)} |" for label, m in named]
         lines.append("")
     return lines
 
@@ -269,8 +277,8 @@ def panel_lines(report: Report) -> list[str]:
         "## Perplexity by text",
         "",
         f"Texts: {texts}. Each converted model's perplexity with its ratio to the parent's on the same tokens and "
-        "its KL from the parent's next-token distribution (nats per token); with several texts, the mean and the "
-        "worst over them.",
+        "its KL from the parent's next-token distribution (nats per token, over every token scored); with several "
+        "texts, the mean and the worst over them.",
         "",
         "| " + " | ".join(_md(c) for c in header) + " |",
         "|---|" + "---:|" * (len(header) - 1),
@@ -297,14 +305,14 @@ def markdown(report: Report) -> str:
         f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {_decode_context(report):,}-token prefill, "
         f"{_decode_runs(report, s['repeats'])}.",
         "",
-        "| " + " | ".join(columns(report)) + " |",
+        "| " + " | ".join(_md(c) for c in columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
         *["| " + " | ".join(row) + " |" for row in table_rows(report)],
         "",
         *[f"Note: {n}" for n in report.notes],
         "",
         "| model | word ppl | bits/byte | KV bytes measured = analytic | prefill tok/s | decode tok/s "
-        f"(batch {s['decode_batch']}) | mean attn rel. error | KL to parent (nats/token) |",
+        f"(batch {s['decode_batch']}) | mean attn rel. error | {_diagnostics_kl(report)} |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for m in report.models:
@@ -322,59 +330,68 @@ def markdown(report: Report) -> str:
     return "\n".join(lines + panel_lines(report) + task_lines(report) + generation_lines(report))
 
 
+def _diagnostics_kl(report: Report) -> str:
+    """The diagnostics' KL column: measured in one pass on the first text's first tokens, not the panel's KL."""
+    n = next((m.diagnostics.tokens for m in report.models if m.diagnostics), None)
+    scope = "" if n is None else f" on the first {n:,} tokens of {_md(report.data[0].name)} only"
+    return f"KL to parent{scope} (nats/token)"
+
+
 def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-def _against_kv(ax, ylabel: str, title: str, x_margin: float) -> None:
-    """Label axes that plot each model against its KV cache bytes per token (log scale), the parent starred, with
-    `x_margin` of room for the models' names beside their points."""
-    ax.set_xscale("log")
+def _against_kv(ax, ylabel: str, title: str) -> None:
+    """Label axes that plot each model against its KV cache bytes per token (log scale, plain round numbers), and
+    name each model, in its colour, in their legend."""
+    log_scale(ax, "x")
     ax.set_xlabel("KV cache bytes per token")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title} vs KV cache (★ parent)")
-    ax.margins(x=x_margin, y=0.15)
+    ax.set_title(title)
+    ax.margins(x=0.1, y=0.15)
+    if ax.get_legend_handles_labels()[0]:  # none where every model diverged
+        ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
 
 
 def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
-    """Each model's perplexity (log scale) against its KV bytes per token; a model whose perplexity is not finite (a
-    diverged one) has no point."""
+    """Each model's perplexity on the first text (log scale) against its KV bytes per token, in its colour; a model
+    whose perplexity is not finite (a diverged one) has no point."""
     with figure(path, PLOT_SIZE) as ax:
-        for i, m in enumerate(report.models):
+        names, colors = _labels(report), distinct_colors(len(report.models))
+        for i, (m, color) in enumerate(zip(report.models, colors, strict=True)):
             if not math.isfinite(m.perplexity):
                 continue
-            ax.scatter(m.kv_cache_bytes_per_token, m.perplexity, s=60, marker="*" if i == 0 else "o", zorder=3)
-            ax.annotate(
-                f"{Path(m.model).name} (G={m.num_key_value_heads})",
-                (m.kv_cache_bytes_per_token, m.perplexity),
-                textcoords="offset points",
-                xytext=(6, 4),
-                fontsize=8,
-            )
+            label = f"{names[i]} (G={m.num_key_value_heads})"
+            x, y = m.kv_cache_bytes_per_token, m.perplexity
+            ax.scatter(x, y, s=90 if i == 0 else 60, marker="*" if i == 0 else "o", color=color, label=label, zorder=3)
         if any(math.isfinite(m.perplexity) for m in report.models):
-            ax.set_yscale("log")
-        _against_kv(ax, "perplexity", "Perplexity", x_margin=0.2)
+            log_scale(ax, "y")
+        _against_kv(ax, f"perplexity on {report.data[0].name}", "Perplexity vs KV cache (★ parent)")
 
 
 def plot_panel(report: Report, path: Path) -> None:
     """Each converted model's perplexity ratio to the parent on each text, side by side (log scale, 1 = the
     parent's)."""
     with figure(path, PLOT_SIZE) as ax:
-        others = [m for m in report.models[1:] if m.panel is not None or any(t.ratio_to_parent for t in m.texts)]
+        colors = distinct_colors(len(report.models))  # a model's colour in every plot of the report
+        others = [
+            (k, m) for k, m in enumerate(report.models) if k and (m.panel or any(t.ratio_to_parent for t in m.texts))
+        ]
         width = 0.8 / max(len(others), 1)
-        for j, m in enumerate(others):
+        for j, (k, m) in enumerate(others):
             ratios = [t.ratio_to_parent or float("nan") for t in m.texts]
             ax.bar(
                 [i + (j - (len(others) - 1) / 2) * width for i in range(len(ratios))],
                 ratios,
                 width,
-                label=f"{Path(m.model).name} (G={m.num_key_value_heads})",
+                color=colors[k],
+                label=f"{_labels(report)[k]} (G={m.num_key_value_heads})",
             )
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
         ax.set_xticks(range(len(report.data)), [t.name for t in report.data], rotation=20, ha="right", fontsize=8)
         readable_xticks(ax)  # upright, the figure widened, where 8 texts or long names would overprint
-        ax.set_yscale("log")
+        log_scale(ax, "y")
         ax.set_ylabel("perplexity / parent's")
         ax.set_title("Perplexity ratio to the parent, by text (--- parent)")
         ax.grid(True, axis="y", which="both", alpha=0.3)
@@ -383,7 +400,7 @@ def plot_panel(report: Report, path: Path) -> None:
         else:
             ax.text(
                 0.5,
-                0.5,
+                0.65,  # above the parent's line at 1
                 "no converted model shares the parent's tokenizer",
                 ha="center",
                 va="center",
@@ -392,46 +409,32 @@ def plot_panel(report: Report, path: Path) -> None:
 
 
 def plot_tasks_vs_kv(report: Report, path: Path) -> None:
-    """Each task's headline score for each model against its KV bytes per token (models named beside)."""
+    """Each task's headline score for each model against its KV bytes per token: a model in its colour (the same in
+    every plot of the report), a task by its marker; the legend names both."""
     with figure(path, PLOT_SIZE) as ax:
-        per_model = _headlines(report)
-        for task, first in per_model[0].items():
-            color = None
-            for i, (m, found) in enumerate(zip(report.models, per_model, strict=True)):
-                if task not in found:
-                    continue
-                score, kv = found[task], m.kv_cache_bytes_per_token
-                drawn = ax.errorbar(
-                    [kv],
-                    [score.value],
-                    yerr=[score.stderr or 0.0],
-                    marker="*" if i == 0 else "o",
-                    markersize=12 if i == 0 else 6,
-                    capsize=3,
-                    linestyle="none",
-                    color=color,
-                    label=f"{task} ({first.metric})" if i == 0 else None,
-                )
-                color = drawn[0].get_color()
-                ax.annotate(
-                    f"{Path(m.model).name} (G={m.num_key_value_heads})",
-                    (kv, score.value),
-                    textcoords="offset points",
-                    xytext=(7, -3),
-                    fontsize=7,
-                )
-        _against_kv(ax, "score", "Task scores", x_margin=0.6)
-        ax.legend(fontsize=8, loc="lower right")
+        per_model, colors = _headlines(report), distinct_colors(len(report.models))
+        for m, name, color in zip(report.models, _labels(report), colors, strict=True):
+            ax.plot([], [], "o", color=color, label=f"{name} (G={m.num_key_value_heads})")
+        for t, (task, first) in enumerate(per_model[0].items()):
+            marker = "os^Dvp<>hX"[t % 10]
+            ax.plot([], [], marker, color="grey", label=f"{task} ({first.metric})")
+            for i, (m, found, color) in enumerate(zip(report.models, per_model, colors, strict=True)):
+                if task in found:  # the parent's larger: a model of its KV and score (G = H) lies on it
+                    score, kv, size = found[task], m.kv_cache_bytes_per_token, 11 if i == 0 else 6
+                    ax.errorbar(
+                        [kv], [score.value], [score.stderr or 0.0], None, marker, ms=size, color=color, capsize=3
+                    )
+        _against_kv(ax, "score", "Task scores vs KV cache")
 
 
 def plot_diagnostics(report: Report, path: Path) -> None:
     with figure(path, PLOT_SIZE) as ax:
-        drawn = False
-        for m in report.models[1:]:
+        drawn, colors = False, distinct_colors(len(report.models))  # a model's colour in every plot of the report
+        for m, name, color in zip(report.models[1:], _labels(report)[1:], colors[1:], strict=True):
             if m.diagnostics:
                 errors = m.diagnostics.attention_relative_error
-                label = f"{Path(m.model).name} (KL {m.diagnostics.kl_nats_per_token:.2f})"
-                ax.plot(range(len(errors)), errors, marker="o", markersize=3, label=label)
+                label = f"{name} (KL {m.diagnostics.kl_nats_per_token:.2f})"
+                ax.plot(range(len(errors)), errors, marker="o", markersize=3, color=color, label=label)
                 drawn = True
         if drawn:
             ax.legend(fontsize=8)
@@ -445,6 +448,7 @@ def plot_diagnostics(report: Report, path: Path) -> None:
                 transform=ax.transAxes,
             )
         ax.set_xlabel("layer")
+        integer_ticks(ax, "x")  # layer 2, never 2.5
         ax.set_ylabel("attention output relative error vs parent")
         ax.set_ylim(bottom=0)
         ax.set_title("Per-layer drift from the parent")

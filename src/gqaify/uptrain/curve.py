@@ -287,10 +287,11 @@ def draw_curve(out: Path, target_kl: float, parent_perplexities: dict[str, float
 
 def plot_curve(found: Forecast, parent_perplexities: dict[str, float] | None, path: Path, title: str) -> None:
     """recovery.png: mean KL against tokens (with the fitted line, its extrapolation and the target) and against
-    seconds, and each text's perplexity ratio to the parent (or perplexity, without the parent's) against tokens."""
-    from gqaify.figures import figure
+    seconds, and each text's perplexity ratio to the parent (or perplexity, where a text has no parent's) against
+    tokens. The start (0 tokens, 0 seconds) is drawn too, where each x axis turns from linear to log."""
+    from gqaify.figures import figure, log_scale
 
-    points = [p for p in found.points if p.tokens > 0]
+    points = found.points
     with figure(path, size=(14, 4.2), dpi=100, save_dpi=120, ncols=3) as (by_tokens, by_seconds, texts):
         kl = [(p.tokens, p.seconds, p.mean_kl) for p in points if p.mean_kl is not None]
         if kl:
@@ -298,31 +299,84 @@ def plot_curve(found: Forecast, parent_perplexities: dict[str, float] | None, pa
             by_seconds.plot([s for _, s, _ in kl], [k for _, _, k in kl], marker="o", label="mean KL")
         if found.law is not None:
             end = max(found.tokens_seen + (found.tokens_to_target or 0), found.tokens_seen) * 1.05
-            first = math.log(points[0].tokens)
+            first = math.log(min(p.tokens for p in points if p.tokens > 0))
             xs = [math.exp(first + i / 40 * (math.log(end) - first)) for i in range(41)]  # even in log(tokens)
             by_tokens.plot(xs, [found.law.at(x) for x in xs], "--", color="gray", label="trend (extrapolated)")
-        by_tokens.axhline(found.target_kl, color="black", linestyle=":", label=f"target {found.target_kl:g}")
-        for ax, label in ((by_tokens, "training tokens"), (by_seconds, "training seconds")):
-            ax.set_xscale("log")
-            ax.set_yscale("log")
+        if kl:
+            by_tokens.axhline(found.target_kl, color="black", linestyle=":", label=f"target {found.target_kl:g}")
+        for ax, label, xs in (
+            (by_tokens, "training tokens", [p.tokens for p in points]),
+            (by_seconds, "training seconds", [p.seconds for p in points]),
+        ):
+            if kl:
+                _from_the_start(ax, xs)
+                log_scale(ax, "y")
+            else:  # axes of nothing: no ticks, and why
+                ax.set(xticks=[], yticks=[])
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no mean KL: it needs a teacher\n(distill_from or parent)",
+                    ha="center",
+                    transform=ax.transAxes,
+                )
             ax.set_xlabel(label)
             ax.set_ylabel("mean KL to the parent (nats/token)")
             ax.grid(True, which="both", alpha=0.3)
             _legend(ax, fontsize=8)
-        for name in sorted({n for p in points for n in p.perplexities}):
-            base = (parent_perplexities or {}).get(name)
-            ys = [(p.tokens, p.perplexities[name] / (base or 1)) for p in points if name in p.perplexities]
-            texts.plot([t for t, _ in ys], [y for _, y in ys], marker="o", markersize=3, label=name)
-        worst = [(p.tokens, p.worst_ratio) for p in points if p.worst_ratio is not None]
-        if worst:
-            texts.plot([t for t, _ in worst], [w for _, w in worst], color="black", linewidth=2, label="worst")
-        texts.set_xscale("log")
-        texts.set_yscale("log")
-        texts.set_xlabel("training tokens")
-        texts.set_ylabel("perplexity × the parent's" if parent_perplexities else "eval perplexity")
-        texts.grid(True, which="both", alpha=0.3)
-        _legend(texts, fontsize=7, ncol=2)
+        _plot_texts(texts, points, parent_perplexities)
         by_tokens.set_title(title)
+
+
+def _from_the_start(ax, xs: list[float]) -> None:
+    """The x axis of `ax` on a log scale (plain round numbers) holding `xs`: linear from 0 to the smallest positive
+    of them where the start (0) is among them, so that the start is drawn."""
+    from gqaify.figures import log_scale
+
+    positive = [x for x in xs if x > 0]
+    if not positive:
+        return
+    start = min(positive) if min(xs) <= 0 else None
+    log_scale(ax, "x", start)
+    if start:
+        ax.set_xlim(left=-start / 4)  # room for the start's marker, no more: the axis below 0 means nothing
+
+
+def _plot_texts(ax, points: list[CurvePoint], parents: dict[str, float] | None) -> None:
+    """Each eval text's perplexity against tokens, one colour each: as a ratio to the parent's where every text has
+    the parent's (with several texts, their worst drawn beneath them as a wide grey band), else as measured; the
+    y axis says which."""
+    from gqaify.figures import distinct_colors, log_scale
+
+    names = sorted({n for p in points for n in p.perplexities})
+    bases = _parents_of(names, parents)
+    for name, color in zip(names, distinct_colors(len(names)), strict=True):
+        base = bases[name] if bases else 1.0
+        ys = [(p.tokens, p.perplexities[name] / base) for p in points if name in p.perplexities]
+        shown = next(iter(parents)) if bases and name not in parents else name  # one text: logged as "eval"
+        ax.plot([t for t, _ in ys], [y for _, y in ys], marker="o", markersize=3, color=color, label=shown, zorder=3)
+    worst = [(p.tokens, p.worst_ratio) for p in points if p.worst_ratio is not None]
+    if bases and len(names) > 1 and worst:
+        ax.plot([t for t, _ in worst], [w for _, w in worst], color="black", linewidth=6, alpha=0.2, label="worst")
+    _from_the_start(ax, [p.tokens for p in points])
+    log_scale(ax, "y")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("perplexity × the parent's" if bases else "eval perplexity")
+    ax.grid(True, which="both", alpha=0.3)
+    if len(names) > 1:  # beside the axes: a legend of many texts inside would cover their lines
+        _legend(ax, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), ncol=1 + (len(names) > 10))
+    else:
+        _legend(ax, fontsize=7)
+
+
+def _parents_of(names: list[str], parents: dict[str, float] | None) -> dict[str, float] | None:
+    """The parent's perplexity on each of the texts `names`, or None where one has none. A run of one eval text logs
+    its perplexity under no text's name ("eval", `CurvePoint.of`): the parent's one perplexity is that text's."""
+    if not parents:
+        return None
+    if names == ["eval"] and len(parents) == 1:
+        return {"eval": next(iter(parents.values()))}
+    return {n: parents[n] for n in names} if all(n in parents for n in names) else None
 
 
 def _legend(ax, **options) -> None:

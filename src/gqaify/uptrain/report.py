@@ -11,7 +11,7 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker, on_main_process
 
-from gqaify.figures import figure
+from gqaify.figures import figure, log_scale
 
 METRICS = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
@@ -116,7 +116,7 @@ def plot_recovery(curves: dict[str, tuple[list[int], list[float]]], parent: floa
             ax.plot(tokens, ppl, marker="o", markersize=3, label=label)
         if parent is not None:
             ax.axhline(parent, color="black", linestyle="--", linewidth=1, label=f"parent ({parent:.1f})")
-        ax.set_yscale("log")
+        log_scale(ax, "y")
         ax.set_xlabel("training tokens")
         ax.set_ylabel("eval perplexity")
         ax.set_title(title)

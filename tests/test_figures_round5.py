@@ -1,0 +1,283 @@
+"""Every plot gqaify draws, read as drawn: plain tick labels on log axes (no "3×10⁰4×10⁰6×10⁰"), none over another,
+the start of a run on its curve, the per-text panel in the units its axis names, one colour per model across a
+report's plots, whole layers; and no transformers progress bar between a command's lines."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from matplotlib.colors import to_rgba
+
+from conftest import MODELS, needs_assets
+from gqaify.cli import main
+from gqaify.eval.report import plot_diagnostics, plot_panel, plot_perplexity_vs_kv, plot_tasks_vs_kv
+from gqaify.eval.results import TaskScore
+from gqaify.figures import plain_number, round_ticks
+from gqaify.uptrain.curve import CurvePoint, forecast, plot_curve
+
+PLAIN = re.compile(r"^-?\d+(\.\d+)?[kMBT]?$")  # 3, 1.25, 1.5k: no mathtext, no "×10"
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Each figure the plot functions draw, kept open as saved (pyplot.close deferred to the test's end)."""
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    yield figures
+    for fig in figures:
+        close(fig)
+
+
+def tick_labels(ax, axis: str) -> list[tuple[str, object]]:
+    """The labelled major ticks of `ax`'s `axis` as last drawn: (text, box in pixels), in order along the axis."""
+    renderer = ax.figure.canvas.get_renderer()
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    low, high = sorted(which.get_view_interval())
+    labels = [
+        (tick.label1.get_text(), tick.label1.get_window_extent(renderer))
+        for tick, at in zip(which.get_major_ticks(), which.get_majorticklocs(), strict=False)
+        if tick.label1.get_text() and low <= at <= high
+    ]
+    return sorted(labels, key=lambda found: found[1].x0 if axis == "x" else found[1].y0)
+
+
+def assert_plain_and_apart(ax, axis: str) -> list[str]:
+    """The tick labels of a log axis: plain numbers, at least two, none overlapping its neighbour; their texts."""
+    labels = tick_labels(ax, axis)
+    texts = [text for text, _ in labels]
+    assert len(texts) >= 2 and all(PLAIN.match(t) for t in texts), (axis, texts)
+    clashes = [(a, b) for (a, box_a), (b, box_b) in zip(labels, labels[1:], strict=False) if box_a.overlaps(box_b)]
+    assert not clashes, (axis, clashes)
+    return texts
+
+
+def run_points(names: list[str], tokens_per_step: int = 64, kl=(0.35, 0.2)) -> list[CurvePoint]:
+    """A run's evaluations: the start and six more, the KL falling over less than a decade (the case whose labels
+    overprinted), each text's perplexity falling too."""
+    steps = [0, 2, 3, 4, 7, 12, 20]
+    return [
+        CurvePoint(
+            s * tokens_per_step,
+            s * 1.7,
+            kl[0] + (kl[1] - kl[0]) * s / 20,
+            1.3 - 0.01 * s,
+            {n: (10.0 + i) * (1.3 - 0.01 * s + 0.02 * i) for i, n in enumerate(names)},
+        )
+        for s in steps
+    ]
+
+
+def draw_curve(drawn, tmp_path, names, parents, **run) -> tuple:
+    plot_curve(forecast(run_points(names, **run), 0.15), parents, tmp_path / "recovery.png", "a run")
+    assert (tmp_path / "recovery.png").is_file()
+    return tuple(drawn[-1].axes[:3])
+
+
+@pytest.mark.parametrize(("tokens_per_step", "kl"), [(64, (0.35, 0.2)), (4096, (0.25, 0.2)), (500_000, (2.0, 0.05))])
+def test_the_recovery_plots_log_axes_carry_plain_labels_apart(drawn, tmp_path, tokens_per_step, kl):
+    """They read "3×10⁰4×10⁰6×10⁰" (minor ticks labelled over each other) and "1.25×10⁰"."""
+    by_tokens, by_seconds, texts = draw_curve(
+        drawn, tmp_path, ["wiki", "stories"], {"wiki": 10.0, "stories": 11.0}, tokens_per_step=tokens_per_step, kl=kl
+    )
+    for ax in (by_tokens, by_seconds, texts):
+        assert_plain_and_apart(ax, "x")
+        assert_plain_and_apart(ax, "y")
+
+
+def test_the_recovery_plot_draws_the_start_at_0_tokens_and_0_seconds(drawn, tmp_path):
+    by_tokens, by_seconds, texts = draw_curve(drawn, tmp_path, ["wiki", "stories"], {"wiki": 10.0, "stories": 11.0})
+    for ax, axis_start in ((by_tokens, "0"), (by_seconds, "0"), (texts, "0")):
+        assert any(0 in line.get_xdata() for line in ax.get_lines()), "the start is not drawn"
+        assert tick_labels(ax, "x")[0][0] == axis_start
+    kl_line = by_tokens.get_lines()[0]
+    assert list(kl_line.get_xdata()) == [p.tokens for p in run_points(["wiki"])]
+
+
+def test_one_eval_text_is_drawn_as_its_ratio_to_the_parent_under_its_name(drawn, tmp_path):
+    """A run of one text logs it as "eval"; the parent's perplexity is keyed by the text's name: the panel drew the
+    raw perplexity (13) on an axis labelled "× the parent's", with a "worst" line over the same points."""
+    texts = draw_curve(drawn, tmp_path, ["eval"], {"wiki": 10.0})[2]
+    assert texts.get_ylabel() == "perplexity × the parent's"
+    (line,) = texts.get_lines()
+    assert line.get_label() == "wiki" and line.get_ydata()[0] == pytest.approx(1.3)
+
+
+def test_one_eval_text_without_the_parents_perplexity_is_drawn_as_measured(drawn, tmp_path):
+    texts = draw_curve(drawn, tmp_path, ["eval"], None)[2]
+    assert texts.get_ylabel() == "eval perplexity"
+    assert texts.get_lines()[0].get_ydata()[0] == pytest.approx(13.0)
+
+
+def test_no_texts_line_hides_under_the_worst(drawn, tmp_path):
+    """The worst ratio was drawn last, thick and black, over the worst text's own line."""
+    names = [f"text{i}" for i in range(5)]
+    texts = draw_curve(drawn, tmp_path, names, {n: 10.0 + i for i, n in enumerate(names)})[2]
+    lines = {line.get_label(): line for line in texts.get_lines()}
+    worst = lines.pop("worst")
+    assert sorted(lines) == names
+    assert all(line.get_zorder() > worst.get_zorder() for line in lines.values())
+    assert worst.get_alpha() is not None and worst.get_alpha() < 1
+    colours = {to_rgba(line.get_color()) for line in lines.values()}
+    assert len(colours) == len(names)
+
+
+def test_a_run_without_a_teacher_says_why_its_kl_panels_are_empty(drawn, tmp_path):
+    """Its KL axes were drawn empty, on default limits, ticked at 0.1, 0.3 and 1 "training seconds"."""
+    points = [CurvePoint(t, t / 1000, None, r, {"eval": 600 * r}) for t, r in ((0, 0.9), (320, 0.3), (640, 0.2))]
+    plot_curve(forecast(points, 0.15), {"eval": 683.0}, tmp_path / "recovery.png", "a run")
+    for ax in drawn[-1].axes[:2]:
+        assert not ax.get_xticks().size and not ax.get_yticks().size and not ax.get_lines()
+        assert [t.get_text() for t in ax.texts] == ["no mean KL: it needs a teacher\n(distill_from or parent)"]
+    assert drawn[-1].axes[2].get_lines()[0].get_ydata()[0] == pytest.approx(600 * 0.9 / 683)
+
+
+def eval_report(models: int, texts: int = 2, layers: int = 6) -> SimpleNamespace:
+    """What the eval plots read of a report: the parent then `models - 1` converted models (G 4, 2, 1, 4, ...) on
+    `texts` texts, with diagnostics of `layers` layers and two tasks' scores."""
+    names = [f"text{i}" for i in range(texts)]
+    entries = []
+    for i in range(models):
+        g = 8 if i == 0 else (4, 2, 1)[(i - 1) % 3]
+        ratio = None if i == 0 else 1 + 0.1 * 8 / g + 0.01 * i
+        entries.append(
+            SimpleNamespace(
+                model=f"runs/m{i}",
+                num_key_value_heads=g,
+                perplexity=12.3 * (ratio or 1),
+                kv_cache_bytes_per_token=1536 * g / 8,
+                panel=None if i == 0 else object(),
+                texts=[SimpleNamespace(ratio_to_parent=ratio) for _ in names],
+                diagnostics=None
+                if i == 0
+                else SimpleNamespace(
+                    attention_relative_error=[0.1 * j + 0.05 * i for j in range(layers)], kl_nats_per_token=0.1
+                ),
+                tasks=[TaskScore(f"task{t}", "acc", "none", 0.6 - 0.02 * 8 / g, 0.02, 100) for t in range(2)],
+            )
+        )
+    return SimpleNamespace(
+        models=entries, data=[SimpleNamespace(name=n) for n in names], labels=[Path(m.model).name for m in entries]
+    )
+
+
+@pytest.mark.parametrize("models", [2, 5, 12])
+def test_perplexity_vs_kv_names_its_text_and_labels_its_axes_plainly_apart(drawn, tmp_path, models):
+    """Its x labels (KV bytes under a decade apart) overprinted in scientific notation, and its y axis did not say
+    which text's perplexity it is."""
+    plot_perplexity_vs_kv(eval_report(models), tmp_path / "kv.png")
+    ax = drawn[-1].axes[0]
+    assert_plain_and_apart(ax, "x")
+    assert_plain_and_apart(ax, "y")
+    assert ax.get_ylabel() == "perplexity on text0"
+
+
+def model_colours(ax) -> dict[str, tuple]:
+    """Each model's colour in `ax`, by its name (the legend's label up to " ("): a scatter's, a bar's, a line's."""
+    found = {}
+    for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+        if label.startswith("task"):
+            continue
+        if hasattr(handle, "patches"):  # bars
+            colour = handle.patches[0].get_facecolor()
+        elif hasattr(handle, "get_facecolor"):  # a scatter's points
+            colour = handle.get_facecolor()[0]
+        else:
+            colour = handle.get_color()
+        found[label.split(" (")[0]] = to_rgba(colour)
+    return found
+
+
+@pytest.mark.parametrize("models", [2, 5, 12])
+def test_a_model_keeps_one_colour_in_every_plot_of_a_report(drawn, tmp_path, models):
+    """The panel and the diagnostics coloured the first converted model as perplexity_vs_kv coloured the parent,
+    and the task plot coloured each task, not each model."""
+    report = eval_report(models)
+    for plot in (plot_perplexity_vs_kv, plot_panel, plot_diagnostics, plot_tasks_vs_kv):
+        plot(report, tmp_path / f"{plot.__name__}.png")
+    kv, panel, diagnostics, tasks = (model_colours(fig.axes[0]) for fig in drawn)
+    names = [f"m{i}" for i in range(models)]
+    assert list(kv) == names and list(tasks) == names and list(panel) == list(diagnostics) == names[1:]
+    assert all(panel[n] == diagnostics[n] == kv[n] == tasks[n] for n in names[1:]) and kv["m0"] == tasks["m0"]
+    assert len(set(kv.values())) == models  # no two models alike
+
+
+@pytest.mark.parametrize("models", [2, 5, 12])
+def test_the_panel_and_task_plots_log_axes_are_plain_and_apart(drawn, tmp_path, models):
+    report = eval_report(models, texts=3)
+    plot_panel(report, tmp_path / "panel.png")
+    plot_tasks_vs_kv(report, tmp_path / "tasks.png")
+    assert_plain_and_apart(drawn[0].axes[0], "y")
+    assert_plain_and_apart(drawn[1].axes[0], "x")
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 30])
+def test_diagnostics_tick_whole_layers_only(drawn, tmp_path, layers):
+    plot_diagnostics(eval_report(3, layers=layers), tmp_path / "diagnostics.png")
+    ax = drawn[-1].axes[0]
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert all(float(text).is_integer() for text, _ in tick_labels(ax, "x"))
+
+
+def test_plain_numbers_and_round_ticks():
+    assert [plain_number(v) for v in (0, 0.05, 0.30000000000000004, 1.25, 384, 1500, 20_000, 1.5e6, 3e9)] == [
+        "0",
+        "0.05",
+        "0.3",
+        "1.25",
+        "384",
+        "1.5k",
+        "20k",
+        "1.5M",
+        "3B",
+    ]
+    room = 9
+
+    def fits(ticks):
+        return len(ticks) <= room
+
+    assert round_ticks(150, 1300, fits) == [200, 500, 1000]
+    assert round_ticks(1e4, 1e8, fits) == [1e4, 1e5, 1e6, 1e7, 1e8]
+    assert round_ticks(1.09, 1.52, fits) == pytest.approx([1.1, 1.2, 1.3, 1.4, 1.5])
+    room = 3
+    assert round_ticks(1, 1e12, fits) == [1, 1e5, 1e10]  # every fifth decade, where each would not fit
+
+
+# -- transformers' progress bars -----------------------------------------------------------------------------------
+
+TRANSFORMERS_BARS = ("Loading weights", "Converting and de-quantizing GGUF tensors")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
+    """stories260K's MHA twin and its GQA-2 conversion as one GGUF file."""
+    source = MODELS / "stories260K-mha"
+    if not source.is_dir():
+        pytest.skip(f"needs {source}")
+    out = tmp_path_factory.mktemp("bars") / "gqa2.gguf"
+    assert main(["convert", str(source), str(out), "--kv-heads", "2", "-q"]) == 0
+    return {"parent": source, "gguf": out}
+
+
+@needs_assets
+@pytest.mark.parametrize("quiet", [[], ["-q"]], ids=["default", "-q"])
+def test_no_transformers_progress_bar_cuts_into_a_command_reading_a_gguf_and_loading_models(tiny_gguf, tmp_path, quiet):
+    """eval loads the parent ("Loading weights") and reads the GGUF ("Converting and de-quantizing GGUF tensors"):
+    both of transformers' bars printed to stderr, -q or not."""
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little girl who liked to play in the park. " * 20)
+    argv = [sys.executable, "-m", "gqaify", "eval", str(tiny_gguf["parent"]), str(tiny_gguf["gguf"])]
+    argv += ["--data", str(text), "--out", str(tmp_path / "report"), "--no-speed", *quiet]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "report" / "report.md").is_file()
+    shown = [bar for bar in TRANSFORMERS_BARS if bar in done.stderr]
+    assert not shown, done.stderr[-2000:]
