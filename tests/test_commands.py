@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+import pytest
+
 from conftest import REPO
 from gqaify.cli import build_parser, main
 
@@ -34,8 +36,8 @@ def test_the_commands_that_take_a_config_file_are_those_readme_names(capsys, tmp
 
 
 def test_a_reader_that_went_away_is_no_internal_error(tmp_path):
-    """`gqaify recipes | head` printed "internal error ... please report it" with a BrokenPipeError traceback. The pipe's
-    reading end is closed before the command starts, so its first write fails on every machine."""
+    """`gqaify recipes | head` printed "internal error ... please report it" with a BrokenPipeError traceback. The
+    pipe's reading end is closed before the command starts, so its first write fails on every machine."""
     import os
     import subprocess
     import sys
@@ -43,7 +45,64 @@ def test_a_reader_that_went_away_is_no_internal_error(tmp_path):
     read, write = os.pipe()
     os.close(read)
     try:
-        done = subprocess.run([sys.executable, "-m", "gqaify", "recipes"], stdout=write, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "gqaify", "recipes"], stdout=write, stderr=subprocess.PIPE, text=True
+        )
     finally:
         os.close(write)
     assert done.returncode == 141 and done.stderr == ""
+
+
+def _documented_command_lines() -> list[tuple[str, str, str]]:
+    """(file, command, line) for every `gqaify COMMAND ...` line in a code block of README and docs/, its
+    continuation lines joined (a synopsis spread over indented lines)."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"```[^\n]*\n(.*?)```", path.read_text(), flags=re.S):
+            lines = block.splitlines()
+            for i, line in enumerate(lines):
+                command = re.match(r"\s*(?:\S*/)?gqaify (\w+)", line)
+                if command is None:
+                    continue
+                joined = [line]
+                for more in lines[i + 1 :]:
+                    if not more.startswith(" ") or re.match(r"\s*(?:\S*/)?gqaify ", more):
+                        break
+                    joined.append(more)
+                found.append((path.name, command.group(1), " ".join(joined).split("#")[0]))
+    return found
+
+
+def test_every_option_the_docs_show_exists(capsys):
+    """convert.md's synopsis left out --gguf-type; a renamed option would have left the docs showing the old one."""
+    options = {}
+    for command in commands():
+        main([command, "--help"])
+        # --key: the synopses' placeholder for any setting (`[--key value ...]`)
+        options[command] = set(re.findall(r"--[a-z][a-z0-9_-]*", capsys.readouterr().out)) | {"--help", "--key"}
+    lines = _documented_command_lines()
+    assert len(lines) > 20  # the scan finds the docs' commands
+    unknown = [
+        (name, command, flag)
+        for name, command, line in lines
+        if command in options
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", line)
+        if flag not in options[command] and flag.replace("_", "-") not in options[command]
+    ]
+    assert unknown == []
+
+
+@pytest.mark.parametrize("command", ["convert", "eval", "generate"])
+def test_each_commands_synopsis_names_every_option(capsys, command):
+    """convert.md's synopsis left out --gguf-type: a page's synopsis (its first code block) names every option its
+    command's --help lists."""
+    main([command, "--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]  # the usage lines: every option, and nothing of the prose
+    flags = re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", usage)
+    listed = {f.replace("_", "-") for f in flags} - {"--help"}
+    page = "generate.md" if command == "generate" else f"{command}.md"
+    synopsis = re.search(r"```[^\n]*\n(.*?)```", (REPO / "docs" / page).read_text(), flags=re.S).group(1)
+    shown = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", synopsis))
+    shown |= {f"--{flag[5:]}" for flag in shown if flag.startswith("--no-")} | {f"--no-{f[2:]}" for f in shown}
+    positional_twins = {"--src", "--out", "--model", "--models", "--progress", "--no-progress", "--quiet"}  # SRC, -q
+    assert sorted(listed - shown - positional_twins) == []

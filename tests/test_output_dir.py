@@ -61,8 +61,8 @@ def test_a_changed_setting_over_a_run_that_never_trained_replaces_only_the_runs_
 
 
 def test_a_damaged_parent_is_one_line_before_output_dir_is_touched(tiny, tmp_path):
-    """A --parent whose safetensors (here its last shard) is cut to 1,000 bytes ended in a SafetensorError traceback (exit 1), and the
-    cleanup that followed deleted the user's notes.txt."""
+    """A --parent whose safetensors (here its last shard) is cut to 1,000 bytes ended in a SafetensorError traceback
+    (exit 1), and the cleanup that followed deleted the user's notes.txt."""
     damaged = tmp_path / "parent"
     damaged.mkdir()
     for f in tiny["parent"].iterdir():

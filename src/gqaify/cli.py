@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.command import quiet_transformers, run_command
+from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
 
 
@@ -19,6 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     parser.add_argument("-V", "--version", action="version", version=f"gqaify {__version__}")
+    parser.add_argument(
+        "--constraints",
+        action=_PrintPath,
+        path=CONSTRAINTS,
+        help="print the path of the versions gqaify is tested with, for pip's -c: "
+        'pip install -c "$(gqaify --constraints)" gqaify',
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     # convert, eval and uptrain read their settings dataclass (`gqaify.settings`): options, --config and --help
@@ -65,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _PrintPath(argparse.Action):
+    """An option that prints a packaged file's path and exits, as --version prints the version."""
+
+    def __init__(self, option_strings, dest, path: Path, help: str):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+        self.path = path
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(self.path)
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:], the process's own, which exits with the status) and
     return its exit status (`gqaify.command`)."""
@@ -92,8 +112,7 @@ def _run_convert(args) -> None:
 
     # --help and bad options answer before torch is loaded
     settings = parse(CONVERT, args.rest, prog=args.prog, stages=STAGES)
-    if not settings.progress:  # transformers' own loading bars too (calibration loads the model)
-        quiet_transformers()
+    quiet_transformers()  # its loading bars, -q or not: gqaify's own bars say what runs
 
     from gqaify.conversion.core import convert_with
     from gqaify.summary import format_summary
@@ -107,8 +126,7 @@ def _run_eval(args) -> None:
     from gqaify.stages import STAGES
 
     settings = parse(EVAL, args.rest, prog=args.prog, stages=STAGES)
-    if not settings.progress:
-        quiet_transformers()
+    quiet_transformers()
 
     from gqaify.eval.core import run
     from gqaify.eval.report import format_table
@@ -126,8 +144,7 @@ def _run_generate(args) -> None:
     from gqaify.stages import STAGES
 
     settings = parse(GENERATE, args.rest, prog=args.prog, stages=STAGES)
-    if not settings.progress:
-        quiet_transformers()
+    quiet_transformers()
 
     from gqaify.generation.corpus import generate_corpus
     from gqaify.generation.processes import Processes
@@ -157,6 +174,7 @@ def _run_recipes(args) -> None:
 def _run_demo(args) -> None:
     from gqaify.demo import run_demo
 
+    quiet_transformers()
     run_demo(args.workdir, args.model)
 
 

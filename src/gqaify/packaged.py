@@ -1,9 +1,11 @@
 """The files gqaify packages: uptraining recipes and accelerate configs (`src/gqaify/recipes`, linked as recipes/ at
-the repository root), found by name from any folder once gqaify is installed, as torchtune's configs are.
+the repository root), found by name from any folder once gqaify is installed, as torchtune's configs are; and the
+versions gqaify is tested with (`src/gqaify/constraints.txt`, linked as constraints.txt at the root).
 
     gqaify recipes                                   list them, each with the command that runs it
     gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
     gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
+    pip install -c "$(gqaify --constraints)" gqaify  the tested versions, for a wheel user (pip reads the path)
 
 A recipe's paths (`data`, `calib_data`, `eval_data`, `model`) are read from the working directory, as every path
 gqaify is given; the packaged recipes name their text as hub datasets (`name[:config]@split`), what a user has, and
@@ -17,6 +19,7 @@ from pathlib import Path
 from gqaify.errors import UserError
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
+CONSTRAINTS = Path(__file__).resolve().parent / "constraints.txt"  # pip's -c file of the tested versions
 
 
 def recipe_names() -> list[str]:

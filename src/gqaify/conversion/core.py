@@ -11,6 +11,8 @@ stream  take tensors in source order: copy unchanged ones through as bytes; hold
         inputs until all have arrived, check they are finite, convert them with the method, write them (`stream`)
 commit  config.json, side files, the model card and the record go into the sink's folder, which the sink
         makes OUT only when everything is there (`sinks`: renamed into place, or written as one GGUF file)
+warn    a method that read no calibration text and changed the heads it replaced: one line on what that costs a
+        trained model, and the conversion that avoids it (`options.uncalibrated_warning`)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from gqaify.conversion.checks import (
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.options import NOT_RECORDED, Calibration, ConvertSettings
+from gqaify.conversion.options import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
@@ -60,7 +62,7 @@ from gqaify.kvcache import kv_cache_bytes_per_token
 from gqaify.leftovers import remove_leftovers
 from gqaify.outputs import space_problem
 from gqaify.settings import recorded
-from gqaify.text.loading import NamedText
+from gqaify.text.pins import located_all
 
 LOG = logging.getLogger(__name__)
 
@@ -129,10 +131,13 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         ctx = _context(s, source, plan)  # one, for the fit and the stream: its random generator runs through both
         with SourceHasher() as hasher, sink.folder(plan.size) as folder:
             calibrated = _fit(s, source, plan, ctx, folder)
-            writer = _stream(s, source, plan, ctx, calibrated, hasher, folder)
+            converter = LayerConverter(METHODS[s.method], s.kv_heads, ctx, calibrated)
+            writer = _stream(s, source, plan, converter, hasher, folder)
             record = _record(sink.recorded(s), sink.out, source, plan, ctx, calibrated, hasher)
             model_card(record).save(folder / "README.md")
             written = sink.finish(folder, record, writer, source)
+    if converter.changed_heads:  # said before a push, which may fail
+        LOG.warning(uncalibrated_warning(s.method, s.src))
     if s.push_to_hub is not None:
         message = f"{attention_kind(s.kv_heads)} of {source.name} by gqaify {__version__} (--method {s.method})"
         push_folder(written.out, s.push_to_hub, message)
@@ -203,17 +208,11 @@ def _fit(s: ConvertSettings, source: Source, plan: _Plan, ctx: MethodContext, fo
 
 
 def _stream(
-    s: ConvertSettings,
-    source: Source,
-    plan: _Plan,
-    ctx: MethodContext,
-    calibrated: CalibratedLayers | None,
-    hasher: SourceHasher,
-    folder: Path,
+    s: ConvertSettings, source: Source, plan: _Plan, converter: LayerConverter, hasher: SourceHasher, folder: Path
 ) -> ShardWriter:
-    """Every tensor into `folder`'s shards (unchanged ones as bytes, the attention converted), then config.json and
-    the side files; the fitted layers' folder is removed."""
-    converter = LayerConverter(METHODS[s.method], s.kv_heads, ctx, calibrated)
+    """Every tensor into `folder`'s shards (unchanged ones as bytes, the attention converted by `converter`), then
+    config.json and the side files; the fitted layers' folder is removed."""
+    calibrated = converter.calibrated
     with ShardWriter(folder, plan.output.tensors, plan.shard_bytes) as writer:
         stream_tensors(source, plan.output, writer, converter, hasher, s.allow_nonfinite, s.progress)
         writer.close()
@@ -283,22 +282,12 @@ def resolved_record(s: ConvertSettings, source: Source, out: Path, calib_sha256:
     calibration text pinned to the SHA-256 of the text read, so that `gqaify convert --config OUT/gqaify.json`
     reruns the conversion from anywhere, or refuses text that changed (what went how, not what was made, is left
     out: `NOT_RECORDED`)."""
-    calib_data = None if s.calib_data is None else [_resolved_text(value) for value in s.calib_data]
     resolved = replace(
         s,
         src=source.recorded_name,
         out=str(out),
         revision=source.revision,
-        calib_data=calib_data,
+        calib_data=located_all(s.calib_data),
         calib_sha256=calib_sha256,
     )
     return recorded(resolved, NOT_RECORDED)
-
-
-def _resolved_text(value: str) -> str:
-    """A calibration source as a rerun from anywhere finds it: a local path absolute, its NAME= kept."""
-    named = NamedText.parse(value)
-    path = Path(named.source).expanduser()
-    if not path.exists():
-        return value
-    return str(path.resolve()) if named.source == value else f"{named.name}={path.resolve()}"

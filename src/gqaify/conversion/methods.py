@@ -79,6 +79,15 @@ def mean_pool(heads: torch.Tensor, num_groups: int) -> torch.Tensor:
     return group(heads, num_groups).mean(dim=1)
 
 
+def keeps_heads(before: Attention, after: Attention, num_groups: int) -> bool:
+    """Whether every new K/V head equals each of the heads of its group (to float32 rounding): the conversion lost
+    nothing, as where a model's duplicated heads are pooled back."""
+    return all(
+        torch.isclose(group(t, num_groups), after.kv[key].unsqueeze(1), rtol=1e-6, atol=0).all()  # (G, g, *rest)
+        for key, t in before.kv.items()
+    )
+
+
 @method("mean")
 def mean(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Mean-pool every K/V-indexed tensor (projection weights, biases, K norms) over each group."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shlex
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 from gqaify.field_groups import Dtype, Hub, Output, Progress, Seed
+from gqaify.locations import exists
 from gqaify.settings import (
     QUIET,
     Finite,
@@ -28,6 +30,7 @@ from gqaify.settings import (
     setting,
 )
 from gqaify.text.loading import NamedText, named_texts, named_texts_problem
+from gqaify.text.pins import Pin, sha256_problem
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,14 @@ METHOD_INFO: dict[str, MethodInfo] = {
     ),
 }
 
+# What a method that reads no calibration text costs a trained model, and what the calibrated default conversion
+# keeps, measured (docs/benchmarks.md, `python benchmarks/methods.py`: WikiText-2 test perplexity straight after
+# conversion): said after every such conversion that changed the heads it replaced (`uncalibrated_warning`).
+# Mean-pooling stays the default, the GQA paper's conversion, which needs nothing but the checkpoint; a calibrated
+# default would need text the user may not have.
+UNCALIBRATED_COST = "SmolLM2-135M-Instruct made MQA scored a WikiText-2 perplexity of 28,407, its parent 23.09"
+CALIBRATED_SCORE = "81.1"  # the same with --method lsq --calib-data (32,768 tokens of WikiText-2 validation)
+
 GROUPINGS = ("contiguous", "similarity")
 CALIB_MODES = ("sequential", "parallel")
 
@@ -70,6 +81,10 @@ CALIB_TOKENS_ADVISED = 8
 # Refinement orders its steps with one permutation of them all (`repair.refine`): 8 MB at this bound, where
 # --refine-steps 1000000000 drew 8.3 GB, for over a minute, before the first step. README's runs take 64.
 REFINE_STEPS_MAX = 1_000_000
+
+
+# calib_sha256: the calibration text a rerun of a conversion must read
+CALIB_PIN = Pin("calib_sha256", "conversion", "the weights would differ", "convert")
 
 
 @dataclass(frozen=True)
@@ -130,13 +145,7 @@ class Calibration:
 
         Not waived by --force, which says OUT may be replaced: accepting other weights is said on its own.
         """
-        if self.sha256 is None or sha256 == self.sha256.lower():
-            return None
-        return (
-            f"--calib-data {' '.join(self.data)}: the text changed since the recorded conversion (SHA-256 "
-            f"{sha256[:12]}, calib_sha256 {self.sha256[:12]}), so the weights would differ; restore the text, or pass "
-            "--calib-sha256 '' to convert with the text as it is now"
-        )
+        return CALIB_PIN.problem(f"--calib-data {' '.join(self.data)}", self.sha256, sha256)
 
     def size_problem(self, tokens: int, hidden_size: int) -> str | None:
         """A problem if `tokens` calibration tokens are too few to determine a fit of `hidden_size` inputs."""
@@ -208,6 +217,17 @@ class CalibrationRecord(Calibration):
     seconds: dict[str, float]  # capturing, fitting, repairing, refining
 
 
+def uncalibrated_warning(method: str, src: str) -> str:
+    """One line after a conversion of `src` by `method`, which read no calibration text and changed the heads it
+    replaced: what that costs a trained model, and the conversion that avoids it."""
+    shown = shlex.quote(src) if src.isprintable() else repr(src)  # one line, whatever the path holds
+    return (
+        f"--method {method} read no calibration text: expect a trained model to lose most of its quality "
+        f"({UNCALIBRATED_COST}); --method lsq --calib-data TEXT avoids most of that ({CALIBRATED_SCORE} there), and "
+        f"with no text at hand the parent writes some: gqaify generate {shown} parent-text"
+    )
+
+
 def mixture_sha256(sources: list[CalibrationSource]) -> str:
     """The SHA-256 that calib_sha256 pins: one source's text's own; for a mixture, of its sources' names, weights
     and SHA-256s, so that a source changed, added, removed or reweighted is seen."""
@@ -258,7 +278,7 @@ def rerun_problems(record: dict, settings: ConvertSettings) -> list[str]:
 def _same_source(a: NamedText, b: NamedText) -> bool:
     """Whether two calibration sources name one text: one file or folder however spelled, or one hub name."""
     paths = [Path(t.source).expanduser() for t in (a, b)]
-    if all(p.exists() for p in paths):
+    if all(exists(p) for p in paths):
         return paths[0].resolve() == paths[1].resolve()
     return a.source == b.source
 
@@ -269,21 +289,8 @@ def _shares_of(weights: list[float] | None, sources: int) -> list[float]:
     return [float(w) / sum(weights) for w in weights]
 
 
-def _is_sha256(value: str) -> bool:
-    return len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
-
-
 def _calibrated(method: str) -> bool:
     return METHOD_INFO[method].calibrated
-
-
-def _sha256_problem(sha256: str, name: str) -> str | None:
-    if not sha256 or _is_sha256(sha256):  # '': any text
-        return None
-    return (
-        f"{name} {sha256!r} is not a SHA-256 (64 hex digits); copy it from the gqaify.json that recorded it, "
-        "or leave it unset"
-    )
 
 
 @dataclass(frozen=True)
@@ -333,7 +340,7 @@ class MethodSettings(Settings):
         None,
         "SHA-256 of the calibration text that must be read (gqaify.json records it, so that a rerun refuses "
         "text that changed since); '' accepts any text",
-        check=_sha256_problem,
+        check=sha256_problem,
     )
     calib_mode: CalibMode = setting(
         "sequential",

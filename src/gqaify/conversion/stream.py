@@ -20,7 +20,7 @@ from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.calibrate import CalibratedLayers
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, nonfinite_problem, sha256_file
 from gqaify.conversion.layout import LayerLayout
-from gqaify.conversion.methods import Method, MethodContext
+from gqaify.conversion.methods import Method, MethodContext, keeps_heads
 from gqaify.conversion.source import Source
 from gqaify.errors import UserError
 
@@ -134,15 +134,23 @@ def _check_converted_finite(tensors: dict[str, torch.Tensor], method: Method) ->
 
 
 class LayerConverter:
-    """One layer's conversion: the fitted tensors calibration wrote, or else the method applied to the layer."""
+    """One layer's conversion: the fitted tensors calibration wrote, or else the method applied to the layer.
+
+    `changed_heads`: without calibration, whether the method changed some K/V head of a group it replaced (pooled
+    heads that differed, re-initialised ones); never, where every group's heads were equal.
+    """
 
     def __init__(self, method: Method, kv_heads: int, ctx: MethodContext, calibrated: CalibratedLayers | None):
         self.method, self.kv_heads, self.ctx, self.calibrated = method, kv_heads, ctx, calibrated
+        self.changed_heads = False
 
     def __call__(self, layer: int, layout: LayerLayout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.calibrated is not None:
             return self.calibrated.load(layer)
-        return layout.join(self.method.fn(layout.split(inputs), self.kv_heads, self.ctx), self.kv_heads)
+        before = layout.split(inputs)
+        after = self.method.fn(before, self.kv_heads, self.ctx)
+        self.changed_heads = self.changed_heads or not keeps_heads(before, after, self.kv_heads)
+        return layout.join(after, self.kv_heads)
 
 
 class SourceHasher:

@@ -245,7 +245,7 @@ def _llama_vocabulary(folder: Path):
     except RuntimeError as exc:  # gguf's words for "sentencepiece is not installed"
         raise UserError(
             f"{folder}'s vocabulary is a SentencePiece model, which needs the sentencepiece package to write: "
-            "pip install 'gqaify[serving]'"
+            "pip install sentencepiece"
         ) from exc
     except (FileNotFoundError, TypeError) as exc:
         raise UserError(
