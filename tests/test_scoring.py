@@ -126,3 +126,34 @@ def test_uptrain_refuses_scored_text_read_in_other_blocks(tiny, tmp_path):
     with pytest.raises(Exception, match="scored in blocks of 16 tokens.*set seq_len 16"):
         uptrain(parse(argv))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_scored_corpus_extends_to_more_tokens_of_the_same_text(tiny, tmp_path, capsys):
+    """A complete scored corpus asked for a larger --tokens was refused as 'gives other tokens' though its text was
+    the same: its pin covered the samples it was begun with, which the longer order starts with."""
+    out = tmp_path / "scored"
+    scored(tiny, out, tiny["train"], tokens=160)
+    first = rows_of(out)
+    scored(tiny, out, tiny["train"], tokens=320)
+    rows = rows_of(out)
+    assert len(rows) == 20 and rows[:10] == first
+    record = json.loads((out / "gqaify.json").read_text())
+    assert record["complete"] and record["tokens"] == 320
+    (tmp_path / "other.txt").write_text(tiny["train"].read_text()[::-1])
+    code, err = run_cli(
+        capsys,
+        "generate",
+        tiny["parent"],
+        out,
+        "--score-data",
+        tmp_path / "other.txt",
+        "--tokens",
+        "480",
+        "--length",
+        "16",
+        "--batch-size",
+        "2",
+        "--top-logprobs",
+        "8",
+    )
+    assert code == 2 and "other" in err and rows_of(out) == rows  # other text is still refused

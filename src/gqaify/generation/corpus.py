@@ -141,7 +141,7 @@ def _generate_into(
     if s.score_data:
         raise_if_problems(problems_in(length_problem(s, parent.model)))
         scored = processes.on_main(lambda: ScoredText.read(s, parent.tokenizer))  # tokenized once, shared
-        check_scored_text(out, record, s, scored.sha256)
+        check_scored_text(out, record, s, scored)
         s = replace(s, score_sha256=scored.sha256)  # what the record pins: a rerun from it must score this text
         rows_of = functools.partial(score_shard, parent, scored, s, digits=LOGPROB_DIGITS)
     else:

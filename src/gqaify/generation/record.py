@@ -8,16 +8,20 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.generation.settings import SCORE_PIN, GenerateSettings
+from gqaify.generation.settings import SCORE_PIN, GenerateSettings, whole_shards_of
 from gqaify.outputs import destination_problems
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record, record_text
 from gqaify.settings import recorded
 from gqaify.text.corpus_format import SHARDS, corpus_full_disk, count_problem, refuse_unreadable_corpus
 from gqaify.text.pins import local_path, located_all
 from gqaify.whole import write_text_whole
+
+if TYPE_CHECKING:
+    from gqaify.generation.scoring import ScoredText
 
 LOG = logging.getLogger(__name__)
 
@@ -92,9 +96,15 @@ def record_to_continue(out: Path, s: GenerateSettings, prompts_sha256: str | Non
     return record
 
 
-def check_scored_text(out: Path, record: CorpusRecord | None, s: GenerateSettings, sha256: str) -> None:
+def check_scored_text(out: Path, record: CorpusRecord | None, s: GenerateSettings, scored: ScoredText) -> None:
     """Refuses to score other text than a rerun's record pins (score_sha256), or to go on with a corpus whose
-    --score-data gives other tokens now (`sha256`) than when it began."""
+    --score-data gives other tokens now (`scored`) than when it began. A corpus extended to a larger --tokens
+    is compared on the samples it was begun with."""
+    sha256 = scored.sha256
+    began = record.settings.get("tokens") if record is not None else None
+    more = isinstance(began, int) and began < s.tokens and record.score_sha256 is not None
+    if more and scored.sha256_of_first(whole_shards_of(began, s)) == record.score_sha256:
+        sha256 = record.score_sha256  # the same text, asked for more of it
     raise_if_problems(SCORE_PIN.problem(f"--score-data {' '.join(s.score_data)}", s.score_sha256, sha256))
     then = record.score_sha256 if record is not None else None
     if then is not None and then != sha256:

@@ -16,13 +16,12 @@ over several processes, checked by every reader.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from gqaify.errors import UserError
-from gqaify.generation.settings import GenerateSettings
+from gqaify.generation.settings import GenerateSettings, whole_shards_of
 from gqaify.text.loading import named_texts, packed_blocks, tokens_sha256
 
 
@@ -48,7 +47,7 @@ class ScoredText:
             rows = packed_blocks(text.source, s.score_split, s.score_text_column, tokenizer, s.length)
             per_source.append([row["input_ids"] for row in rows])
         available = sum(len(b) for b in per_source) * s.length
-        samples = math.ceil(s.tokens / (s.length * s.batch_size)) * s.batch_size  # whole shards
+        samples = whole_shards_of(s.tokens, s)
         if s.tokens > available:
             raise UserError(
                 f"--tokens {s.tokens:,} is more than the {available:,} tokens --score-data packs into (blocks of "
@@ -59,6 +58,13 @@ class ScoredText:
         blocks = [block for source in per_source for block in source]
         ordered = [starts[i] + k for i, k in order]
         return cls(blocks, ordered, tokens_sha256(blocks[g] for g in ordered))
+
+    def sha256_of_first(self, samples: int) -> str | None:
+        """The SHA-256 of the first `samples` samples in order, as a corpus begun with fewer --tokens pinned them
+        (a sample's place in the order does not depend on how many follow it); None past this order's end."""
+        if samples > len(self.order):
+            return None
+        return tokens_sha256(self.blocks[g] for g in self.order[:samples])
 
 
 def _order(sizes: list[int], weights: list[float] | None, samples: int, seed: int) -> list[tuple[int, int]]:

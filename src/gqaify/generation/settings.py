@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -148,3 +149,8 @@ GENERATE = Stage(
     switches=(QUIET,),
     record_kind="a generated corpus's record",
 )
+
+
+def whole_shards_of(tokens: int, s: GenerateSettings) -> int:
+    """The samples that fill whole shards of --batch-size blocks of --length tokens past `tokens`."""
+    return math.ceil(tokens / (s.length * s.batch_size)) * s.batch_size
