@@ -281,3 +281,9 @@ def test_no_transformers_progress_bar_cuts_into_a_command_reading_a_gguf_and_loa
     assert (tmp_path / "report" / "report.md").is_file()
     shown = [bar for bar in TRANSFORMERS_BARS if bar in done.stderr]
     assert not shown, done.stderr[-2000:]
+
+
+def test_the_panel_of_the_parent_alone_says_so(drawn, tmp_path):
+    """With the parent alone the panel said "no converted model shares the parent's tokenizer"."""
+    plot_panel(eval_report(1), tmp_path / "panel.png")
+    assert [t.get_text() for t in drawn[-1].axes[0].texts] == ["the parent alone: no model beside it"]

@@ -401,7 +401,9 @@ def plot_panel(report: Report, path: Path) -> None:
             ax.text(
                 0.5,
                 0.65,  # above the parent's line at 1
-                "no converted model shares the parent's tokenizer",
+                "the parent alone: no model beside it"
+                if len(report.models) == 1
+                else "no converted model shares the parent's tokenizer",
                 ha="center",
                 va="center",
                 transform=ax.transAxes,
