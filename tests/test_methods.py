@@ -289,10 +289,23 @@ def test_rotating_methods_refuse_models_with_qk_norms(model_type, capsys, calibr
 
 
 def test_every_declared_method_is_registered_and_every_registered_one_declared():
-    """A method declared in options.METHOD_INFO but never registered with @method passed parsing and failed with a
-    KeyError after SRC was opened; one registered but not declared could not be asked for."""
-    from gqaify.conversion.methods import METHODS
+    """A method is one entry of options.METHOD_INFO naming its function in conversion/methods.py: every entry's
+    function is there and is what METHODS runs, and every public function there of a method's signature is listed
+    (one left out could not be asked for)."""
+    import inspect
+
+    import gqaify.conversion.methods as methods
     from gqaify.conversion.options import METHOD_INFO
 
-    assert sorted(METHODS) == sorted(METHOD_INFO)
-    assert all(METHODS[name].info is METHOD_INFO[name] for name in METHODS)
+    assert sorted(methods.METHODS) == sorted(METHOD_INFO)
+    assert all(
+        m.info is METHOD_INFO[n] and m.fn is getattr(methods, m.info.function) for n, m in methods.METHODS.items()
+    )
+    shaped = {
+        name
+        for name, fn in inspect.getmembers(methods, inspect.isfunction)
+        if fn.__module__ == methods.__name__
+        and not name.startswith("_")
+        and list(inspect.signature(fn).parameters) == ["attn", "num_groups", "ctx"]
+    }
+    assert shaped == {info.function for info in METHOD_INFO.values()}

@@ -20,7 +20,7 @@ from conftest import build_model, save_with_tokenizer, tree_hashes
 from gqaify.cli import main
 from gqaify.errors import UserError
 from gqaify.settings import parse
-from gqaify.stages import STAGES
+from gqaify.settings.registry import every_stage
 from helpers import one_line_refusal
 from helpers import uptrain_args as args
 
@@ -242,12 +242,12 @@ def test_every_record_is_read_by_its_own_stage_and_refused_by_the_others(records
     """run.json failed with "unknown key 'processes'"; final/gqaify.json (kind uptrained) was called a conversion
     record and sent to gqaify convert."""
     for file, own in records.items():
-        for stage in STAGES:
+        for stage in every_stage():
             if stage.command == own:
-                parse(stage, ["--config", str(file)], stages=STAGES)
+                parse(stage, ["--config", str(file)])
                 continue
             with pytest.raises(UserError) as refused:
-                parse(stage, ["--config", str(file)], stages=STAGES)
+                parse(stage, ["--config", str(file)])
             assert f"not {stage.command}'s; use `gqaify {own} --config {file}`" in str(refused.value), file
 
 

@@ -418,11 +418,27 @@ def test_another_commands_record_is_named_by_uptrains_python_parse(records):
         assert "is an eval report, not uptrain's; use `gqaify eval --config" in str(refused.value)
 
 
-def test_uptrains_stages_are_every_commands():
+def test_the_stage_registry_and_what_it_lists_agree(capsys):
+    """Every entry of `gqaify.stages.STAGES` names a `Stage` of its own command and a command line that answers
+    --help; `gqaify` has a command for each (and for recipes and demo, which run no stage); every parser knows them
+    all, the Python API's included."""
+    import gqaify.uptrain
+    from gqaify.cli import build_parser, main
+    from gqaify.settings import Stage
+    from gqaify.settings.registry import every_stage, resolve
     from gqaify.stages import STAGES
-    from gqaify.uptrain.settings import every_stage
 
-    assert every_stage() == STAGES
+    stages = every_stage()
+    assert [s.command for s in stages] == [e.name for e in STAGES] and all(isinstance(s, Stage) for s in stages)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == {e.name for e in STAGES} | {"recipes", "demo"}
+    for entry in STAGES:
+        with pytest.raises(SystemExit) as done:
+            resolve(entry.command_line)(["--help"], f"gqaify {entry.name}")
+        assert done.value.code == 0 and f"usage: gqaify {entry.name}" in capsys.readouterr().out
+        assert main([entry.name, "--help"]) == 0
+    assert {s.command for s in stages} >= {"convert", "eval", "generate", "uptrain"}
+    assert gqaify.uptrain.parse.__defaults__[-1] is None  # the Python API's parse names other stages' files too
 
 
 def test_another_commands_settings_file_is_named_with_its_command(capsys, tmp_path):

@@ -27,9 +27,13 @@ from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.records import CONVERSION, UPTRAINED, declare_types
+from gqaify.settings.registry import declare
+from gqaify.stages import STAGES
 
-# The record types declared above gqaify.records, named here, where every import of gqaify passes first, so that
-# `gqaify.records.read_record` reads every kind whatever else was imported (each imported on first read)
+# Declared here, where every import of gqaify passes first: every command that runs a stage, known to every settings
+# parser (`settings.registry`); the record types declared above gqaify.records, so that `read_record` reads every
+# kind whatever else was imported (each imported on first use)
+declare(STAGES)
 declare_types(
     {
         CONVERSION: ("gqaify.conversion.record:ConversionRecord",),

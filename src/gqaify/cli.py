@@ -7,6 +7,7 @@ torch is loaded; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from gqaify._version import __version__
 from gqaify.command import quiet_transformers, run_command
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
+from gqaify.settings.registry import StageEntry, resolve
+from gqaify.stages import STAGES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,23 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    # convert, eval and uptrain read their settings dataclass (`gqaify.settings`): options, --config and --help
-    # are its parser's, built when the command runs
-    for command, summary, run in (
-        ("convert", "rewrite a checkpoint's K/V heads from H to G", _run_convert),
-        ("eval", "perplexity, KV cache and decode speed of models beside the first (the parent)", _run_eval),
-        (
-            "generate",
-            "sample a corpus from a model (the parent's own text) for calibration and uptraining",
-            _run_generate,
-        ),
-        (
-            "uptrain",
-            "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
-            _run_uptrain,
-        ),
-    ):
-        sub.add_parser(command, help=summary, add_help=False).set_defaults(run=run)
+    # every command that runs a stage (`gqaify.stages`): its options, --config and --help are its settings
+    # parser's, built when the command runs
+    for entry in STAGES:
+        sub.add_parser(entry.name, help=entry.help, add_help=False).set_defaults(run=functools.partial(_run, entry))
 
     recipes = sub.add_parser(
         "recipes",
@@ -105,61 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=argv is None)
 
 
-def _run_convert(args) -> None:
-    from gqaify.conversion.options import CONVERT
-    from gqaify.settings import parse
-    from gqaify.stages import STAGES
-
-    # --help and bad options answer before torch is loaded
-    settings = parse(CONVERT, args.rest, prog=args.prog, stages=STAGES)
-    quiet_transformers()  # its loading bars, -q or not: gqaify's own bars say what runs
-
-    from gqaify.conversion.core import convert_with
-    from gqaify.summary import format_summary
-
-    print(format_summary(convert_with(settings)))
-
-
-def _run_eval(args) -> None:
-    from gqaify.eval.settings import EVAL
-    from gqaify.settings import parse
-    from gqaify.stages import STAGES
-
-    settings = parse(EVAL, args.rest, prog=args.prog, stages=STAGES)
-    quiet_transformers()
-
-    from gqaify.eval.core import run
-    from gqaify.eval.report import format_table
-    from gqaify.summary import printable
-
-    report = run(settings)
-    print(format_table(report))
-    out = Path(settings.out)
-    print(f"report: {printable(out / 'report.md')}, report.json; plots: {printable(out)}/*.png")
-
-
-def _run_generate(args) -> None:
-    from gqaify.generation.settings import GENERATE
-    from gqaify.settings import parse
-    from gqaify.stages import STAGES
-
-    settings = parse(GENERATE, args.rest, prog=args.prog, stages=STAGES)
-    quiet_transformers()
-
-    from gqaify.generation.corpus import generate_corpus
-    from gqaify.generation.processes import Processes
-    from gqaify.summary import format_corpus_summary
-
-    corpus = generate_corpus(settings)
-    if Processes.launched().main:  # one summary per launch
-        print(format_corpus_summary(corpus))
-
-
-def _run_uptrain(args) -> None:
-    from gqaify.stages import STAGES
-    from gqaify.uptrain.__main__ import command_line
-
-    command_line(args.rest, args.prog, STAGES)
+def _run(entry: StageEntry, args) -> None:
+    """The stage `entry` names, on the rest of the command line."""
+    resolve(entry.command_line)(args.rest, args.prog)
 
 
 def _run_recipes(args) -> None:

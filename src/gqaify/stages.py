@@ -1,15 +1,35 @@
-"""Every command's settings, in one place (`Stage`s, lowest stage first).
-
-`gqaify.settings` is below the commands, so each command's entry hands it these, for naming whose settings a
---config file holds when they are not the command's own (`gqaify eval --config OUT/gqaify.json`: "is a
-conversion record, not eval's; use `gqaify convert --config ...`").
-"""
+"""Every command that runs a stage, in one place, lowest stage first: `gqaify` builds a command of each, and every
+settings parser knows them all (`settings.registry`, declared by gqaify/__init__.py). A new stage is one entry
+here: its settings (`Stage`) and its `command_line(argv, prog)`, named, not imported, so that this list is read
+before any stage is loaded."""
 
 from __future__ import annotations
 
-from gqaify.conversion.options import CONVERT
-from gqaify.eval.settings import EVAL
-from gqaify.generation.settings import GENERATE
-from gqaify.uptrain.settings import UPTRAIN
+from gqaify.settings.registry import StageEntry
 
-STAGES = (CONVERT, EVAL, GENERATE, UPTRAIN)
+STAGES = (
+    StageEntry(
+        "convert",
+        "rewrite a checkpoint's K/V heads from H to G",
+        "gqaify.conversion.options:CONVERT",
+        "gqaify.conversion.entry:command_line",
+    ),
+    StageEntry(
+        "eval",
+        "perplexity, KV cache and decode speed of models beside the first (the parent)",
+        "gqaify.eval.settings:EVAL",
+        "gqaify.eval.entry:command_line",
+    ),
+    StageEntry(
+        "generate",
+        "sample a corpus from a model (the parent's own text) for calibration and uptraining",
+        "gqaify.generation.settings:GENERATE",
+        "gqaify.generation.entry:command_line",
+    ),
+    StageEntry(
+        "uptrain",
+        "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
+        "gqaify.uptrain.settings:UPTRAIN",
+        "gqaify.uptrain.entry:command_line",
+    ),
+)

@@ -13,8 +13,10 @@ j*g ... j*g + g-1 into new head j, with g = KV/G:
 A method is a pure function of one layer's `Attention` (see `layout.py`) that returns the layer with G K/V
 heads. Methods that only pool K/V (`mean`, `first`, `random`, `norm-mean`) leave the queries alone; methods
 that fold also rewrite q_proj rows and o_proj columns so that the readers of each head compensate for what
-was done to it, and need calibration statistics. A new method is declared in `options.METHOD_INFO` (its
-summary and needs, as data) and its function registered here with `@method("name")`.
+was done to it, and need calibration statistics. A new method is one entry in `options.METHOD_INFO` (its summary,
+its needs and the name of its function here, as data that --help reads without torch) and its function here;
+`METHODS` is built from that table, so a method without its function, or the reverse, fails at import and in
+the tests.
 """
 
 from __future__ import annotations
@@ -56,19 +58,6 @@ class Method:
         return self.info.folds
 
 
-METHODS: dict[str, Method] = {}
-
-
-def method(name: str) -> Callable[[Fn], Fn]:
-    """Register `fn` as the computation of the method `name` declared in `options.METHOD_INFO`."""
-
-    def register(fn: Fn) -> Fn:
-        METHODS[name] = Method(fn, METHOD_INFO[name])
-        return fn
-
-    return register
-
-
 def group(heads: torch.Tensor, num_groups: int) -> torch.Tensor:
     """(KV, *rest) -> (G, KV/G, *rest): contiguous groups, as `repeat_kv` reads them."""
     return heads.unflatten(0, (num_groups, heads.shape[0] // num_groups))
@@ -88,19 +77,16 @@ def keeps_heads(before: Attention, after: Attention, num_groups: int) -> bool:
     )
 
 
-@method("mean")
 def mean(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Mean-pool every K/V-indexed tensor (projection weights, biases, K norms) over each group."""
     return replace(attn, kv={key: mean_pool(t, num_groups) for key, t in attn.kv.items()})
 
 
-@method("first")
 def first(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Keep the first head of each group (the GQA paper's ablation)."""
     return replace(attn, kv={key: group(t, num_groups)[:, 0] for key, t in attn.kv.items()})
 
 
-@method("random")
 def random(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Re-initialise the K/V projections as transformers does: weights ~ N(0, initializer_range), biases 0.
 
@@ -118,7 +104,6 @@ def random(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     return replace(attn, kv=out)
 
 
-@method("norm-mean")
 def norm_mean(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Mean-pool, then give every row of each pooled projection the mean norm of the rows it came from.
 
@@ -137,7 +122,6 @@ def norm_mean(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention
     return replace(attn, kv=out)
 
 
-@method("aligned")
 def aligned(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Rotate each head onto its group's first head on calibration data, fold the rotation into its readers, average.
 
@@ -151,7 +135,6 @@ def aligned(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     return _merge(attn, num_groups, ctx, fit.align)
 
 
-@method("lsq")
 def lsq(attn: Attention, num_groups: int, ctx: MethodContext) -> Attention:
     """Fit each group's shared K and V, and the compensation in their readers, in closed form on calibration data.
 
@@ -210,3 +193,7 @@ def fit_error(before: Attention, after: Attention, ctx: MethodContext, keys: boo
     e, t = fit.read_error((old.outputs().mT[None], v_old), (new.outputs().mT[None], v_new), old.c, None)
     result["v"] = e / t if t else 0.0
     return result
+
+
+# Every method of `options.METHOD_INFO`, with the function of this module its entry names
+METHODS: dict[str, Method] = {name: Method(globals()[info.function], info) for name, info in METHOD_INFO.items()}

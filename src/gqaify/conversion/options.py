@@ -35,23 +35,32 @@ from gqaify.text.pins import Pin, sha256_problem
 
 @dataclass(frozen=True)
 class MethodInfo:
+    """A conversion method, declared once: what it does and needs (read by --help without torch), and the name of
+    its function in `conversion.methods` (a pure function of one layer)."""
+
+    function: str
     summary: str  # one line, for --help and the model card
     calibrated: bool = False  # fitted on calibration statistics: needs --calib-data
     folds: bool = False  # also rewrites query rows and o_proj columns
 
 
+# Every conversion method: a new one is one entry here and its function in conversion/methods.py
 METHOD_INFO: dict[str, MethodInfo] = {
-    "mean": MethodInfo("mean-pool every K/V-indexed tensor over each group (the GQA paper)"),
-    "first": MethodInfo("keep the first head of each group (the GQA paper's ablation)"),
-    "random": MethodInfo("re-initialise the K/V projections, seeded by --seed (the GQA paper's ablation)"),
-    "norm-mean": MethodInfo("mean-pool, then restore each pooled row's norm to the group's mean"),
+    "mean": MethodInfo("mean", "mean-pool every K/V-indexed tensor over each group (the GQA paper)"),
+    "first": MethodInfo("first", "keep the first head of each group (the GQA paper's ablation)"),
+    "random": MethodInfo("random", "re-initialise the K/V projections, seeded by --seed (the GQA paper's ablation)"),
+    "norm-mean": MethodInfo("norm_mean", "mean-pool, then restore each pooled row's norm to the group's mean"),
     "aligned": MethodInfo(
+        "aligned",
         "rotate each head onto its group's first head, fold the rotation into its readers, average",
         calibrated=True,
         folds=True,
     ),
     "lsq": MethodInfo(
-        "fit the shared K/V and each reader's compensation in closed form (least squares)", calibrated=True, folds=True
+        "lsq",
+        "fit the shared K/V and each reader's compensation in closed form (least squares)",
+        calibrated=True,
+        folds=True,
     ),
 }
 

@@ -26,20 +26,20 @@ from gqaify.settings.files import read_settings_file
 from gqaify.settings.stage import Stage, nearest, required_problems
 
 
-def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] = ()):
+def parse(stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] | None = None):
     """The settings object of `stage` from `argv` (`parse_command`, without the command's other options)."""
     return parse_command(stage, argv, prog, stages)[0]
 
 
 def parse_command(
-    stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] = ()
+    stage: Stage, argv: list[str] | None, prog: str | None = None, stages: tuple[Stage, ...] | None = None
 ) -> tuple[Settings, dict[str, str | None]]:
     """The settings object of `stage` from `--config FILE`, `--field value` options and positionals in `argv`,
     with its types and required fields checked (a required field unset: with every problem `problems()` finds).
     Otherwise the values' rules are left to the stage, which reports them with what only the files can tell
-    (SRC's config, the models' positions), all in one message. `stages`: the other commands', to name whose
-    settings a --config file holds when they are not this one's. Beside it, the value of each of the stage's
-    `options` (by flag; None when not given).
+    (SRC's config, the models' positions), all in one message. `stages`: the commands' whose settings a --config
+    file is named as holding when they are not this one's (default: every declared one, `registry.every_stage`).
+    Beside it, the value of each of the stage's `options` (by flag; None when not given).
 
     Raises:
         UserError: the file is missing, not a mapping, or has unknown keys; an option is unknown; a value has

@@ -19,6 +19,7 @@ import yaml
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.records import TOOL, rerun_settings
 from gqaify.settings.fields import _describe, _hints, shown
+from gqaify.settings.registry import every_stage
 from gqaify.settings.stage import Stage, nearest
 
 # A settings file is a few hundred bytes; a record gqaify wrote, a few KB (tens for a large model's per-layer fits).
@@ -28,13 +29,13 @@ MAX_JSON_BYTES = 16 << 20  # json parses in C, 100 times faster: a record may be
 MAX_DEPTH = 32  # of YAML (PyYAML composes nodes recursively); settings are values and lists of values
 
 
-def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> dict:
+def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] | None = None) -> dict:
     """The settings a --config file holds, as a dict of known keys.
 
     A YAML mapping of field: value; or a record gqaify wrote (any gqaify.json, uptrain's run.json, an evaluation's
     report.json), whose settings are taken where it is this command's (`records.KINDS`), else refused, naming the
-    command that reruns it. `stages` are the other commands' (given by the caller, who knows
-    them: this module is below them all): a file that holds one of theirs is named as such.
+    command that reruns it. `stages` are the commands' a file that holds one of theirs is named as such (default:
+    every declared one, `registry.every_stage`).
 
     Raises:
         UserError: no such file, or not a file; too large, not YAML, not a mapping; a YAML alias, deep nesting;
@@ -43,7 +44,9 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) 
     return read_settings_file(stage, path, stages)[0]
 
 
-def read_settings_file(stage: Stage, path: str | Path, stages: tuple[Stage, ...] = ()) -> tuple[dict, bool]:
+def read_settings_file(
+    stage: Stage, path: str | Path, stages: tuple[Stage, ...] | None = None
+) -> tuple[dict, bool]:
     """What `read_config` reads, and whether the file is a record gqaify wrote (a rerun)."""
     path = Path(path).expanduser()
     # os.path.exists, as gqaify.locations.exists (a layer above): False, not ENAMETOOLONG, for too long a name
@@ -237,7 +240,9 @@ def _settings_in(stage: Stage, values, where: str, path: Path) -> tuple[dict, bo
     return values, record
 
 
-def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path, stages: tuple[Stage, ...]) -> None:
+def _check_keys(
+    stage: Stage, values: dict, record: bool, where: str, path: Path, stages: tuple[Stage, ...] | None
+) -> None:
     """Refuse a key that names another settings file, another command's settings, or unknown keys (5 named)."""
     flags = {f.lstrip("-").replace("-", "_") for f in stage.config_flags}
     nested = [key for key in values if key in flags]
@@ -250,7 +255,7 @@ def _check_keys(stage: Stage, values: dict, record: bool, where: str, path: Path
     unknown = [key for key in values if key not in known]
     if not unknown:
         return
-    owner = _owner(stage, list(values), stages)
+    owner = _owner(stage, list(values), every_stage() if stages is None else stages)
     if owner is not None:
         what = f"is {owner.record_kind}" if record else f"holds gqaify {owner.command}'s settings"
         readable = set(values) <= set(owner.field_names())  # else only the other command's own run reads it

@@ -428,14 +428,15 @@ def parse(
     argv: list[str] | None = None, prog: str = "gqaify uptrain", stages: tuple[Stage, ...] | None = None
 ) -> UptrainSettings:
     """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`);
-    `stages`, every command's (default: `every_stage()`), to name another command's file as such.
+    `stages`, the commands' whose settings files are named as such (default: every declared one,
+    `settings.registry`).
 
     Raises:
         UserError: the recipe is missing, is not a mapping, or has unknown keys; an override is unknown;
             a value is out of range; `--plan`, which asks for a memory plan, not settings to train with.
         SystemExit: --help, or a malformed value (argparse's own one-line error, status 2).
     """
-    settings, options = parse_command(UPTRAIN, argv, prog, every_stage() if stages is None else stages)
+    settings, options = parse_command(UPTRAIN, argv, prog, stages)
     if options[PLAN.flag] is not None:
         raise UserError(
             "--plan asks for a memory plan, which gqaify.uptrain.parse does not give (it returns settings to train "
@@ -454,22 +455,10 @@ def parse_command_line(
         UserError: what `parse` raises but --plan; --plan without a config, or one that is neither a file nor
             packaged (said before the values' problems).
     """
-    settings, options = parse_command(UPTRAIN, argv, prog, every_stage() if stages is None else stages)
+    settings, options = parse_command(UPTRAIN, argv, prog, stages)
     plan = None if options[PLAN.flag] is None else accelerate_config(options[PLAN.flag])
     raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
     return settings, plan
-
-
-def every_stage() -> tuple[Stage, ...]:
-    """Every command's settings, as `gqaify.stages.STAGES` holds them (a test keeps the two equal), for a Python
-    caller of `parse` or `load_recipe`: the commands' entries hand STAGES, but gqaify.stages is above uptrain, so
-    uptrain gathers them from below (`gqaify.uptrain.parse(["--recipe", "OUT/gqaify.json"])` then says it is a
-    conversion record, as `gqaify uptrain` does)."""
-    from gqaify.conversion.options import CONVERT
-    from gqaify.eval.settings import EVAL
-    from gqaify.generation.settings import GENERATE
-
-    return (CONVERT, EVAL, GENERATE, UPTRAIN)
 
 
 def accelerate_config(name: str) -> Path:
@@ -490,4 +479,4 @@ def load_recipe(path: str | Path, stages: tuple[Stage, ...] | None = None) -> di
     Raises:
         UserError: no such file, not YAML, not a mapping, or an unknown key (named with the nearest valid one).
     """
-    return read_config(UPTRAIN, path, every_stage() if stages is None else stages)
+    return read_config(UPTRAIN, path, stages)

@@ -1,0 +1,21 @@
+"""`gqaify generate`: its settings from the command line (before torch is loaded), the corpus, its summary (once per
+launch)."""
+
+from __future__ import annotations
+
+from gqaify.command import quiet_transformers
+from gqaify.generation.settings import GENERATE
+from gqaify.settings import parse
+
+
+def command_line(argv: list[str], prog: str) -> None:
+    settings = parse(GENERATE, argv, prog=prog)
+    quiet_transformers()
+
+    from gqaify.generation.corpus import generate_corpus
+    from gqaify.generation.processes import Processes
+    from gqaify.summary import format_corpus_summary
+
+    corpus = generate_corpus(settings)
+    if Processes.launched().main:  # one summary per launch
+        print(format_corpus_summary(corpus))
