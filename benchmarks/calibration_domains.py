@@ -93,13 +93,13 @@ def _joined(modules: list[str]) -> str:
 def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
     """{conversion label: {"texts": {text: {perplexity, ratio, kl}}, "panel": {...}}} for `name`, the parent's
     under "parent"."""
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     source = MODELS / name if (MODELS / name).is_dir() else fetch_default_model()
     window, kv_heads = SETUPS[name]
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "parent-corpus"
-    cli = [sys.executable, "-m", "gqaify.cli"]
+    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     if not corpus.is_dir():
         subprocess.run(
             [*cli, "generate", str(source), str(corpus), "--tokens", str(2 * CALIB_TOKENS), "-q"], check=True

@@ -93,8 +93,10 @@ def build_checkpoint(directory: Path, shape: str, shard_bytes: int) -> None:
 # Run in a child: its peak RSS is VmHWM of its own address space (ru_maxrss of a child would include the
 # high-water mark of the parent it was forked from).
 PEAK_RSS = "re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)"
-CONVERT = f"import re, sys; from gqaify.cli import main; code = main(sys.argv[1:]); print({PEAK_RSS}); sys.exit(code)"
-IMPORTS = f"import re, gqaify.cli, transformers.utils.hub, huggingface_hub; print({PEAK_RSS})"
+CONVERT = (
+    f"import re, sys; from gqaify.entry.cli import main; code = main(sys.argv[1:]); print({PEAK_RSS}); sys.exit(code)"
+)
+IMPORTS = f"import re, gqaify.entry.cli, transformers.utils.hub, huggingface_hub; print({PEAK_RSS})"
 
 
 def drop_caches() -> bool:

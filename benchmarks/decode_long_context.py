@@ -22,9 +22,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from gqaify.archs import ARCHITECTURES, Geometry
 from gqaify.eval.speed import decode_speed
-from gqaify.kvcache import kv_cache_bytes
+from gqaify.model.archs import ARCHITECTURES, Geometry
+from gqaify.model.kvcache import kv_cache_bytes
 
 # name -> (LlamaConfig fields, K/V head counts: the MHA parent first)
 SHAPES = {

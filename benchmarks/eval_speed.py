@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gqaify
-from gqaify.demo import fetch_default_model
+from gqaify.entry.demo import fetch_default_model
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.speed import decode_speed
 from gqaify.testing import duplicate_kv_heads, transformers_doc_loop  # the references the tests validate

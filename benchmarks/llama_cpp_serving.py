@@ -91,10 +91,10 @@ def main() -> None:
 def build_models(out: Path) -> dict[str, Path]:
     """The three f16 GGUF files (made once)."""
     from gqaify.conversion.to_gguf import write_gguf
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     parent = fetch_default_model()
-    cli = [sys.executable, "-m", "gqaify.cli", "convert", str(parent)]
+    cli = [sys.executable, "-m", "gqaify.entry.cli", "convert", str(parent)]
     paths = {name: out / f"smollm2-kv{kv}.gguf" for name, kv in MODELS.items()}
     for name, kv in MODELS.items():
         if not paths[name].is_file() and kv <= 3:
@@ -129,7 +129,7 @@ def mha_twin(gguf: Path, folder: Path) -> None:
 
 
 def measure_writing(out: Path) -> None:
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     parent = fetch_default_model()
     folder = out / "smollm2-mqa-f32"
@@ -138,7 +138,7 @@ def measure_writing(out: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "gqaify.cli",
+                "gqaify.entry.cli",
                 "convert",
                 str(parent),
                 str(folder),

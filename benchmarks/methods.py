@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--uptrain-variants", default="|".join(UPTRAIN_VARIANTS), help="separated by |")
     args = parser.parse_args()
 
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
     out = Path(args.out).resolve()
@@ -90,7 +90,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "gqaify.cli",
+                    "gqaify.entry.cli",
                     "convert",
                     str(gguf),
                     str(converted),
@@ -149,7 +149,7 @@ def corpus_once(gguf: Path, out: Path) -> Path:
     command = [
         sys.executable,
         "-m",
-        "gqaify.cli",
+        "gqaify.entry.cli",
         "generate",
         str(gguf),
         str(corpus),
@@ -178,7 +178,7 @@ def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path
             [
                 sys.executable,
                 "-m",
-                "gqaify.cli",
+                "gqaify.entry.cli",
                 "eval",
                 str(gguf),
                 *map(str, models),

@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--skip-final-eval", action="store_true", help="no gqaify eval with the task at the end")
     args = parser.parse_args()
 
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
     out = Path(args.out).resolve()
@@ -120,7 +120,7 @@ def convert_once(gguf: Path, out: Path) -> Path:
             [
                 sys.executable,
                 "-m",
-                "gqaify.cli",
+                "gqaify.entry.cli",
                 "convert",
                 str(gguf),
                 str(converted),
@@ -149,7 +149,7 @@ def corpus_once(gguf: Path, out: Path) -> Path:
     command = [
         sys.executable,
         "-m",
-        "gqaify.cli",
+        "gqaify.entry.cli",
         "generate",
         str(gguf),
         str(corpus),
@@ -184,7 +184,7 @@ def final_eval(gguf: Path, converted: Path, finals: dict[str, Path], out: Path) 
             [
                 sys.executable,
                 "-m",
-                "gqaify.cli",
+                "gqaify.entry.cli",
                 "eval",
                 *models,
                 "--data",

@@ -51,7 +51,7 @@ def main() -> None:
     if not args.judge_only:
         timings = _run_line(line)
         (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
     if not args.judge_only:  # a new run: its panel evaluated anew

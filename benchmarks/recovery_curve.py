@@ -163,7 +163,7 @@ def main() -> None:
 
 def _parent(model: str) -> str:
     if model == "smollm2":
-        from gqaify.demo import fetch_default_model
+        from gqaify.entry.demo import fetch_default_model
 
         return str(fetch_default_model())
     return str(MODELS / model)
@@ -174,7 +174,7 @@ def _timed(record: Path, argv: list) -> float:
     if record.exists():
         return float(record.read_text())
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "gqaify.cli", *map(str, argv)], check=True)
+    subprocess.run([sys.executable, "-m", "gqaify.entry.cli", *map(str, argv)], check=True)
     took = time.perf_counter() - started
     record.write_text(f"{took:.1f}\n")
     return took

@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "gqaify.cli"]
+    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     corpus, converted = out / "parent-text", out / "mqa"
     subprocess.run(
         [*cli, "generate", str(PARENT), str(corpus), "--tokens", "49152", "--length", "256", "-q"], check=True

@@ -47,7 +47,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.cost:
         return teacher_cost(out)
-    cli = [sys.executable, "-m", "gqaify.cli"]
+    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     corpus, converted = out / "parent-text-k512", out / "mqa"
     subprocess.run(
         [
@@ -131,10 +131,10 @@ def main() -> None:
 
 
 def teacher_cost(out: Path) -> None:
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
-    cli = [sys.executable, "-m", "gqaify.cli"]
+    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     corpus, converted = out / "smollm2-text-k64", out / "smollm2-mqa"
     subprocess.run(
         [*cli, "generate", str(gguf), str(corpus), "--tokens", "8192", "--top-logprobs", "64", "-q"], check=True
@@ -168,7 +168,7 @@ def teacher_cost(out: Path) -> None:
         ]
         # a process of its own, which reports its own peak resident memory
         code = (
-            "import resource, sys; from gqaify.cli import main; assert main(sys.argv[1:]) == 0; "
+            "import resource, sys; from gqaify.entry.cli import main; assert main(sys.argv[1:]) == 0; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
         )
         done = subprocess.run([sys.executable, "-c", code, *argv], check=True, capture_output=True, text=True)

@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     args = parser.parse_args()
 
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
     out = Path(args.out)

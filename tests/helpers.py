@@ -12,7 +12,7 @@ import time
 import types
 from pathlib import Path
 
-from gqaify.cli import main
+from gqaify.entry.cli import main
 
 NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
 QUICK = 10.0  # seconds for a refusal that needs the hub; huggingface_hub's five retries alone wait 23 s
@@ -43,7 +43,7 @@ def done_then_hold(self, name):
         time.sleep(0.01)
 ShardWriter._done = done_then_hold
 if sys.argv[1:]:
-    from gqaify.cli import main
+    from gqaify.entry.cli import main
     sys.exit(main(sys.argv[1:]))
 """
 

@@ -20,9 +20,9 @@ from conftest import (
     save,
     save_with_tokenizer,
 )
-from gqaify import coverage
-from gqaify.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
-from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
+from gqaify.conversion import coverage
+from gqaify.model.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
+from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from helpers import run_cli
 
 QK_NORMS_OFF = {"stablelm": {"qk_layernorm": False}, "cohere": {"use_qk_norm": False}}  # optional norms, off
@@ -102,7 +102,7 @@ def test_the_docs_architecture_table_is_the_generated_one(tmp_path):
     (tmp_path / "page.md").write_text(page.read_text())
     coverage.write_into(tmp_path / "page.md")
     assert (tmp_path / "page.md").read_text() == page.read_text(), (
-        "regenerate it: python -m gqaify.coverage --write docs/architectures.md"
+        "regenerate it: python -m gqaify.conversion.coverage --write docs/architectures.md"
     )
     assert coverage.markdown() in page.read_text()
 

@@ -33,10 +33,10 @@ from conftest import (
     save_with_tokenizer,
     tree_hashes,
 )
-from gqaify.archs import ARCHITECTURES
 from gqaify.conversion import layer_by_layer
 from gqaify.conversion.source import open_source
 from gqaify.errors import UserError
+from gqaify.model.archs import ARCHITECTURES
 from helpers import run_cli
 
 TEXT = MODELS.parent / "text"
@@ -303,7 +303,7 @@ def test_a_refine_lr_that_is_not_finite_is_refused_from_a_config_file(
 _CAPPED = """
 import resource, sys
 import datasets, torch, transformers
-from gqaify.cli import main
+from gqaify.entry.cli import main
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmPeak")) << 10
 resource.setrlimit(resource.RLIMIT_AS, (peak + (3 << 30), peak + (3 << 30)))
 sys.exit(main(sys.argv[1:]))
@@ -313,7 +313,7 @@ sys.exit(main(sys.argv[1:]))
 def _refining(calibration, tmp_path) -> tuple[subprocess.Popen, list, threading.Thread]:
     """A capped conversion of the most refinement steps allowed, once it is in its steps: the process, its
     stderr lines as (when, line), and the thread that reads them as they come."""
-    from gqaify.conversion.options import REFINE_STEPS_MAX
+    from gqaify.conversion.settings import REFINE_STEPS_MAX
 
     _, src = _tiny("llama", tmp_path / "src")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # on the CPU: a CUDA context reserves address space
@@ -462,7 +462,7 @@ def test_a_rerun_refuses_calibration_text_that_changed_unless_told_to_accept_it(
     ],
 )
 def test_a_mixture_shares_the_tokens_exactly(tokens, weights, expected):
-    from gqaify.conversion.options import Calibration
+    from gqaify.conversion.settings import Calibration
 
     calibration = Calibration(
         ["a", "b", "c"][: len(expected)], tokens, "train", "text", 48, "sequential", 0, 1e-3, True, weights=weights

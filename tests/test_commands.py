@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import REPO
-from gqaify.cli import build_parser, main
+from gqaify.entry.cli import build_parser, main
 
 
 def commands() -> list[str]:

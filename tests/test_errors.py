@@ -12,8 +12,8 @@ import pytest
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from conftest import build_model, save, tree_hashes
-from gqaify.archs import ARCHITECTURES
 from gqaify.errors import Interrupted, ResourceError, UserError
+from gqaify.model.archs import ARCHITECTURES
 from helpers import HOLD_MID_WRITE, run_cli
 
 
@@ -73,7 +73,7 @@ def test_unsupported_architecture_lists_supported_ones(capsys, tmp_path):
         "--kv-heads",
         "1",
         expect=f"unsupported architecture 'gptj' (GPTJForCausalLM); gqaify converts {len(ARCHITECTURES)} model types, "
-        "listed by `python -m gqaify.coverage`",
+        "listed by `python -m gqaify.conversion.coverage`",
     )
 
 
@@ -295,7 +295,7 @@ sys.exit(status)
 @pytest.mark.parametrize("said_by_the_stage", [False, True])
 def test_a_caller_in_the_process_gets_its_sigterm_handler_back_after_a_lost_peer(monkeypatch, said_by_the_stage):
     """SIGTERM stayed ignored after run_command returned once a lost peer was seen: a program calling
-    gqaify.uptrain.__main__.main (or gqaify.cli.main) with its argv could no longer be stopped by SIGTERM."""
+    gqaify.uptrain.__main__.main (or gqaify.entry.cli.main) with its argv could no longer be stopped by SIGTERM."""
     import gqaify.uptrain.__main__ as entry
 
     def command_line(argv, prog, stages):

@@ -13,7 +13,7 @@ import pytest
 
 import gqaify
 from conftest import CORPUS, build_model, save
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.eval.results import model_labels
 from gqaify.eval.settings import EvalSettings
 from helpers import one_line_refusal
@@ -68,7 +68,7 @@ def test_a_gguf_is_compared_with_its_parent_as_the_safetensors_it_was_written_fr
     """The GGUF's tokenizer, rebuilt by transformers from its vocabulary, is serialized otherwise than the parent's
     tokenizer.json, and reads every text alike: its ratio, KL and diagnostics are those of the safetensors (they were
     "—", the tokenizers compared by a hash of their files)."""
-    from gqaify.models import load_tokenizer
+    from gqaify.model.loading import load_tokenizer
 
     v = llama_vocabulary
     files = [load_tokenizer(str(v[name])).backend_tokenizer.to_str() for name in ("parent", "gguf")]

@@ -14,7 +14,7 @@ import pytest
 from matplotlib.colors import to_rgba
 
 from conftest import MODELS, needs_assets
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.eval.report import plot_diagnostics, plot_panel, plot_perplexity_vs_kv, plot_tasks_vs_kv
 from gqaify.eval.results import TaskScore
 from gqaify.figures import plain_number, round_ticks

@@ -13,8 +13,8 @@ import pytest
 
 import gqaify
 from conftest import CORPUS, REPO, build_model, duplicate_kv_heads, save, save_with_tokenizer
-from gqaify.cli import main
 from gqaify.conversion.core import convert
+from gqaify.entry.cli import main
 from helpers import one_line, run_cli
 
 ADVICE = "--method lsq --calib-data TEXT"

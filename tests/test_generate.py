@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MODELS, needs_assets, tree_hashes
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.records import CORPUS, TOOL
 from helpers import CPU_PROCESSES, accelerate_launch, kill_every_process, one_line, run_cli
 
@@ -106,7 +106,7 @@ def test_extending_a_corpus_equals_writing_it_at_once(tmp_path):
 def test_a_corpus_killed_mid_run_resumes_without_repeating_or_skipping(tmp_path):
     assert generate(tmp_path / "whole", "--tokens", "3000") == 0
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "gqaify.cli", "generate", str(STORIES), str(out), "--tokens", "3000", *SMALL]
+    cmd = [sys.executable, "-m", "gqaify.entry.cli", "generate", str(STORIES), str(out), "--tokens", "3000", *SMALL]
     env = held_env(tmp_path / "hook", 2)  # it waits once shard 2 is written: killed, it holds shards 0-2
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -311,7 +311,7 @@ def test_more_top_logprobs_than_the_vocabulary_is_refused(tmp_path):
 @needs_assets
 def test_a_run_into_an_out_another_run_holds_is_refused_and_writes_nothing(tmp_path, capsys):
     """The claim held here, as a live run holds it: a second run, new corpus or resumed, is one line and exit 2."""
-    from gqaify.claims import claimed
+    from gqaify.output.claims import claimed
 
     out = tmp_path / "c"
     with claimed(out, "gqaify generate"):
@@ -349,7 +349,7 @@ def waiting(parent, prompts, s, shard):
 corpus._sample_shard = waiting
 """
     argv = ["generate", STORIES, out, "--tokens", "600", *SMALL, "--seed", "7"]
-    script = f"import sys\n{wait}\nfrom gqaify.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    script = f"import sys\n{wait}\nfrom gqaify.entry.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     first = subprocess.Popen(
         [sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -412,7 +412,7 @@ def test_what_holds_the_claims_name_is_refused_and_left_as_it_is(tmp_path, capsy
 
 def test_a_claim_file_left_empty_is_taken_over(tmp_path):
     """What a claim is between its creation and its first write, and what a run killed in that instant leaves."""
-    from gqaify.claims import claimed
+    from gqaify.output.claims import claimed
 
     out, claim = tmp_path / "c", tmp_path / ".c.gqaify.claim"
     claim.touch()
@@ -475,7 +475,7 @@ def test_lowering_tokens_on_a_finished_corpus_changes_nothing(tmp_path, capsys, 
 def test_too_little_disk_space_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     """It started without looking: a new corpus is refused at a generous estimate, a resumed one at the bytes a
     token takes in its shards."""
-    from gqaify import outputs
+    from gqaify.output import destination as outputs
 
     out = tmp_path / "c"
     usage = shutil.disk_usage(tmp_path)
@@ -498,7 +498,7 @@ def test_too_little_disk_space_is_refused_before_any_work(tmp_path, capsys, monk
 
 def launch_two(out: Path, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """`accelerate launch` of two CPU processes (gloo) writing one corpus."""
-    cmd = [*accelerate_launch("gqaify.cli"), "generate", str(STORIES), str(out), *SMALL, *extra]
+    cmd = [*accelerate_launch("gqaify.entry.cli"), "generate", str(STORIES), str(out), *SMALL, *extra]
     return subprocess.Popen(cmd, env=env or CPU_PROCESSES, cwd=out.parent, text=True, **popen)
 
 

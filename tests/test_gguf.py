@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from helpers import one_line, run_cli
 
 STORIES_MHA = MODELS / "stories260K-mha"
@@ -142,7 +142,7 @@ def test_every_gguf_architecture_in_the_table_is_one_llama_cpp_knows():
     """Each `ArchSpec.gguf` names a member of gguf's MODEL_ARCH whose tensor names cover the attention projections."""
     import gguf
 
-    from gqaify.archs import ARCHITECTURES
+    from gqaify.model.archs import ARCHITECTURES
 
     written = {t: spec.gguf for t, spec in ARCHITECTURES.items() if spec.gguf is not None}
     assert written.keys() == {"llama"} and written["llama"].permute_qk
@@ -240,7 +240,7 @@ def test_llama_cpp_kv_cache_is_h_over_g_smaller(stories_gguf, tmp_path):
 @needs_assets
 def test_eval_reads_the_gguf_as_the_safetensors(stories_gguf, tmp_path):
     from gqaify.eval.perplexity import perplexity
-    from gqaify.models import load_model
+    from gqaify.model.loading import load_model
 
     text = (MODELS.parent / "text" / "tinystories-valid-head.txt").read_text()[:6000]
     scores = []

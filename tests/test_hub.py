@@ -16,7 +16,7 @@ import requests
 from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
 
 from conftest import CLOSED, CORPUS, build_model, load, save_with_tokenizer, tree_hashes
-from gqaify import hub
+from gqaify.model import hub
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
 from helpers import NOT_CACHED, QUICK, one_line_refusal

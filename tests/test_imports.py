@@ -23,7 +23,7 @@ def loaded_after(code: str) -> list[str]:
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--bogus"], ["bogus"]])
 def test_help_and_usage_errors_load_nothing_heavy(argv):
     code = (
-        f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
+        f"from gqaify.entry.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
         f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"
     )
     assert loaded_after(code) == []
@@ -43,7 +43,7 @@ def test_help_and_usage_errors_load_nothing_heavy(argv):
 def test_a_command_parses_its_settings_without_transformers(argv):
     """The settings parser is gqaify's own (transformers' HfArgumentParser loaded its package: 2 s of --help)."""
     code = (
-        f"from gqaify.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
+        f"from gqaify.entry.cli import main\nimport contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
         f"contextlib.redirect_stderr(io.StringIO()):\n    main({argv!r})"
     )
     assert loaded_after(code) == []
@@ -67,16 +67,15 @@ def test_a_mean_conversion_loads_only_torch(tmp_path):
 
 # The layers of the package, lowest first: a module imports only from layers below its own (or its own package).
 LAYERS = [
-    {"_version", "errors", "dtypes", "sizes", "shipped", "logs", "gguf_header", "records", "leftovers"},
-    {"archs", "locations", "hub", "whole", "claims", "settings", "command", "figures", "packaged"},
-    {"outputs"},
-    {"field_groups"},
-    {"kvcache", "summary", "text", "models", "testing"},
+    {"_version", "errors", "sizes", "shipped", "logs", "records"},
+    {"model", "output", "command", "figures", "packaged"},
+    {"settings"},
+    {"summary", "text", "testing"},
     {"conversion", "eval", "generation"},
     {"uptrain"},
-    {"coverage", "demo", "stages"},
-    {"uptrain.__main__"},  # `python -m gqaify.uptrain`: an entry, like cli (it hands the settings every stage)
-    {"cli", "gqaify"},
+    {"uptrain.__main__"},  # `python -m gqaify.uptrain`: an entry, like cli
+    {"entry"},  # the `gqaify` command, the stages it runs, the demo
+    {"gqaify"},
     {"__main__"},
 ]
 

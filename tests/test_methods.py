@@ -24,10 +24,10 @@ from conftest import (
     save_with_tokenizer,
     tree_hashes,
 )
-from gqaify.archs import ARCHITECTURES, Geometry
 from gqaify.conversion import fit
 from gqaify.conversion.grouping import balanced_groups, permute, similar_order
 from gqaify.conversion.layout import LayerLayout
+from gqaify.model.archs import ARCHITECTURES, Geometry
 from helpers import run_cli
 
 TEXT = MODELS.parent / "text"
@@ -164,7 +164,7 @@ def test_similarity_permutation_alone_preserves_the_function_exactly():
 def _moments(src, spec, geometry):
     """Each layer's E[[x; 1][x; 1]ᵀ] of the attention input, from hooks on the whole model (independent of gqaify)."""
     from gqaify.conversion.calibrate import read_calibration
-    from gqaify.conversion.options import ConvertSettings
+    from gqaify.conversion.settings import ConvertSettings
 
     calibration = ConvertSettings(calib_data=str(TEXT / "tinyshakespeare.txt"), calib_tokens=2048).calibration()
     ids = read_calibration(calibration, AutoTokenizer.from_pretrained(src)).parts[0]
@@ -295,7 +295,7 @@ def test_every_declared_method_is_registered_and_every_registered_one_declared()
     import inspect
 
     import gqaify.conversion.methods as methods
-    from gqaify.conversion.options import METHOD_INFO
+    from gqaify.conversion.settings import METHOD_INFO
 
     assert sorted(methods.METHODS) == sorted(METHOD_INFO)
     assert all(

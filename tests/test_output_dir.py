@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from conftest import tree_hashes
-from gqaify.claims import claimed
+from gqaify.output.claims import claimed
 from gqaify.records import TOOL
 from helpers import one_line, run_uptrain, uptrain_args
 

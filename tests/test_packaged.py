@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import ASSETS, CLOSED, CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.packaged import RECIPES, find, recipe_by_name, recipe_names
 from gqaify.uptrain.settings import load_recipe
@@ -190,11 +190,15 @@ def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(tmp_path
 
     def gqaify(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "gqaify.cli", *args], cwd=work, env=env, capture_output=True, text=True
+            [sys.executable, "-m", "gqaify.entry.cli", *args], cwd=work, env=env, capture_output=True, text=True
         )
 
     where = subprocess.run(
-        [sys.executable, "-c", "import gqaify, gqaify.demo as d; print(gqaify.__file__); print(d.RECIPE.is_file())"],
+        [
+            sys.executable,
+            "-c",
+            "import gqaify, gqaify.entry.demo as d; print(gqaify.__file__); print(d.RECIPE.is_file())",
+        ],
         cwd=work,
         env=env,
         capture_output=True,
@@ -257,7 +261,7 @@ def mirrored(path, name=None, *args, split=None, **kwargs):
     return load("text", data_files={"train": [local]}, split="train", sample_by="document")  # the slice served
 
 datasets.load_dataset = mirrored
-from gqaify.cli import main
+from gqaify.entry.cli import main
 sys.exit(main(sys.argv[3:]))
 """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.packaged import find
 from gqaify.uptrain.plan import Launch, plan
 from gqaify.uptrain.settings import parse

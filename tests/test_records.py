@@ -13,9 +13,9 @@ import pytest
 
 import gqaify
 from conftest import REPO
-from gqaify.conversion.options import CalibrationRecord
 from gqaify.conversion.record import ConversionRecord
-from gqaify.outputs import written_kind
+from gqaify.conversion.settings import CalibrationRecord
+from gqaify.output.destination import written_kind
 from gqaify.records import (
     CONVERSION,
     CORPUS,
@@ -285,7 +285,7 @@ def test_every_records_settings_are_listed_in_their_stages_order(written):
     """A record's settings list the stage's own fields first, then its groups' (`settings.recorded`), whichever
     record holds them: an uptrained model's "uptrain" and run.json's too, not the dataclass's order (which puts the
     inherited groups, progress, trust_remote_code, push_to_hub and seed, first)."""
-    from gqaify.conversion.options import ConvertSettings
+    from gqaify.conversion.settings import ConvertSettings
     from gqaify.eval.settings import EvalSettings
     from gqaify.generation.settings import GenerateSettings
     from gqaify.settings import ordered_fields

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import build_model, save_with_tokenizer, tree_hashes
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.settings import parse
 from gqaify.settings.registry import every_stage

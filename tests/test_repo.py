@@ -24,7 +24,7 @@ def test_readme_main_job_uses_the_same_constraints():
 
 def test_demo_takes_wikitext_from_shared_beside_the_checkout():
     from conftest import ASSETS
-    from gqaify.demo import HUB_WIKITEXT, demo_text
+    from gqaify.entry.demo import HUB_WIKITEXT, demo_text
 
     data, origin = demo_text()
     shared = ASSETS / "text" / "wikitext-2-raw-test.txt"
@@ -56,7 +56,7 @@ def test_declared_lower_bounds_are_the_tested_versions():
 
 
 def test_demo_calibrates_on_the_recipes_mixture_never_the_eval_text():
-    from gqaify.demo import HUB_WIKITEXT, calibration_text, demo_text
+    from gqaify.entry.demo import HUB_WIKITEXT, calibration_text, demo_text
 
     data, _ = demo_text()
     calib, split = calibration_text(data)
@@ -71,7 +71,7 @@ def test_demo_calibrates_on_the_recipes_mixture_never_the_eval_text():
 
 
 def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_the_hub():
-    from gqaify.demo import HUB_WIKITEXT, calibration_text, demo_panel, demo_text
+    from gqaify.entry.demo import HUB_WIKITEXT, calibration_text, demo_panel, demo_text
 
     data, _ = demo_text()
     panel = demo_panel(data)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import gqaify
 from conftest import ASSETS, CORPUS, MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from helpers import HOLD_MID_WRITE, one_line, run_cli
 
 
@@ -153,7 +153,7 @@ def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, 
     gqaify" for a run the user stopped. The recorded signal makes it a stop; an error without one stays a bug."""
     import os
 
-    import gqaify.cli as cli
+    import gqaify.entry.cli as cli
 
     def a_library_call(args):
         try:
@@ -200,7 +200,7 @@ def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_sou
 
 def test_a_live_conversions_staging_is_left_alone(source, tmp_path):
     """A staging folder owned by a running process (this one) is not a leftover."""
-    from gqaify.leftovers import owner_tag, remove_leftovers
+    from gqaify.output.leftovers import owner_tag, remove_leftovers
 
     live = tmp_path / f".out.gqaify-{owner_tag()}-abc123"
     unknown = tmp_path / ".out.gqaify-xyz"  # no owner in its name (an older gqaify)
@@ -213,7 +213,7 @@ def test_a_live_conversions_staging_is_left_alone(source, tmp_path):
 
 def test_an_old_output_set_aside_by_a_killed_replacement_is_put_back(source, tmp_path):
     """Killed between moving the old OUT aside and renaming the new one in: the next run restores the old one."""
-    from gqaify.leftovers import remove_leftovers
+    from gqaify.output.leftovers import remove_leftovers
 
     gqaify.convert(source, tmp_path / "out", kv_heads=2, progress=False)
     before = tree_hashes(tmp_path / "out")
@@ -228,7 +228,7 @@ def test_an_old_output_set_aside_by_a_killed_replacement_is_put_back(source, tmp
 
 
 def _host() -> str:
-    from gqaify.leftovers import host_hash
+    from gqaify.output.leftovers import host_hash
 
     return host_hash()
 
@@ -265,13 +265,13 @@ def test_out_that_appears_during_a_conversion_is_not_touched(capsys, source, tmp
 def test_a_claim_refuses_a_rival_until_its_holder_ends_however_it_ends(tmp_path):
     """`claims.claimed`: one holder of an OUT at a time (in this process too); the kernel drops a SIGKILLed
     holder's lock, so the claim file it leaves is taken over, and the holder's end removes the file."""
-    from gqaify.claims import claimed
     from gqaify.errors import UserError
+    from gqaify.output.claims import claimed
 
     out = tmp_path / "out"
     holder = f"""
 import pathlib, time
-from gqaify.claims import claimed
+from gqaify.output.claims import claimed
 with claimed(pathlib.Path({str(out)!r}), "gqaify generate"):
     print("held", flush=True)
     time.sleep(300)
@@ -298,7 +298,7 @@ with claimed(pathlib.Path({str(out)!r}), "gqaify generate"):
 
 
 def test_too_little_free_space_is_refused_before_writing(capsys, source, tmp_path, monkeypatch):
-    from gqaify import outputs
+    from gqaify.output import destination as outputs
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage._replace(free=1000))
@@ -454,7 +454,7 @@ def test_eval_never_writes_its_report_over_what_it_reads(capsys, converted, tmp_
 
 def _uptrained(folder: Path) -> Path:
     """An uptrained model's final/ as uptrain writes it for a model gqaify did not convert."""
-    from gqaify.outputs import write_provenance
+    from gqaify.output.destination import write_provenance
     from gqaify.records import UptrainedRecord, Uptraining
 
     folder.mkdir()
@@ -467,7 +467,7 @@ def _uptrained(folder: Path) -> Path:
 
 def _report_listing_weights(folder: Path) -> Path:
     """A record that says eval but a folder that holds a model's files: a model, whatever the record says."""
-    from gqaify.outputs import write_provenance
+    from gqaify.output.destination import write_provenance
     from gqaify.records import ReportRecord
 
     folder.mkdir()
@@ -577,7 +577,7 @@ def test_eval_when_plotting_meets_a_full_disk(capsys, source, text, tmp_path, mo
 
 def _cli_with(patch: str, *argv) -> subprocess.Popen:
     """`gqaify ARGV` in a process of its own, after the Python lines `patch` ran (to observe or slow a step)."""
-    script = f"import sys\n{patch}\nfrom gqaify.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    script = f"import sys\n{patch}\nfrom gqaify.entry.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     return subprocess.Popen(
         [sys.executable, "-c", script, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -792,7 +792,7 @@ def _name_max(folder: Path) -> int:
 @pytest.mark.parametrize("suffix", ["", ".gguf"])
 def test_convert_to_an_out_name_longer_than_the_file_system_allows(capsys, source, tmp_path, suffix):
     """It used to end in a traceback; the staging folder beside OUT adds to its name, so OUT has less room."""
-    from gqaify.outputs import _ADDED_BESIDE
+    from gqaify.output.destination import _ADDED_BESIDE
 
     limit = _name_max(tmp_path) - _ADDED_BESIDE
     for size in (_name_max(tmp_path) + 5, limit + 1):
@@ -806,7 +806,7 @@ def test_convert_to_an_out_name_longer_than_the_file_system_allows(capsys, sourc
 
 
 def test_an_out_name_just_under_the_limit_is_written_and_replaced(capsys, source, tmp_path):
-    from gqaify.outputs import _ADDED_BESIDE
+    from gqaify.output.destination import _ADDED_BESIDE
 
     out = tmp_path / ("o" * (_name_max(tmp_path) - _ADDED_BESIDE))
     assert run_cli(capsys, "convert", source, out, "--kv-heads", "2")[0] == 0

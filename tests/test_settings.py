@@ -16,8 +16,8 @@ import yaml
 
 import gqaify
 from conftest import CORPUS, build_model, save, save_with_tokenizer, tree_hashes
-from gqaify.cli import main
-from gqaify.conversion.options import CONVERT, NOT_RECORDED, ConvertSettings
+from gqaify.conversion.settings import CONVERT, NOT_RECORDED, ConvertSettings
+from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.eval.settings import EVAL
 from gqaify.generation.settings import GENERATE
@@ -257,7 +257,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once_in_bounded_memory(tmp_path, key):
     (tmp_path / "bomb.yaml").write_text(alias_bomb(key))
     limited = (
         "import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
-        "from gqaify.cli import main\nsys.exit(main(sys.argv[1:]))"
+        "from gqaify.entry.cli import main\nsys.exit(main(sys.argv[1:]))"
     )
     started = time.monotonic()
     done = subprocess.run(
@@ -419,14 +419,14 @@ def test_another_commands_record_is_named_by_uptrains_python_parse(records):
 
 
 def test_the_stage_registry_and_what_it_lists_agree(capsys):
-    """Every entry of `gqaify.stages.STAGES` names a `Stage` of its own command and a command line that answers
+    """Every entry of `gqaify.entry.stages.STAGES` names a `Stage` of its own command and a command line that answers
     --help; `gqaify` has a command for each (and for recipes and demo, which run no stage); every parser knows them
     all, the Python API's included."""
     import gqaify.uptrain
-    from gqaify.cli import build_parser, main
+    from gqaify.entry.cli import build_parser, main
+    from gqaify.entry.stages import STAGES
     from gqaify.settings import Stage
     from gqaify.settings.registry import every_stage, resolve
-    from gqaify.stages import STAGES
 
     stages = every_stage()
     assert [s.command for s in stages] == [e.name for e in STAGES] and all(isinstance(s, Stage) for s in stages)
@@ -652,7 +652,7 @@ def test_no_field_of_the_settings_is_declared_twice(settings):
 def test_an_override_changes_a_default_and_keeps_the_type_and_rules():
     """Uptrain's calib_split defaults to None (the training data's split) where convert's is "train"; both keep the
     one declaration's rules, and None is text only where the default made it so."""
-    from gqaify.conversion.options import ConvertSettings
+    from gqaify.conversion.settings import ConvertSettings
     from gqaify.uptrain.settings import UptrainSettings
 
     assert UptrainSettings().calib_split is None and ConvertSettings().calib_split == "train"

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import gqaify
 from conftest import CORPUS, build_model, duplicate_kv_heads, load, logits, sample_ids, save, save_with_tokenizer
-from gqaify.archs import ARCHITECTURES, Geometry
-from gqaify.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
+from gqaify.model.archs import ARCHITECTURES, Geometry
+from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from helpers import run_cli, run_uptrain
 
 SHIPPED = [t for t, spec in ARCHITECTURES.items() if spec.shipped_class]

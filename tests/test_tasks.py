@@ -21,7 +21,7 @@ from gqaify.eval.perplexity import perplexity
 from gqaify.eval.report import PLOT_TASKS, _md
 from gqaify.eval.settings import EVAL, EvalSettings
 from gqaify.eval.tasks import TaskRequest, harness_model
-from gqaify.models import load_model
+from gqaify.model.loading import load_model
 from gqaify.settings import parse
 from helpers import QUICK, run_cli
 

@@ -328,7 +328,7 @@ def test_distillation_lowers_kl_to_the_parent(tiny, tmp_path):
 
 
 def test_distillation_from_stored_top_k_needs_no_teacher_and_does_as_well_as_one(tiny, tmp_path):
-    from gqaify.cli import main
+    from gqaify.entry.cli import main
 
     corpus = tmp_path / "corpus"
     assert (
@@ -617,7 +617,7 @@ def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, 
 # under load, the whole conversion done before it looked).
 _STOP_AFTER_FIRST_TENSOR = """
 import os, signal, sys
-from gqaify.cli import main
+from gqaify.entry.cli import main
 from gqaify.conversion.checkpoint import ShardWriter
 
 done = ShardWriter._done
@@ -1109,7 +1109,7 @@ def test_output_dir_that_cannot_be_written_is_refused_before_any_work(tiny, read
 
 def _uptrain_with(patch: str, argv: list[str]) -> subprocess.CompletedProcess:
     """`gqaify uptrain ARGV` in a process of its own, after the Python lines `patch` ran."""
-    script = f"import sys\n{patch}\nfrom gqaify.cli import main\nsys.exit(main(['uptrain', *sys.argv[1:]]))\n"
+    script = f"import sys\n{patch}\nfrom gqaify.entry.cli import main\nsys.exit(main(['uptrain', *sys.argv[1:]]))\n"
     return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True)
 
 
@@ -1201,7 +1201,7 @@ def run_fsdp(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def stored_corpus(tiny):
     """The tiny parent's own text, with its top-8 log-probabilities at every position."""
-    from gqaify.cli import main
+    from gqaify.entry.cli import main
 
     corpus = tiny["root"] / "stored"
     if not corpus.exists():

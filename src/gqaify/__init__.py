@@ -26,9 +26,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
+from gqaify.entry.stages import STAGES
 from gqaify.records import CONVERSION, UPTRAINED, declare_types
 from gqaify.settings.registry import declare
-from gqaify.stages import STAGES
 
 # Declared here, where every import of gqaify passes first: every command that runs a stage, known to every settings
 # parser (`settings.registry`); the record types declared above gqaify.records, so that `read_record` reads every
@@ -46,7 +46,7 @@ _EXPORTS = {
     "convert": "gqaify.conversion.core",
     "ConversionResult": "gqaify.conversion.core",
     "convert_with": "gqaify.conversion.core",
-    "ConvertSettings": "gqaify.conversion.options",
+    "ConvertSettings": "gqaify.conversion.settings",
     "evaluate": "gqaify.eval.core",
     "EvalSettings": "gqaify.eval.settings",
     "UptrainSettings": "gqaify.uptrain.settings",
@@ -73,7 +73,7 @@ __all__ = [
 if TYPE_CHECKING:
     from gqaify import conversion, eval, generation, uptrain  # noqa: A004 (gqaify.eval is a package, not the builtin)
     from gqaify.conversion.core import ConversionResult, convert, convert_with
-    from gqaify.conversion.options import ConvertSettings
+    from gqaify.conversion.settings import ConvertSettings
     from gqaify.eval.core import evaluate
     from gqaify.eval.settings import EvalSettings
     from gqaify.generation.settings import GenerateSettings

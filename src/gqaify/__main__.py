@@ -1,5 +1,5 @@
 import sys
 
-from gqaify.cli import main
+from gqaify.entry.cli import main
 
 sys.exit(main())

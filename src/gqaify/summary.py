@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gqaify.archs import attention_kind
+from gqaify.model.archs import attention_kind
 
 
 def format_summary(result) -> str:

@@ -216,7 +216,7 @@ QK_NORMS = {
 
 def model_class(model_type: str):
     """The class that builds `model_type` with K/V heads: transformers' own, or gqaify's shipped one."""
-    from gqaify.archs import ARCHITECTURES
+    from gqaify.model.archs import ARCHITECTURES
     from gqaify.shipped import modeling_gqaify
 
     shipped = ARCHITECTURES[model_type].shipped_class

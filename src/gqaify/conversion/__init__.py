@@ -3,7 +3,7 @@
     gqaify.conversion.run(gqaify.ConvertSettings(src=..., out=..., kv_heads=1))   the entry (`core.convert_with`)
     gqaify.convert(src, out, kv_heads=1)                                         (the same, by keyword)
 
-options.py    what can be asked (methods, groupings, calibration settings), as data
+settings.py   what can be asked (methods, groupings, calibration settings), as data
 source.py     SRC -> a folder of config and side files plus a tensor reader
 checkpoint.py lazy tensor readers and the streaming shard writer
 layout.py     one layer's head-indexed tensors <-> head-major tensors

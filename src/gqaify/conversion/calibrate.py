@@ -40,15 +40,15 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 import gqaify.conversion.layer_by_layer as layer_by_layer
-from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.checkpoint import nonfinite_problem
 from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, fit_error
-from gqaify.conversion.options import Calibration, CalibrationSource, mixture_sha256
 from gqaify.conversion.repair import Windows, refine, repair_output
+from gqaify.conversion.settings import Calibration, CalibrationSource, mixture_sha256
 from gqaify.conversion.source import Source
 from gqaify.errors import UserError, raise_if_problems
+from gqaify.model.archs import ArchSpec, Geometry
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.text.pins import text_sha256
 

@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqaify.archs import attention_kind
-from gqaify.conversion.options import METHOD_INFO
 from gqaify.conversion.record import ConversionRecord
+from gqaify.conversion.settings import METHOD_INFO
+from gqaify.model.archs import attention_kind
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
 _HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-# The readers live in gqaify.models, below every stage (eval and uptrain check a model's weights with them before
+# The readers live in gqaify.model.loading, below every stage (eval and uptrain check a model's weights with them before
 # loading it); imported here for the writer and for the conversion's modules
-from gqaify.models import (  # noqa: F401 (re-exported)
+from gqaify.model.loading import (  # noqa: F401 (re-exported)
     BIN_INDEX,
     BIN_SINGLE,
     DTYPE_CODES,

@@ -14,13 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for
 from gqaify.conversion.methods import Method
-from gqaify.conversion.options import Calibration, ConvertSettings
+from gqaify.conversion.settings import Calibration, ConvertSettings
 from gqaify.conversion.source import Source, read_config
 from gqaify.errors import UserError, problems_in
-from gqaify.locations import Location, locate
-from gqaify.outputs import destination_problems, overlap_problem, resolve_out
+from gqaify.model.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for
+from gqaify.model.locations import Location, locate
+from gqaify.output.destination import destination_problems, overlap_problem, resolve_out
 from gqaify.records import CONVERSION
 from gqaify.sizes import parse_size
 

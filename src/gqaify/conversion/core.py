@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from gqaify._version import __version__
-from gqaify.archs import ArchSpec, Geometry, attention_kind, rotary_dim
 from gqaify.conversion.calibrate import (
     CalibratedLayers,
     CalibrationText,
@@ -50,17 +49,18 @@ from gqaify.conversion.checks import (
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.options import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
+from gqaify.conversion.settings import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
-from gqaify.dtypes import torch_dtype
 from gqaify.errors import raise_if_problems
-from gqaify.hub import push_folder
-from gqaify.kvcache import kv_cache_bytes_per_token
-from gqaify.leftovers import remove_leftovers
-from gqaify.outputs import space_problem
+from gqaify.model.archs import ArchSpec, Geometry, attention_kind, rotary_dim
+from gqaify.model.dtypes import torch_dtype
+from gqaify.model.hub import push_folder
+from gqaify.model.kvcache import kv_cache_bytes_per_token
+from gqaify.output.destination import space_problem
+from gqaify.output.leftovers import remove_leftovers
 from gqaify.settings import recorded
 from gqaify.text.pins import located_all
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gqaify.command import quiet_transformers
-from gqaify.conversion.options import CONVERT
+from gqaify.conversion.settings import CONVERT
 from gqaify.settings import parse
 
 

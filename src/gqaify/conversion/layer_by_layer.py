@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
-from gqaify.archs import ArchSpec
 from gqaify.errors import UserError
+from gqaify.model.archs import ArchSpec
 
 Window = tuple[torch.Tensor, dict]  # (hidden states (1, T, hidden), the layer's keyword inputs)
 

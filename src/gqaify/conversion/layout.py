@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gqaify.archs import HEAD, ArchSpec, Geometry
 from gqaify.errors import UserError
+from gqaify.model.archs import HEAD, ArchSpec, Geometry
 
 SUFFIXES = ("weight", "bias")
 Heads = dict[str, torch.Tensor]

@@ -28,7 +28,7 @@ import torch
 
 import gqaify.conversion.fit as fit
 from gqaify.conversion.layout import Attention
-from gqaify.conversion.options import METHOD_INFO, MethodInfo
+from gqaify.conversion.settings import METHOD_INFO, MethodInfo
 
 
 @dataclass(frozen=True)

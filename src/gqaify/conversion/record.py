@@ -17,9 +17,9 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqaify.archs import ArchSpec, Geometry
-from gqaify.conversion.options import CalibrationRecord
+from gqaify.conversion.settings import CalibrationRecord
 from gqaify.conversion.source import Source
+from gqaify.model.archs import ArchSpec, Geometry
 from gqaify.records import (
     CONVERSION,
     UPTRAINED,

@@ -155,7 +155,7 @@ def refine(
     for p in trainable:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(trainable, lr=lr)
-    # one permutation of every step, read modulo the windows: at most REFINE_STEPS_MAX + windows entries (options.py)
+    # one permutation of every step, read modulo the windows: at most REFINE_STEPS_MAX + windows entries (settings.py)
     order = torch.randperm(len(train) * -(-steps // len(train)), generator=torch.Generator().manual_seed(seed))
     try:
         with torch.enable_grad():

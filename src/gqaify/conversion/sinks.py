@@ -1,9 +1,9 @@
 """Where a conversion goes: a safetensors folder, or one GGUF file. The conversion writes a folder either way; a
 sink says where that folder is made, what it must check first, and how the folder becomes OUT.
 
-    FolderSink   the folder is staged beside OUT and renamed to OUT when whole (`gqaify.outputs.staged`)
+    FolderSink   the folder is staged beside OUT and renamed to OUT when whole (`gqaify.output.destination.staged`)
     GgufSink     the folder is made in a work folder beside OUT, written from there as one GGUF file, which is
-                 renamed into place when whole (`gqaify.whole.file_into_place`); the work folder is removed
+                 renamed into place when whole (`gqaify.output.whole.file_into_place`); the work folder is removed
 
 Both refuse a rival run's or a user's file rather than write over it, and leave nothing behind when stopped.
 """
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import gqaify.conversion.to_gguf as to_gguf
 from gqaify.conversion.checkpoint import ShardWriter
-from gqaify.conversion.options import ConvertSettings
 from gqaify.conversion.record import ConversionRecord
+from gqaify.conversion.settings import ConvertSettings
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
-from gqaify.outputs import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
+from gqaify.output.destination import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
+from gqaify.output.whole import file_into_place
 from gqaify.records import CONVERSION, as_json
-from gqaify.whole import file_into_place
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from gqaify.conversion.checkpoint import (
     open_checkpoint,
 )
 from gqaify.errors import UserError
-from gqaify.locations import Location, locate
+from gqaify.model.locations import Location, locate
 
 LOG = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.archs import ArchSpec, Geometry
 from gqaify.conversion.calibrate import CalibratedLayers
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, nonfinite_problem, sha256_file
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, keeps_heads
 from gqaify.conversion.source import Source
 from gqaify.errors import UserError
+from gqaify.model.archs import ArchSpec, Geometry
 
 LOG = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import gqaify.gguf_header as gguf_header
-from gqaify.archs import ARCHITECTURES, GgufArchitecture
+import gqaify.model.gguf_header as gguf_header
 from gqaify.errors import UserError
 from gqaify.logs import muted
+from gqaify.model.archs import ARCHITECTURES, GgufArchitecture
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")  # the types llama.cpp's converter writes, by their names there
 

@@ -20,7 +20,6 @@ from dataclasses import replace
 
 import torch
 
-from gqaify.archs import ARCHITECTURES, ArchSpec, Geometry
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.diagnostics import compare
@@ -39,11 +38,12 @@ from gqaify.eval.results import (
 from gqaify.eval.settings import DATA_PIN, EvalSettings, decode_context, window_length
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
-from gqaify.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
-from gqaify.leftovers import remove_leftovers
-from gqaify.locations import exists
-from gqaify.models import check_weights, device_problem, load_config, load_model, load_tokenizer, resolve_device
-from gqaify.outputs import destination_problems, overlap_problem, resolve_out, space_problem
+from gqaify.model.archs import ARCHITECTURES, ArchSpec, Geometry
+from gqaify.model.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
+from gqaify.model.loading import check_weights, device_problem, load_config, load_model, load_tokenizer, resolve_device
+from gqaify.model.locations import exists
+from gqaify.output.destination import destination_problems, overlap_problem, resolve_out, space_problem
+from gqaify.output.leftovers import remove_leftovers
 from gqaify.records import REPORT
 from gqaify.settings import recorded
 from gqaify.sizes import parse_size

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gqaify.archs import ARCHITECTURES, ArchSpec
 from gqaify.eval.results import Diagnostics
+from gqaify.model.archs import ARCHITECTURES, ArchSpec
 
 
 def attention_modules(model) -> list[torch.nn.Module] | None:

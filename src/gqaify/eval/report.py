@@ -12,7 +12,7 @@ from gqaify.eval.results import ModelReport, Report, TaskScore, model_labels
 from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
 from gqaify.figures import distinct_colors, figure, integer_ticks, log_scale, readable_xticks
-from gqaify.outputs import staged, write_provenance
+from gqaify.output.destination import staged, write_provenance
 from gqaify.records import REPORT, ReportRecord
 from gqaify.summary import printable
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gqaify.eval.tasks import TaskRequest
-from gqaify.field_groups import Output, Runtime
 from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
+from gqaify.settings.groups import Output, Runtime
 from gqaify.text.loading import named_texts_problem
 from gqaify.text.pins import Pin, sha256_problem
 

@@ -7,7 +7,7 @@ The harness's own Hugging Face wrapper (`HFLM`) is put around the model object g
 the same weights, device and dtype, and the same logits, as `gqaify eval`'s perplexity. Any task the harness
 knows works (its registry, or task YAMLs in `include_path`). Every task is loaded once up front, so that an
 unknown name or a dataset the hub cannot give is refused before any model is evaluated. Where the hub does not
-answer, datasets come from `datasets`' cache alone (`gqaify.hub.offline_unless_reachable`): one line at once,
+answer, datasets come from `datasets`' cache alone (`gqaify.model.hub.offline_unless_reachable`): one line at once,
 not retries. A task YAML that does not parse, which the harness skips without a word, is named.
 
 lm-eval is an optional extra (`pip install 'gqaify[tasks]'`): it is imported here, when tasks are asked for.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from gqaify.errors import UserError, one_line
 from gqaify.eval.results import TaskScore
-from gqaify.hub import offline_unless_reachable
 from gqaify.logs import muted
+from gqaify.model.hub import offline_unless_reachable
 
 EXTRA = "pip install 'gqaify[tasks]'"
 _GLOB = set("*?[")

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.claims import claimed
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
 from gqaify.generation.record import (
@@ -42,12 +41,13 @@ from gqaify.generation.record import (
 from gqaify.generation.scoring import ScoredText, length_problem, score_shard
 from gqaify.generation.settings import GenerateSettings
 from gqaify.logs import muted
-from gqaify.models import device_problem, resolve_device
-from gqaify.outputs import destination_problems, name_problem, resolve_out, space_problem
+from gqaify.model.loading import device_problem, resolve_device
+from gqaify.output.claims import claimed
+from gqaify.output.destination import destination_problems, name_problem, resolve_out, space_problem
+from gqaify.output.whole import write_text_whole
 from gqaify.records import CorpusRecord
 from gqaify.text.corpus_format import SHARDS, corpus_full_disk, shard_index, shard_name
 from gqaify.text.pins import local_path, located_all
-from gqaify.whole import write_text_whole
 
 LOG = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def _write_shard(out: Path, index: int, rows: list[dict]) -> None:
 def _load(s: GenerateSettings, processes: Processes) -> Parent:
     from transformers import GenerationConfig
 
-    from gqaify.models import load_model
+    from gqaify.model.loading import load_model
 
     device = processes.device(resolve_device(s.device))
     model, tokenizer = load_model(s.model, s.dtype, device, trust_remote_code=s.trust_remote_code)

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 from gqaify._version import __version__
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.generation.settings import SCORE_PIN, GenerateSettings, whole_shards_of
-from gqaify.outputs import destination_problems
+from gqaify.output.destination import destination_problems
+from gqaify.output.whole import write_text_whole
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_record, record_text
 from gqaify.settings import recorded
 from gqaify.text.corpus_format import SHARDS, corpus_full_disk, count_problem, refuse_unreadable_corpus
 from gqaify.text.pins import local_path, located_all
-from gqaify.whole import write_text_whole
 
 if TYPE_CHECKING:
     from gqaify.generation.scoring import ScoredText

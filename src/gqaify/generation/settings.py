@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from gqaify.field_groups import Out, Runtime, Seed
 from gqaify.settings import (
     QUIET,
     Excludes,
@@ -20,6 +19,7 @@ from gqaify.settings import (
     recorded,
     setting,
 )
+from gqaify.settings.groups import Out, Runtime, Seed
 from gqaify.text.loading import named_texts_problem
 from gqaify.text.pins import Pin, sha256_problem
 

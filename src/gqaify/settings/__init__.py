@@ -30,7 +30,7 @@ no YAML aliases, no deep nesting, and no message shows more than the start of a 
 The package, one idea a module (only the standard library and PyYAML are imported):
 
     fields.py        `setting(...)`, the `Settings` base and its type check, `override` of an inherited field's
-                     default or help, `FieldGroup` (the fields stages share: `gqaify.field_groups`), helpers
+                     default or help, `FieldGroup` (the fields stages share: `gqaify.settings.groups`), helpers
     rules.py         the rules a value must meet (`Range`, `Limit`, `Finite`, `Needs`, `Excludes`, ...)
     stage.py         `Stage`: how one command reads and names its settings; the problems its fields declare
     command_line.py  `parse` and `build_parser`: the options, --config and --help

@@ -118,7 +118,7 @@ class Settings:
 
 
 class FieldGroup(Settings):
-    """A group of fields several stages share (`gqaify.field_groups`): a stage's settings inherit it, and list its
+    """A group of fields several stages share (`gqaify.settings.groups`): a stage's settings inherit it, and list its
     fields after their own (in --help, problems and records). Each group says so in its body (`shared = True`),
     which the settings that inherit it do not: they are groups' heirs, not groups."""
 

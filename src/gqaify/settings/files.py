@@ -44,12 +44,10 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] | None
     return read_settings_file(stage, path, stages)[0]
 
 
-def read_settings_file(
-    stage: Stage, path: str | Path, stages: tuple[Stage, ...] | None = None
-) -> tuple[dict, bool]:
+def read_settings_file(stage: Stage, path: str | Path, stages: tuple[Stage, ...] | None = None) -> tuple[dict, bool]:
     """What `read_config` reads, and whether the file is a record gqaify wrote (a rerun)."""
     path = Path(path).expanduser()
-    # os.path.exists, as gqaify.locations.exists (a layer above): False, not ENAMETOOLONG, for too long a name
+    # os.path.exists, as gqaify.model.locations.exists (a layer above): False, not ENAMETOOLONG, for too long a name
     if not os.path.exists(path) and stage.packaged is not None:
         if os.path.exists(local := path.with_name(f"{path.name}.yaml")):
             path = local  # NAME for ./NAME.yaml (what `gqaify recipes cp NAME .` writes) before the packaged NAME

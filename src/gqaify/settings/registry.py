@@ -1,4 +1,4 @@
-"""Every command that runs a stage, listed once (`StageEntry`, in `gqaify/stages.py`): its name, its help line, and
+"""Every command that runs a stage, listed once (`StageEntry`, in `gqaify/entry/stages.py`): its name, its help line, and
 where its settings (`Stage`) and its entry (`command_line(argv, prog)`) live, each by "module:name".
 
 The list is declared by the package's front door (gqaify/__init__.py), which Python runs before any gqaify module
@@ -35,7 +35,8 @@ _DECLARED: list[StageEntry] = []
 
 
 def declare(entries: tuple[StageEntry, ...]) -> None:
-    """The stages, as gqaify/__init__.py declares them from `gqaify.stages.STAGES` (once, before any stage runs)."""
+    """The stages, as gqaify/__init__.py declares them from `gqaify.entry.stages.STAGES` (once, before any stage
+    runs)."""
     _DECLARED[:] = entries
     every_stage.cache_clear()
 

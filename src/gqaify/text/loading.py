@@ -6,7 +6,7 @@ path nor that is refused as the settings are read: `_source_problem`). Rows are 
 ("\\n\\n"), the usual perplexity setup. A plain text file is one row, its text kept verbatim (datasets'
 default of a row per line would double every newline once joined); it has no columns, so a text column asked of
 the sources that have them does not apply to it. Where the hub does not answer, a hub dataset comes
-from `datasets`' cache alone, or is refused at once (`gqaify.hub.offline_unless_reachable`).
+from `datasets`' cache alone, or is refused at once (`gqaify.model.hub.offline_unless_reachable`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqaify.errors import UserError, one_line, raise_if_problems
-from gqaify.locations import exists, is_repo_id, lookup_problem
 from gqaify.logs import muted
+from gqaify.model.locations import exists, is_repo_id, lookup_problem
 from gqaify.records import PROVENANCE_FILE
 from gqaify.text.corpus_format import STORED, corpus_problems, corpus_record, nested_corpus_problem, stored_problem
 
@@ -227,7 +227,7 @@ def _load_hub(data: str, split: str, streaming: bool, option: str):
     """
     import datasets
 
-    from gqaify.hub import offline_unless_reachable
+    from gqaify.model.hub import offline_unless_reachable
 
     hub = _hub_dataset(data)
     if hub is None:

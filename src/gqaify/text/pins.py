@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqaify.locations import exists
+from gqaify.model.locations import exists
 from gqaify.text.loading import NamedText, _default_name
 
 

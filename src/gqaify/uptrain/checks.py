@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.archs import ARCHITECTURES, attention_pattern
 from gqaify.conversion.record import ConversionRecord
 from gqaify.errors import UserError, problems_in, raise_if_problems
-from gqaify.locations import exists
-from gqaify.models import check_weights, load_config, untrusted_problem
-from gqaify.outputs import name_problem, resolve_out, writable_problem
+from gqaify.model.archs import ARCHITECTURES, attention_pattern
+from gqaify.model.loading import check_weights, load_config, untrusted_problem
+from gqaify.model.locations import exists
+from gqaify.output.destination import name_problem, resolve_out, writable_problem
 from gqaify.records import PROVENANCE_FILE, read_provenance
 from gqaify.text.corpus_format import corpus_record
 from gqaify.text.loading import named_texts

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Sampler
 
 from gqaify.errors import UserError
-from gqaify.models import load_config
+from gqaify.model.loading import load_config
 from gqaify.text.corpus_format import STORED, corpus_record, stored_problem
 from gqaify.text.loading import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks, tokens_sha256
 

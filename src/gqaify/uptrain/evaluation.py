@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.results import EvalText, PanelSummary, TextScore
-from gqaify.models import load_model
+from gqaify.model.loading import load_model
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.uptrain.curve import draw_curve
 from gqaify.uptrain.settings import UptrainSettings

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from gqaify.archs import ARCHITECTURES, attention_pattern
+from gqaify.model.archs import ARCHITECTURES, attention_pattern
 
 
 def target_pattern(model_type: str) -> str:

@@ -155,7 +155,7 @@ def plan(s, launch: Launch) -> MemoryPlan:
         UserError: a setting the run would refuse (every problem at once: a budget below one step of the launch's
             processes among them, so that a huge batch is refused, not planned); a model's config cannot be read.
     """
-    from gqaify.models import load_config
+    from gqaify.model.loading import load_config
 
     one_process = s.step_problem(processes=1)  # among s.problems() already
     raise_if_problems(s.problems(), None if one_process else s.step_problem(launch.processes))
@@ -193,8 +193,8 @@ def plan(s, launch: Launch) -> MemoryPlan:
 
 def _student_config(s):
     """The config of the model that trains: `model`, or its conversion to kv_heads."""
-    from gqaify.archs import ARCHITECTURES
-    from gqaify.models import load_config
+    from gqaify.model.archs import ARCHITECTURES
+    from gqaify.model.loading import load_config
 
     config = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code)
     if s.kv_heads is not None:

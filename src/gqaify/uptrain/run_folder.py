@@ -24,7 +24,8 @@ from gqaify._version import __version__
 from gqaify.conversion.card import Uptrained, model_card
 from gqaify.conversion.record import ConversionRecord
 from gqaify.errors import UserError
-from gqaify.outputs import write_provenance
+from gqaify.output.destination import write_provenance
+from gqaify.output.whole import readable_as_umask_allows, written_whole
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
@@ -32,7 +33,6 @@ from gqaify.text.pins import local_path, located
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.report import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
-from gqaify.whole import readable_as_umask_allows, written_whole
 
 CHECKPOINTS = "checkpoints"
 CONVERTED = "converted"  # the model converted by a run given a source and kv_heads

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.options import ConvertSettings, MethodSettings
+from gqaify.conversion.settings import ConvertSettings, MethodSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
-from gqaify.field_groups import Hub, Progress, Seed, TrustRemoteCode
-from gqaify.locations import exists
+from gqaify.model.locations import exists
 from gqaify.packaged import find, recipe_by_name
 from gqaify.settings import (
     QUIET,
@@ -38,6 +37,7 @@ from gqaify.settings import (
     read_config,
     setting,
 )
+from gqaify.settings.groups import Hub, Progress, Seed, TrustRemoteCode
 from gqaify.text.loading import named_texts_problem
 
 TRACKERS = ("csv", "tensorboard", "wandb")
@@ -255,7 +255,7 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
     def calibrated_on_data(self) -> UptrainSettings:
         """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
         the method is calibrated: a conversion fitted on what the model will train on."""
-        from gqaify.conversion.options import METHOD_INFO
+        from gqaify.conversion.settings import METHOD_INFO
 
         info = METHOD_INFO.get(self.method)
         needs_text = (info is not None and info.calibrated) or self.grouping == "similarity"

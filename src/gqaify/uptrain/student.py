@@ -10,9 +10,9 @@ import re
 
 import torch
 
-from gqaify.archs import ARCHITECTURES, attention_pattern
 from gqaify.errors import UserError
-from gqaify.models import load_model
+from gqaify.model.archs import ARCHITECTURES, attention_pattern
+from gqaify.model.loading import load_model
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.lora import with_adapters
 from gqaify.uptrain.settings import UptrainSettings

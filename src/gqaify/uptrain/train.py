@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqaify.claims import claimed
 from gqaify.errors import PEER_STOPPED, ResourceError, UserError, as_interrupt, peer_lost, raise_if_problems
 from gqaify.eval.tasks import Harness
-from gqaify.models import load_config, load_model, load_tokenizer
+from gqaify.model.loading import load_config, load_model, load_tokenizer
+from gqaify.output.claims import claimed
+from gqaify.output.whole import is_full_disk
 from gqaify.records import RunRecord
 from gqaify.settings import recorded
 from gqaify.uptrain.checks import check_inputs
@@ -62,7 +63,6 @@ from gqaify.uptrain.run_folder import (
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import fsdp_problem, shard_on_cpus
 from gqaify.uptrain.student import load_teacher, optimizer_and_schedule, student_loss, trainable_student
-from gqaify.whole import is_full_disk
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
@@ -196,7 +196,7 @@ def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainRe
     """
     if s.push_to_hub is not None and accelerator.is_main_process:
         from gqaify._version import __version__
-        from gqaify.hub import push_folder
+        from gqaify.model.hub import push_folder
 
         after = f", eval perplexity {result.eval_perplexity:.2f}" if result.eval_perplexity is not None else ""
         push_folder(result.final, s.push_to_hub, f"uptrained by gqaify {__version__}: {result.tokens:,} tokens{after}")

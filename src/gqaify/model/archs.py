@@ -415,7 +415,7 @@ def arch_for(model_type: str, architectures: list[str] | None = None) -> ArchSpe
         name = f"{model_type!r}" + (f" ({architectures[0]})" if architectures else "")
         raise UserError(
             f"unsupported architecture {name}; gqaify converts {len(ARCHITECTURES)} model types, listed by "
-            "`python -m gqaify.coverage`. Adding one is an entry in gqaify/archs.py."
+            "`python -m gqaify.conversion.coverage`. Adding one is an entry in gqaify/model/archs.py."
         )
     return spec
 

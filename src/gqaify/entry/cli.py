@@ -13,10 +13,10 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.command import quiet_transformers, run_command
+from gqaify.entry.stages import STAGES
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
 from gqaify.settings.registry import StageEntry, resolve
-from gqaify.stages import STAGES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    # every command that runs a stage (`gqaify.stages`): its options, --config and --help are its settings
+    # every command that runs a stage (`gqaify.entry.stages`): its options, --config and --help are its settings
     # parser's, built when the command runs
     for entry in STAGES:
         sub.add_parser(entry.name, help=entry.help, add_help=False).set_defaults(run=functools.partial(_run, entry))
@@ -110,7 +110,7 @@ def _run_recipes(args) -> None:
 
 
 def _run_demo(args) -> None:
-    from gqaify.demo import run_demo
+    from gqaify.entry.demo import run_demo
 
     quiet_transformers()
     run_demo(args.workdir, args.model)

@@ -11,7 +11,7 @@ STAGES = (
     StageEntry(
         "convert",
         "rewrite a checkpoint's K/V heads from H to G",
-        "gqaify.conversion.options:CONVERT",
+        "gqaify.conversion.settings:CONVERT",
         "gqaify.conversion.entry:command_line",
     ),
     StageEntry(

@@ -77,7 +77,7 @@ def fetch_default_model(directory: Path | None = None) -> Path:
 
 def demo_text() -> tuple[str, str]:
     """(DATA for gqaify eval, where it comes from): ../shared's WikiText-2 if beside the checkout, else the hub."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):  # the repository root, run from or installed
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):  # the repository root, run from or installed
         local = root.parent / SHARED_WIKITEXT
         if local.is_file():
             return str(local), f"{EVAL_TEXT} from {local}"
@@ -141,7 +141,7 @@ def _run_steps(workdir: Path, model: str | None) -> None:
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
     from gqaify.eval.settings import EvalSettings
-    from gqaify.kvcache import measured_kv_cache_bytes
+    from gqaify.model.kvcache import measured_kv_cache_bytes
     from gqaify.summary import format_summary, format_uptrain_summary
 
     source = model or str(fetch_default_model())

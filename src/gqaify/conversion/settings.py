@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from gqaify.field_groups import Dtype, Hub, Output, Progress, Seed
-from gqaify.locations import exists
+from gqaify.model.locations import exists
 from gqaify.settings import (
     QUIET,
     Finite,
@@ -29,6 +28,7 @@ from gqaify.settings import (
     override,
     setting,
 )
+from gqaify.settings.groups import Dtype, Hub, Output, Progress, Seed
 from gqaify.text.loading import NamedText, named_texts, named_texts_problem
 from gqaify.text.pins import Pin, sha256_problem
 
@@ -398,7 +398,7 @@ class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
     )
     revision: str | None = setting(None, "hub branch, tag or commit (hub ids only)")
     allow_nonfinite: bool = setting(False, "convert K/V weights that hold NaN or Inf instead of refusing")
-    # the shared groups' fields (`gqaify.field_groups`), worded for a conversion
+    # the shared groups' fields (`gqaify.settings.groups`), worded for a conversion
     out = override(help="the folder to create; written beside it and renamed into place when complete")
     force = override(help="replace OUT if it is empty or a conversion gqaify wrote (nothing else)")
     dtype = override(help="output dtype of floating-point tensors (auto: keep each tensor's)")

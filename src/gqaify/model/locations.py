@@ -1,7 +1,7 @@
 """What a user names as a model: a local folder, a `.gguf` file, or a Hugging Face hub id.
 
 The one resolver of a model name: `gqaify convert` opens what it finds (`conversion/source.py`), eval and
-uptrain load it (`models.py`). Nothing is fetched here, so a name is classified, or refused, at once.
+uptrain load it (`loading.py`). Nothing is fetched here, so a name is classified, or refused, at once.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import gqaify.gguf_header as gguf_header
+import gqaify.model.gguf_header as gguf_header
 from gqaify.errors import UserError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # owner/name, or a bare name (e.g. gpt2)

@@ -50,9 +50,9 @@ from pathlib import Path
 
 import gqaify.records as records
 from gqaify.errors import UserError
-from gqaify.leftovers import owner_tag, remove_created
+from gqaify.output.leftovers import owner_tag, remove_created
+from gqaify.output.whole import put_in_place_when_whole
 from gqaify.records import PROVENANCE_FILE, Provenance, listed_files, read_provenance, record_text
-from gqaify.whole import put_in_place_when_whole
 
 LOG = logging.getLogger(__name__)
 

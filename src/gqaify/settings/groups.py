@@ -8,7 +8,7 @@
     Seed               seed, within what the generators take (convert, generate, uptrain)
     Hub                push_to_hub (convert, uptrain)
 
-The calibration's fields are the conversion's `MethodSettings` (conversion/options.py), which convert and uptrain
+The calibration's fields are the conversion's `MethodSettings` (conversion/settings.py), which convert and uptrain
 inherit. A stage words a shared field for itself, or gives it another default, with `override` (`gqaify.settings`):
 its type and rules stay declared here.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gqaify.dtypes import DtypeName
-from gqaify.hub import repo_id_problem
+from gqaify.model.dtypes import DtypeName
+from gqaify.model.hub import repo_id_problem
 from gqaify.settings import SEED, FieldGroup, setting
 
 

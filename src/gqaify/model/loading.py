@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gqaify.dtypes import torch_dtype
 from gqaify.errors import UserError
-from gqaify.locations import locate
+from gqaify.model.dtypes import torch_dtype
+from gqaify.model.locations import locate
 from gqaify.shipped import SHIPPED_MODULE
 
 
@@ -49,7 +49,7 @@ def _from_hub_or_cache(name: str, option: str) -> Iterator[None]:
         return
     from huggingface_hub import try_to_load_from_cache
 
-    from gqaify.hub import offline_unless_reachable
+    from gqaify.model.hub import offline_unless_reachable
 
     with offline_unless_reachable() as why:
         if why is not None and not isinstance(try_to_load_from_cache(name, "config.json"), str):

@@ -6,8 +6,8 @@ a checkpoint of transformers' own class), refused (an entry of `archs.REFUSED`, 
 unaccounted for, which the test suite does not allow. The entries for types without K/V heads in transformers
 are listed too: "shipped code" (the output carries gqaify's modeling file) or refused.
 The architecture table of the docs (docs/architectures.md, between its `TABLE_START` and `TABLE_END` lines) is
-`markdown()`: `python -m gqaify.coverage --write docs/architectures.md` writes it there, `python -m gqaify.coverage`
-prints it (a test keeps the page and the table equal).
+`markdown()`: `python -m gqaify.conversion.coverage --write docs/architectures.md` writes it there,
+`python -m gqaify.conversion.coverage` prints it (a test keeps the page and the table equal).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqaify.archs import ARCHITECTURES, REFUSED, ArchSpec
-from gqaify.conversion.options import METHOD_INFO
+from gqaify.conversion.settings import METHOD_INFO
+from gqaify.model.archs import ARCHITECTURES, REFUSED, ArchSpec
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def methods(spec: ArchSpec) -> str:
     return "all"
 
 
-TABLE_START = "<!-- the table is written by: python -m gqaify.coverage --write docs/architectures.md -->\n"
+TABLE_START = "<!-- the table is written by: python -m gqaify.conversion.coverage --write docs/architectures.md -->\n"
 TABLE_END = "<!-- end of the table -->\n"
 
 
@@ -134,7 +134,7 @@ def write_into(page: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gqaify.coverage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gqaify.conversion.coverage", description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, metavar="PAGE", help="write the table into PAGE instead of printing it")
     args = parser.parse_args(argv)
     if args.write:

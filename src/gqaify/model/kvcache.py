@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.archs import Geometry
+from gqaify.model.archs import Geometry
 
 
 def kv_cache_bytes(geometry: Geometry, dtype: torch.dtype, tokens: int, windows: Sequence[int | None] = ()) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gqaify.errors import UserError
-from gqaify.leftovers import remove_created
+from gqaify.output.leftovers import remove_created
 
 LOG = logging.getLogger(__name__)
 
