@@ -31,6 +31,25 @@ from gqaify.testing import (  # noqa: F401 (imported from conftest by the tests)
     transformers_doc_loop,
 )
 
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--integration",
+        action="store_true",
+        help="run the integration tests too (processes launched and killed, wheels built, llama.cpp): .ci/run does",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --integration, the tests marked integration are deselected: the edit loop runs the rest."""
+    if config.getoption("--integration"):
+        return
+    deselected = [item for item in items if item.get_closest_marker("integration")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("integration")]
+
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO.parent / "shared" / "assets"
 MODELS = ASSETS / "models"

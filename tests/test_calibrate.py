@@ -352,6 +352,7 @@ def _refining(calibration, tmp_path) -> tuple[subprocess.Popen, list, threading.
     return process, lines, reader
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_sigterm_during_refinement_is_answered_at_once_in_bounded_memory(calibration, tmp_path):
     """--refine-steps 1000000000 drew an 8.3 GB permutation for over a minute, deaf to SIGTERM, before the first
@@ -368,6 +369,7 @@ def test_sigterm_during_refinement_is_answered_at_once_in_bounded_memory(calibra
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "src"]
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_sigkill_during_refinement_leaves_only_a_staging_folder_the_next_run_removes(calibration, tmp_path):
     """A SIGKILL mid-refinement left `.gqaify-fits` beside OUT. The fitted layers wait inside the staging folder,

@@ -35,6 +35,7 @@ def test_the_commands_that_take_a_config_file_are_those_readme_names(capsys, tmp
             )
 
 
+@pytest.mark.integration
 def test_a_reader_that_went_away_is_no_internal_error(tmp_path):
     """`gqaify recipes | head` printed "internal error ... please report it" with a BrokenPipeError traceback. The
     pipe's reading end is closed before the command starts, so its first write fails on every machine."""

@@ -175,6 +175,7 @@ def test_internal_error_exits_1(capsys, source, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.gqaify-*"))
 
 
+@pytest.mark.integration
 def test_console_script_success_and_bad_input(source, tmp_path):
     exe = [sys.executable, "-m", "gqaify"]
     done = subprocess.run([*exe, "convert", source, tmp_path / "out", "--kv-heads", "1", "-q"], capture_output=True)
@@ -249,6 +250,7 @@ def test_a_peer_is_lost_where_gloo_says_its_connection_ended():
     assert not peer_lost(None)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("raised", "line"),
     [
@@ -318,6 +320,7 @@ def test_a_caller_in_the_process_gets_its_sigterm_handler_back_after_a_lost_peer
         signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.integration
 def test_sigkill_mid_conversion_leaves_no_output(tmp_path):
     """Kill the converter once its first shard is on disk: OUT must not exist, only the hidden staging folder."""
     model = build_model(

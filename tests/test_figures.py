@@ -77,6 +77,7 @@ def test_a_panel_of_a_few_short_texts_is_drawn_as_before(tmp_path, drawn):
     assert drawn[-1].rotations == [20, 20, 20] and drawn[-1].size == PLOT_SIZE
 
 
+@pytest.mark.integration
 def test_matplotlibs_warnings_stay_out_of_the_terminal_and_go_to_the_log(tmp_path, caplog):
     """A model named in a script the font lacks: matplotlib's 'Glyph ... missing from font(s)' escaped -q."""
     code = (

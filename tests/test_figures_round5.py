@@ -267,6 +267,7 @@ def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
     return {"parent": source, "gguf": out}
 
 
+@pytest.mark.integration
 @needs_assets
 @pytest.mark.parametrize("quiet", [[], ["-q"]], ids=["default", "-q"])
 def test_no_transformers_progress_bar_cuts_into_a_command_reading_a_gguf_and_loading_models(tiny_gguf, tmp_path, quiet):

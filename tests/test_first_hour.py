@@ -34,6 +34,7 @@ def trained(tmp_path_factory):
     return {"root": root, "src": src, "calib": root / "calib.txt"}
 
 
+@pytest.mark.integration
 def test_the_default_conversion_warns_on_stderr_in_one_line_naming_the_damage_and_the_fix(trained, tmp_path):
     """`gqaify convert SRC OUT --kv-heads 1` (mean) wrecked SmolLM2 (WikiText-2 26.99 -> 35,580) and said nothing."""
     out = tmp_path / "mqa"
@@ -113,6 +114,7 @@ def test_gqaify_prints_the_path_of_its_packaged_constraints_which_are_the_reposi
     assert "torch==2.13.0" in path.read_text().splitlines()
 
 
+@pytest.mark.integration
 def test_the_wheel_carries_the_constraints(tmp_path):
     """A wheel user could not get the tested pins: constraints.txt was not in the wheel."""
     built = subprocess.run(

@@ -102,6 +102,7 @@ def test_extending_a_corpus_equals_writing_it_at_once(tmp_path):
     assert shards(tmp_path / "twice") == shards(tmp_path / "once")
 
 
+@pytest.mark.integration
 @needs_assets
 def test_a_corpus_killed_mid_run_resumes_without_repeating_or_skipping(tmp_path):
     assert generate(tmp_path / "whole", "--tokens", "3000") == 0
@@ -207,6 +208,7 @@ def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys, caplog)
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
     """README's three commands on the MHA twin of stories260K: the parent's text is the only data, and the
@@ -331,6 +333,7 @@ def test_a_run_into_an_out_another_run_holds_is_refused_and_writes_nothing(tmp_p
     assert tree_hashes(tmp_path) == before
 
 
+@pytest.mark.integration
 @needs_assets
 def test_two_seeds_into_one_out_at_once_leave_one_seeds_corpus(tmp_path, capsys):
     """The attack: seeds 7 and 8 into one OUT, 0.2-0.5 s apart, both exited 0 with shards of both seeds under a
@@ -508,6 +511,7 @@ def record_of(out: Path) -> dict:
     return {**record, "settings": {k: v for k, v in record["settings"].items() if k != "out"}}
 
 
+@pytest.mark.integration
 @needs_assets
 def test_two_processes_write_the_corpus_one_process_writes(tmp_path):
     """Shard k is a function of the seed and k: shared out among processes, the corpus is byte for byte the one
@@ -521,6 +525,7 @@ def test_two_processes_write_the_corpus_one_process_writes(tmp_path):
     assert record_of(tmp_path / "two") == record_of(tmp_path / "one")
 
 
+@pytest.mark.integration
 @needs_assets
 def test_a_corpus_whose_processes_were_killed_resumes_to_the_same_corpus(tmp_path):
     assert generate(tmp_path / "whole", "--tokens", "3000") == 0

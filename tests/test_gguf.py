@@ -62,6 +62,7 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return out
 
 
+@pytest.mark.integration
 @needs_assets
 @pytest.mark.parametrize("name", ["gqa2", "mqa"])
 def test_gguf_holds_the_converted_tensors_under_llama_cpp_names(stories_gguf, name):
@@ -115,6 +116,7 @@ def test_gguf_types_hold_the_values_to_their_precision(stories_gguf, out_type, t
             assert t.tensor_type.name == expected, t.name
 
 
+@pytest.mark.integration
 def test_a_vocabulary_llama_cpp_would_misread_is_refused_and_nothing_written(tmp_path):
     if not (MODELS / "ref-mha-6L").is_dir():
         pytest.skip("needs ../shared/assets/models/ref-mha-6L")
@@ -138,6 +140,7 @@ def test_a_type_whose_arch_entry_has_no_gguf_is_refused_naming_those_that_have_o
     assert [p.name for p in tmp_path.iterdir()] == ["src"]
 
 
+@pytest.mark.integration
 def test_every_gguf_architecture_in_the_table_is_one_llama_cpp_knows():
     """Each `ArchSpec.gguf` names a member of gguf's MODEL_ARCH whose tensor names cover the attention projections."""
     import gguf
@@ -198,6 +201,7 @@ def transformers_greedy(folder: Path, prompt_ids: list[int], tokens: int) -> lis
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
 
 
+@pytest.mark.integration
 @needs_assets
 @needs_llama_cpp
 @pytest.mark.parametrize("name", ["gqa2", "mqa"])
@@ -225,6 +229,7 @@ def engine_kv_cache_mib(path: Path, cells: int = 32768) -> float:
     return float(match[1])
 
 
+@pytest.mark.integration
 @needs_assets
 @needs_llama_cpp
 def test_llama_cpp_kv_cache_is_h_over_g_smaller(stories_gguf, tmp_path):
@@ -252,6 +257,7 @@ def test_eval_reads_the_gguf_as_the_safetensors(stories_gguf, tmp_path):
     assert scores[1][1] == pytest.approx(scores[0][1], rel=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @needs_llama_cpp
 def test_smollm2_mqa_gguf_decodes_in_llama_cpp_as_in_transformers(smollm2_gguf, tmp_path):
@@ -312,6 +318,7 @@ def llama_cpp_converter() -> Path:
     return script
 
 
+@pytest.mark.integration
 @needs_assets
 @needs_llama_cpp
 def test_llama_cpp_converter_makes_the_same_gguf_from_the_safetensors(stories_gguf, llama_cpp_converter, tmp_path):
@@ -507,6 +514,7 @@ def test_a_rival_gguf_written_meanwhile_is_refused_or_replaced_whole(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.gguf"]
 
 
+@pytest.mark.integration
 @needs_assets
 @pytest.mark.parametrize("ending", ["refused", "stopped"])
 def test_a_gguf_out_refused_or_stopped_late_leaves_no_parent_folders_it_made(capsys, tmp_path, monkeypatch, ending):
@@ -623,6 +631,7 @@ def test_a_malformed_gguf_as_out_is_refused_with_force_at_once(capsys, tmp_path)
     assert out.read_bytes() == before
 
 
+@pytest.mark.integration
 @needs_assets
 def test_a_gguf_conversion_that_succeeds_says_no_warning(tmp_path):
     """gguf's SpecialVocab warned "Unknown separator token '<s>'" of every Llama tokenizer's pair template. (To 4

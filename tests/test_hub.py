@@ -40,6 +40,7 @@ EVAL = ["eval", "{src}", "--out", "{tmp}/report", "--no-speed", "--seq-len", "32
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: gqaify[tasks]")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
@@ -77,6 +78,7 @@ def test_the_hub_unreachable_is_one_line_on_the_real_stderr(tmp_path, source, ar
 HUB_MODEL = "gqaify-tests/not-cached-model"  # a hub model no machine has in its cache
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("argv", "said"),
     [

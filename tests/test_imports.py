@@ -20,6 +20,7 @@ def loaded_after(code: str) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--bogus"], ["bogus"]])
 def test_help_and_usage_errors_load_nothing_heavy(argv):
     code = (
@@ -29,6 +30,7 @@ def test_help_and_usage_errors_load_nothing_heavy(argv):
     assert loaded_after(code) == []
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "argv",
     [
@@ -49,6 +51,7 @@ def test_a_command_parses_its_settings_without_transformers(argv):
     assert loaded_after(code) == []
 
 
+@pytest.mark.integration
 def test_import_gqaify_is_light_and_names_resolve_on_use():
     assert (
         loaded_after(
@@ -59,6 +62,7 @@ def test_import_gqaify_is_light_and_names_resolve_on_use():
     assert "torch" in loaded_after("import gqaify; gqaify.convert")
 
 
+@pytest.mark.integration
 def test_a_mean_conversion_loads_only_torch(tmp_path):
     src = save(build_model("llama", num_kv_heads=4), tmp_path / "src")
     code = f"import gqaify\ngqaify.convert({str(src)!r}, {str(tmp_path / 'out')!r}, kv_heads=2, progress=False)"

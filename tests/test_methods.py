@@ -192,6 +192,7 @@ def _moments(src, spec, geometry):
     return [s / len(ids) for s in sums]
 
 
+@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_calibrated_conversions_start_far_closer_to_the_parent_than_the_papers_mean_on_ref_mha_6l(tmp_path):
     from gqaify.eval.perplexity import perplexity
@@ -217,6 +218,7 @@ def test_calibrated_conversions_start_far_closer_to_the_parent_than_the_papers_m
     assert all(ppl < 0.5 * mean for key, ppl in found.items() if key[0] != "mean"), found
 
 
+@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_sequential_lsq_starts_closer_to_the_parent_than_parallel_lsq_on_ref_mha_6l(tmp_path):
     """Layer by layer, each layer repaired against the parent's outputs, beats fitting every layer on the parent's

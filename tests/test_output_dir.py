@@ -9,6 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import tree_hashes
 from gqaify.output.claims import claimed
 from gqaify.records import TOOL
@@ -23,6 +25,7 @@ def _users_files(out: Path) -> None:
     (out / "my-report" / "table.md").write_text("| mine |\n")
 
 
+@pytest.mark.integration
 def test_a_run_never_removes_the_model_it_trains_from_its_output_dir(tiny, tmp_path):
     """A run that converted into OUT/converted was killed before training; pointed at that conversion, the rerun
     into the same output_dir used to delete it (and run.json), then say the model was not found."""
@@ -40,6 +43,7 @@ def test_a_run_never_removes_the_model_it_trains_from_its_output_dir(tiny, tmp_p
     assert "replaced its run.json;" in rerun.stderr  # and not converted/
 
 
+@pytest.mark.integration
 def test_a_changed_setting_over_a_run_that_never_trained_replaces_only_the_runs_files(tiny, tmp_path):
     """The rerun with one setting changed used to empty output_dir, the user's notes.txt and my-report/ included,
     silently: it now replaces run.json and converted/ alone, and says what changed."""
@@ -60,6 +64,7 @@ def test_a_changed_setting_over_a_run_that_never_trained_replaces_only_the_runs_
     assert len(said) == 1 and "(lr was 0.0003, now 0.0001): replaced its run.json, converted/;" in said[0]
 
 
+@pytest.mark.integration
 def test_a_damaged_parent_is_one_line_before_output_dir_is_touched(tiny, tmp_path):
     """A --parent whose safetensors (here its last shard) is cut to 1,000 bytes ended in a SafetensorError traceback
     (exit 1), and the cleanup that followed deleted the user's notes.txt."""
@@ -81,6 +86,7 @@ def test_a_damaged_parent_is_one_line_before_output_dir_is_touched(tiny, tmp_pat
     assert tree_hashes(out) == before
 
 
+@pytest.mark.integration
 def test_a_second_uptrain_into_a_claimed_output_dir_is_refused_writing_nothing(tiny, tmp_path):
     """Two runs into one output_dir both 'succeeded', one's final/ holding the other's model and metrics.jsonl both
     runs' steps. The claim is held here, as a live run holds it, so the refusal does not depend on timing."""
@@ -96,6 +102,7 @@ def test_a_second_uptrain_into_a_claimed_output_dir_is_refused_writing_nothing(t
     assert run_uptrain(uptrain_args(tiny, out)).returncode == 0  # and the folder is free again
 
 
+@pytest.mark.integration
 def test_a_claim_is_never_written_through_a_hard_link(tiny, tmp_path):
     """An empty file of the user's, hard-linked at the claim's name, used to receive the claim's JSON and keep it."""
     notes = tmp_path / "notes.txt"
@@ -108,6 +115,7 @@ def test_a_claim_is_never_written_through_a_hard_link(tiny, tmp_path):
     assert notes.read_bytes() == b"" and notes.stat().st_nlink == 2 and not out.exists()
 
 
+@pytest.mark.integration
 def test_final_is_readable_as_every_output_is(tiny, tmp_path):
     """safetensors writes final/model.safetensors 0600 where every other output is 0644 (under umask 022)."""
     out = tmp_path / "run"
@@ -118,6 +126,7 @@ def test_final_is_readable_as_every_output_is(tiny, tmp_path):
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
+@pytest.mark.integration
 def test_a_damaged_run_json_is_called_damaged_and_a_later_ones_names_its_version(tiny, tmp_path):
     """A damaged run.json was told to "resume with the gqaify that wrote it"."""
     out = tmp_path / "run"

@@ -143,6 +143,7 @@ def test_uptrain_finds_a_packaged_recipe_by_name_from_any_folder(tmp_path, monke
     )  # the checkout's path, from a folder that has no recipes/
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(tmp_path):
     """The wheel built from this tree, installed (not editable) into a folder of its own and put first on the path,
@@ -266,6 +267,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.integration
 @needs_assets
 def test_a_packaged_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets(tmp_path):
     """ref-mha-6L-gqa2 by name from a folder that is no checkout, the hub unreachable and its two hub datasets served

@@ -31,6 +31,7 @@ def test_snippets_say_what_they_print():
     assert not silent, silent
 
 
+@pytest.mark.integration
 @needs_assets
 @pytest.mark.parametrize("code", SNIPPETS.values(), ids=SNIPPETS.keys())
 def test_snippet_runs_and_prints_what_it_says(code, tmp_path):
@@ -44,6 +45,7 @@ def test_snippet_runs_and_prints_what_it_says(code, tmp_path):
     assert done.stdout.strip().splitlines()[-len(expected) :] == expected
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is absent: pip install 'gqaify[docs]'")
 def test_docs_site_builds_strictly(tmp_path):
     """mkdocs.yml's strict mode and link validation turn a broken link or anchor, or a page left out of the
@@ -53,3 +55,26 @@ def test_docs_site_builds_strictly(tmp_path):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=quiet)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "serve" / "index.html").is_file()
+
+
+def _figures(text: str) -> list[str]:
+    """The measured figures a text quotes: numbers with a decimal point or thousands separators (× and all)."""
+    return re.findall(r"(?<![\w.])\d[\d,]*\.\d+(?![\d.])|(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d,])", text)
+
+
+def test_every_figure_readme_quotes_has_its_benchmark_row():
+    """README quotes measured figures (rounded); each is a number of docs/benchmarks.md, where the command that
+    measures it stands. The suite's own timings (its Tests section) and the Python version are not benchmarks."""
+    readme = (REPO / "README.md").read_text()
+    readme = readme.split("## Tests")[0].replace("Python 3.10", "")
+    benchmarks = (REPO / "docs" / "benchmarks.md").read_text()
+    measured = [float(n.replace(",", "")) for n in _figures(benchmarks)]
+    measured += [float(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.,])", benchmarks)]
+
+    def backed(figure: str) -> bool:
+        decimals = len(figure.split(".")[1]) if "." in figure else 0
+        value = float(figure.replace(",", ""))
+        return any(round(m, decimals) == value for m in measured)
+
+    unbacked = [f for f in _figures(readme) if not backed(f)]
+    assert unbacked == []

@@ -68,6 +68,7 @@ def smollm2(smollm2_gguf):
     return model, ids, logits(model, ids)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_smollm2_gguf_identity(smollm2_gguf, smollm2, tmp_path):
     _, ids, expected = smollm2
@@ -77,6 +78,7 @@ def test_smollm2_gguf_identity(smollm2_gguf, smollm2, tmp_path):
     assert torch.equal(logits(load(tmp_path / "same"), ids), expected)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_smollm2_gguf_to_mqa(smollm2_gguf, smollm2, tmp_path):
     _, ids, _ = smollm2
@@ -98,6 +100,7 @@ def test_smollm2_gguf_to_mqa(smollm2_gguf, smollm2, tmp_path):
 TEXT = MODELS.parent / "text"
 
 
+@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
     src = MODELS / "ref-mha-6L"
@@ -122,6 +125,7 @@ def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
     assert gqa2.diagnostics.kl_nats_per_token > 1
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_eval_smollm2_parent_and_mqa(smollm2_gguf, tmp_path):
     from gqaify.text.loading import load_text

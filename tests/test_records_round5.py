@@ -66,6 +66,7 @@ print(corpus_problems(folder, sorted((folder / "data").iterdir()), "data"))
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "changes",
     [
@@ -208,6 +209,7 @@ READ = (
 )
 
 
+@pytest.mark.integration
 def test_read_record_knows_every_kind_in_a_fresh_process(tiny, run, corpus):
     """A conversion's record was "a 'conversion', which this gqaify does not read" until conversion.record was
     imported: its kind was registered by that import."""

@@ -136,6 +136,7 @@ def test_a_benchmark_taking_anything_from_tests_is_seen(source):
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_every_benchmark_answers_help_and_imports_only_what_exists(script):
     """A benchmark that no longer runs cannot reproduce the figures the docs cite from it: each answers --help,

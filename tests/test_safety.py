@@ -134,6 +134,7 @@ def _wait_for(pattern: str, folder: Path, process: subprocess.Popen, timeout: fl
         time.sleep(0.005)
 
 
+@pytest.mark.integration
 def test_sigterm_mid_conversion_cleans_up_and_exits_143(big_source, tmp_path):
     out = tmp_path / "out"
     process = _start_convert(big_source, out, hold=True)
@@ -145,6 +146,7 @@ def test_sigterm_mid_conversion_cleans_up_and_exits_143(big_source, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("signum", "status", "said"), [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")]
 )
@@ -180,6 +182,7 @@ def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, 
     assert "internal error" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_a_run_after_sigkill_removes_the_killed_runs_staging_and_says_so(big_source, tmp_path):
     out = tmp_path / "out"
     process = _start_convert(big_source, out, hold=True)
@@ -211,6 +214,7 @@ def test_a_live_conversions_staging_is_left_alone(source, tmp_path):
     assert messages == [f"left {unknown} alone: its name records no owner; delete it if no conversion is running"]
 
 
+@pytest.mark.integration
 def test_an_old_output_set_aside_by_a_killed_replacement_is_put_back(source, tmp_path):
     """Killed between moving the old OUT aside and renaming the new one in: the next run restores the old one."""
     from gqaify.output.leftovers import remove_leftovers
@@ -233,6 +237,7 @@ def _host() -> str:
     return host_hash()
 
 
+@pytest.mark.integration
 def test_two_conversions_to_one_out_without_force(big_source, tmp_path):
     """Started together: one writes OUT, the other is told OUT exists (exit 2) and touches nothing."""
     out = tmp_path / "out"
@@ -262,6 +267,7 @@ def test_out_that_appears_during_a_conversion_is_not_touched(capsys, source, tmp
     assert [p.name for p in out.iterdir()] == ["theirs.txt"] and leftovers(tmp_path) == []
 
 
+@pytest.mark.integration
 def test_a_claim_refuses_a_rival_until_its_holder_ends_however_it_ends(tmp_path):
     """`claims.claimed`: one holder of an OUT at a time (in this process too); the kernel drops a SIGKILLed
     holder's lock, so the claim file it leaves is taken over, and the holder's end removes the file."""
@@ -333,6 +339,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.integration
 def test_real_full_disk(capsys, big_source, tiny_disk, monkeypatch):
     """On a real 5 MB filesystem: a 30 MB conversion is refused up front; a small one that something else
     squeezes mid-write gets the kernel's ENOSPC, reported on one line, and leaves nothing."""
@@ -531,6 +538,7 @@ def test_eval_into_a_read_only_folder_is_refused_before_any_work(
     assert list(read_only.iterdir()) == [] and leftovers(read_only.parent) == []
 
 
+@pytest.mark.integration
 def test_eval_on_a_full_disk(capsys, source, text, tiny_disk, monkeypatch):
     """It used to end in a 48-line ENOSPC traceback from plotting, and leave an empty folder. A disk too full for
     the report is refused before the evaluation; one that fills up meanwhile gets convert's one line."""
@@ -583,6 +591,7 @@ def _cli_with(patch: str, *argv) -> subprocess.Popen:
     )
 
 
+@pytest.mark.integration
 @needs_assets
 def test_sigterm_while_generating_stops_at_once(tmp_path):
     """It took 18 s: the 50,000-token prompt it was given (now refused, as past the model's positions) is one
@@ -627,6 +636,7 @@ core.continuations = said
     assert process.returncode == 143 and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_a_stopped_demo_says_what_it_completed(source, tmp_path):
     """Stopped during its lsq conversion, it said "nothing was written" beside the complete mean conversion."""
     slow_lsq = """

@@ -251,6 +251,7 @@ def alias_bomb(key: str) -> str:
     return f"{key}:\n" + "\n".join(levels) + "\nout: o\nkv_heads: 1\n"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("key", ["src", "unknown"])
 def test_a_yaml_alias_bomb_is_refused_at_once_in_bounded_memory(tmp_path, key):
     """It grew by 25 MB/s under a known key (a type error's repr expanded every alias) until killed."""

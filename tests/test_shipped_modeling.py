@@ -162,6 +162,7 @@ def test_calibrated_methods_are_refused_with_the_reason(tmp_path, capsys):
     assert layer_by_layer.skeleton(config, num_kv_heads=1).model.decoder.layers[0].self_attn.k_proj.out_features == 64
 
 
+@pytest.mark.integration
 def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):
     """Converted inside the run (kv_heads), trained, and saved: final/ carries the modeling file and reloads."""
     from gqaify.uptrain import parse

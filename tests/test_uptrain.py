@@ -110,6 +110,7 @@ def test_command_line_overrides_the_recipe(tmp_path):
     assert (settings.lr, settings.trainable, settings.max_tokens, settings.log_to) == (1e-3, "attention", 4096, ["csv"])
 
 
+@pytest.mark.integration
 def test_help_lists_every_field_with_its_default():
     import dataclasses
 
@@ -196,6 +197,7 @@ def test_run_writes_a_plain_checkpoint_metrics_and_plot(tiny, tmp_path):
     assert (out / "final" / "recovery.png").read_bytes() == (out / "recovery.png").read_bytes()
 
 
+@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_eval_tasks_are_scored_at_each_evaluation_and_logged(tiny, tmp_path):
     model = tmp_path / "stories260K-gqa2"  # 512 positions: the tiny model's 64 cannot hold a story's sentences
@@ -260,6 +262,7 @@ def test_push_to_hub_uploads_final_once_complete(tiny, tmp_path, monkeypatch):
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("trainable", [[], ["--trainable", "lora", "--lora_rank", "4"]], ids=["all", "lora"])
 def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     """Kill the run with SIGKILL after its first checkpoint, rerun the same command: same losses, same weights."""
@@ -285,6 +288,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.integration
 def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     """2 processes x micro-batch 2 x accumulation 1 = 1 process x 2 x 2: the same blocks per step."""
     one, two = tmp_path / "one", tmp_path / "two"
@@ -305,6 +309,7 @@ def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
 
 
+@pytest.mark.integration
 def test_processes_that_do_not_join_one_group_are_refused(tiny, tmp_path):
     """What torchrun without ACCELERATE_USE_CPU gives on a CPU machine: each process alone, WORLD_SIZE 2."""
     done = run_uptrain(args(tiny, tmp_path / "run"), env={**os.environ, "WORLD_SIZE": "2"})
@@ -389,6 +394,7 @@ def test_stored_blocks_pack_ids_and_top_k_side_by_side(tmp_path):
         torch.testing.assert_close(block["top_logprobs"][:, 1], -1.0 - expected.float())
 
 
+@pytest.mark.integration
 def test_distill_from_data_needs_stored_log_probabilities(tiny, tmp_path):
     done = run_uptrain(args(tiny, tmp_path / "run", "--distill_from_data", "--distill_weight", "1"))
     assert done.returncode == 2 and "--top-logprobs" in one_line_error(done)
@@ -418,6 +424,7 @@ def test_trainable_subset_leaves_other_weights_bit_identical(tiny, tmp_path, tra
     assert all(any(m in k for k in changed) for m in moves)
 
 
+@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_loss_goes_down_on_ref_mha_6L_converted_to_gqa2(tmp_path):
     recipe = REPO / "recipes" / "ref-mha-6L-gqa2.yaml"
@@ -461,16 +468,19 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.integration
 def test_missing_recipe(tmp_path):
     assert "recipe nope.yaml does not exist" in one_line_error(run_uptrain(["--recipe", "nope.yaml"], cwd=tmp_path))
 
 
+@pytest.mark.integration
 def test_unknown_recipe_key_names_the_nearest(tmp_path):
     (tmp_path / "r.yaml").write_text("model: m\nlearnin_rat: 1e-3\nsaev_every: 5\n")
     line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
     assert "unknown key 'learnin_rat'" in line and "unknown key 'saev_every' (did you mean save_every?)" in line
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("name", "ours"),
     [
@@ -490,6 +500,7 @@ def test_training_arguments_names_are_answered_with_ours(tmp_path, name, ours):
     assert f"unknown option --{name} (did you mean --{ours}" in line
 
 
+@pytest.mark.integration
 def test_recipe_values_of_the_wrong_type(tmp_path):
     (tmp_path / "r.yaml").write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: [1, 2]\nmicro_batch_size: 2.5\n")
     line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
@@ -497,11 +508,13 @@ def test_recipe_values_of_the_wrong_type(tmp_path):
     assert "micro_batch_size 2.5 is not a whole number" in line
 
 
+@pytest.mark.integration
 def test_unknown_option_names_the_nearest():
     line = one_line_error(run_uptrain(["--max_token", "5"]))
     assert "unknown option --max_token (did you mean --max_tokens?)" in line
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "options, expect",
     [
@@ -514,17 +527,20 @@ def test_bad_eval_task_settings(tiny, tmp_path, options, expect):
     assert expect in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("budget", ["0", "-5"])
 def test_budget_must_be_positive(tiny, tmp_path, budget):
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--max_tokens", budget)))
     assert "max_tokens must be > 0" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_a_block_of_one_token_is_refused(tiny, tmp_path):
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--seq_len", "1")))
     assert "seq_len must be at least 2, got 1" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_a_diverged_run_stops_at_the_first_non_finite_loss_and_is_not_completed(tiny, tmp_path):
     out = tmp_path / "run"
     line = one_line_error(
@@ -539,6 +555,7 @@ def test_a_diverged_run_stops_at_the_first_non_finite_loss_and_is_not_completed(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{n:07d}" for n in range(1, step)]
 
 
+@pytest.mark.integration
 def test_data_smaller_than_one_block(tiny, tmp_path):
     (tmp_path / "short.txt").write_text("a few words")
     line = one_line_error(
@@ -547,6 +564,7 @@ def test_data_smaller_than_one_block(tiny, tmp_path):
     assert "less than one block of seq_len 64" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("convert_first", [False, True])
 def test_empty_data_is_refused_and_nothing_is_written(tiny, tmp_path, convert_first):
     """Used to end in an IndexError, with converted/ and run.json left behind that refused the corrected rerun."""
@@ -557,6 +575,7 @@ def test_empty_data_is_refused_and_nothing_is_written(tiny, tmp_path, convert_fi
     assert run_uptrain(args(tiny, tmp_path / "run", *extra)).returncode == 0  # the corrected rerun
 
 
+@pytest.mark.integration
 def test_streaming_data_smaller_than_one_step(tiny, tmp_path):
     (tmp_path / "short.txt").write_text(CORPUS[:100])  # about 54 tokens: 3 blocks of 16, a step needs 4
     streamed = args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "short.txt"))
@@ -564,6 +583,7 @@ def test_streaming_data_smaller_than_one_step(tiny, tmp_path):
     assert "fewer than one step's 4" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("key", ["seq_len", "eval_seq_len"])
 def test_windows_longer_than_the_models_positions_are_refused(tiny, tmp_path, key):
     long = args(tiny, tmp_path / "run", f"--{key}", "128", "--eval_data", str(tiny["eval"]))
@@ -571,6 +591,7 @@ def test_windows_longer_than_the_models_positions_are_refused(tiny, tmp_path, ke
     assert f"{key} 128 exceeds the 64 positions" in line and not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, tmp_path):
     """A run.json with no training behind it (the process was killed while converting) is not another run."""
     out = tmp_path / "run"
@@ -593,6 +614,7 @@ def _start_uptrain(argv: list[str]) -> subprocess.Popen:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, status):
     out = tmp_path / "run"
@@ -629,6 +651,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.integration
 def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
     """The conversion step of uptraining, stopped mid-write."""
     model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256, vocab_size=320)
@@ -649,6 +672,7 @@ def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_calibration_inside_uptrain_reads_the_split_and_text_column(tiny, tmp_path):
     rows = [{"body": line} for line in (CORPUS * 6).split(". ")]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -743,12 +767,14 @@ def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.integration
 def test_missing_eval_data_leaves_an_empty_output_dir_as_it_was(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--eval_data", str(tmp_path / "nope.txt"))))
     assert "eval_data" in line and "no such file" in line and list((tmp_path / "run").iterdir()) == []
 
 
+@pytest.mark.integration
 def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
     out = tmp_path / "run"
     uptrain(parse(args(tiny, out, "--save_every", "10")))
@@ -758,6 +784,7 @@ def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
     assert sorted(p.name for p in out.rglob("*")) == before
 
 
+@pytest.mark.integration
 def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_path):
     """run.json records the SHA-256 of the training tokens; a rerun on data edited since used to resume the run on
     other text without a word."""
@@ -775,6 +802,7 @@ def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_pat
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.integration
 def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tiny, tmp_path):
     """A run.json written by an older gqaify lacks the settings added since; the run trained as their defaults
     say, so it is the same run, not "another run's checkpoints" (it was refused after an upgrade)."""
@@ -789,6 +817,7 @@ def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tiny, tm
     assert "holds another run's checkpoints (it had temperature=1.0, now 2.0)" in line
 
 
+@pytest.mark.integration
 def test_a_run_resumes_however_its_local_paths_are_spelled(tiny, tmp_path, monkeypatch):
     """run.json's paths are compared where they lead: `m`, `m/`, `./m`, its absolute path and the folder it links
     to are one model (each was refused as another run's checkpoints); so are a run.json's relative paths, as an
@@ -818,12 +847,14 @@ def test_a_run_resumes_however_its_local_paths_are_spelled(tiny, tmp_path, monke
     assert "holds another run's checkpoints (it had lr=0.001, now 0.0005)" in line  # still another run
 
 
+@pytest.mark.integration
 def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
     assert "holds no gqaify run" in one_line_error(run_uptrain(args(tiny, tmp_path / "run")))
 
 
+@pytest.mark.integration
 def test_missing_model_and_settings_are_reported_together(tmp_path):
     line = one_line_error(run_uptrain(["--output_dir", str(tmp_path / "o"), "--seq_len", "0"]))
     assert "model is required" in line and "data is required" in line and "seq_len must be at least 2, got 0" in line
@@ -836,6 +867,7 @@ def test_streaming_data_trains_for_the_whole_budget(tiny, tmp_path):
     assert sum(curve[-10:]) < sum(curve[:10])
 
 
+@pytest.mark.integration
 def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
     import importlib.util
 
@@ -852,6 +884,7 @@ def test_a_calibrated_method_without_calib_data_is_fitted_on_the_training_data(t
     assert '"method": "lsq"' in record and str(tiny["train"]) in record  # calibrated on the training text
 
 
+@pytest.mark.integration
 def test_converts_with_a_calibrated_method_before_training(tiny, tmp_path):
     extra = (
         "--model",
@@ -1014,6 +1047,7 @@ def test_a_mixture_of_sources_keeps_every_block_in_its_share():
     assert [int(b["input_ids"][0]) for b in again] == firsts
 
 
+@pytest.mark.integration
 def test_uptrain_on_a_mixture_and_a_mixture_with_stored_log_probabilities_refused(tiny, tmp_path):
     other = tmp_path / "other.txt"
     other.write_text(" ".join(reversed((CORPUS * 3).split())))
@@ -1093,6 +1127,7 @@ def test_a_run_recorded_when_data_was_one_text_resumes(tiny, tmp_path):
     assert uptrain(settings).steps == 10  # finished: read back, not refused
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("where", "expect"),
     [
@@ -1131,6 +1166,7 @@ accelerate.Accelerator.save_state = save_on_a_filling_disk
 """
 
 
+@pytest.mark.integration
 def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_only_whole_checkpoints(tiny, tmp_path):
     """It used to end in a traceback (exit 1), leaving run.json and metrics; now: one line, exit 1, the partial
     checkpoint removed, run.json claiming no completion, metrics whole, and a rerun resumes from what is left."""
@@ -1153,6 +1189,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_only_whole_check
     assert json.loads((out / "run.json").read_text())["completed"] and (out / "final" / "gqaify.json").is_file()
 
 
+@pytest.mark.integration
 def test_a_full_disk_before_training_leaves_nothing(tiny, tmp_path):
     out = tmp_path / "run"
     patch = """
@@ -1169,6 +1206,7 @@ run_folder.write_json = full
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_output_dir_name_longer_than_the_file_system_allows_is_refused(tiny, tmp_path):
     """It used to end in a traceback. Nothing is made beside output_dir: the file system's limit is the limit."""
     name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
@@ -1213,6 +1251,7 @@ def stored_corpus(tiny):
 FULL_KL = ["--distill_from", "PARENT", "--distill_weight", "0.5"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "teaching",
     [
@@ -1244,6 +1283,7 @@ def test_fsdp2_on_two_processes_agrees_with_one_process(tiny, stored_corpus, tmp
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
     """FSDP1 needs a device: on CPU processes the launch is refused in one line (accelerate's own error was a
     traceback), nothing written. Each process says it, in one write with its newline (`command.say`): with stderr
@@ -1271,6 +1311,7 @@ def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(tiny, tmp_path):
     settings = (
         "--grad_accum",
@@ -1299,6 +1340,7 @@ def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("stopped", "signum"), [(1, signal.SIGKILL), (0, signal.SIGTERM)])
 def test_a_rank_stopped_mid_run_makes_the_other_say_so_in_one_line(tiny, tmp_path, stopped, signum):
     """One process of an FSDP2 launch killed, or stopped by SIGTERM, once a checkpoint exists: the other's next

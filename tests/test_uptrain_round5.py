@@ -38,6 +38,7 @@ def default_checkpoints(argv: list[str]) -> list[str]:
 # -- counts and their bounds ---------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_eval_points_past_the_runs_steps_are_refused_in_one_line_before_anything_is_written(tiny, tmp_path):
     out = tmp_path / "run"
     two_steps = ("--max_tokens", "128")  # 2 steps of 2 x 2 blocks of 16 tokens
@@ -68,6 +69,7 @@ def test_a_lora_rank_past_the_models_hidden_size_is_refused_before_output_dir_is
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_help_states_the_bound_of_every_count_option():
     done = run_uptrain(["--help"])
     said = " ".join(done.stdout.split())
@@ -87,6 +89,7 @@ def test_help_states_the_bound_of_every_count_option():
 # -- the model's record, read before the first step ----------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("change", "expect"),
     [

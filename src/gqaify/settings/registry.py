@@ -1,5 +1,5 @@
-"""Every command that runs a stage, listed once (`StageEntry`, in `gqaify/entry/stages.py`): its name, its help line, and
-where its settings (`Stage`) and its entry (`command_line(argv, prog)`) live, each by "module:name".
+"""Every command that runs a stage, listed once (`StageEntry`, in `gqaify/entry/stages.py`): its name, its help
+line, and where its settings (`Stage`) and its entry (`command_line(argv, prog)`) live, each by "module:name".
 
 The list is declared by the package's front door (gqaify/__init__.py), which Python runs before any gqaify module
 is imported: this module sits below every stage and imports none of them by statement, yet `every_stage()` gives
