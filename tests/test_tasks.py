@@ -25,6 +25,9 @@ from gqaify.model.loading import load_model
 from gqaify.settings import parse
 from helpers import QUICK, run_cli
 
+# lm-evaluation-harness on real models: its set-up alone takes most of a minute
+pytestmark = pytest.mark.integration
+
 TASKS = REPO / "tests" / "tasks"
 TEXT = ASSETS / "text" / "tinystories-valid-head.txt"
 SETTINGS = dict(seq_len=256, max_tokens=1024, speed=False, progress=False)
@@ -80,7 +83,6 @@ def task_rows(model_entry) -> dict[str, dict]:
     return {row["metric"]: row for row in model_entry["tasks"]}
 
 
-@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_task_scores_match_an_independent_scoring_loop(scored):
     out, _ = scored
@@ -166,14 +168,12 @@ def refused(capsys, tmp_path, *options) -> str:
     return err
 
 
-@pytest.mark.integration  # real models end to end: seconds each
 @needs_assets
 def test_unknown_task_is_answered_with_the_nearest(capsys, tmp_path):
     err = refused(capsys, tmp_path, "--tasks", "story_ending", "--include-path", TASKS)
     assert "unknown task 'story_ending' (nearest: story_endings" in err
 
 
-@pytest.mark.integration  # real models end to end: seconds each
 def test_a_task_whose_dataset_needs_the_hub_is_refused_at_once(capsys, tmp_path, hub_unreachable, monkeypatch):
     """Loading the task (where its dataset is fetched) is quick: not half a minute of retries. (Indexing the
     harness's thousands of task files, the same with or without a network, is left out of the time.)"""
@@ -195,7 +195,6 @@ def test_a_task_whose_dataset_needs_the_hub_is_refused_at_once(capsys, tmp_path,
     assert "--include-path" in err
 
 
-@pytest.mark.integration  # real models end to end: seconds each
 def test_a_task_file_that_does_not_parse_is_named_with_its_error(capsys, tmp_path):
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "badtask.yaml").write_text("task: badtask\ndataset_path: x\n  doc_to_text: [oops\n")
