@@ -146,3 +146,10 @@ def test_a_run_that_ended_further_from_its_parent_than_it_started_gets_no_foreca
     assert "1.8x the 0.050 the run started from" in found.sentence() and "lower lr" in found.sentence()
     nearer = [CurvePoint(0, 0.0, 0.5, None, {"a": 1.0})]
     assert forecast(nearer + law(3.0, 0.3, TOKENS), 0.05).status == "on track"  # ends below where it began
+
+
+def test_a_start_at_no_distance_from_the_parent_is_no_alarm():
+    """A run whose conversion started at KL 0 (a LoRA against its own teacher) divided by it in the sentence."""
+    start = [CurvePoint(0, 0.0, 0.0, None, {"a": 1.0})]
+    found = forecast(start + law(3.0, 0.3, TOKENS), 0.01)
+    assert found.status != "moved away" and found.sentence()

@@ -138,3 +138,20 @@ def test_a_damaged_run_json_is_called_damaged_and_a_later_ones_names_its_version
     (out / "run.json").write_text(json.dumps(later))
     line = one_line(run_uptrain(uptrain_args(tiny, out)).stderr)
     assert "written by gqaify 99.0" in line and "resume the run with gqaify 99.0" in line
+
+
+def test_a_run_removes_its_own_files_inside_a_folder_it_reads_but_never_what_it_reads(tmp_path):
+    """output_dir inside the model's folder: run.json is still the run's to replace (nothing was removed, and the
+    old conversion would have been trained under new settings); a model inside output_dir is kept."""
+    from gqaify.uptrain.run_folder import remove_run_files
+
+    model = tmp_path / "ckpt"
+    out = model / "up"
+    (out / "converted").mkdir(parents=True)
+    (out / "run.json").write_text("{}")
+    (model / "config.json").write_text("{}")
+    assert remove_run_files(out, {"run.json", "converted"}, reads=[model]) == ["run.json", "converted/"]
+    assert (model / "config.json").is_file() and list(out.iterdir()) == []
+    (out / "converted").mkdir()
+    assert remove_run_files(out, {"converted"}, reads=[(out / "converted").resolve()]) == []
+    assert (out / "converted").is_dir()

@@ -139,6 +139,9 @@ def test_a_scored_corpus_extends_to_more_tokens_of_the_same_text(tiny, tmp_path,
     assert len(rows) == 20 and rows[:10] == first
     record = json.loads((out / "gqaify.json").read_text())
     assert record["complete"] and record["tokens"] == 320
+    scored(tiny, out, tiny["train"], tokens=480)  # and again: the record pins the order it was extended to
+    assert len(rows_of(out)) == 30 and rows_of(out)[:20] == rows
+    rows = rows_of(out)
     (tmp_path / "other.txt").write_text(tiny["train"].read_text()[::-1])
     code, err = run_cli(
         capsys,

@@ -19,6 +19,7 @@ Every reader refuses a corpus that is incomplete or not as its record says (`gqa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -143,6 +144,8 @@ def _generate_into(
         scored = processes.on_main(lambda: ScoredText.read(s, parent.tokenizer))  # tokenized once, shared
         check_scored_text(out, record, s, scored)
         s = replace(s, score_sha256=scored.sha256)  # what the record pins: a rerun from it must score this text
+        if record is not None:  # extended to more --tokens: the record pins the longer order it is written to now
+            record = dataclasses.replace(record, score_sha256=scored.sha256)
         rows_of = functools.partial(score_shard, parent, scored, s, digits=LOGPROB_DIGITS)
     else:
         prompts = _prompt_ids(s, parent.tokenizer, lines)

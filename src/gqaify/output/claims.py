@@ -121,8 +121,15 @@ def _lock_claim(path: Path, out: Path, option: str) -> int | None:
         if problem is None and not _holds_a_claim(fd):
             problem = "a file of other content"
         if problem is None:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a stale claim another user left in a folder this one may not change
+                os.close(fd)
+                raise UserError(
+                    f"cannot remove the stale claim {path} ({exc.strerror}); delete it, then rerun"
+                ) from None
         os.close(fd)
         if problem is not None:
             raise UserError(_not_a_claim(path, problem, out, option))

@@ -206,8 +206,6 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
         return made("no teacher")
     if last is not None and last <= target_kl:
         return made("reached")
-    if kls[0][0] == 0 and last is not None and last > kls[0][1]:  # further from the parent than the conversion was
-        return made("moved away")
     trained = [(t, k) for t, k in kls if t > 0]
     early = (len(trained) + 1) // 2  # the first half of the points: the first steps' disturbance, if any, is there
     peak = max(range(early), key=lambda i: trained[i][1], default=-1)
@@ -215,6 +213,8 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
     law = fit_power_law([t for t, _ in falling], [k for _, k in falling])
     if law is None:
         return made("too few points")
+    if kls[0][0] == 0 and kls[0][1] > 0 and last > kls[0][1]:  # past the early disturbance, still further away
+        return made("moved away")
     if law.exponent - SPREAD * law.exponent_se <= 0:
         return made("flattened", law)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,7 +67,10 @@ def packed_stored_blocks(data: str, split: str, seq_len: int, streaming: bool = 
         )
 
     def pack(batch: dict) -> dict:
-        if streaming:  # read as the run goes, after `load_rows`' check of the whole: each batch checked as it comes
+        # read as the run goes, after `load_rows`' check of the whole: each batch checked as it comes, in one process
+        # (in a launch the main process reads for all, and a refusal there alone would leave the others waiting: the
+        # non-finite loss that follows stops every process at once, its line naming this data)
+        if streaming and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             _check_streamed(batch, data, vocab_size)
         streams = {key: [value for row in batch[key] for value in row] for key in STORED}
         whole = len(streams["input_ids"]) // seq_len * seq_len

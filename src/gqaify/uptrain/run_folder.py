@@ -29,7 +29,7 @@ from gqaify.output.whole import readable_as_umask_allows, written_whole
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
-from gqaify.text.pins import local_path, located
+from gqaify.text.pins import local_path
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.report import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
@@ -90,13 +90,17 @@ def _located(values: dict) -> dict:
     `s-gqa2/`, `./s-gqa2` and its absolute path are one model. A hub name, or a path that is not there, is kept as
     it is."""
 
-    def found(value, where=local_path):
-        return where(value) if isinstance(value, str) else value
+    def found(value):
+        return local_path(value) if isinstance(value, str) else value
+
+    def text_found(value):  # a text's SOURCE located, its NAME= kept only where given (as run.json has always held)
+        if not isinstance(value, str):
+            return value
+        text = NamedText.parse(value)
+        return local_path(value) if text.source == value else f"{text.name}={local_path(text.source)}"
 
     changed = {k: found(values[k]) for k in PATH_SETTINGS if k in values}
-    changed |= {
-        k: [found(v, located) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)
-    }
+    changed |= {k: [text_found(v) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)}
     return {**values, **changed}
 
 
@@ -228,7 +232,7 @@ def remove_run_files(out: Path, names: set[str], reads: list[Path]) -> list[str]
         path = out / name
         if not path.is_symlink():
             real = path.resolve()
-            if any(r == real or real in r.parents or r in real.parents for r in reads):
+            if any(r == real or real in r.parents for r in reads):  # what the run reads, or a folder holding it
                 continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

@@ -175,16 +175,20 @@ def claimed_by_launch(out: Path, accelerator):
     from accelerate.utils import broadcast_object_list
 
     with contextlib.ExitStack() as held:
-        refusal = [None]
+        said, failed = [None], None  # (refused: True for a UserError, its line), as every rank learns it
         if accelerator.is_main_process:
             try:
                 held.enter_context(claimed(out, "gqaify uptrain", option="output_dir"))
-            except UserError as exc:
-                refusal = [str(exc)]
+            except BaseException as exc:  # every rank hears of it: none waits for a main process that stopped
+                said = [(isinstance(exc, UserError), str(exc))]
+                failed = exc
         if accelerator.num_processes > 1:
-            broadcast_object_list(refusal)
-        if refusal[0] is not None:
-            raise UserError(refusal[0])
+            broadcast_object_list(said)
+        if failed is not None:
+            raise failed
+        if said[0] is not None:
+            refused, line = said[0]
+            raise UserError(line) if refused else ResourceError(f"{PEER_STOPPED}; nothing was written: rerun it")
         yield
 
 
@@ -335,10 +339,16 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
             if not math.isfinite(loss):  # every process reads the same mean: all stop here, none waits
                 bar.close()
                 kept = latest_checkpoint(run.out / CHECKPOINTS)
+                cause = (
+                    f"the stored log-probabilities of data {s.data[0]}, streamed and so checked only as read, may "
+                    "hold a value that is not finite (train once without --streaming to check them), or lr "
+                    f"{s.lr:g} is too high"
+                    if s.streaming and s.distill_from_data
+                    else f"the run diverged, likely lr {s.lr:g} is too high"
+                )
                 raise UserError(
-                    f"the training loss became {loss} at step {progress.step}: the run diverged, likely lr "
-                    f"{s.lr:g} is too high; lower lr and start again in a new output_dir"
-                    + (f" ({run.out} keeps its checkpoints up to {kept.name})" if kept else "")
+                    f"the training loss became {loss} at step {progress.step}: {cause}; lower lr and start again "
+                    "in a new output_dir" + (f" ({run.out} keeps its checkpoints up to {kept.name})" if kept else "")
                 )
             step_loss.zero_()
             window = 0
