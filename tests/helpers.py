@@ -4,7 +4,9 @@ processes launched on this CPU (and killed all at once)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +14,12 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
 from gqaify.entry.cli import main
+from gqaify.testing import duplicate_kv_heads
 
 NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
 QUICK = 10.0  # seconds for a refusal that needs the hub; huggingface_hub's five retries alone wait 23 s
@@ -138,3 +145,92 @@ def uptrain_args(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
         "--no_progress",
         *extra,
     ]
+
+
+# -- the paths, models and hashes the tests share ----------------------------------------------------------
+
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO.parent / "shared" / "assets"
+MODELS = ASSETS / "models"
+
+needs_assets = pytest.mark.skipif(
+    not MODELS.is_dir(), reason=f"real test models not found at {MODELS} (../shared/assets beside the checkout)"
+)
+
+
+def load(directory: Path) -> torch.nn.Module:
+    """The model in `directory`; a shipped modeling file (gpt2, gpt_neox, opt) is trusted."""
+    return AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", dtype=torch.float32, trust_remote_code=True
+    ).eval()
+
+
+def sample_ids(vocab_size: int, length: int = 24, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits
+
+
+def rotated_twin(model, pairs: str, seed: int = 0) -> torch.nn.Module:
+    """The MHA twin of a GQA model whose every query/key head pair is turned by its own random rotation.
+
+    Head h's query and key rows are both multiplied by R_h, which turns each RoPE pair of dimensions by an
+    angle (RoPE turns that pair too, so they commute) and the dimensions RoPE leaves alone by any orthogonal
+    matrix: every attention score is unchanged. `pairs` says which dimensions RoPE pairs: "half" (j, j + r/2)
+    or "interleaved" (2j, 2j + 1). With the wrong one the twin computes something else, which its test sees.
+    """
+    twin = duplicate_kv_heads(model)
+    config = twin.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    rotary = int(head_dim * (rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0)))
+    half = rotary // 2
+    if pairs == "half":
+        first, second = range(half), range(half, rotary)
+    else:
+        first, second = range(0, rotary, 2), range(1, rotary, 2)
+    generator = torch.Generator().manual_seed(seed)
+
+    def rotation() -> torch.Tensor:
+        r = torch.zeros(head_dim, head_dim)
+        angle = torch.rand(half, generator=generator) * 6.28
+        for j, (a, b) in enumerate(zip(first, second, strict=True)):
+            r[a, a], r[a, b], r[b, a], r[b, b] = angle[j].cos(), -angle[j].sin(), angle[j].sin(), angle[j].cos()
+        if rotary < head_dim:
+            rest = torch.linalg.qr(torch.randn(head_dim - rotary, head_dim - rotary, generator=generator))[0]
+            r[rotary:, rotary:] = rest
+        return r
+
+    state = twin.state_dict()
+    layers = sorted({name.rsplit(".", 2)[0] for name in state if re.search(r"\.(k_proj|qkv_proj)\.weight$", name)})
+    for attention in layers:
+        rotations = torch.stack([rotation() for _ in range(heads)])  # (H, d, d)
+
+        def turn(t, rotations=rotations):  # (H*d, ...) rows of every head turned by its rotation
+            return torch.einsum("hij,hj...->hi...", rotations, t.unflatten(0, (heads, head_dim))).flatten(0, 1)
+
+        for suffix in ("weight", "bias"):
+            fused = f"{attention}.qkv_proj.{suffix}"
+            if fused in state:  # [Q | K | V]: the twin has as many K heads as Q heads
+                q, k, v = state[fused].split([heads * head_dim, heads * head_dim, heads * head_dim])
+                state[fused] = torch.cat([turn(q), turn(k), v])
+            for name in (f"{attention}.q_proj.{suffix}", f"{attention}.k_proj.{suffix}"):
+                if name in state:
+                    state[name] = turn(state[name])
+    twin.load_state_dict(state)
+    return twin.eval()
+
+
+def tree_hashes(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under `directory` (to show a source was not touched)."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }

@@ -7,23 +7,11 @@ import pytest
 import torch
 
 import gqaify
-from conftest import (
-    ARCH_CONFIGS,
-    CORPUS,
-    QK_NORMS,
-    build_model,
-    duplicate_kv_heads,
-    load,
-    logits,
-    rotated_twin,
-    sample_ids,
-    save,
-    save_with_tokenizer,
-)
 from gqaify.conversion import coverage
 from gqaify.model.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
 from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
-from helpers import run_cli
+from gqaify.testing import ARCH_CONFIGS, CORPUS, QK_NORMS, build_model, duplicate_kv_heads, save, save_with_tokenizer
+from helpers import load, logits, rotated_twin, run_cli, sample_ids
 
 QK_NORMS_OFF = {"stablelm": {"qk_layernorm": False}, "cohere": {"use_qk_norm": False}}  # optional norms, off
 # Calibrated methods rotate heads: every architecture calibration runs on, without Q/K norms in the way.

@@ -19,25 +19,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import gqaify
-from conftest import (
-    ARCH_CONFIGS,
-    CORPUS,
-    MODELS,
-    QK_NORMS,
-    build_model,
-    duplicate_kv_heads,
-    load,
-    logits,
-    needs_assets,
-    sample_ids,
-    save_with_tokenizer,
-    tree_hashes,
-)
 from gqaify.conversion import layer_by_layer
 from gqaify.conversion.source import open_source
 from gqaify.errors import UserError
 from gqaify.model.archs import ARCHITECTURES
-from helpers import run_cli
+from gqaify.testing import ARCH_CONFIGS, CORPUS, QK_NORMS, build_model, duplicate_kv_heads, save_with_tokenizer
+from helpers import MODELS, load, logits, needs_assets, run_cli, sample_ids, tree_hashes
 
 TEXT = MODELS.parent / "text"
 SLIDING = {"mistral": {"sliding_window": 8}, "gemma2": {"sliding_window": 8}}  # windows of 48 tokens slide

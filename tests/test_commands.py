@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from conftest import REPO
 from gqaify.entry.cli import build_parser, main
+from helpers import REPO
 
 
 def commands() -> list[str]:

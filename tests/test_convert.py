@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 
 import gqaify
-from conftest import build_model, load, logits, sample_ids, save, tree_hashes
 from gqaify.conversion.layout import Attention
 from gqaify.conversion.methods import METHODS, MethodContext
-from helpers import FakeHub, run_cli
+from gqaify.testing import build_model, save
+from helpers import FakeHub, load, logits, run_cli, sample_ids, tree_hashes
 
 
 def read_shard(path):
@@ -310,7 +310,7 @@ def test_norm_mean_restores_the_groups_mean_row_norm():
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "olmo2"])
 def test_norm_mean_on_duplicated_heads_reproduces_the_gqa_model(model_type, tmp_path):
-    from conftest import duplicate_kv_heads
+    from gqaify.testing import duplicate_kv_heads
 
     gqa = build_model(model_type, num_kv_heads=2)
     save(duplicate_kv_heads(gqa), tmp_path / "mha")

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tree_hashes
 from gqaify.entry.cli import main
 from gqaify.text.corpus_format import corpus_problems
-from helpers import one_line_refusal
+from helpers import one_line_refusal, tree_hashes
 from helpers import uptrain_args as args
 
 K = 4

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from conftest import build_model, save_with_tokenizer
 from gqaify.errors import UserError
+from gqaify.testing import build_model, save_with_tokenizer
 from gqaify.text.loading import NamedText, load_text, named_texts, named_texts_problem
 from helpers import NOT_CACHED, one_line_refusal, run_cli
 

@@ -11,10 +11,10 @@ import time
 import pytest
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from conftest import build_model, save, tree_hashes
 from gqaify.errors import Interrupted, ResourceError, UserError
 from gqaify.model.archs import ARCHITECTURES
-from helpers import HOLD_MID_WRITE, run_cli
+from gqaify.testing import build_model, save
+from helpers import HOLD_MID_WRITE, run_cli, tree_hashes
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from PIL import Image, ImageStat
 
 import gqaify
-from conftest import CORPUS, build_model, sample_ids, save_with_tokenizer, transformers_doc_loop
 from gqaify.entry.cli import main
 from gqaify.eval.perplexity import perplexity, sliding_windows
 from gqaify.eval.settings import EvalSettings
 from gqaify.model.archs import ARCHITECTURES, Geometry
 from gqaify.model.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes
 from gqaify.model.kvcache import sliding_windows as layer_windows
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer, transformers_doc_loop
+from helpers import sample_ids
 
 FAST = EvalSettings(seq_len=32, decode_context=16, decode_tokens=4, decode_batch=2, repeats=1, progress=False)
 

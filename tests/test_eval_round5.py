@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import gqaify
-from conftest import CORPUS, build_model, save
 from gqaify.entry.cli import main
 from gqaify.eval.results import model_labels
 from gqaify.eval.settings import EvalSettings
+from gqaify.testing import CORPUS, build_model, save
 from helpers import one_line_refusal
 
 QUICK = EvalSettings(seq_len=32, speed=False, progress=False)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
 from gqaify.eval.report import PLOT_SIZE, plot_panel
+from helpers import REPO
 
 
 def panel_report(names: list[str], model: str = "gqa2") -> SimpleNamespace:

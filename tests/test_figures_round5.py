@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 from matplotlib.colors import to_rgba
 
-from conftest import MODELS, needs_assets
 from gqaify.entry.cli import main
 from gqaify.eval.report import plot_diagnostics, plot_panel, plot_perplexity_vs_kv, plot_tasks_vs_kv
 from gqaify.eval.results import TaskScore
 from gqaify.figures import plain_number, round_ticks
 from gqaify.uptrain.curve import CurvePoint, forecast, plot_curve
+from helpers import MODELS, needs_assets
 
 PLAIN = re.compile(r"^-?\d+(\.\d+)?[kMBT]?$")  # 3, 1.25, 1.5k: no mathtext, no "×10"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import gqaify
-from conftest import CORPUS, REPO, build_model, duplicate_kv_heads, save, save_with_tokenizer
 from gqaify.conversion.core import convert
 from gqaify.entry.cli import main
-from helpers import one_line, run_cli
+from gqaify.testing import CORPUS, build_model, duplicate_kv_heads, save, save_with_tokenizer
+from helpers import REPO, one_line, run_cli
 
 ADVICE = "--method lsq --calib-data TEXT"
 DAMAGE = "SmolLM2-135M-Instruct made MQA scored a WikiText-2 perplexity of 28,407, its parent 23.09"

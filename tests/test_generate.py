@@ -14,10 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODELS, needs_assets, tree_hashes
 from gqaify.entry.cli import main
 from gqaify.records import CORPUS, TOOL
-from helpers import CPU_PROCESSES, accelerate_launch, kill_every_process, one_line, run_cli
+from helpers import (
+    CPU_PROCESSES,
+    MODELS,
+    accelerate_launch,
+    kill_every_process,
+    needs_assets,
+    one_line,
+    run_cli,
+    tree_hashes,
+)
 
 STORIES = MODELS / "stories260K"
 SMALL = ["--length", "48", "--batch-size", "4", "-q"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
 from gqaify.entry.cli import main
-from helpers import one_line, run_cli
+from gqaify.testing import build_model, save, save_with_tokenizer
+from helpers import MODELS, needs_assets, one_line, run_cli, tree_hashes
 
 STORIES_MHA = MODELS / "stories260K-mha"
 needs_llama_cpp = pytest.mark.skipif(

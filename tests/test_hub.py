@@ -15,11 +15,11 @@ import pytest
 import requests
 from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
 
-from conftest import CLOSED, CORPUS, build_model, load, save_with_tokenizer, tree_hashes
 from gqaify.model import hub
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from helpers import NOT_CACHED, QUICK, one_line_refusal
+from helpers import CLOSED, NOT_CACHED, QUICK, load, one_line_refusal, tree_hashes
 from helpers import uptrain_args as args
 
 

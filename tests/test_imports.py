@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, build_model, save
+from gqaify.testing import build_model, save
+from helpers import REPO
 
 HEAVY = ("torch", "transformers", "accelerate", "datasets", "matplotlib")
 

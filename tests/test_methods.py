@@ -11,24 +11,12 @@ from transformers import AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import gqaify
-from conftest import (
-    CORPUS,
-    MODELS,
-    QK_NORMS,
-    build_model,
-    duplicate_kv_heads,
-    load,
-    logits,
-    needs_assets,
-    sample_ids,
-    save_with_tokenizer,
-    tree_hashes,
-)
 from gqaify.conversion import fit
 from gqaify.conversion.grouping import balanced_groups, permute, similar_order
 from gqaify.conversion.layout import LayerLayout
 from gqaify.model.archs import ARCHITECTURES, Geometry
-from helpers import run_cli
+from gqaify.testing import CORPUS, QK_NORMS, build_model, duplicate_kv_heads, save_with_tokenizer
+from helpers import MODELS, load, logits, needs_assets, run_cli, sample_ids, tree_hashes
 
 TEXT = MODELS.parent / "text"
 EXACT = ["mean", "first", "norm-mean", "aligned", "lsq"]  # `random` discards the heads by design
@@ -282,7 +270,7 @@ def test_calibrated_methods_refuse_bad_input(capsys, calibration, tmp_path):
 
 @pytest.mark.parametrize("model_type", sorted(QK_NORMS))
 def test_rotating_methods_refuse_models_with_qk_norms(model_type, capsys, calibration, tmp_path):
-    from conftest import save
+    from gqaify.testing import save
 
     src = save(build_model(model_type), tmp_path / "src")
     args = ("--kv-heads", "1", "--method", "lsq", "--calib-data", calibration["calib_data"])

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tree_hashes
 from gqaify._version import __version__
 from gqaify.eval.settings import EvalSettings
 from gqaify.records import CorpusRecord, Mistyped, ReportRecord, RunRecord, UptrainedRecord, as_json, from_json
-from helpers import one_line_refusal, uptrain_args
+from helpers import one_line_refusal, tree_hashes, uptrain_args
 
 LONG = "a" * 300  # one name longer than any file system's NAME_MAX (255 bytes)
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tree_hashes
 from gqaify.output.claims import claimed
 from gqaify.records import TOOL
-from helpers import one_line, run_uptrain, uptrain_args
+from helpers import one_line, run_uptrain, tree_hashes, uptrain_args
 
 NEVER_TRAINED = {"tool": TOOL, "settings": {"data": "old.txt"}}  # what a run killed while converting leaves
 

@@ -14,11 +14,12 @@ import sys
 import pytest
 import yaml
 
-from conftest import ASSETS, CLOSED, CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.packaged import RECIPES, find, recipe_by_name, recipe_names
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from gqaify.uptrain.settings import load_recipe
+from helpers import ASSETS, CLOSED, MODELS, REPO, needs_assets
 
 
 def test_every_recipe_and_config_is_listed_with_its_command(capsys):

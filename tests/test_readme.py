@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ASSETS, REPO, needs_assets
+from helpers import ASSETS, REPO, needs_assets
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SNIPPETS = {

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gqaify
-from conftest import CORPUS, MODELS, load, logits, needs_assets, transformers_doc_loop, tree_hashes
+from gqaify.testing import CORPUS, transformers_doc_loop
+from helpers import MODELS, load, logits, needs_assets, tree_hashes
 
 
 @needs_assets

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import gqaify
-from conftest import REPO
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.settings import CalibrationRecord
 from gqaify.output.destination import written_kind
@@ -37,6 +36,7 @@ from gqaify.records import (
     read_record,
     record_text,
 )
+from helpers import REPO
 
 FIXTURES = Path(__file__).parent / "data" / "records"
 # each file an earlier version wrote: the type it reads back as, its kind, what outputs calls its folder

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_model, save_with_tokenizer, tree_hashes
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.settings import parse
 from gqaify.settings.registry import every_stage
-from helpers import one_line_refusal
+from gqaify.testing import build_model, save_with_tokenizer
+from helpers import one_line_refusal, tree_hashes
 from helpers import uptrain_args as args
 
 K = 4

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_ci_runs_the_readme_test_command():
@@ -23,8 +23,8 @@ def test_readme_main_job_uses_the_same_constraints():
 
 
 def test_demo_takes_wikitext_from_shared_beside_the_checkout():
-    from conftest import ASSETS
     from gqaify.entry.demo import HUB_WIKITEXT, demo_text
+    from helpers import ASSETS
 
     data, origin = demo_text()
     shared = ASSETS / "text" / "wikitext-2-raw-test.txt"

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gqaify
-from conftest import ASSETS, CORPUS, MODELS, build_model, needs_assets, save, save_with_tokenizer, tree_hashes
 from gqaify.entry.cli import main
-from helpers import HOLD_MID_WRITE, one_line, run_cli
+from gqaify.testing import CORPUS, build_model, save, save_with_tokenizer
+from helpers import ASSETS, HOLD_MID_WRITE, MODELS, needs_assets, one_line, run_cli, tree_hashes
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 import gqaify
-from conftest import CORPUS, build_model, save, save_with_tokenizer, tree_hashes
 from gqaify.conversion.settings import CONVERT, NOT_RECORDED, ConvertSettings
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
@@ -23,8 +22,9 @@ from gqaify.eval.settings import EVAL
 from gqaify.generation.settings import GENERATE
 from gqaify.settings import parse
 from gqaify.summary import format_uptrain_summary
+from gqaify.testing import CORPUS, build_model, save, save_with_tokenizer
 from gqaify.uptrain.settings import UPTRAIN
-from helpers import one_line, run_cli
+from helpers import one_line, run_cli, tree_hashes
 
 STAGES = [CONVERT, EVAL, UPTRAIN]
 

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import gqaify
-from conftest import CORPUS, build_model, duplicate_kv_heads, load, logits, sample_ids, save, save_with_tokenizer
 from gqaify.model.archs import ARCHITECTURES, Geometry
 from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
-from helpers import run_cli, run_uptrain
+from gqaify.testing import CORPUS, build_model, duplicate_kv_heads, save, save_with_tokenizer
+from helpers import load, logits, run_cli, run_uptrain, sample_ids
 
 SHIPPED = [t for t, spec in ARCHITECTURES.items() if spec.shipped_class]
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ASSETS, CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify import convert, evaluate
 from gqaify.eval.continuations import DEFAULT_PROMPTS
 from gqaify.eval.perplexity import perplexity
@@ -23,7 +22,8 @@ from gqaify.eval.settings import EVAL, EvalSettings
 from gqaify.eval.tasks import TaskRequest, harness_model
 from gqaify.model.loading import load_model
 from gqaify.settings import parse
-from helpers import QUICK, run_cli
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer
+from helpers import ASSETS, MODELS, QUICK, REPO, needs_assets, run_cli
 
 # lm-evaluation-harness on real models: its set-up alone takes most of a minute
 pytestmark = pytest.mark.integration

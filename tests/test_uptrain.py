@@ -19,12 +19,12 @@ from PIL import Image, ImageStat
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import CORPUS, MODELS, REPO, build_model, needs_assets, save_with_tokenizer
 from gqaify.conversion.core import convert
 from gqaify.errors import UserError
 from gqaify.eval.results import PanelSummary, TextScore
 from gqaify.records import TOOL
 from gqaify.settings import text_lists
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from gqaify.text.loading import named_texts
 from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
@@ -32,7 +32,16 @@ from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.distill import distillation_kl
 from gqaify.uptrain.report import read_metrics
 from gqaify.uptrain.settings import load_recipe
-from helpers import CPU_PROCESSES, FakeHub, accelerate_launch, kill_every_process, run_uptrain
+from helpers import (
+    CPU_PROCESSES,
+    MODELS,
+    REPO,
+    FakeHub,
+    accelerate_launch,
+    kill_every_process,
+    needs_assets,
+    run_uptrain,
+)
 from helpers import uptrain_args as args
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
