@@ -1,5 +1,5 @@
 """Writes the records each gqaify artifact holds, as this gqaify writes them, into tests/data/records/VERSION/:
-the shapes a later gqaify must still read (tests/test_records.py reads every folder here back typed).
+the shapes a later gqaify must still read (tests/settings/test_records.py reads every folder here back typed).
 
     python tests/data/records/write_fixtures.py          # with each release: its records, kept for the next ones
 

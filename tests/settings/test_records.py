@@ -38,7 +38,7 @@ from gqaify.records import (
 )
 from helpers import REPO
 
-FIXTURES = Path(__file__).parent / "data" / "records"
+FIXTURES = REPO / "tests" / "data" / "records"
 # each file an earlier version wrote: the type it reads back as, its kind, what outputs calls its folder
 EARLIER = {
     "conversion.json": (ConversionRecord, CONVERSION, "a converted model"),

@@ -99,7 +99,7 @@ def test_no_module_in_src_is_over_500_lines():
 
 
 BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
-TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").glob("*.py")}  # conftest, helpers, test_*
+TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # conftest, helpers, test_*
 
 
 def imports_from_tests(tree) -> list[str]:

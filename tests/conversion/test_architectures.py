@@ -1,7 +1,6 @@
 """Every supported architecture: identity at G = KV, the duplicated-heads oracle, and a G-head KV cache."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from gqaify.conversion import coverage
 from gqaify.model.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
 from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from gqaify.testing import ARCH_CONFIGS, CORPUS, QK_NORMS, build_model, duplicate_kv_heads, save, save_with_tokenizer
-from helpers import load, logits, rotated_twin, run_cli, sample_ids
+from helpers import REPO, load, logits, rotated_twin, run_cli, sample_ids
 
 QK_NORMS_OFF = {"stablelm": {"qk_layernorm": False}, "cohere": {"use_qk_norm": False}}  # optional norms, off
 # Calibrated methods rotate heads: every architecture calibration runs on, without Q/K norms in the way.
@@ -86,7 +85,7 @@ def test_optional_shared_qk_norms_follow_the_config_flag(capsys, tmp_path):
 
 
 def test_the_docs_architecture_table_is_the_generated_one(tmp_path):
-    page = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
+    page = REPO / "docs" / "architectures.md"
     (tmp_path / "page.md").write_text(page.read_text())
     coverage.write_into(tmp_path / "page.md")
     assert (tmp_path / "page.md").read_text() == page.read_text(), (
