@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gqaify import convert, evaluate
 from gqaify.eval.continuations import DEFAULT_PROMPTS
 from gqaify.eval.perplexity import perplexity
-from gqaify.eval.report import PLOT_TASKS, _md
+from gqaify.eval.report import PLOT_TASKS, md_cell
 from gqaify.eval.settings import EVAL, EvalSettings
 from gqaify.eval.tasks import TaskRequest, harness_model
 from gqaify.model.loading import load_model
@@ -115,7 +115,7 @@ def test_report_carries_the_task_table_the_plot_and_the_generations(scored):
     assert f"| story_endings | acc | 270 | {parent_acc['value']:.4f} ± {parent_acc['stderr']:.4f} |" in md
     assert f"{mqa_acc['value']:.4f} ({mqa_acc['value'] - parent_acc['value']:+.4f}) |" in md
     assert (out / PLOT_TASKS).stat().st_size > 10_000
-    assert "## Generations" in md and f"| g1 | {_md(report.models[2].generations[0].text)} |" in md
+    assert "## Generations" in md and f"| g1 | {md_cell(report.models[2].generations[0].text)} |" in md
     recorded = json.loads((out / "report.json").read_text())["settings"]
     assert recorded["tasks"] == ["story_endings"] and recorded["generate"] == []
 
@@ -149,7 +149,7 @@ def test_task_names_split_on_commas_and_generate_takes_zero_or_more_prompts():
 
 
 def test_markdown_cells_escape_pipes_and_show_line_breaks():
-    assert _md("a | b\nc") == "a \\| b ↵ c"
+    assert md_cell("a | b\nc") == "a \\| b ↵ c"
 
 
 # -- bad input: exit 2, one line, nothing written -----------------------------------------------------------

@@ -552,13 +552,13 @@ def test_a_corpus_whose_processes_were_killed_resumes_to_the_same_corpus(tmp_pat
 
 
 def test_shards_are_shared_out_in_order_and_the_corpus_ends_where_one_process_ends_it():
-    from gqaify.generation.corpus import _contiguous, _enough, _missing
+    from gqaify.generation.corpus import contiguous_shards, missing_shards, shards_enough
 
     known = {0: 100, 1: 100, 3: 100}  # shard 2 missing: a killed process's
-    assert _missing(known, 2) == [2, 4] and _contiguous(known) == (2, 200)
-    assert _enough(known, 150) == 2 and _enough(known, 250) is None
+    assert missing_shards(known, 2) == [2, 4] and contiguous_shards(known) == (2, 200)
+    assert shards_enough(known, 150) == 2 and shards_enough(known, 250) is None
     known[2] = 10
-    assert _enough(known, 250) == 4 and _enough(known, 310) == 4 and _enough(known, 311) is None
+    assert shards_enough(known, 250) == 4 and shards_enough(known, 310) == 4 and shards_enough(known, 311) is None
 
 
 @needs_assets

@@ -159,25 +159,25 @@ def test_a_record_without_its_version_still_has_a_header(tmp_path):
 def test_a_run_is_read_from_its_run_json_whatever_lies_beside_it(tmp_path):
     """uptrain's output_dir is read by its run.json, even where a gqaify.json lies beside it (which `read_record`
     prefers): the run it holds is the one run.json records."""
-    from gqaify.uptrain.run_folder import _read_run, save_run
+    from gqaify.uptrain.run_folder import read_run_record, save_run
 
     run = RunRecord(version="9", settings={"data": ["a.txt"]}, data_sha256="0" * 64, started=True)
     save_run(tmp_path, run)
     (tmp_path / PROVENANCE_FILE).write_text(record_text(ReportRecord(version="9", settings={})))
-    assert _read_run(tmp_path) == run
+    assert read_run_record(tmp_path) == run
 
 
 def test_an_unreadable_run_json_is_never_to_be_deleted(tmp_path):
     """A run.json gqaify cannot read sits beside the run's checkpoints: a later gqaify's is to be resumed with that
     version, a damaged one (this version's, or none's) says so; either may go to a new output_dir, never "delete it"."""
     from gqaify.errors import UserError
-    from gqaify.uptrain.run_folder import _read_run
+    from gqaify.uptrain.run_folder import read_run_record
 
     later = json.dumps({"tool": TOOL, "version": "9", "kind": RUN, "settings": {}, "pixels": 3})
     for text, says in ((later, "was written by gqaify 9, which this gqaify"), ("{cut", "is damaged (")):
         (tmp_path / RUN_FILE).write_text(text)
         with pytest.raises(UserError) as caught:
-            _read_run(tmp_path)
+            read_run_record(tmp_path)
         message = str(caught.value)
         assert message.startswith(f"output_dir {tmp_path}'s {RUN_FILE} {says}") and "\n" not in message
         assert message.endswith("or use a new output_dir" if text == later else "(this one is left as it is)")

@@ -744,9 +744,9 @@ def test_evaluation_runs_without_inference_mode():
 
 
 def test_processes_wait_for_each_other_as_long_as_dist_timeout(tiny, tmp_path):
-    from gqaify.uptrain.train import _accelerator
+    from gqaify.uptrain.train import make_accelerator
 
-    accelerator = _accelerator(parse(args(tiny, tmp_path / "run", "--dist_timeout", "7200")), tmp_path / "run")
+    accelerator = make_accelerator(parse(args(tiny, tmp_path / "run", "--dist_timeout", "7200")), tmp_path / "run")
     assert accelerator.init_handler.timeout.total_seconds() == 7200
 
 
@@ -761,7 +761,7 @@ def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(
     the settings would override the launcher's choice without a word."""
     from accelerate.state import AcceleratorState
 
-    from gqaify.uptrain.train import _accelerator
+    from gqaify.uptrain.train import make_accelerator
 
     if launched:
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)  # what accelerate launch passes on
@@ -770,7 +770,7 @@ def test_mixed_precision_is_the_launchers_unless_the_settings_name_one(
     extra = ("--mixed_precision", setting) if setting else ()
     AcceleratorState._reset_state(reset_partial_state=True)  # the state is a process-wide singleton
     try:
-        accelerator = _accelerator(parse(args(tiny, tmp_path / "run", *extra)), tmp_path / "run")
+        accelerator = make_accelerator(parse(args(tiny, tmp_path / "run", *extra)), tmp_path / "run")
         assert accelerator.mixed_precision == expected
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -1023,7 +1023,7 @@ def test_an_evaluations_row_is_the_one_it_was_key_for_key_and_bit_for_bit(tiny, 
     floats as before, with and without a teacher and the parent's perplexities, for a panel and for one text."""
     from gqaify.eval.perplexity import perplexity
     from gqaify.eval.results import EvalText
-    from gqaify.uptrain.evaluation import _panel_row
+    from gqaify.uptrain.evaluation import panel_row
 
     model = AutoModelForCausalLM.from_pretrained(tiny["converted"])
     parent = AutoModelForCausalLM.from_pretrained(tiny["parent"])
@@ -1033,7 +1033,7 @@ def test_an_evaluations_row_is_the_one_it_was_key_for_key_and_bit_for_bit(tiny, 
     parents = parents if with_parents else None
     reference = parent if teacher else None
     scores = {n: perplexity(model, t.ids, 16, 16, progress=False, parent=reference) for n, t in texts.items()}
-    row = _panel_row(model, reference, texts, 16, parents)
+    row = panel_row(model, reference, texts, 16, parents)
     expected = previous_panel_row(scores, teacher, parents)
     assert list(row) == list(expected) and json.dumps(row) == json.dumps(expected)
 

@@ -228,7 +228,7 @@ def task_lines(report: Report) -> list[str]:
         f"lm-evaluation-harness, few-shot: {shots}{limit}. Each converted model's score with its difference "
         "from the parent's; ± is the harness's standard error.",
         "",
-        "| task | metric | n | " + " | ".join(_md(label) for label in _labels(report)) + " |",
+        "| task | metric | n | " + " | ".join(md_cell(label) for label in _labels(report)) + " |",
         "|---|---|---|" + "---|" * len(report.models),
     ]
     for key, n in keys.items():
@@ -254,14 +254,14 @@ def generation_lines(report: Report) -> list[str]:
     prompts = [g.prompt for g in report.models[0].generations or []]
     lines = ["## Generations", "", f"Greedy, at most {report.settings['generate_tokens']} new tokens.", ""]
     for i, prompt in enumerate(prompts):
-        lines += [f"**{_md(prompt)}** …", "", "| model | continuation |", "|---|---|"]
+        lines += [f"**{md_cell(prompt)}** …", "", "| model | continuation |", "|---|---|"]
         named = zip(_labels(report), report.models, strict=True)
-        lines += [f"| {_md(label)} | {_md(m.generations[i].text)} |" for label, m in named]
+        lines += [f"| {md_cell(label)} | {md_cell(m.generations[i].text)} |" for label, m in named]
         lines.append("")
     return lines
 
 
-def _md(text: str) -> str:
+def md_cell(text: str) -> str:
     """Text for one Markdown table cell: pipes escaped, line breaks shown as ↵."""
     return " ↵ ".join(text.replace("|", "\\|").splitlines()) or " "
 
@@ -269,7 +269,8 @@ def _md(text: str) -> str:
 def panel_lines(report: Report) -> list[str]:
     """The panel's section of report.md: every text, and every model on each."""
     texts = "; ".join(
-        f"**{_md(t.name)}** `{_md(t.source)}` ({_md(t.split)}, column `{_md(t.text_column)}`, {t.rows:,} rows)"
+        f"**{md_cell(t.name)}** `{md_cell(t.source)}` ({md_cell(t.split)}, column `{md_cell(t.text_column)}`, "
+        f"{t.rows:,} rows)"
         for t in report.data
     )
     header, *rows = panel_rows(report)
@@ -280,9 +281,9 @@ def panel_lines(report: Report) -> list[str]:
         "its KL from the parent's next-token distribution (nats per token, over every token scored); with several "
         "texts, the mean and the worst over them.",
         "",
-        "| " + " | ".join(_md(c) for c in header) + " |",
+        "| " + " | ".join(md_cell(c) for c in header) + " |",
         "|---|" + "---:|" * (len(header) - 1),
-        *["| " + " | ".join(_md(c) for c in row) + " |" for row in rows],
+        *["| " + " | ".join(md_cell(c) for c in row) + " |" for row in rows],
         "",
         f"![perplexity ratio to the parent by text]({PLOT_PANEL})",
         "",
@@ -305,7 +306,7 @@ def markdown(report: Report) -> str:
         f"Decode: greedy, batch 1, {s['decode_tokens']} tokens after a {_decode_context(report):,}-token prefill, "
         f"{_decode_runs(report, s['repeats'])}.",
         "",
-        "| " + " | ".join(_md(c) for c in columns(report)) + " |",
+        "| " + " | ".join(md_cell(c) for c in columns(report)) + " |",
         "|" + "---|" * len(columns(report)),
         *["| " + " | ".join(row) + " |" for row in table_rows(report)],
         "",
@@ -333,7 +334,7 @@ def markdown(report: Report) -> str:
 def _diagnostics_kl(report: Report) -> str:
     """The diagnostics' KL column: measured in one pass on the first text's first tokens, not the panel's KL."""
     n = next((m.diagnostics.tokens for m in report.models if m.diagnostics), None)
-    scope = "" if n is None else f" on the first {n:,} tokens of {_md(report.data[0].name)} only"
+    scope = "" if n is None else f" on the first {n:,} tokens of {md_cell(report.data[0].name)} only"
     return f"KL to parent{scope} (nats/token)"
 
 

@@ -127,7 +127,7 @@ def _generate_into(
     samples its share of the shards still missing."""
     record = processes.on_main(lambda: record_to_continue(out, s, prompts_sha256))
     known = processes.on_main(lambda: _shards_on_disk(out))
-    shards, found = _contiguous(known)
+    shards, found = contiguous_shards(known)
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
         if processes.main:
             finish_record(out, record, s, shards, found)
@@ -188,14 +188,14 @@ def _sample_into(
     (shards, samples, tokens) in OUT: what one process sampling from shard 0 would have written."""
     bar = tqdm(
         total=s.tokens,
-        initial=min(_contiguous(known)[1], s.tokens),
+        initial=min(contiguous_shards(known)[1], s.tokens),
         unit="tok",
         desc="generate",
         disable=not (s.progress and processes.main) or None,
     )
     try:
-        while (enough := _enough(known, s.tokens)) is None:
-            todo = _missing(known, processes.size)
+        while (enough := shards_enough(known, s.tokens)) is None:
+            todo = missing_shards(known, processes.size)
             mine = todo[processes.rank] if processes.rank < len(todo) else None
             written = None
             if mine is not None:
@@ -203,14 +203,14 @@ def _sample_into(
                 _write_shard(out, mine, rows)
                 written = sum(r["tokens"] for r in rows)
             known.update((index, tokens) for index, tokens in processes.gather((mine, written)) if index is not None)
-            shards, total = _contiguous(known)
+            shards, total = contiguous_shards(known)
             bar.update(min(total, s.tokens) - bar.n)
             if processes.main:
                 write_record(out, record, s, shards, shards * s.batch_size, total, complete=False)
     except BaseException as exc:
         stop = as_interrupt(exc)
         if stop is not None:
-            shards, total = _contiguous(known)
+            shards, total = contiguous_shards(known)
             raise stop.with_message(_stopped_message(out, shards, total, s.tokens)) from None
         raise
     finally:
@@ -231,7 +231,7 @@ def _stopped_message(out: Path, shards: int, total: int, asked: int) -> str:
     return f"{holds} (the corpus asked for {asked:,}); rerun the same command to go on from there"
 
 
-def _contiguous(known: dict[int, int]) -> tuple[int, int]:
+def contiguous_shards(known: dict[int, int]) -> tuple[int, int]:
     """(n, tokens) of shards 0..n-1, all present."""
     n = 0
     while n in known:
@@ -239,7 +239,7 @@ def _contiguous(known: dict[int, int]) -> tuple[int, int]:
     return n, sum(known[k] for k in range(n))
 
 
-def _enough(known: dict[int, int], tokens: int) -> int | None:
+def shards_enough(known: dict[int, int], tokens: int) -> int | None:
     """The fewest shards 0..n-1 that hold `tokens`, or None while one of them is missing."""
     total, n = 0, 0
     while total < tokens:
@@ -249,7 +249,7 @@ def _enough(known: dict[int, int], tokens: int) -> int | None:
     return n
 
 
-def _missing(known: dict[int, int], count: int) -> list[int]:
+def missing_shards(known: dict[int, int], count: int) -> list[int]:
     """The first `count` shard indices not in `known`."""
     missing, index = [], 0
     while len(missing) < count:

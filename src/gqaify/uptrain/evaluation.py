@@ -15,7 +15,7 @@ from gqaify.uptrain.settings import UptrainSettings
 
 def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
     """For the run (`train._Run`) and its loop (`train._Loop`), a function that logs the eval perplexity and KL
-    (with eval_data, on the tokens of each of its `texts`: `_panel_row`) and task scores (with eval_tasks, through
+    (with eval_data, on the tokens of each of its `texts`: `panel_row`) and task scores (with eval_tasks, through
     `harness`) at the current step, or None without either; after each evaluation the main process draws the
     recovery curve (`curve.draw_curve`).
 
@@ -40,7 +40,7 @@ def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
         row: dict = {"tokens": loop.progress.tokens, "train_seconds": round(loop.progress.seconds, 3)}
         model.eval()
         if texts is not None:
-            row |= _panel_row(model, reference, texts, seq_len, run.record.parent_perplexities)
+            row |= panel_row(model, reference, texts, seq_len, run.record.parent_perplexities)
         if harness is not None:
             row |= {score.name: score.value for score in harness.score(accelerator.unwrap_model(model), tokenizer)}
         model.train()
@@ -59,7 +59,7 @@ def _stored_runs_parent(s: UptrainSettings, accelerator):
     return model.requires_grad_(False)
 
 
-def _panel_row(model, teacher, texts: dict[str, EvalText], seq_len: int, parents: dict | None) -> dict:
+def panel_row(model, teacher, texts: dict[str, EvalText], seq_len: int, parents: dict | None) -> dict:
     """The eval metrics of one evaluation, from each text's `TextScore` and their `PanelSummary` (the summary eval's
     report gives): the first text's perplexity and KL from the teacher (eval_perplexity, eval_kl); with several
     texts, each text's (eval_perplexity/NAME, eval_kl/NAME) and the mean KL (eval_kl_mean); with the parent's

@@ -119,7 +119,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     """
     identity = _identity(s, processes)
     if (out / RUN_FILE).exists():
-        run = _read_run(out)
+        run = read_run_record(out)
         # a setting added since: it trained at its default; a text since made a list of texts: a list of one
         had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run.settings}))
         differs = [k for k in identity if had.get(k) != identity[k]]
@@ -168,7 +168,7 @@ def _new_run(out: Path, identity: dict, accelerator, data_sha256: str) -> RunRec
     return run
 
 
-def _read_run(out: Path) -> RunRecord:
+def read_run_record(out: Path) -> RunRecord:
     """The record in `out`/run.json (read from that file, whatever else `out` holds).
 
     Raises:

@@ -95,7 +95,7 @@ def run(settings: UptrainSettings) -> UptrainResult:
     s = settings
     check_inputs(s)
     out = Path(s.output_dir)
-    accelerator = _accelerator(s, out)
+    accelerator = make_accelerator(s, out)
     # run.json records the precision the launcher chose, so that a resume under another one is refused
     s = replace(s, mixed_precision=accelerator.mixed_precision)
     # Everything that can be wrong with the data is found before output_dir is touched.
@@ -382,7 +382,7 @@ def _train(run: _Run, loop: _Loop, evaluate) -> None:
 # -- pieces of the loop --------------------------------------------------------------------------------------
 
 
-def _accelerator(s: UptrainSettings, out: Path):
+def make_accelerator(s: UptrainSettings, out: Path):
     """The Accelerator, with metrics.jsonl (and .csv) trackers; refuses processes that did not join one group.
 
     Raises:
