@@ -11,10 +11,11 @@ from gqaify.model.loading import load_model
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.uptrain.curve import draw_curve
 from gqaify.uptrain.settings import UptrainSettings
+from gqaify.uptrain.state import LoopState, RunState
 
 
-def evaluator(run, loop, texts: dict[str, EvalText] | None, harness, tokenizer):
-    """For the run (`train._Run`) and its loop (`train._Loop`), a function that logs the eval perplexity and KL
+def evaluator(run: RunState, loop: LoopState, texts: dict[str, EvalText] | None, harness, tokenizer):
+    """For the run and its loop (`state.RunState`, `state.LoopState`), a function that logs the eval perplexity and KL
     (with eval_data, on the tokens of each of its `texts`: `panel_row`) and task scores (with eval_tasks, through
     `harness`) at the current step, or None without either; after each evaluation the main process draws the
     recovery curve (`curve.draw_curve`).

@@ -56,12 +56,12 @@ from gqaify.uptrain.run_folder import (
     run_files,
     save_checkpoint,
     save_final,
-    save_run,
     undo_claim,
     what_is_left,
 )
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import fsdp_problem, shard_on_cpus
+from gqaify.uptrain.state import LoopState, RunState
 from gqaify.uptrain.student import load_teacher, optimizer_and_schedule, student_loss, trainable_student
 
 LOG = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def _claimed_run(s: UptrainSettings, out: Path, accelerator, tokenizer, loader, 
         if accelerator.is_main_process:
             _forecast_for(s, out, record)
         return _result_of_finished_run(out, record)
-    this = _Run(s, out, accelerator, record, steps)  # its record changes as the run goes (`_Run.save_record`)
+    this = RunState(s, out, accelerator, record, steps)  # its record changes as the run goes (`RunState.save_record`)
     try:
         return _run(this, tokenizer, loader, texts, harness)
     except BaseException as exc:
@@ -207,39 +207,7 @@ def _pushed(s: UptrainSettings, result: UptrainResult, accelerator) -> UptrainRe
     return result
 
 
-@dataclass
-class _Run:
-    """One run in its claimed output_dir: the settings (as resolved), the folder, the launcher (accelerate's
-    `Accelerator`), run.json's record, and the number of optimizer steps."""
-
-    s: UptrainSettings
-    out: Path
-    accelerator: object
-    record: RunRecord
-    steps: int
-
-    def save_record(self, **changes) -> None:
-        """run.json with `changes` to its record's fields (`RunRecord`), in every process's `record`; written by
-        the main one."""
-        self.record = replace(self.record, **changes)
-        if self.accelerator.is_main_process:
-            save_run(self.out, self.record)
-
-
-@dataclass
-class _Loop:
-    """What the loop moves, as accelerate prepared it: the model, its teacher (None without distill_from), the
-    data, the optimizer and its schedule, and where the run stands (`Progress`, saved with every checkpoint)."""
-
-    model: torch.nn.Module
-    teacher: torch.nn.Module | None
-    loader: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    progress: Progress
-
-
-def _run(run: _Run, tokenizer, loader, texts, harness) -> UptrainResult:
+def _run(run: RunState, tokenizer, loader, texts, harness) -> UptrainResult:
     """The run in a claimed output_dir: model, optimizer, resume, the loop, the final save."""
     from accelerate.utils import set_seed
 
@@ -264,7 +232,7 @@ def _run(run: _Run, tokenizer, loader, texts, harness) -> UptrainResult:
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {run.steps})")
     teacher = load_teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
-    loop = _Loop(model, teacher, loader, optimizer, scheduler, progress)
+    loop = LoopState(model, teacher, loader, optimizer, scheduler, progress)
     evaluate = evaluator(run, loop, texts, harness, tokenizer)
 
     if accelerator.is_main_process:
@@ -285,7 +253,7 @@ def _run(run: _Run, tokenizer, loader, texts, harness) -> UptrainResult:
     return _result_of_finished_run(out, run.record)
 
 
-def _train(run: _Run, loop: _Loop, evaluate) -> None:
+def _train(run: RunState, loop: LoopState, evaluate) -> None:
     """The loop: from `loop.progress` to `run.steps` optimizer steps, logging, evaluating and checkpointing.
 
     Raises:
