@@ -81,11 +81,12 @@ def test_a_panel_of_a_few_short_texts_is_drawn_as_before(tmp_path, drawn):
 def test_matplotlibs_warnings_stay_out_of_the_terminal_and_go_to_the_log(tmp_path, caplog):
     """A model named in a script the font lacks: matplotlib's 'Glyph ... missing from font(s)' escaped -q."""
     code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); from test_figures import panel_report; "
+        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], str(Path(sys.argv[1]).parent)]; "
+        "from test_figures import panel_report; "
         "from gqaify.eval.report import plot_panel; plot_panel(panel_report(['wiki'], '模型'), Path(sys.argv[2]))"
     )
     done = subprocess.run(
-        [sys.executable, "-W", "always", "-c", code, str(REPO / "tests"), str(tmp_path / "panel.png")],
+        [sys.executable, "-W", "always", "-c", code, str(REPO / "tests" / "shared"), str(tmp_path / "panel.png")],
         capture_output=True,
         text=True,
     )

@@ -155,16 +155,16 @@ def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, 
     gqaify" for a run the user stopped. The recorded signal makes it a stop; an error without one stays a bug."""
     import os
 
-    import gqaify.entry.cli as cli
+    import gqaify.conversion.entry as entry
 
-    def a_library_call(args):
+    def a_library_call(argv, prog):
         try:
             os.kill(os.getpid(), signum)
             time.sleep(5)  # the handler raises here
         except KeyboardInterrupt as exc:
             raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from exc
 
-    monkeypatch.setattr(cli, "_run_convert", a_library_call)
+    monkeypatch.setattr(entry, "command_line", a_library_call)  # what `gqaify convert` runs (gqaify.entry.stages)
     # as in a terminal: a job started in the background (CI's, say) begins with SIGINT ignored, and gqaify keeps that
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -174,10 +174,10 @@ def test_a_stop_that_a_library_turns_into_its_own_error_is_still_a_stop(capsys, 
     err = capsys.readouterr().err
     assert f"gqaify: {said}; nothing was written" in err and "internal error" not in err
 
-    def a_bug(args):
+    def a_bug(argv, prog):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(cli, "_run_convert", a_bug)
+    monkeypatch.setattr(entry, "command_line", a_bug)
     assert main(["convert", "src", "out", "--kv-heads", "1"]) == 1  # the earlier command's signal is forgotten
     assert "internal error" in capsys.readouterr().err
 

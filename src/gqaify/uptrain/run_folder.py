@@ -224,9 +224,10 @@ def read_paths(s: UptrainSettings) -> list[Path]:
 
 
 def remove_run_files(out: Path, names: set[str], reads: list[Path]) -> list[str]:
-    """Remove `names` (each one of `RUN_NAMES`) from `out`, except any that is, holds or lies inside a path the run
-    reads (`read_paths`): a model the run trains is never removed, however it is named. A link is removed, never
-    what it leads to. Returns what was removed, in `RUN_NAMES`' order."""
+    """Remove `names` (each one of `RUN_NAMES`) from `out`, except any that is or holds a path the run reads
+    (`read_paths`): a model the run trains is never removed, however it is named (a run file inside a folder the run
+    reads is still the run's). A link is removed, never what it leads to. Returns what was removed, in `RUN_NAMES`'
+    order."""
     removed = []
     for name in (n for n in RUN_NAMES if n in names):
         path = out / name
