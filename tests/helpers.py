@@ -22,7 +22,9 @@ from gqaify.entry.cli import main
 from gqaify.testing import duplicate_kv_heads
 
 NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
-QUICK = 10.0  # seconds for a refusal that needs the hub; huggingface_hub's five retries alone wait 23 s
+# seconds for a refusal that needs the hub, on a machine the other test processes keep busy: huggingface_hub's five
+# retries alone wait 23 s (the tests also check that no "Retrying" line was printed)
+QUICK = 20.0
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
@@ -59,6 +61,13 @@ if sys.argv[1:]:
 CPU_PROCESSES = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 
+def launch_port() -> int:
+    """The rendezvous port of this test process's launches: one per pytest-xdist worker (gw0, gw1, ...), so that two
+    workers' launches never meet on torch's default 29500; a worker runs its launches one after another."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 29500 + 10 * int(worker.removeprefix("gw"))
+
+
 def accelerate_launch(module: str, config_file: Path | None = None, processes: int = 2) -> list[str]:
     """`accelerate launch` of `processes` processes running `python -m MODULE` (run with env=CPU_PROCESSES), in
     full precision: with the accelerate config `config_file`, or as plain data parallelism."""
@@ -69,6 +78,8 @@ def accelerate_launch(module: str, config_file: Path | None = None, processes: i
         "-m",
         "accelerate.commands.launch",
         *how,
+        "--main_process_port",
+        str(launch_port()),
         "--num_processes",
         str(processes),
         "--mixed_precision",

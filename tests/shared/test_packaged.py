@@ -10,6 +10,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -144,29 +146,31 @@ def test_uptrain_finds_a_packaged_recipe_by_name_from_any_folder(tmp_path, monke
     )  # the checkout's path, from a folder that has no recipes/
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(tmp_path):
-    """The wheel built from this tree, installed (not editable) into a folder of its own and put first on the path,
-    run from a folder that is no checkout: convert, a packaged recipe by name, and the demo's recipe found."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from this tree, once for this file's tests."""
+    dist = tmp_path_factory.mktemp("dist")
     built = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path / "dist"),
-            str(REPO),
-        ],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
         capture_output=True,
         text=True,
     )
     assert built.returncode == 0, built.stderr[-2000:]
-    wheel = next((tmp_path / "dist").glob("gqaify-*.whl"))
+    return next(dist.glob("gqaify-*.whl"))
+
+
+@pytest.mark.integration
+def test_the_wheel_carries_the_constraints(wheel):
+    """A wheel user could not get the tested pins: constraints.txt was not in the wheel."""
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("gqaify/constraints.txt") == (REPO / "constraints.txt").read_bytes()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(wheel, tmp_path):
+    """The wheel built from this tree, installed (not editable) into a folder of its own and put first on the path,
+    run from a folder that is no checkout: convert, a packaged recipe by name, and the demo's recipe found."""
     installed = subprocess.run(
         [
             sys.executable,
