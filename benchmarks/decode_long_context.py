@@ -23,7 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from gqaify.eval.speed import decode_speed
-from gqaify.model.archs import ARCHITECTURES, Geometry
+from gqaify.model.archs import ARCHITECTURES
+from gqaify.model.geometry import Geometry
 from gqaify.model.kvcache import kv_cache_bytes
 
 # name -> (LlamaConfig fields, K/V head counts: the MHA parent first)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from gqaify.model.archs import attention_kind
-
 
 def format_summary(result) -> str:
     """A few lines saying what a conversion did."""
-    kind = attention_kind(result.kv_heads)
+    kind = result.attention
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
     return "\n".join(
         [

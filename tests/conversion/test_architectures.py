@@ -7,7 +7,8 @@ import torch
 
 import gqaify
 from gqaify.conversion import coverage
-from gqaify.model.archs import ARCHITECTURES, REFUSED, Geometry, arch_for
+from gqaify.model.archs import ARCHITECTURES, REFUSED, arch_for
+from gqaify.model.geometry import Geometry
 from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from gqaify.testing import ARCH_CONFIGS, CORPUS, QK_NORMS, build_model, duplicate_kv_heads, save, save_with_tokenizer
 from helpers import REPO, load, logits, rotated_twin, run_cli, sample_ids

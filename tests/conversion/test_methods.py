@@ -14,7 +14,8 @@ import gqaify
 from gqaify.conversion import fit
 from gqaify.conversion.grouping import balanced_groups, permute, similar_order
 from gqaify.conversion.layout import LayerLayout
-from gqaify.model.archs import ARCHITECTURES, Geometry
+from gqaify.model.archs import ARCHITECTURES
+from gqaify.model.geometry import Geometry
 from gqaify.testing import CORPUS, QK_NORMS, build_model, duplicate_kv_heads, save_with_tokenizer
 from helpers import MODELS, load, logits, needs_assets, run_cli, sample_ids, tree_hashes
 

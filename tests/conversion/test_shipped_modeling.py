@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import gqaify
-from gqaify.model.archs import ARCHITECTURES, Geometry
+from gqaify.model.archs import ARCHITECTURES
+from gqaify.model.geometry import Geometry
 from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from gqaify.testing import CORPUS, build_model, duplicate_kv_heads, save, save_with_tokenizer
 from helpers import load, logits, run_cli, run_uptrain, sample_ids

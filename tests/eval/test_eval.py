@@ -15,7 +15,8 @@ import gqaify
 from gqaify.entry.cli import main
 from gqaify.eval.perplexity import perplexity, sliding_windows
 from gqaify.eval.settings import EvalSettings
-from gqaify.model.archs import ARCHITECTURES, Geometry
+from gqaify.model.archs import ARCHITECTURES
+from gqaify.model.geometry import Geometry
 from gqaify.model.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes
 from gqaify.model.kvcache import sliding_windows as layer_windows
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer, transformers_doc_loop

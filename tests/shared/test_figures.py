@@ -17,7 +17,7 @@ def panel_report(names: list[str], model: str = "gqa2") -> SimpleNamespace:
     """What plot_panel reads of a report: the texts, and the parent and two converted models' ratios on each."""
     texts = [SimpleNamespace(ratio_to_parent=1.5 + i / 10) for i in range(len(names))]
     models = [
-        SimpleNamespace(model=f"runs/{name}", num_key_value_heads=g, panel=object(), texts=texts)
+        SimpleNamespace(model=f"runs/{name}", num_key_value_heads=g, attention=f"G={g}", panel=object(), texts=texts)
         for name, g in (("parent", 8), (model, 2), ("mqa", 1))
     ]
     return SimpleNamespace(models=models, data=[SimpleNamespace(name=n) for n in names])

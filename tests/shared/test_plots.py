@@ -150,6 +150,7 @@ def eval_report(models: int, texts: int = 2, layers: int = 6) -> SimpleNamespace
             SimpleNamespace(
                 model=f"runs/m{i}",
                 num_key_value_heads=g,
+                attention=f"G={g}",
                 perplexity=12.3 * (ratio or 1),
                 kv_cache_bytes_per_token=1536 * g / 8,
                 panel=None if i == 0 else object(),

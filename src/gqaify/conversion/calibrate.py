@@ -48,7 +48,8 @@ from gqaify.conversion.repair import Windows, refine, repair_output
 from gqaify.conversion.settings import Calibration, CalibrationSource, mixture_sha256
 from gqaify.conversion.source import Source
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.model.archs import ArchSpec, Geometry
+from gqaify.model.archs import ArchSpec
+from gqaify.model.geometry import Geometry
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.text.pins import text_sha256
 

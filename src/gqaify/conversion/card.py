@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.settings import METHOD_INFO
-from gqaify.model.archs import attention_kind
+from gqaify.model.geometry import attention_kind
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
 _HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
@@ -64,8 +64,9 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
     from huggingface_hub import ModelCard, ModelCardData
 
     src, g, kv_heads = record.source, record.source_geometry, record.kv_heads
-    kind = attention_kind(kv_heads)
+    kind = record.attention
     tags = ["gqaify", "gqa"] + (["mqa"] if kv_heads == 1 else []) + (["custom_code"] if record.shipped else [])
+    tags += ["mla"] if record.mla else []
     meta = record.card
     data = ModelCardData(
         base_model=meta.get("base_model"),
@@ -87,6 +88,8 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
         f"- {_rewritten(record)}; everything else is copied from the source unchanged. `gqaify.json` records the "
         "groups, calibration, per-layer fit error and source hashes.",
     ]
+    if record.mla is not None:
+        lines.append(_mla_line(record))
     if fit := _fit_summary(record.fit_error):
         lines.append(f"- Fit error on the calibration text (relative, per layer): {fit}.")
     if record.shipped:
@@ -158,3 +161,14 @@ def _uptrained(u: Uptrained) -> str:
         if u.parent_perplexity is not None:
             text += f" (the parent: {u.parent_perplexity:.2f})"
     return text + "."
+
+
+def _mla_line(record: ConversionRecord) -> str:
+    mla, g = record.mla, record.output_geometry
+    how = "exactly (the same function to float precision)" if mla.exact else "fitted on the calibration text"
+    return (
+        f"- Then rewritten {how} as latent attention: transformers' DeepSeek-V3 class with every layer dense (no "
+        f"remote code). Each token caches a latent of {mla.kv_rank} values and one rotary key of {mla.rope_dims} "
+        f"that every query head shares, {g.cached_per_token} values per layer where {attention_kind(record.kv_heads)} "
+        f"caches {2 * record.kv_heads * g.head_dim}; transformers' cache holds the latent."
+    )

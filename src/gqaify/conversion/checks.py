@@ -18,7 +18,8 @@ from gqaify.conversion.methods import Method
 from gqaify.conversion.settings import Calibration, ConvertSettings
 from gqaify.conversion.source import Source, read_config
 from gqaify.errors import UserError, problems_in
-from gqaify.model.archs import ARCHITECTURES, ArchSpec, Geometry, arch_for
+from gqaify.model.archs import ARCHITECTURES, ArchSpec, arch_for
+from gqaify.model.geometry import Geometry
 from gqaify.model.locations import Location, locate
 from gqaify.output.destination import destination_problems, overlap_problem, resolve_out
 from gqaify.records import CONVERSION

@@ -49,16 +49,19 @@ from gqaify.conversion.checks import (
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
+from gqaify.conversion.mla_output import Rewritten, mla_problems, rewrite_folder
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
 from gqaify.conversion.settings import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
 from gqaify.errors import raise_if_problems
-from gqaify.model.archs import ArchSpec, Geometry, attention_kind, rotary_dim
+from gqaify.model.archs import ArchSpec
 from gqaify.model.dtypes import torch_dtype
+from gqaify.model.geometry import Geometry, attention_kind, rotary_dim
 from gqaify.model.hub import push_folder
 from gqaify.model.kvcache import kv_cache_bytes_per_token
+from gqaify.model.loading import load_model
 from gqaify.output.destination import space_problem
 from gqaify.output.leftovers import remove_leftovers
 from gqaify.settings import recorded
@@ -89,6 +92,7 @@ class ConversionResult:
     model_type = property(lambda self: self.record.model_type)
     method = property(lambda self: self.record.method)
     kv_heads = property(lambda self: self.record.kv_heads)
+    attention = property(lambda self: self.record.attention)  # "GQA-2", "MQA", "MLA (...)"
     groups = property(lambda self: self.record.groups)  # the source K/V heads pooled into each new one
     grouping = property(lambda self: self.record.grouping)
     permutations = property(lambda self: self.record.permutations)  # per layer, the source K/V heads' new order
@@ -133,9 +137,10 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
             calibrated = _fit(s, source, plan, ctx, folder)
             converter = LayerConverter(METHODS[s.method], s.kv_heads, ctx, calibrated)
             writer = _stream(s, source, plan, converter, hasher, folder)
-            record = _record(sink.recorded(s), sink.out, source, plan, ctx, calibrated, hasher)
+            rewritten = _rewrite(s, plan, folder, source)
+            record = _record(sink.recorded(s), sink.out, source, plan, ctx, calibrated, hasher, rewritten)
             model_card(record).save(folder / "README.md")
-            written = sink.finish(folder, record, writer, source)
+            written = sink.finish(folder, record, rewritten or writer, source)
     if converter.changed_heads:  # said before a push, which may fail
         LOG.warning(uncalibrated_warning(s.method, s.src))
     if s.push_to_hub is not None:
@@ -164,7 +169,12 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     """Every problem the opened source shows (config.json, overlap with OUT, what the sink and the method cannot
     take, the calibration text), raised at once; else the plan of the output."""
     checked = config_problems(source.config, s.kv_heads, request.calibration)
-    raise_if_problems(checked.problems, overlap_problems(source, request.out), sink.source_problems(source))
+    raise_if_problems(
+        checked.problems,
+        overlap_problems(source, request.out),
+        mla_problems(s, source.config, isinstance(sink, GgufSink)),
+        sink.source_problems(source),
+    )
     metas = source.tensors.metadata()
     spec, geometry = checked.spec.stored_as(metas), checked.geometry
     raise_if_problems(weight_problem(spec, geometry, source.config, {n: tuple(m.shape) for n, m in metas.items()}))
@@ -222,6 +232,19 @@ def _stream(
     return writer
 
 
+def _rewrite(s: ConvertSettings, plan: _Plan, folder: Path, source: Source) -> Rewritten | None:
+    """With --attention mla: the G-head checkpoint in `folder` rewritten as MLA, a smaller cache fitted on the
+    calibration text against the source (`mla_output`)."""
+    if s.attention != "mla":
+        return None
+    parent = str(source.directory) if source.kind == "local" else source.name
+
+    def load_parent():
+        return load_model(parent, dtype=torch.float32, option="SRC")[0]
+
+    return rewrite_folder(folder, s, plan.text, load_parent)
+
+
 def _record(
     s: ConvertSettings,
     out: Path,
@@ -230,6 +253,7 @@ def _record(
     ctx: MethodContext,
     calibrated: CalibratedLayers | None,
     hasher: SourceHasher,
+    rewritten: Rewritten | None,
 ) -> ConversionRecord:
     """The conversion's record (gqaify.json; inside a GGUF, `to_gguf.RECORD_KEY`): enough to rerun it."""
     text, geometry = plan.text, plan.geometry
@@ -254,6 +278,7 @@ def _record(
         rotary_dim=ctx.rotary_dim,
         permutations=calibrated.orders if calibrated is not None else None,
         fit_error=[fit.record() for fit in calibrated.fits] if calibrated is not None else None,
+        mla=rewritten.record if rewritten is not None else None,
     )
 
 
@@ -267,7 +292,7 @@ def _result(
         out=written.out,
         record=record,
         kv_bytes_per_token_before=kv_cache_bytes_per_token(geometry, kv_dtype),
-        kv_bytes_per_token_after=kv_cache_bytes_per_token(geometry.with_kv_heads(record.kv_heads), kv_dtype),
+        kv_bytes_per_token_after=kv_cache_bytes_per_token(record.output_geometry, kv_dtype),
         tensors_converted=converted,
         tensors_copied=len(output.tensors) - converted,
         num_shards=written.num_shards,

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gqaify.errors import UserError
-from gqaify.model.archs import HEAD, ArchSpec, Geometry
+from gqaify.model.archs import HEAD, ArchSpec
+from gqaify.model.geometry import Geometry
 
 SUFFIXES = ("weight", "bias")
 Heads = dict[str, torch.Tensor]

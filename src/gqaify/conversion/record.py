@@ -17,9 +17,11 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gqaify.conversion.mla_output import MlaRecord
 from gqaify.conversion.settings import CalibrationRecord
 from gqaify.conversion.source import Source
-from gqaify.model.archs import ArchSpec, Geometry
+from gqaify.model.archs import ArchSpec
+from gqaify.model.geometry import Geometry, attention_kind
 from gqaify.records import (
     CONVERSION,
     UPTRAINED,
@@ -95,6 +97,7 @@ class ConversionRecord(Provenance):
     rotary_dim: int | None = optional(unless_none="calibration")
     permutations: list[list[int]] | None = optional(unless_none="calibration")  # per layer (similarity)
     fit_error: list[dict] | None = optional(unless_none="calibration")  # per layer (`calibrate.LayerFit.record`)
+    mla: MlaRecord | None = optional()  # --attention mla: the latent layer the G-head model was rewritten as
     uptrain: Uptraining | None = optional()  # in an uptrained model's final/: how it was uptrained
     files: list[str] | None = optional()  # in a folder: every file gqaify wrote there (`outputs.write_provenance`)
 
@@ -111,6 +114,21 @@ class ConversionRecord(Provenance):
             return None
         record = read_record(folder)
         return record if isinstance(record, cls) else None
+
+    @property
+    def attention(self) -> str:
+        """What the converted model's attention is called: "GQA-2", "MQA", "MLA (latent 64 + rotary key 32, from
+        GQA-2)"."""
+        kind = attention_kind(self.kv_heads)
+        if self.mla is None:
+            return kind
+        return f"MLA (latent {self.mla.kv_rank} + rotary key {self.mla.rope_dims}, from {kind})"
+
+    @property
+    def output_geometry(self) -> Geometry:
+        """The converted model's attention shape: G K/V heads, or the MLA latent rewritten from them."""
+        geometry = self.source_geometry.with_kv_heads(self.kv_heads)
+        return geometry if self.mla is None else geometry.with_latent(self.mla.cached_per_token)
 
     def uptrained(self, uptrain: Uptraining) -> ConversionRecord:
         """This conversion's record as the final/ of its uptraining holds it."""

@@ -391,6 +391,25 @@ class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
         required=True,
         check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
     )
+    attention: Literal["gqa", "mla"] = setting(
+        "gqa",
+        "OUT's attention: gqa (G whole K/V heads), or mla (DeepSeek-V3's latent attention, rewritten from the G-head "
+        "model: exact at its cache size, smaller with kv_rank and rope_dims)",
+    )
+    kv_rank: int | None = setting(
+        None,
+        "mla: the latent's width, values per token and layer (default: everything the G heads cache, exact)",
+        check=(
+            Range(1, says="a whole number of at least 1"),
+            Needs("attention", "is an MLA latent's width", value="mla"),
+        ),
+    )
+    rope_dims: int | None = setting(
+        None,
+        "mla: the rotary key's width, one key every query head shares: 2 x the rotary pairs kept x G (default: all, "
+        "exact); the cache per token and layer is kv_rank + rope_dims",
+        check=(Range(2, says="a whole number of at least 2"), Needs("attention", "is an MLA key's width", value="mla")),
+    )
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(
         None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gqaify.conversion.to_gguf as to_gguf
+from gqaify.conversion.mla_gguf import write_mla_gguf
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.settings import ConvertSettings
@@ -151,7 +152,8 @@ class GgufSink:
         partial = folder.parent / self.out.name
         tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
         try:
-            to_gguf.write_gguf(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(as_json(record), indent=2))
+            writes = to_gguf.write_gguf if record.mla is None else write_mla_gguf  # MLA: llama.cpp's deepseek2
+            writes(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(as_json(record), indent=2))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise ResourceError(f"no space left while writing {self.out}; nothing was left behind") from exc

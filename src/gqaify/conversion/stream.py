@@ -22,7 +22,8 @@ from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import Method, MethodContext, keeps_heads
 from gqaify.conversion.source import Source
 from gqaify.errors import UserError
-from gqaify.model.archs import ArchSpec, Geometry
+from gqaify.model.archs import ArchSpec
+from gqaify.model.geometry import Geometry
 
 LOG = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ and written: memory holds one tensor at a time. The file is written beside OUT a
 
 What llama.cpp needs to know per architecture is data (`ArchSpec.gguf` in archs.py); an architecture without it,
 a vocabulary llama.cpp would read wrongly, and a rotary scaling it would not reproduce are refused with the reason.
+An MLA conversion is laid out for llama.cpp's deepseek2 by `mla_gguf` (`sinks.GgufSink.finish` picks the writer).
 """
 
 from __future__ import annotations
@@ -142,24 +143,25 @@ def write_gguf(
     arch = _gguf_architecture(config["model_type"])
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.name]])
     _write_hyperparameters(writer, config, out.stem, out_type)
+    add_tokenizer(writer, folder, tokenizer_gguf)
+    layout = _Layout(config, arch, gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.name], config["num_hidden_layers"]))
+    plan = [(shard, name, matrix_type(shape, out_type)) for shard, name, shape in folder_tensors(folder)]
+    for (_, name, qtype), (_, _, shape) in zip(plan, folder_tensors(folder), strict=True):
+        add_tensor_info(writer, layout.gguf_name(name), shape, qtype)
+    write_header(writer, out, record)
+    _write_data(writer, folder, plan, layout)
+    writer.close()
+
+
+def write_header(writer, out: Path, record: str | None) -> None:
+    """`record` (the conversion's gqaify.json, under `RECORD_KEY`) and the digest of the tensor infos added so far
+    (`TENSORS_KEY`), then the header, metadata and tensor infos to `out`: the tensors' data follows."""
     if record is not None:
         writer.add_string(RECORD_KEY, record)
-    if tokenizer_gguf is not None:
-        _copy_tokenizer(writer, tokenizer_gguf)
-    else:
-        _write_tokenizer(writer, folder)
-    layout = _Layout(config, arch, gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.name], config["num_hidden_layers"]))
-    plan = [(shard, name, _qtype(shape, out_type)) for shard, name, shape in _tensors(folder)]
-    for (_, name, qtype), (_, _, shape) in zip(plan, _tensors(folder), strict=True):
-        nbytes, stored = _stored_shape(shape, qtype)
-        writer.add_tensor_info(layout.gguf_name(name), stored, _numpy_dtype(qtype), nbytes, raw_dtype=qtype)
-    if record is not None:
         writer.add_string(TENSORS_KEY, _tensors_sha256(writer))
     writer.write_header_to_file(out)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    _write_data(writer, folder, plan, layout)
-    writer.close()
 
 
 def _tensors_sha256(writer) -> str:
@@ -181,27 +183,41 @@ def _tensors_sha256(writer) -> str:
 
 
 def _write_hyperparameters(writer, config: dict, name: str, out_type: str) -> None:
-    import gguf
-
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     rope = config.get("rope_parameters") or {}
-    writer.add_name(name)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(heads)
+    write_body_hyperparameters(writer, config, name, out_type)
     writer.add_head_count_kv(config.get("num_key_value_heads", heads))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+
+
+def write_body_hyperparameters(writer, config: dict, name: str, out_type: str) -> None:
+    """What every architecture's GGUF says of the model outside its attention's cache, and of the file."""
+    import gguf
+
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[out_type]
     writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_tokenizer(writer, folder: Path, tokenizer_gguf: Path | None) -> None:
+    """The tokenizer of the GGUF file `tokenizer_gguf` (the source, when it was one) as it is there, else `folder`'s
+    written as llama.cpp's converter writes a Llama one."""
+    if tokenizer_gguf is not None:
+        _copy_tokenizer(writer, tokenizer_gguf)
+    else:
+        _write_tokenizer(writer, folder)
 
 
 def _copy_tokenizer(writer, source: Path) -> None:
@@ -294,19 +310,19 @@ class _Layout:
             return tensor
         heads = self.config["num_attention_heads"]
         if name.endswith("q_proj.weight"):
-            return _permute(tensor, heads)
+            return permute_rotary(tensor, heads)
         if name.endswith("k_proj.weight"):
-            return _permute(tensor, self.config.get("num_key_value_heads", heads))
+            return permute_rotary(tensor, self.config.get("num_key_value_heads", heads))
         return tensor
 
 
-def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of each head reordered from (first halves, second halves) to interleaved pairs."""
     rows = weight.shape[0]
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _tensors(folder: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+def folder_tensors(folder: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     """(shard file, tensor name, shape) of every tensor, shard by shard, in the order the shards list them."""
     from safetensors import safe_open
 
@@ -321,7 +337,9 @@ def _tensors(folder: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     return listed
 
 
-def _qtype(shape: tuple[int, ...], out_type: str):
+def matrix_type(shape: tuple[int, ...], out_type: str):
+    """The type a tensor of `shape` is written as in a file of `out_type`: norms f32, matrices `out_type` (q8_0 where
+    the rows are whole blocks of 32, else f16)."""
     import gguf
 
     types = gguf.GGMLQuantizationType
@@ -330,6 +348,12 @@ def _qtype(shape: tuple[int, ...], out_type: str):
     if out_type == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[types.Q8_0][0]:
         return types.F16
     return {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[out_type]
+
+
+def add_tensor_info(writer, name: str, shape: tuple[int, ...], qtype) -> None:
+    """The index entry of the tensor `name` of `shape` (Hugging Face's order), stored as `qtype`."""
+    nbytes, stored = _stored_shape(shape, qtype)
+    writer.add_tensor_info(name, stored, _numpy_dtype(qtype), nbytes, raw_dtype=qtype)
 
 
 def _stored_shape(shape: tuple[int, ...], qtype) -> tuple[int, tuple[int, ...]]:
@@ -349,16 +373,20 @@ def _numpy_dtype(qtype):
 
 
 def _write_data(writer, folder: Path, plan, layout: _Layout) -> None:
-    import gguf
     from safetensors import safe_open
 
     for shard, tensors in itertools.groupby(plan, key=lambda entry: entry[0]):  # the plan lists shard by shard
         with safe_open(folder / shard, "pt") as f:
             for _, name, qtype in tensors:
-                values = layout.prepared(name, f.get_tensor(name))
-                if qtype == gguf.GGMLQuantizationType.F16:  # torch casts as numpy does, several times faster
-                    writer.write_tensor_data(values.to(torch.float16).numpy())
-                elif qtype == gguf.GGMLQuantizationType.F32:
-                    writer.write_tensor_data(values.float().numpy())
-                else:
-                    writer.write_tensor_data(gguf.quants.quantize(values.float().numpy(), qtype))
+                writer.write_tensor_data(tensor_data(layout.prepared(name, f.get_tensor(name)), qtype))
+
+
+def tensor_data(values: torch.Tensor, qtype) -> np.ndarray:
+    """`values` as the bytes of `qtype` the file holds."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F16:  # torch casts as numpy does, several times faster
+        return values.to(torch.float16).numpy()
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return values.float().numpy()
+    return gguf.quants.quantize(values.float().numpy(), qtype)

@@ -38,7 +38,8 @@ from gqaify.eval.results import (
 from gqaify.eval.settings import DATA_PIN, EvalSettings, decode_context, window_length
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
-from gqaify.model.archs import ARCHITECTURES, ArchSpec, Geometry
+from gqaify.model.archs import ARCHITECTURES, ArchSpec
+from gqaify.model.geometry import Geometry
 from gqaify.model.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.model.loading import check_weights, device_problem, load_config, load_model, load_tokenizer, resolve_device
 from gqaify.model.locations import exists
@@ -236,6 +237,7 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
         model_type=config.model_type,
         num_attention_heads=geometry.num_heads,
         num_key_value_heads=geometry.num_kv_heads,
+        kv_latent=geometry.latent,
         dtype=str(dtype).removeprefix("torch."),
         parameters=model.num_parameters(),
         tokenizer=fingerprint,

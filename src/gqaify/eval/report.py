@@ -46,7 +46,7 @@ def table_rows(report: Report) -> list[list[str]]:
         rows.append(
             [
                 printable(m.model),  # a path may hold a newline; a row is one line
-                str(m.num_key_value_heads),
+                m.attention.removeprefix("G="),
                 f"{m.perplexity:,.2f}",
                 "—" if m.delta_perplexity is None else f"{m.delta_perplexity:+,.2f}",
                 f"{m.kv_cache_bytes_per_token:,.0f}",
@@ -363,7 +363,7 @@ def plot_perplexity_vs_kv(report: Report, path: Path) -> None:
         for i, (m, color) in enumerate(zip(report.models, colors, strict=True)):
             if not math.isfinite(m.perplexity):
                 continue
-            label = f"{names[i]} (G={m.num_key_value_heads})"
+            label = f"{names[i]} ({m.attention})"
             x, y = m.kv_cache_bytes_per_token, m.perplexity
             ax.scatter(x, y, s=90 if i == 0 else 60, marker="*" if i == 0 else "o", color=color, label=label, zorder=3)
         if any(math.isfinite(m.perplexity) for m in report.models):
@@ -387,7 +387,7 @@ def plot_panel(report: Report, path: Path) -> None:
                 ratios,
                 width,
                 color=colors[k],
-                label=f"{_labels(report)[k]} (G={m.num_key_value_heads})",
+                label=f"{_labels(report)[k]} ({m.attention})",
             )
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
         ax.set_xticks(range(len(report.data)), [t.name for t in report.data], rotation=20, ha="right", fontsize=8)
@@ -417,7 +417,7 @@ def plot_tasks_vs_kv(report: Report, path: Path) -> None:
     with figure(path, PLOT_SIZE) as ax:
         per_model, colors = _headlines(report), distinct_colors(len(report.models))
         for m, name, color in zip(report.models, _labels(report), colors, strict=True):
-            ax.plot([], [], "o", color=color, label=f"{name} (G={m.num_key_value_heads})")
+            ax.plot([], [], "o", color=color, label=f"{name} ({m.attention})")
         for t, (task, first) in enumerate(per_model[0].items()):
             marker = "os^Dvp<>hX"[t % 10]
             ax.plot([], [], marker, color="grey", label=f"{task} ({first.metric})")

@@ -231,6 +231,12 @@ class ModelReport:
     generations: list[Generation] | None = None  # one per prompt, with --generate
     texts: list[TextScore] = field(default_factory=list)  # one per text of the panel, in its order
     panel: PanelSummary | None = None  # over `texts`, against the parent (None: the parent, another tokenizer)
+    kv_latent: int | None = None  # MLA: the values a token caches per layer (latent + rotary key); None: K/V heads
+
+    @property
+    def attention(self) -> str:
+        """How the report names the model's cache: "G=2" (K/V heads), or "MLA 96" (values per token and layer)."""
+        return f"G={self.num_key_value_heads}" if self.kv_latent is None else f"MLA {self.kv_latent}"
 
 
 @dataclass

@@ -41,12 +41,11 @@ its tiny config in `testing.ARCH_CONFIGS`; the tests then check it against trans
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from gqaify.errors import UserError, raise_if_problems
+from gqaify.errors import UserError
 
 _STACKED_NORMS = "its per-head Q/K LayerNorms (weight heads x head_dim) are not described yet"
 _SHIPPED = "calibration runs transformers' own classes, which have no K/V heads for this type (not the shipped one)"
@@ -116,6 +115,7 @@ class ArchSpec:
     embed_width_key: str | None = None
     # GGUF output (OUT.gguf): only for the types whose output is tested in llama.cpp (tests/conversion/test_gguf.py)
     gguf: GgufArchitecture | None = None
+    mla: bool = False  # `--attention mla` rewrites its layer as DeepSeek-V3's dense MLA one (conversion/mla.py)
 
     def __post_init__(self) -> None:
         separate = (self.q_proj, self.k_proj, self.v_proj)
@@ -195,8 +195,8 @@ def _fused(model_type: str) -> ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
-        ArchSpec("llama", gguf=GgufArchitecture("LLAMA", permute_qk=True)),
-        ArchSpec("mistral"),
+        ArchSpec("llama", gguf=GgufArchitecture("LLAMA", permute_qk=True), mla=True),
+        ArchSpec("mistral", mla=True),
         ArchSpec("qwen2"),  # K/V biases
         ArchSpec("qwen3", shared_head_norms=True),  # q_norm/k_norm over head_dim: copied through
         _fused("phi3"),
@@ -420,55 +420,6 @@ def arch_for(model_type: str, architectures: list[str] | None = None) -> ArchSpe
     return spec
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """Attention shape of a model, read from its transformers config."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-
-    @classmethod
-    def from_config(cls, spec: ArchSpec, config: dict) -> Geometry:
-        """Read from a config.json dict, through the keys `spec` names.
-
-        Raises:
-            UserError: a required key is missing, or a key is not a positive integer (see `problems`).
-        """
-        raise_if_problems(cls.problems(spec, config))
-        num_heads, hidden = config[spec.num_heads_key], config[spec.hidden_size_key]
-        head_dim = (config.get(spec.head_dim_key) if spec.head_dim_key else None) or hidden // num_heads
-        num_kv_heads = config.get(spec.num_kv_heads_key) or num_heads
-        return cls(config[spec.num_layers_key], num_heads, num_kv_heads, head_dim, hidden)
-
-    @staticmethod
-    def problems(spec: ArchSpec, config: dict) -> list[str]:
-        """Every geometry key of `config` that is missing (where required) or not a positive integer."""
-        problems = []
-        required = (spec.num_layers_key, spec.num_heads_key, spec.hidden_size_key)
-        optional = tuple(k for k in (spec.num_kv_heads_key, spec.head_dim_key) if k)
-        for key in required + optional:
-            value = config.get(key)
-            if value is None and key in optional:
-                continue
-            if value is None:
-                problems.append(f"config.json lacks {key!r}, which {spec.model_type} needs; check the checkpoint")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(
-                    f"config.json has {key} = {json.dumps(value)}, not a positive whole number; fix config.json"
-                )
-        return problems
-
-    def with_kv_heads(self, num_kv_heads: int) -> Geometry:
-        return Geometry(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.hidden_size)
-
-    @property
-    def queries_per_kv_head(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
 def attention_pattern(model_type: str, wanted: str) -> str:
     """A regular expression matching every layer's attention module path of `model_type` (`model.layers.3.self_attn`).
 
@@ -481,18 +432,3 @@ def attention_pattern(model_type: str, wanted: str) -> str:
     if spec is None:
         raise UserError(f"{wanted}: gqaify does not know where attention lives in {model_type}; use trainable all")
     return re.escape(spec.attention).replace(re.escape(LAYER), r"\d+")
-
-
-def attention_kind(num_kv_heads: int) -> str:
-    """What a model with `num_kv_heads` K/V heads is called in the summaries and the card: "MQA" or "GQA-G"."""
-    return "MQA" if num_kv_heads == 1 else f"GQA-{num_kv_heads}"
-
-
-def rotary_dim(model_type: str, config: dict, head_dim: int) -> int:
-    """How many leading dimensions of each head RoPE rotates, as transformers' config for the class says."""
-    from transformers import AutoConfig
-
-    transformers_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
-    rope = getattr(transformers_config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(transformers_config, "partial_rotary_factor", None) or 1.0)
-    return int(head_dim * factor)

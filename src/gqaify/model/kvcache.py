@@ -1,8 +1,10 @@
 """The size of the KV cache: the one place gqaify counts it.
 
-Each token a layer caches costs one key and one value vector per K/V head:
+Each token a layer caches costs one key and one value vector per K/V head, or, in an MLA layer, its latent and
+its rotary key (`Geometry.cached_per_token`):
 
     bytes = sum over layers of  2 (K and V) x kv_heads x head_dim x bytes per element x tokens cached
+    MLA:    sum over layers of  (kv_lora_rank + qk_rope_head_dim) x bytes per element x tokens cached
 
 A full-attention layer caches every token; a sliding-window layer keeps only the last `window - 1` (what
 transformers' `DynamicSlidingWindowLayer` stores). With full attention everywhere, a model with G K/V heads
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.model.archs import Geometry
+from gqaify.model.geometry import Geometry
 
 
 def kv_cache_bytes(geometry: Geometry, dtype: torch.dtype, tokens: int, windows: Sequence[int | None] = ()) -> int:
@@ -25,7 +27,7 @@ def kv_cache_bytes(geometry: Geometry, dtype: torch.dtype, tokens: int, windows:
     Args:
         windows: per layer, the sliding window, or None for full attention; empty means all full.
     """
-    per_token = 2 * geometry.num_kv_heads * geometry.head_dim * dtype.itemsize
+    per_token = geometry.cached_per_token * dtype.itemsize
     windows = windows or [None] * geometry.num_layers
     return sum(per_token * (tokens if w is None else min(tokens, w - 1)) for w in windows)
 

@@ -1,0 +1,464 @@
+"""Multi-head latent attention (MLA): a GQA or MQA layer rewritten as DeepSeek-V3's dense MLA layer.
+
+An MLA layer caches, per token and layer, a latent c of `kv_rank` values (after an RMSNorm) and one rotary key of
+`rope_dim` values that every query head shares; each query head reads its non-rotary key and its value out of the
+latent through its own rows of `kv_b_proj`. transformers' `DeepseekV3ForCausalLM` with every layer dense
+(`first_k_dense_replace` = the layer count) and no query low-rank (`q_lora_rank` None) is that layer on a Llama
+body: the same embedding, MLP, norms and head, and a cache that holds the latent (`DynamicCache` stores c and the
+rotary key, not the expanded heads). So the output is a plain checkpoint: `AutoModelForCausalLM` loads it.
+
+A layer with G K/V heads of d dimensions, keeping `pairs` of each head's d/2 rotary pairs (all of them: exact):
+
+    rotary key   the kept pairs of the G heads side by side, rope_dim = 2 x pairs x G, in transformers' rotate_half
+                 layout; a query head's rotary query is its own kept pairs in its group's place, zeros elsewhere.
+                 Each pair keeps its frequency: the class takes one ladder, `longrope`'s per-pair factors give any
+                 list (`rope_parameters`)
+    latent       the values of the G heads, and the keys' dimensions whose pairs are not kept (they lose their
+                 rotation); all of them (exact), or their first `kv_rank` principal components on calibration
+                 activations, K and V balanced to equal energy first (`Latent`)
+    the norm     RMSNorm(c) = c / sqrt(mean(c^2) + eps) x w is linear where mean(c^2) << eps: `kv_a_proj` scales
+                 the latent down so that mean(c^2) <= 1e-6 eps for any input the layer's own input norm can give
+                 (bounded by the weights, not by text), and the norm's weight scales it back up: exact to about
+                 5e-7 relatively, and the weight stays free to train
+    scaling      the class divides the scores by sqrt(nope + rope_dim); the queries carry the difference
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gqaify.errors import UserError
+
+LINEAR_MARGIN = 1e-6  # mean(c^2) / eps at most, for any input: the latent norm's relative error is half of it
+# The rope types whose frequencies are fixed (one list for every length): the rewrite lists them per pair.
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """The cache of one MLA layer: `kv_rank` latent values and `rope_dim` = 2 x pairs x G rotary ones per token."""
+
+    num_heads: int
+    kv_groups: int  # G, the source's K/V heads
+    head_dim: int  # d, the source's
+    pairs: int  # rotary pairs kept of each K/V head's d/2
+    kv_rank: int
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * self.pairs * self.kv_groups
+
+    @property
+    def nope_dim(self) -> int:
+        """A query head's non-rotary key dimensions: its K/V head's dimensions whose pairs are not kept."""
+        return self.head_dim - 2 * self.pairs
+
+    @property
+    def values_per_token(self) -> int:
+        """What one token costs the cache of one layer, in values."""
+        return self.kv_rank + self.rope_dim
+
+    @property
+    def full_rank(self) -> int:
+        """The latent that holds everything: every value and every non-rotary key dimension of the G heads."""
+        return self.kv_groups * (self.nope_dim + self.head_dim)
+
+    @classmethod
+    def exact(cls, num_heads: int, kv_groups: int, head_dim: int) -> MlaShape:
+        """The rewrite that loses nothing: every pair rotary, the latent the G heads' values (the source's cache)."""
+        return cls(num_heads, kv_groups, head_dim, head_dim // 2, kv_groups * head_dim)
+
+
+def source_frequencies(config) -> torch.Tensor:
+    """The source's rotary frequencies, one per pair (d/2), as its own transformers class computes them.
+
+    Raises:
+        UserError: a rope type whose frequencies change with the length or that scales the scores.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind not in STATIC_ROPE:
+        raise UserError(
+            f"rope_type {kind!r} changes its frequencies with the length; an MLA rewrite lists fixed ones "
+            f"({', '.join(STATIC_ROPE)}): convert a model with one of those"
+        )
+    if kind == "default":
+        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    if scaling != 1.0:
+        raise UserError(f"rope_type {kind!r} scales the attention scores by {scaling}; an MLA rewrite cannot")
+    return inv_freq.double()
+
+
+def rope_parameters(frequencies: torch.Tensor, base: float, positions: int) -> dict:
+    """DeepSeek-V3's `rope_parameters` for these per-pair frequencies: the default ladder of `base` where they are
+    it, else `longrope` with one factor per pair (short and long the same, no attention factor)."""
+    dim = 2 * len(frequencies)
+    ladder = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if torch.allclose(frequencies, ladder, rtol=1e-6, atol=0):
+        return {"rope_type": "default", "rope_theta": base}
+    factors = (1.0 / (frequencies * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))).tolist()
+    return {
+        "rope_type": "longrope",
+        "rope_theta": base,
+        "short_factor": factors,
+        "long_factor": factors,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": positions,
+    }
+
+
+def kept_pairs(shape: MlaShape, scores: torch.Tensor | None = None, ladder: bool = False) -> torch.Tensor:
+    """Per K/V head, the indices of the rotary pairs kept (G, pairs), sorted: every pair where all are kept, else
+    those that contribute most to the attention scores summed over heads and layers (`scores`, (d/2,)). One set
+    for every head of every layer: the class has one list of frequencies for the whole model.
+
+    With `ladder`, the pairs 0, c, 2c, ... for the spacing c whose pairs score most: frequencies that are one
+    base's ladder from 1, the only ones llama.cpp's MLA (`deepseek2`) turns (it reads no per-pair factors).
+    """
+    half = shape.head_dim // 2
+    if shape.pairs == half:
+        chosen = torch.arange(half)
+    elif scores is None:
+        raise ValueError("choosing fewer rotary pairs than a head has needs their scores")
+    elif ladder:
+        spacings = range(1, (half - 1) // max(shape.pairs - 1, 1) + 1)
+        chosen = max((torch.arange(shape.pairs) * c for c in spacings), key=lambda pairs: scores[pairs].sum())
+    else:
+        chosen = scores.topk(shape.pairs).indices.sort().values
+    return chosen.expand(shape.kv_groups, shape.pairs)
+
+
+def pair_scores(q: torch.Tensor, k: torch.Tensor, shape: MlaShape) -> torch.Tensor:
+    """How much each rotary pair contributes to the scores, (d/2,): over calibration tokens, the mean norm of the
+    pair in each query head times its mean norm in the head's key (MHA2MLA's 2-norm criterion; a pair's norm does
+    not depend on the rotation), summed over heads. q: (tokens, H, d), k: (tokens, G, d)."""
+    half = shape.head_dim // 2
+    rep = shape.num_heads // shape.kv_groups
+
+    def pair_norms(x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).mean(0)
+
+    return (pair_norms(q).view(shape.kv_groups, rep, half).sum(1) * pair_norms(k)).sum(0)
+
+
+def _rope_rows(pairs: torch.Tensor, shape: MlaShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group, dimension of that group's head) of each rotary dimension of the MLA layer, in rotate_half order."""
+    half, r2 = shape.head_dim // 2, shape.rope_dim // 2
+    group = torch.arange(shape.kv_groups).repeat_interleave(shape.pairs)
+    first = pairs.reshape(-1)
+    assert len(first) == r2
+    return torch.cat([group, group]), torch.cat([first, first + half])
+
+
+def _nope_dims(pairs: torch.Tensor, shape: MlaShape) -> torch.Tensor:
+    """(G, nope_dim): each K/V head's dimensions whose pairs are not kept, in order."""
+    half = shape.head_dim // 2
+    rows = []
+    for kept in pairs:
+        dropped = sorted(set(range(half)) - set(kept.tolist()))
+        rows.append(torch.tensor(dropped + [j + half for j in dropped], dtype=torch.long))
+    return torch.stack(rows) if rows[0].numel() else torch.zeros(shape.kv_groups, 0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Latent:
+    """The latent of one layer: c = down @ x from the stacked targets, targets ~ up @ c. Rows of the targets: the
+    G heads' non-rotary key dimensions (G x nope_dim), then their values (G x d)."""
+
+    down: torch.Tensor  # (kv_rank, targets)
+    up: torch.Tensor  # (targets, kv_rank)
+
+
+def latent_from_covariance(targets: torch.Tensor, covariance: torch.Tensor | None, shape: MlaShape) -> Latent:
+    """The latent of `targets` (the stacked target rows of the projection, (T, hidden)): every target where
+    kv_rank holds them all, else the leading principal components of the target activations under `covariance`
+    (of the layer's inputs, (hidden, hidden)), keys and values weighted to equal energy first (TransMLA's BKV)."""
+    n_targets = targets.shape[0]
+    if shape.kv_rank >= n_targets:
+        eye = torch.eye(n_targets, dtype=targets.dtype)
+        pad = torch.zeros(shape.kv_rank - n_targets, n_targets, dtype=targets.dtype)
+        return Latent(torch.cat([eye, pad]), torch.cat([eye, pad.T], dim=1))
+    if covariance is None:
+        raise ValueError("a latent narrower than its targets needs calibration activations")
+    n_keys = shape.kv_groups * shape.nope_dim
+    energy = torch.einsum("th,hk,tk->t", targets, covariance, targets)
+    key_energy, value_energy = energy[:n_keys].sum(), energy[n_keys:].sum()
+    balance = torch.ones(n_targets, dtype=targets.dtype)
+    if n_keys and key_energy > 0:
+        balance[:n_keys] = torch.sqrt(value_energy / key_energy)
+    weighted = balance[:, None] * targets
+    eigenvalues, vectors = torch.linalg.eigh(weighted @ covariance @ weighted.T)
+    basis = vectors[:, eigenvalues.argsort(descending=True)[: shape.kv_rank]]  # (T, R), orthonormal
+    return Latent(basis.T * balance[None, :], basis / balance[:, None])
+
+
+def mla_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    input_norm: torch.Tensor,
+    shape: MlaShape,
+    pairs: torch.Tensor,
+    latent: Latent,
+    eps: float,
+) -> dict[str, torch.Tensor]:
+    """One layer's MLA tensors (names relative to the attention module) from its GQA projections.
+
+    q: (H*d, hidden), k and v: (G*d, hidden), rows by head, rotate_half layout; `input_norm` the weight of the
+    RMSNorm before the layer (it bounds the latent, see the module docstring); `pairs` from `kept_pairs`.
+    """
+    H, G, d = shape.num_heads, shape.kv_groups, shape.head_dim
+    rep = H // G
+    q, k, v = q.double().view(H, d, -1), k.double().view(G, d, -1), v.double().view(G, d, -1)
+    hidden = q.shape[-1]
+    rope_group, rope_dim_of = _rope_rows(pairs, shape)
+    nope = _nope_dims(pairs, shape)  # (G, nope_dim)
+
+    # queries: per head [nope | rope], scaled from the source's 1/sqrt(d) to the class's 1/sqrt(nope + rope)
+    scale = math.sqrt((shape.nope_dim + shape.rope_dim) / d)
+    q_out = torch.zeros(H, shape.nope_dim + shape.rope_dim, hidden, dtype=torch.float64)
+    for h in range(H):
+        g = h // rep
+        q_out[h, : shape.nope_dim] = q[h, nope[g]]
+        mine = rope_group == g
+        q_out[h, shape.nope_dim + torch.nonzero(mine).squeeze(1)] = q[h, rope_dim_of[mine]]
+    q_out *= scale
+
+    # the latent's targets: non-rotary key dimensions, then values
+    targets = torch.cat([torch.stack([k[g, nope[g]] for g in range(G)]).reshape(-1, hidden), v.reshape(-1, hidden)])
+    down = latent.down.double() @ targets  # (R, hidden)
+    bound = torch.linalg.matrix_norm(down, ord=2) * math.sqrt(hidden) * input_norm.double().abs().max()
+    shrink = math.sqrt(LINEAR_MARGIN * eps * shape.kv_rank) / max(float(bound), 1e-30)
+    k_rope = k[rope_group, rope_dim_of]  # (rope_dim, hidden)
+
+    up = latent.up.double()  # (targets, R)
+    n_keys = G * shape.nope_dim
+    kv_b = torch.zeros(H, shape.nope_dim + d, shape.kv_rank, dtype=torch.float64)
+    for h in range(H):
+        g = h // rep
+        kv_b[h, : shape.nope_dim] = up[g * shape.nope_dim : (g + 1) * shape.nope_dim]
+        kv_b[h, shape.nope_dim :] = up[n_keys + g * d : n_keys + (g + 1) * d]
+    return {
+        "q_proj.weight": q_out.reshape(-1, hidden),
+        "kv_a_proj_with_mqa.weight": torch.cat([down * shrink, k_rope]),
+        "kv_a_layernorm.weight": torch.full((shape.kv_rank,), math.sqrt(eps) / shrink, dtype=torch.float64),
+        "kv_b_proj.weight": kv_b.reshape(-1, shape.kv_rank),
+    }
+
+
+def mla_frequencies(source: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The MLA layer's per-pair frequencies (rope_dim / 2): each kept pair's own, in `_rope_rows` order."""
+    return source[pairs.reshape(-1)]
+
+
+def check_shape(shape: MlaShape) -> None:
+    """Raises UserError where the shape cannot be built."""
+    if not 0 <= shape.pairs <= shape.head_dim // 2:
+        raise UserError(f"--rope-dims keeps 0 to {shape.head_dim // 2} rotary pairs of each K/V head")
+    if shape.kv_rank < 1:
+        raise UserError("--kv-rank must be at least 1")
+    if shape.pairs == 0:
+        raise UserError("an MLA layer needs a rotary key: keep at least one rotary pair (--rope-dims)")
+
+
+# -- a checkpoint -----------------------------------------------------------------------------------------------
+
+# What carries over from a Llama-shaped config to DeepSeek-V3's, unchanged.
+_CARRIED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "hidden_act",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+)
+
+
+def mla_problem(config: dict) -> str | None:
+    """Why a source's config.json cannot be rewritten as DeepSeek-V3's dense MLA layer (None: it can)."""
+    from gqaify.model.archs import ARCHITECTURES
+
+    model_type = config.get("model_type")
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None or not spec.mla:
+        return (
+            f"an MLA rewrite is described for {', '.join(sorted(t for t, s in ARCHITECTURES.items() if s.mla))}, "
+            f"not {model_type!r} (its layer differs from DeepSeek-V3's dense one)"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            return f"{flag} is set: DeepSeek-V3's dense MLA layer has no such biases"
+    if config.get("sliding_window"):
+        return "sliding_window is set: DeepSeek-V3's MLA layer attends to every token"
+    return None
+
+
+def mla_config(config, shape: MlaShape, rope: dict):
+    """DeepSeek-V3's config of the rewritten model: every layer dense, the MLA shape, the source's body."""
+    from transformers import DeepseekV3Config
+
+    carried = {key: getattr(config, key) for key in _CARRIED if getattr(config, key, None) is not None}
+    return DeepseekV3Config(
+        **carried,
+        num_key_value_heads=shape.num_heads,  # the class expands the latent to every head itself
+        first_k_dense_replace=config.num_hidden_layers,
+        n_routed_experts=1,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=config.intermediate_size,
+        q_lora_rank=None,
+        kv_lora_rank=shape.kv_rank,
+        qk_rope_head_dim=shape.rope_dim,
+        qk_nope_head_dim=shape.nope_dim,
+        v_head_dim=shape.head_dim,
+        rope_parameters=rope,
+        rope_interleave=False,
+        attention_bias=False,
+    )
+
+
+@dataclass
+class LayerStatistics:
+    """What calibration text says of one layer's inputs: their second moment, and the rotary pairs' scores."""
+
+    covariance: torch.Tensor  # (hidden, hidden), the mean of x x^T over tokens
+    scores: torch.Tensor  # (d/2,), `pair_scores`
+
+
+def layer_statistics(model, ids: torch.Tensor, shape: MlaShape, block: int = 512) -> list[LayerStatistics]:
+    """Per layer, the statistics of the attention inputs of `model` (the GQA source) on the token ids `ids`."""
+    layers = model.model.layers
+    hidden = model.config.hidden_size
+    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in layers]
+    scores = [torch.zeros(shape.head_dim // 2, dtype=torch.float64) for _ in layers]
+    counted = [0]
+
+    def hook(index):
+        def capture(module, args, kwargs):
+            x = (kwargs.get("hidden_states", args[0] if args else None)).reshape(-1, hidden).double()
+            sums[index] += x.T @ x
+            attn = layers[index].self_attn
+            q = (x @ attn.q_proj.weight.double().T).view(len(x), shape.num_heads, shape.head_dim)
+            k = (x @ attn.k_proj.weight.double().T).view(len(x), shape.kv_groups, shape.head_dim)
+            scores[index] += pair_scores(q, k, shape) * len(x)
+
+        return capture
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(ids) - 1, block):
+                window = ids[start : start + block]
+                model(window.unsqueeze(0))
+                counted[0] += len(window)
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = counted[0]
+    return [LayerStatistics(s / n, c / n) for s, c in zip(sums, scores, strict=True)]
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """An MLA rewrite worked out for one model: its shape, the rotary pairs kept, the per-layer statistics."""
+
+    shape: MlaShape
+    pairs: torch.Tensor  # (G, pairs kept), `kept_pairs`
+    rope: dict  # DeepSeek-V3's rope_parameters
+    statistics: list[LayerStatistics] | None  # None: the exact rewrite, which reads no text
+
+    @property
+    def exact(self) -> bool:
+        return self.statistics is None
+
+
+def plan_mla(
+    model, kv_rank: int | None = None, rope_dim: int | None = None, ids: torch.Tensor | None = None, ladder=False
+) -> MlaPlan:
+    """The rewrite of `model` (a loaded GQA, MQA or MHA transformers model) at this shape: exact without `kv_rank` and
+    `rope_dim` (the source's cache), else fitted on the token ids `ids` (calibration text); `ladder`: rotary pairs
+    llama.cpp can turn (`kept_pairs`).
+
+    Raises:
+        UserError: an architecture or a shape the rewrite does not take, or a smaller cache without text.
+    """
+    config = model.config
+    if problem := mla_problem(config.to_dict()):
+        raise UserError(problem)
+    H = config.num_attention_heads
+    G = getattr(config, "num_key_value_heads", None) or H
+    d = getattr(config, "head_dim", None) or config.hidden_size // H
+    if rope_dim is not None and rope_dim % (2 * G):
+        raise UserError(f"--rope-dims must be a multiple of {2 * G} (two per rotary pair, for each of {G} K/V heads)")
+    pairs = d // 2 if rope_dim is None else rope_dim // (2 * G)
+    full_rank = MlaShape(H, G, d, pairs, 1).full_rank
+    shape = MlaShape(H, G, d, pairs, full_rank if kv_rank is None else kv_rank)
+    check_shape(shape)
+    if shape.kv_rank > full_rank:
+        raise UserError(f"--kv-rank {shape.kv_rank} is wider than all it could hold ({full_rank}): give at most that")
+    compressed = shape.pairs < d // 2 or shape.kv_rank < full_rank
+    if compressed and ids is None:
+        raise UserError("an MLA cache smaller than the source's is fitted on calibration text: pass --calib-data")
+    statistics = layer_statistics(model, ids, shape) if compressed else None
+    kept = kept_pairs(shape, None if statistics is None else sum(s.scores for s in statistics), ladder)
+    frequencies = mla_frequencies(source_frequencies(config), kept)
+    rope = rope_parameters(frequencies, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings)
+    return MlaPlan(shape, kept, rope, statistics)
+
+
+def build_mla(model, plan: MlaPlan):
+    """The DeepSeek-V3 dense MLA model `plan` describes, in float32, its body `model`'s."""
+    from transformers import DeepseekV3ForCausalLM
+
+    shape, G, d = plan.shape, plan.shape.kv_groups, plan.shape.head_dim
+    target = mla_config(model.config, shape, plan.rope)
+    state = {name: t.detach().float() for name, t in model.state_dict().items()}
+    eps = 1e-6  # DeepSeek-V3's latent norm keeps RMSNorm's default epsilon, whatever rms_norm_eps says
+    nope = _nope_dims(plan.pairs, shape)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}.self_attn."
+        q, k, v = (state.pop(prefix + f"{p}_proj.weight") for p in "qkv")
+        hidden = q.shape[1]
+        key_rows = k.view(G, d, hidden)[torch.arange(G)[:, None], nope].reshape(-1, hidden)
+        targets = torch.cat([key_rows, v]).double()
+        covariance = None if plan.statistics is None else plan.statistics[i].covariance
+        latent = latent_from_covariance(targets, covariance, shape)
+        norm = layer.input_layernorm.weight.detach()
+        for name, tensor in mla_layer(q, k, v, norm, shape, plan.pairs, latent, eps).items():
+            state[prefix + name] = tensor.float()
+    mla = DeepseekV3ForCausalLM(target).eval()
+    missing, unexpected = mla.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not (target.tie_word_embeddings and name == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"the MLA model's tensors disagree: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if target.tie_word_embeddings:
+        mla.tie_weights()
+    mla.generation_config = model.generation_config
+    return mla
+
+
+def rewrite_as_mla(model, kv_rank: int | None = None, rope_dim: int | None = None, ids: torch.Tensor | None = None):
+    """`model` rewritten as a DeepSeek-V3 dense MLA model (`plan_mla`, then `build_mla`).
+
+    Raises:
+        UserError: as `plan_mla`.
+    """
+    return build_mla(model, plan_mla(model, kv_rank, rope_dim, ids))

@@ -1,0 +1,166 @@
+"""An MLA model brought back to its parent layer by layer, on calibration windows: what the PCA latent lost.
+
+Each decoder layer of the MLA model, in order, takes the MLA model's own stream (the layers below it already fitted)
+and is brought to the parent decoder layer's output on the parent's stream, as `repair` does for GQA:
+
+    o_proj     refitted by least squares so that the MLA attention's output matches the parent attention's, shrunk
+               towards the current o_proj by the ridge strength that predicts the held-out windows best
+    refine     Adam steps on the attention's projections minimising the whole layer's squared error against the
+               parent layer's output, one window a step; kept only where the held-out windows say it helped
+
+The latent's rows of `kv_a_proj_with_mqa` are held below its norm's epsilon (`mla.py`), tens of millions of times
+smaller than the rotary rows beside them; Adam moves every weight by about its learning rate, which would throw them
+out of that range at once. So they train through `RowScale`, a parametrization that lets Adam see them at the
+rotary rows' scale; uptraining uses the same (`preconditioned`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from tqdm.auto import tqdm
+
+from gqaify.conversion.repair import holdout
+
+LOG = logging.getLogger(__name__)
+
+_SHRINKS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried for o_proj, relative to its inputs' mean energy
+
+
+class RowScale(nn.Module):
+    """weight = stored x scale per row: what the optimizer sees is the weight divided by `scale`."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored * self.scale[:, None].to(stored.dtype)
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / self.scale[:, None].to(weight.dtype)
+
+
+def preconditioned(model) -> list[nn.Module]:
+    """Every MLA layer's `kv_a_proj_with_mqa` of `model` given a `RowScale` that brings its latent rows to its rotary
+    rows' scale (the modules changed: `parametrize.remove_parametrizations(m, "weight")` undoes it)."""
+    changed = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        proj = getattr(attn, "kv_a_proj_with_mqa", None)
+        if proj is None or parametrize.is_parametrized(proj, "weight"):
+            continue
+        rank = attn.kv_lora_rank
+        with torch.no_grad():
+            rows = proj.weight.float().pow(2).mean(dim=1).sqrt()
+            latent, rotary = rows[:rank].mean(), rows[rank:].mean()
+            if not (latent > 0 and rotary > 0) or latent / rotary > 1e-2:
+                continue  # a latent at the scale of its neighbours needs nothing
+            scale = torch.ones_like(rows)
+            scale[:rank] = latent / rotary
+        parametrize.register_parametrization(proj, "weight", RowScale(scale))
+        changed.append(proj)
+    return changed
+
+
+def _causal(length: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+
+
+def _layer(layer, hidden: torch.Tensor, rotary) -> torch.Tensor:
+    positions, mask = torch.arange(hidden.shape[1])[None], _causal(hidden.shape[1], hidden.dtype)
+    out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary(hidden, positions))
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _attention(layer, hidden: torch.Tensor, rotary) -> torch.Tensor:
+    positions, mask = torch.arange(hidden.shape[1])[None], _causal(hidden.shape[1], hidden.dtype)
+    normed = layer.input_layernorm(hidden)
+    return layer.self_attn(normed, position_embeddings=rotary(hidden, positions), attention_mask=mask)[0]
+
+
+@torch.no_grad()
+def _refit_o_proj(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held) -> None:
+    """o_proj by ridge least squares towards its current value, the strength the held-out windows choose."""
+    o_proj = layer.self_attn.o_proj
+    captured = []
+    handle = o_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0].flatten(0, 1).double()))
+    try:
+        targets = [_attention(parent_layer, x, parent_rotary).flatten(0, 1).double() for x in parent_in]
+        for x in mla_in:
+            _attention(layer, x, rotary)
+    finally:
+        handle.remove()
+    fit = [i for i, h in enumerate(held) if not h]
+    z = torch.cat([captured[i] for i in fit])
+    y = torch.cat([targets[i] for i in fit])
+    current = o_proj.weight.double()
+    gram, cross = z.T @ z, z.T @ y
+    energy = gram.diagonal().mean()
+    best, best_error = current, _error(current, captured, targets, held)
+    for shrink in _SHRINKS:
+        ridge = shrink * energy * torch.eye(len(gram), dtype=gram.dtype)
+        candidate = torch.linalg.solve(gram + ridge, cross + ridge @ current.T).T
+        if (error := _error(candidate, captured, targets, held)) < best_error:
+            best, best_error = candidate, error
+    o_proj.weight.copy_(best.to(o_proj.weight.dtype))
+
+
+def _error(weight, inputs, targets, held) -> float:
+    chosen = [i for i, h in enumerate(held) if h] or range(len(inputs))
+    return sum(((inputs[i] @ weight.T - targets[i]) ** 2).sum().item() for i in chosen)
+
+
+def _refine(layer, mla_in, parent_out, rotary, held, steps: int, lr: float) -> None:
+    """`steps` Adam steps on the layer's attention against the parent layer's output; undone if the held-out
+    windows do not improve."""
+    attn = layer.self_attn
+    params = [p for name, p in attn.named_parameters() if "layernorm" not in name]
+    fit = [i for i, h in enumerate(held) if not h]
+    check = [i for i, h in enumerate(held) if h] or fit
+
+    def held_error() -> float:
+        with torch.no_grad():
+            return sum(((_layer(layer, mla_in[i], rotary) - parent_out[i]) ** 2).mean().item() for i in check)
+
+    before = held_error()
+    saved = {name: t.detach().clone() for name, t in attn.state_dict().items()}
+    optimizer = torch.optim.Adam(params, lr=lr)
+    for step in range(steps):
+        i = fit[step % len(fit)]
+        target = parent_out[i]
+        loss = ((_layer(layer, mla_in[i], rotary) - target) ** 2).mean() / target.pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    if held_error() >= before:
+        attn.load_state_dict(saved)
+
+
+def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e-3, progress: bool = True) -> None:
+    """`mla` (float32) fitted to `parent`, layer by layer, on the token windows `windows` (1-D each)."""
+    mla.train(False)
+    parent.train(False)
+    changed = preconditioned(mla)
+    held = holdout(len(windows))
+    with torch.no_grad():
+        mla_in = [mla.model.embed_tokens(w[None]) for w in windows]
+        parent_in = [parent.model.embed_tokens(w[None]).float() for w in windows]
+    rotary, parent_rotary = mla.model.rotary_emb, parent.model.rotary_emb
+    layers = list(zip(mla.model.layers, parent.model.layers, strict=True))
+    for layer, parent_layer in tqdm(layers, desc="fitting MLA layers", disable=not progress or None):
+        with torch.no_grad():
+            parent_out = [_layer(parent_layer, x, parent_rotary) for x in parent_in]
+        _refit_o_proj(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held)
+        if steps:
+            with torch.enable_grad():
+                _refine(layer, mla_in, parent_out, rotary, held, steps, lr)
+        with torch.no_grad():
+            mla_in = [_layer(layer, x, rotary) for x in mla_in]
+        parent_in = parent_out
+    for proj in changed:
+        parametrize.remove_parametrizations(proj, "weight", leave_parametrized=True)
+    LOG.info("fitted %d MLA layers on %d calibration windows", len(layers), len(windows))

@@ -1,0 +1,107 @@
+"""`gqaify convert --attention mla`: the G-head checkpoint the stream wrote, rewritten as MLA in its folder before
+the folder is committed, and what gqaify.json records of it.
+
+The G-head model is the conversion gqaify would write with the same settings (any method, calibrated or not; G
+the source's own makes it the source), so an MLA conversion is at least as close to its parent as that GQA one at
+the same cache (the exact rewrite), or smaller (`--kv-rank`, `--rope-dims`), fitted on the same calibration text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gqaify.conversion.mla import MlaPlan, build_mla, mla_problem, plan_mla
+from gqaify.conversion.mla_fit import fit_mla
+from gqaify.conversion.to_gguf import is_gguf_out
+from gqaify.model.dtypes import torch_dtype
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MlaRecord:
+    """The MLA layer a conversion wrote (the same in every layer)."""
+
+    kv_rank: int  # the latent's values per token and layer
+    rope_dims: int  # the shared rotary key's
+    nope_dims: int  # each query head's key dimensions read from the latent
+    rotary_pairs: list[int]  # the source heads' rotary pairs kept, by index (the same for every head)
+    rope_type: str  # DeepSeek-V3's rope_parameters: default (one base's ladder) or longrope (a factor per pair)
+    exact: bool  # the G-head model's function, to float precision
+
+    @property
+    def cached_per_token(self) -> int:
+        return self.kv_rank + self.rope_dims
+
+    @classmethod
+    def of(cls, plan: MlaPlan) -> MlaRecord:
+        shape = plan.shape
+        pairs = plan.pairs[0].tolist()
+        return cls(shape.kv_rank, shape.rope_dim, shape.nope_dim, pairs, plan.rope["rope_type"], plan.exact)
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """The folder after the rewrite: what the sink's summary counts (as a `ShardWriter` would say it)."""
+
+    record: MlaRecord
+    num_shards: int
+    bytes_written: int
+
+
+def mla_problems(s, config: dict, out_is_gguf: bool) -> list[str]:
+    """What an `--attention mla` request cannot be, from the settings and the source's config.json."""
+    if s.attention != "mla":
+        return []
+    problems = []
+    if (problem := mla_problem(config)) is not None:
+        problems.append(problem)
+    if out_is_gguf and s.kv_heads is not None and s.kv_heads > 1:  # the rest only the rewrite tells (`mla_gguf`)
+        problems.append(
+            f"an MLA conversion of {s.kv_heads} K/V heads keeps the same rotary pairs in each, so its rotary key "
+            "repeats every frequency, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads 1, or "
+            "name OUT without .gguf (a folder that transformers serves)"
+        )
+    compressed = s.kv_rank is not None or s.rope_dims is not None
+    if compressed and not s.calib_data:
+        problems.append(
+            "--kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
+            "(text other than your eval text)"
+        )
+    if s.dtype == "float16":
+        problems.append(
+            "an MLA latent is held below its norm's epsilon (about 1e-8), which float16 cannot hold; "
+            "use --dtype bfloat16 or float32"
+        )
+    return problems
+
+
+def rewrite_folder(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritten:
+    """The G-head checkpoint in `folder` rewritten as MLA in place: its weights and config.json replaced, its
+    tokenizer and other files kept. A smaller cache is fitted on the calibration `text` (a `CalibrationText`):
+    its rotary pairs and latent chosen, then brought back to the parent (`load_parent()`) layer by layer
+    (`mla_fit`, with s.repair and s.refine_steps as a GQA conversion reads them)."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((folder / "config.json").read_text())
+    dtype = torch_dtype(s.dtype) or torch_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")
+    LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.cat(text.parts) if text is not None else None
+    plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out))
+    mla = build_mla(model, plan)
+    del model
+    if not plan.exact and (s.repair or s.refine_steps):
+        windows = [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
+        fit_mla(mla, load_parent(), windows, s.refine_steps, s.refine_lr, s.progress)
+    for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
+        old.unlink()
+    mla.to(dtype).save_pretrained(folder, max_shard_size=s.max_shard_size)
+    shards = sorted(folder.glob("model*.safetensors"))
+    return Rewritten(MlaRecord.of(plan), len(shards), sum(path.stat().st_size for path in shards))

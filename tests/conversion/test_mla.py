@@ -1,0 +1,246 @@
+"""Latent attention: a GQA, MQA or MHA Llama rewritten as DeepSeek-V3's dense MLA layer, checked against the source
+itself (the exact rewrite) and against an independent attention written here (fewer rotary pairs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import gqaify
+from gqaify.conversion.mla import MlaShape, latent_from_covariance, rewrite_as_mla
+from gqaify.entry.cli import main
+from gqaify.errors import UserError
+from gqaify.eval.settings import EvalSettings
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer
+from helpers import one_line, run_cli, tree_hashes
+
+
+def logits_scale(logits: torch.Tensor) -> float:
+    return logits.abs().max().item()
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_the_exact_rewrite_gives_the_sources_logits(kv_heads):
+    """MQA, GQA-2 and MHA: the same logits to float precision, and a cache of the source's size holding the latent."""
+    source = build_model("llama", num_kv_heads=kv_heads)
+    mla = rewrite_as_mla(source)
+    ids = torch.randint(0, source.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = source(ids).logits, mla(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+    config, d = mla.config, source.config.head_dim
+    assert config.kv_lora_rank + config.qk_rope_head_dim == 2 * kv_heads * d  # the source's cache, in values
+    with torch.no_grad():
+        cache = mla(ids[:1], use_cache=True).past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert held == 48 * config.num_hidden_layers * 2 * kv_heads * d * 4  # float32, per token and layer
+
+
+def test_the_rewrite_generates_the_sources_greedy_tokens_with_its_cache():
+    source = build_model("llama", num_kv_heads=2)
+    mla = rewrite_as_mla(source)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(mla.generate(prompt, **kwargs), source.generate(prompt, **kwargs))
+
+
+def test_the_latent_norm_stays_linear_for_any_input_the_layer_norm_allows():
+    """The latent is scaled below RMSNorm's epsilon for the largest input the layer's own norm can give: hidden
+    states a thousand times larger change nothing."""
+    source = build_model("llama", num_kv_heads=2)
+    mla = rewrite_as_mla(source)
+    with torch.no_grad():
+        embeds = 1000 * torch.randn(1, 16, source.config.hidden_size, generator=torch.Generator().manual_seed(2))
+        expected, got = source(inputs_embeds=embeds).logits, mla(inputs_embeds=embeds).logits
+    assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+
+
+def reference_partial_rope(model, ids: torch.Tensor, kept: list[int]) -> torch.Tensor:
+    """The source's logits where RoPE turns only the pairs `kept` of every head (the others unrotated), written
+    here from the weights: the partial-RoPE model an MLA layer with those pairs and a full latent must equal."""
+    config = model.config
+    H, G, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    half = d // 2
+    base = config.rope_parameters["rope_theta"]
+    freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freq[[j for j in range(half) if j not in kept]] = 0.0  # angle 0: not rotated
+    T = ids.shape[1]
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * freq[None, :]
+    cos, sin = torch.cat([angle.cos()] * 2, -1).float(), torch.cat([angle.sin()] * 2, -1).float()
+
+    def rotate(x):
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    h = model.model.embed_tokens(ids)[0]
+    for layer in model.model.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = rotate((x @ a.q_proj.weight.T).view(T, H, d).transpose(0, 1))
+        k = rotate((x @ a.k_proj.weight.T).view(T, G, d).transpose(0, 1)).repeat_interleave(H // G, 0)
+        v = (x @ a.v_proj.weight.T).view(T, G, d).transpose(0, 1).repeat_interleave(H // G, 0)
+        scores = q @ k.transpose(1, 2) / math.sqrt(d) + torch.full((T, T), -math.inf).triu(1)
+        h = h + (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * d) @ a.o_proj.weight.T
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(model.model.norm(h))
+
+
+def test_fewer_rotary_pairs_with_a_full_latent_equal_partial_rope():
+    """Keeping 3 of each head's 8 rotary pairs, the latent holding every dropped key dimension and every value: the
+    model is the source with RoPE off on the pairs not kept (checked against an attention written here), and the
+    pairs kept are the same for every head and layer (the class has one list of frequencies)."""
+    source = build_model("llama", num_kv_heads=2)
+    G, d = 2, source.config.head_dim
+    full = G * (d - 2 * 3) + G * d
+    calibration = torch.randint(0, source.config.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
+    mla = rewrite_as_mla(source, kv_rank=full, rope_dim=2 * 3 * G, ids=calibration)
+    frequencies = mla.model.rotary_emb.inv_freq.double()
+    base = source.config.rope_parameters["rope_theta"]
+    ladder = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    kept = [int((ladder - f).abs().argmin()) for f in frequencies[:3]]
+    assert torch.allclose(frequencies, ladder[kept].repeat(G), rtol=1e-5)
+    ids = torch.randint(0, source.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected, got = reference_partial_rope(source, ids, kept), mla(ids).logits[0]
+    assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+
+
+def test_a_narrower_latent_is_the_leading_components_of_the_balanced_targets():
+    """At rank R the latent reconstructs the balanced targets as well as their R leading principal components do:
+    the error left is the sum of the other eigenvalues."""
+    generator = torch.Generator().manual_seed(5)
+    shape = MlaShape(num_heads=4, kv_groups=2, head_dim=8, pairs=2, kv_rank=10)
+    targets = torch.randn(shape.full_rank, 12, generator=generator, dtype=torch.float64)
+    x = torch.randn(500, 12, generator=generator, dtype=torch.float64)
+    covariance = x.T @ x / len(x)
+    latent = latent_from_covariance(targets, covariance, shape)
+    y = x @ targets.T  # (tokens, targets)
+    keys = shape.kv_groups * shape.nope_dim
+    balance = torch.ones(shape.full_rank, dtype=torch.float64)
+    balance[:keys] = (y[:, keys:].pow(2).sum() / y[:, :keys].pow(2).sum()).sqrt()
+    error = ((y - y @ latent.down.T @ latent.up.T) * balance).pow(2).sum() / len(x)
+    eigenvalues = torch.linalg.eigvalsh((y * balance).T @ (y * balance) / len(x))
+    assert error.item() == pytest.approx(eigenvalues[: shape.full_rank - shape.kv_rank].sum().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "says"),
+    [
+        ("qwen2", {}, "an MLA rewrite is described for llama, mistral, not 'qwen2'"),
+        ("llama", {"attention_bias": True}, "attention_bias is set"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "dynamic"),
+    ],
+)
+def test_what_the_rewrite_cannot_take_is_refused_with_its_reason(model_type, overrides, says):
+    source = build_model(model_type, num_kv_heads=2, **overrides)
+    with pytest.raises(UserError, match=says):
+        rewrite_as_mla(source)
+
+
+def test_a_smaller_cache_needs_calibration_text_and_whole_rotary_pairs():
+    source = build_model("llama", num_kv_heads=2)
+    with pytest.raises(UserError, match="fitted on calibration text"):
+        rewrite_as_mla(source, kv_rank=8, rope_dim=8)
+    with pytest.raises(UserError, match="multiple of 4"):
+        rewrite_as_mla(source, kv_rank=8, rope_dim=6)
+
+
+# -- gqaify convert --attention mla --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    """A tiny MHA Llama (4 K/V heads) with a tokenizer, and calibration and evaluation text."""
+    root = tmp_path_factory.mktemp("mla")
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")
+    (root / "calib.txt").write_text(CORPUS * 8)
+    return src
+
+
+def load(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_convert_writes_a_plain_deepseek_v3_checkpoint_with_the_gqa_conversions_function(parent, tmp_path, capsys):
+    """The MLA conversion is the GQA-2 conversion of the same settings, rewritten: the same logits, a class of
+    transformers' own (no remote code), the record saying what was cached, and the summary counting it."""
+    gqa, mla = tmp_path / "gqa", tmp_path / "mla"
+    assert main(["convert", str(parent), str(gqa), "--kv-heads", "2", "-q"]) == 0
+    assert main(["convert", str(parent), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    said = capsys.readouterr().out
+    assert "to MLA (latent 32 + rotary key 32, from GQA-2)" in said and "KV cache/token  1,024 -> 512 bytes" in said
+    model = load(mla)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and not (mla / "modeling_gqaify.py").exists()
+    ids = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected, got = load(gqa)(ids).logits, model(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+    record = json.loads((mla / "gqaify.json").read_text())
+    assert record["mla"] == {
+        "kv_rank": 32,
+        "rope_dims": 32,
+        "nope_dims": 0,
+        "rotary_pairs": list(range(8)),
+        "rope_type": "longrope",
+        "exact": True,
+    }
+    assert record["settings"]["attention"] == "mla" and "mla" in (mla / "README.md").read_text()
+
+
+def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_path):
+    """--kv-rank 16 --rope-dims 16 from GQA-2: a quarter of the parent's cache, which eval counts from the config and
+    measures in transformers' cache alike."""
+    out = tmp_path / "small"
+    calib = parent.parent / "calib.txt"
+    argv = [
+        "--attention",
+        "mla",
+        "--kv-rank",
+        "16",
+        "--rope-dims",
+        "16",
+        "--calib-data",
+        calib,
+        "--calib-seq-len",
+        "64",
+    ]
+    assert main(["convert", str(parent), str(out), "--kv-heads", "2", *map(str, argv), "-q"]) == 0
+    record = json.loads((out / "gqaify.json").read_text())["mla"]
+    assert (record["kv_rank"], record["rope_dims"], record["nope_dims"], record["exact"]) == (16, 16, 8, False)
+    assert len(record["rotary_pairs"]) == 4
+    settings = EvalSettings(seq_len=32, speed=False, progress=False)
+    report = gqaify.evaluate([str(out)], str(calib), tmp_path / "report", settings)
+    entry = report.models[0]
+    layers = 2
+    assert entry.kv_cache_bytes_per_token == (16 + 16) * layers * 4 and entry.kv_latent == 32
+    assert entry.kv_cache_bytes_analytic == entry.kv_cache_bytes_measured == 32 * (16 + 16) * layers * 4
+    assert entry.attention == "MLA 32"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--kv-rank", "16"], "--kv-rank 16 is an MLA latent's width; use --attention mla"),
+        (["--attention", "mla", "--rope-dims", "16"], "fit a smaller MLA cache on calibration text; add --calib-data"),
+        (["--attention", "mla", "--dtype", "float16"], "float16 cannot hold; use --dtype bfloat16 or float32"),
+    ],
+)
+def test_what_an_mla_conversion_cannot_be_is_one_line_and_writes_nothing(parent, tmp_path, capsys, argv, says):
+    before = tree_hashes(parent)
+    code, err = run_cli(capsys, "convert", parent, tmp_path / "out", "--kv-heads", "2", *argv)
+    assert code == 2 and one_line(err) and says in err
+    assert sorted(tmp_path.iterdir()) == [] and tree_hashes(parent) == before
+
+
+def test_an_mla_gguf_and_an_architecture_without_the_rewrite_are_refused(tmp_path, capsys):
+    src = save_with_tokenizer(build_model("qwen2", num_kv_heads=4, vocab_size=320), tmp_path / "qwen2")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--attention", "mla")
+    assert code == 2 and "not 'qwen2'" in one_line(err) and not (tmp_path / "out").exists()
+    llama = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), tmp_path / "llama")
+    code, err = run_cli(capsys, "convert", llama, tmp_path / "out.gguf", "--kv-heads", "2", "--attention", "mla")
+    assert code == 2 and "convert with --kv-heads 1" in one_line(err) and not (tmp_path / "out.gguf").exists()

@@ -1,0 +1,168 @@
+"""An MLA conversion as a GGUF file for llama.cpp's deepseek2: its tensors against the folder of the same conversion,
+llama.cpp's greedy tokens against transformers' and its cache of the latent and rotary key (with --integration,
+where llama-cpp-python is installed), and the rotary frequencies llama.cpp cannot rotate refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gqaify.conversion import to_gguf
+from gqaify.conversion.mla import rewrite_as_mla, rope_parameters
+from gqaify.conversion.mla_gguf import mla_gguf_problem, write_mla_gguf
+from gqaify.entry.cli import main
+from gqaify.errors import UserError
+from gqaify.testing import build_model, save, save_with_tokenizer
+from helpers import MODELS, needs_assets, one_line, run_cli
+
+STORIES_MHA = MODELS / "stories260K-mha"  # a Llama tokenizer, which GGUF output writes (a byte-level BPE one is not)
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is absent: pip install 'gqaify[serving]'"
+)
+MLA = ["--kv-heads", "1", "--attention", "mla", "-q"]
+
+
+@pytest.fixture(scope="module")
+def mla_mqa(tmp_path_factory) -> dict[str, Path]:
+    """stories260K's MHA twin converted to MQA and rewritten exactly as MLA: a folder, and GGUF files f32 and f16."""
+    if not STORIES_MHA.is_dir():
+        pytest.skip(f"needs {STORIES_MHA}")
+    root = tmp_path_factory.mktemp("mla-gguf")
+    made = {"folder": root / "mla"}
+    assert main(["convert", str(STORIES_MHA), str(made["folder"]), *MLA]) == 0
+    for out_type in ("f32", "f16"):
+        made[out_type] = root / f"mla-{out_type}.gguf"
+        assert main(["convert", str(STORIES_MHA), str(made[out_type]), *MLA, "--gguf-type", out_type]) == 0
+    return made
+
+
+def halves(rows: np.ndarray) -> np.ndarray:
+    """llama.cpp's interleaved rotary pairs (2m, 2m+1) back to transformers' halves (m, m + r/2)."""
+    return np.concatenate([rows[0::2], rows[1::2]])
+
+
+@needs_assets
+def test_the_gguf_holds_the_folders_mla_tensors_as_llama_cpps_deepseek2_reads_them(mla_mqa):
+    import gguf
+
+    reader = gguf.GGUFReader(mla_mqa["f32"])
+    fields = {key: field.contents() for key, field in reader.fields.items() if key.startswith("deepseek2.")}
+    rank, rope, heads = 8, 8, 8  # the exact rewrite of 8 query heads of 8 dimensions over one K/V head: no nope
+    assert fields["deepseek2.attention.head_count_kv"] == 1 and fields["deepseek2.attention.q_lora_rank"] == 0
+    assert fields["deepseek2.attention.kv_lora_rank"] == rank and fields["deepseek2.attention.key_length"] == 16
+    assert fields["deepseek2.attention.key_length_mla"] == 1 + rope  # one zero non-rotary dimension added
+    assert fields["deepseek2.rope.freq_base"] == 10000.0 and fields["deepseek2.rope.dimension_count"] == rope
+    assert to_gguf.RECORD_KEY in reader.fields
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    weights = {k: v.numpy() for k, v in load_file(mla_mqa["folder"] / "model.safetensors").items()}
+    for layer in range(5):
+        hf, blk = f"model.layers.{layer}.self_attn.", f"blk.{layer}."
+        kv_a = tensors[blk + "attn_kv_a_mqa.weight"]
+        np.testing.assert_array_equal(kv_a[:rank], weights[hf + "kv_a_proj_with_mqa.weight"][:rank])
+        np.testing.assert_array_equal(halves(kv_a[rank:]), weights[hf + "kv_a_proj_with_mqa.weight"][rank:])
+        q = tensors[blk + "attn_q.weight"].reshape(heads, 1 + rope, 64)
+        assert not q[:, 0].any()
+        expected = weights[hf + "q_proj.weight"].reshape(heads, rope, 64) * math.sqrt((1 + rope) / rope)
+        np.testing.assert_allclose(np.stack([halves(h) for h in q[:, 1:]]), expected, rtol=1e-6)
+        k_b, v_b = tensors[blk + "attn_k_b.weight"], tensors[blk + "attn_v_b.weight"]
+        assert k_b.shape == (heads, rank, 1) and not k_b.any()  # the added dimension's
+        np.testing.assert_array_equal(v_b.reshape(-1, rank), weights[hf + "kv_b_proj.weight"])
+        norm = weights[hf + "kv_a_layernorm.weight"] * math.sqrt(1e-5 / 1e-6)  # llama.cpp's epsilon is the model's
+        np.testing.assert_allclose(tensors[blk + "attn_kv_a_norm.weight"], norm, rtol=1e-6)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(mla_mqa["f16"]).tensors}
+    assert types["blk.0.attn_kv_a_mqa.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"  # latent ~1e-8
+
+
+def llama_cpp_greedy(path: Path, prompt_ids: list[int], tokens: int) -> list[int]:
+    """Up to `tokens` new tokens by top-1 in llama.cpp, the end-of-text token included where it comes."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    out = []
+    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
+        out.append(int(token))
+        if len(out) == tokens or token == llm.token_eos():
+            break
+    llm.close()
+    return out
+
+
+@pytest.mark.integration
+@needs_assets
+@needs_llama_cpp
+@pytest.mark.parametrize("out_type", ["f32", "f16"])
+def test_llama_cpp_decodes_the_mla_gguf_as_transformers_decodes_the_folder(mla_mqa, out_type):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(mla_mqa["folder"])
+    model = AutoModelForCausalLM.from_pretrained(mla_mqa["folder"], dtype=torch.float32).eval()
+    for prompt in ["Once upon a time", "The little dog", "Lily and Tom went to the park"]:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+        assert llama_cpp_greedy(mla_mqa[out_type], ids, 32) == expected, prompt
+
+
+@pytest.mark.integration
+@needs_assets
+@needs_llama_cpp
+def test_llama_cpp_caches_the_latent_and_the_rotary_key_per_token(mla_mqa):
+    """(kv_rank + rope_dims) values per token and layer in f16, no values apart: as llama.cpp reports allocating it."""
+    cells = 32768
+    code = (
+        "import sys; from llama_cpp import Llama; "
+        "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(mla_mqa["f32"]), str(cells)], capture_output=True, text=True, check=True
+    )
+    found = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells.*V \(\w+\): +([\d.]+) MiB", done.stderr)
+    assert found is not None and int(found[2]) == cells, done.stderr[-2000:]
+    assert float(found[1]) == (8 + 8) * 5 * 2 * cells / 2**20 and float(found[3]) == 0
+
+
+def test_llama_cpp_rotates_one_ladder_of_frequencies_in_any_order_and_nothing_else():
+    base, pairs = 10000.0, 8
+    ladder = base ** (-torch.arange(0, 2 * pairs, 2, dtype=torch.float64) / (2 * pairs))
+
+    def config(frequencies: torch.Tensor) -> dict:
+        rope = rope_parameters(frequencies, base, 512)  # as the rewrite writes them
+        return dict(
+            model_type="deepseek_v3",
+            q_lora_rank=None,
+            num_hidden_layers=2,
+            first_k_dense_replace=2,
+            rope_interleave=False,
+            qk_rope_head_dim=2 * len(frequencies),
+            rope_parameters=rope,
+        )
+
+    assert mla_gguf_problem(config(ladder)) is None
+    assert mla_gguf_problem(config(ladder[[3, 0, 2, 1]])) is None  # the first pairs, kept in another order
+    assert mla_gguf_problem(config(ladder[[0, 2, 4]])) is None  # every other pair: a ladder too
+    assert "convert with --kv-heads 1" in mla_gguf_problem(config(ladder.repeat(2)))  # two K/V heads' copies
+    assert "no --rope-dims" in mla_gguf_problem(config(ladder[[1, 2]]))  # no frequency 1
+    assert "no --rope-dims" in mla_gguf_problem(config(ladder[[0, 1, 3]]))
+
+
+def test_an_mla_gguf_of_several_kv_heads_is_refused_at_once_and_writes_nothing(tmp_path, capsys):
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), tmp_path / "src")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out.gguf", "--kv-heads", "2", "--attention", "mla")
+    assert code == 2 and "convert with --kv-heads 1" in one_line(err)
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_writing_an_mla_folder_llama_cpp_cannot_rotate_raises_and_writes_nothing(tmp_path):
+    """What only the rewrite tells (the frequencies) is checked when the folder is written as GGUF."""
+    folder = save(rewrite_as_mla(build_model("llama", num_kv_heads=2)), tmp_path / "mla")
+    with pytest.raises(UserError, match="convert with --kv-heads 1"):
+        write_mla_gguf(folder, tmp_path / "out.gguf", "f16")
+    assert not (tmp_path / "out.gguf").exists()
