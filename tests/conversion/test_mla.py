@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.eval.settings import EvalSettings
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
-from helpers import one_line, run_cli, tree_hashes
+from helpers import losses, one_line, run_cli, tree_hashes
 
 
 def logits_scale(logits: torch.Tensor) -> float:
@@ -37,6 +38,16 @@ def test_the_exact_rewrite_gives_the_sources_logits(kv_heads):
         cache = mla(ids[:1], use_cache=True).past_key_values
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert held == 48 * config.num_hidden_layers * 2 * kv_heads * d * 4  # float32, per token and layer
+
+
+def test_a_mistral_without_a_sliding_window_is_rewritten_exactly_and_with_one_is_refused():
+    source = build_model("mistral", num_kv_heads=2, sliding_window=None)
+    ids = torch.randint(0, source.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected, got = source(ids).logits, rewrite_as_mla(source)(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+    with pytest.raises(UserError, match="sliding_window is set"):
+        rewrite_as_mla(build_model("mistral", num_kv_heads=2, sliding_window=16))
 
 
 def test_the_rewrite_generates_the_sources_greedy_tokens_with_its_cache():
@@ -244,3 +255,47 @@ def test_an_mla_gguf_and_an_architecture_without_the_rewrite_are_refused(tmp_pat
     llama = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), tmp_path / "llama")
     code, err = run_cli(capsys, "convert", llama, tmp_path / "out.gguf", "--kv-heads", "2", "--attention", "mla")
     assert code == 2 and "convert with --kv-heads 1" in one_line(err) and not (tmp_path / "out.gguf").exists()
+
+
+def test_an_mla_model_uptrains_with_its_latent_down_projection_held(parent, tmp_path):
+    """AdamW moves every weight by about its learning rate: the latent rows (below the norm's epsilon) would leave
+    the range where the norm is linear at the first step. Uptraining holds them and trains the rest: the loss falls,
+    the down-projection is bit for bit as converted, and the final model is the class transformers loads."""
+    from safetensors.torch import load_file
+
+    from gqaify.uptrain import parse
+    from gqaify.uptrain import run as uptrain
+
+    mla = tmp_path / "mla"
+    assert main(["convert", str(parent), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    (tmp_path / "train.txt").write_text(CORPUS * 4)
+    out = tmp_path / "run"
+    argv = ["--model", mla, "--output_dir", out, "--data", tmp_path / "train.txt", "--seq_len", "16"]
+    uptrain(parse([*map(str, argv), "--micro_batch_size", "2", "--max_tokens", "1280", "--lr", "1e-3"]))
+    curve = losses(out)
+    assert len(curve) == 40 and all(math.isfinite(x) for x in curve)
+    assert sum(curve[-5:]) < sum(curve[:5])
+    before, after = load_file(mla / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    held = [name for name in before if "kv_a_proj_with_mqa" in name]
+    assert held and all(torch.equal(before[name], after[name]) for name in held)
+    assert any(not torch.equal(before[name], after[name]) for name in before if "kv_b_proj" in name)
+    assert type(load(out / "final")).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):
+    """An attention shape is one entry of ATTENTION_INFO naming its module: the registry is built from it, the
+    command line offers exactly its names, and each module has the three functions the pipeline calls."""
+    import inspect
+
+    from gqaify.conversion.settings import ATTENTION_INFO
+    from gqaify.conversion.shapes import SHAPES
+
+    assert list(SHAPES) == list(ATTENTION_INFO) == ["gqa", "mla"]
+    assert SHAPES["gqa"].rewrite is None
+    for name, shape in SHAPES.items():
+        assert shape.info is ATTENTION_INFO[name]
+        if shape.info.module:
+            assert [len(inspect.signature(f).parameters) for f in (shape.problems, shape.rewrite)] == [3, 4]
+    assert main(["convert", "--help"]) == 0
+    offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)
+    assert offered.split(",") == list(ATTENTION_INFO)

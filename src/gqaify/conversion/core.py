@@ -49,9 +49,10 @@ from gqaify.conversion.checks import (
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.mla_output import Rewritten, mla_problems, rewrite_folder
+from gqaify.conversion.mla_output import Rewritten
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
 from gqaify.conversion.settings import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
+from gqaify.conversion.shapes import SHAPES
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
@@ -172,7 +173,7 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     raise_if_problems(
         checked.problems,
         overlap_problems(source, request.out),
-        mla_problems(s, source.config, isinstance(sink, GgufSink)),
+        SHAPES[s.attention].problems(s, source.config, isinstance(sink, GgufSink)),
         sink.source_problems(source),
     )
     metas = source.tensors.metadata()
@@ -233,16 +234,17 @@ def _stream(
 
 
 def _rewrite(s: ConvertSettings, plan: _Plan, folder: Path, source: Source) -> Rewritten | None:
-    """With --attention mla: the G-head checkpoint in `folder` rewritten as MLA, a smaller cache fitted on the
-    calibration text against the source (`mla_output`)."""
-    if s.attention != "mla":
+    """The G-head checkpoint in `folder` made the attention shape asked for (`conversion.shapes`), what it needs
+    fitted on the calibration text against the source; None where the G-head conversion is the output."""
+    rewrite = SHAPES[s.attention].rewrite
+    if rewrite is None:
         return None
     parent = str(source.directory) if source.kind == "local" else source.name
 
     def load_parent():
         return load_model(parent, dtype=torch.float32, option="SRC")[0]
 
-    return rewrite_folder(folder, s, plan.text, load_parent)
+    return rewrite(folder, s, plan.text, load_parent)
 
 
 def _record(

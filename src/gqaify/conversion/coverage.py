@@ -27,6 +27,7 @@ class Row:
     status: str  # "native", "shipped code", "refused" or "unaccounted"
     detail: str  # the tensors rewritten, or why it is refused
     methods: str = ""
+    mla: str = ""  # whether `--attention mla` rewrites it, or why not
 
 
 def kv_head_types() -> list[str]:
@@ -65,7 +66,7 @@ def _has_attribute(config) -> bool:
 def audit() -> list[Row]:
     """One row per model type gqaify converts or refuses, and per K/V-head type it does neither for."""
     rows = [
-        Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec))
+        Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec), latent(spec))
         for t, spec in ARCHITECTURES.items()
     ]
     rows += [Row(t, "refused", reason) for t, reason in REFUSED.items()]
@@ -99,6 +100,23 @@ def tensors(spec: ArchSpec) -> str:
     return ", ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def latent(spec: ArchSpec) -> str:
+    """Whether `--attention mla` rewrites `spec`'s layer as DeepSeek-V3's dense MLA one, or why not, in words."""
+    if spec.mla:
+        return "yes (refused with biases or a sliding window)"
+    if spec.shipped_class:
+        return "no: transformers' class has no K/V heads"
+    if spec.qkv_proj:
+        return "no: a fused QKV projection, not described yet"
+    if spec.no_calibration:
+        return "no: the rewrite loads the model as transformers does, which this checkpoint's tensors do not fit"
+    if spec.shared_head_norms or spec.k_norm or spec.q_norm or spec.k_norm_per_head or spec.q_norm_per_head:
+        return "no: Q/K norms, which DeepSeek-V3's layer lacks"
+    if spec.rope == "interleaved":
+        return "no: RoPE pairs interleaved, not described yet"
+    return "no: its layer is not checked against DeepSeek-V3's dense one yet"
+
+
 def methods(spec: ArchSpec) -> str:
     """Which methods apply to `spec`, in words."""
     plain = [name for name, info in METHOD_INFO.items() if not info.calibrated]
@@ -118,8 +136,11 @@ TABLE_END = "<!-- end of the table -->\n"
 
 def markdown() -> str:
     """The architecture table of the docs, a Markdown table."""
-    lines = ["| `model_type` | status | K/V-indexed tensors rewritten, or why not | methods |", "|---|---|---|---|"]
-    lines += [f"| {r.model_type} | {r.status} | {r.detail} | {r.methods} |" for r in audit()]
+    lines = [
+        "| `model_type` | status | K/V-indexed tensors rewritten, or why not | methods | `--attention mla` |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {r.model_type} | {r.status} | {r.detail} | {r.methods} | {r.mla} |" for r in audit()]
     return "\n".join(lines) + "\n"
 
 

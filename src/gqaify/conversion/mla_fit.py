@@ -54,16 +54,33 @@ def preconditioned(model) -> list[nn.Module]:
         if proj is None or parametrize.is_parametrized(proj, "weight"):
             continue
         rank = attn.kv_lora_rank
-        with torch.no_grad():
-            rows = proj.weight.float().pow(2).mean(dim=1).sqrt()
-            latent, rotary = rows[:rank].mean(), rows[rank:].mean()
-            if not (latent > 0 and rotary > 0) or latent / rotary > 1e-2:
-                continue  # a latent at the scale of its neighbours needs nothing
-            scale = torch.ones_like(rows)
-            scale[:rank] = latent / rotary
+        if (ratio := _latent_ratio(proj.weight, rank)) >= 1e-2:
+            continue  # a latent at the scale of its neighbours needs nothing
+        scale = torch.ones(proj.weight.shape[0])
+        scale[:rank] = ratio
         parametrize.register_parametrization(proj, "weight", RowScale(scale))
         changed.append(proj)
     return changed
+
+
+def latent_projections(model) -> list[str]:
+    """The parameter names of `model`'s MLA down-projections whose latent rows sit below the norm's epsilon (as a
+    conversion writes them): uptraining holds them, since AdamW moves each weight by about its learning rate, which
+    would throw a latent row of 1e-8 out of the range where the norm is linear at the first step."""
+    names = []
+    for i, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
+        proj = getattr(layer.self_attn, "kv_a_proj_with_mqa", None)
+        if proj is not None and _latent_ratio(proj.weight, layer.self_attn.kv_lora_rank) < 1e-2:
+            names.append(f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight")
+    return names
+
+
+def _latent_ratio(weight: torch.Tensor, rank: int) -> float:
+    """The latent rows' RMS over the rotary rows' (inf where either is zero or absent)."""
+    with torch.no_grad():
+        rows = weight.float().pow(2).mean(dim=1).sqrt()
+        latent, rotary = rows[:rank].mean(), rows[rank:].mean() if len(rows) > rank else torch.tensor(0.0)
+    return float(latent / rotary) if latent > 0 and rotary > 0 else float("inf")
 
 
 def _causal(length: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""`gqaify convert --attention mla`: the G-head checkpoint the stream wrote, rewritten as MLA in its folder before
-the folder is committed, and what gqaify.json records of it.
+"""`gqaify convert --attention mla`, the shape's module (`conversion.shapes`): the G-head checkpoint the stream wrote,
+rewritten as MLA in its folder before the folder is committed, what gqaify.json records of it, and its GGUF.
 
 The G-head model is the conversion gqaify would write with the same settings (any method, calibrated or not; G
 the source's own makes it the source), so an MLA conversion is at least as close to its parent as that GQA one at
@@ -18,6 +18,7 @@ import torch
 
 from gqaify.conversion.mla import MlaPlan, build_mla, mla_problem, plan_mla
 from gqaify.conversion.mla_fit import fit_mla
+from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
 
@@ -55,7 +56,7 @@ class Rewritten:
     bytes_written: int
 
 
-def mla_problems(s, config: dict, out_is_gguf: bool) -> list[str]:
+def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     """What an `--attention mla` request cannot be, from the settings and the source's config.json."""
     if s.attention != "mla":
         return []
@@ -82,7 +83,7 @@ def mla_problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     return problems
 
 
-def rewrite_folder(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritten:
+def rewrite(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritten:
     """The G-head checkpoint in `folder` rewritten as MLA in place: its weights and config.json replaced, its
     tokenizer and other files kept. A smaller cache is fitted on the calibration `text` (a `CalibrationText`):
     its rotary pairs and latent chosen, then brought back to the parent (`load_parent()`) layer by layer

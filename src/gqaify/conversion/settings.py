@@ -76,6 +76,28 @@ GROUPINGS = ("contiguous", "similarity")
 CALIB_MODES = ("sequential", "parallel")
 
 MethodName = Literal[tuple(METHOD_INFO)]
+
+
+@dataclass(frozen=True)
+class ShapeInfo:
+    """An attention shape a conversion can write, declared once: what it is (read by --help without torch), and the
+    module of conversion/ that makes it from the G-head conversion the stream writes (`conversion.shapes` reads its
+    `problems`, `rewrite` and `write_gguf`); None: that conversion is the output."""
+
+    summary: str
+    module: str | None = None
+
+
+# Every attention shape: a new one is one entry here and its module
+ATTENTION_INFO: dict[str, ShapeInfo] = {
+    "gqa": ShapeInfo("G whole K/V heads (G = 1 is MQA)"),
+    "mla": ShapeInfo(
+        "DeepSeek-V3's latent attention, rewritten from the G-head model: exact at its cache size, smaller with "
+        "kv_rank and rope_dims",
+        "gqaify.conversion.mla_output",
+    ),
+}
+AttentionName = Literal[tuple(ATTENTION_INFO)]
 GroupingName = Literal[GROUPINGS]
 CalibMode = Literal[CALIB_MODES]
 
@@ -391,10 +413,8 @@ class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
         required=True,
         check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
     )
-    attention: Literal["gqa", "mla"] = setting(
-        "gqa",
-        "OUT's attention: gqa (G whole K/V heads), or mla (DeepSeek-V3's latent attention, rewritten from the G-head "
-        "model: exact at its cache size, smaller with kv_rank and rope_dims)",
+    attention: AttentionName = setting(
+        "gqa", "OUT's attention: " + "; ".join(f"{name}: {info.summary}" for name, info in ATTENTION_INFO.items())
     )
     kv_rank: int | None = setting(
         None,

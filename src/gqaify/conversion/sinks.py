@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gqaify.conversion.to_gguf as to_gguf
-from gqaify.conversion.mla_gguf import write_mla_gguf
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.settings import ConvertSettings
+from gqaify.conversion.shapes import SHAPES
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
 from gqaify.output.destination import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
@@ -152,7 +152,7 @@ class GgufSink:
         partial = folder.parent / self.out.name
         tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
         try:
-            writes = to_gguf.write_gguf if record.mla is None else write_mla_gguf  # MLA: llama.cpp's deepseek2
+            writes = SHAPES[record.settings.get("attention", "gqa")].write_gguf
             writes(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(as_json(record), indent=2))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:

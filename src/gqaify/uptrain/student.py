@@ -5,11 +5,13 @@ the parent, live or stored). The memory plan (`plan.py`) sets up and steps its s
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
 import torch
 
+from gqaify.conversion.mla_fit import latent_projections
 from gqaify.errors import UserError
 from gqaify.model.archs import ARCHITECTURES, attention_pattern
 from gqaify.model.loading import load_model
@@ -17,6 +19,8 @@ from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.lora import with_adapters
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import sharded_teacher
+
+LOG = logging.getLogger(__name__)
 
 
 def student_loss(model, teacher, batch: dict, s: UptrainSettings, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +77,9 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
                 )
             pattern = rf"{attention}\.({'|'.join(re.escape(k) for k in spec.kv_modules())})\."
         names = {n for n in names if re.match(pattern, n)}
+    if held := latent_projections(model):
+        LOG.info("the MLA latent's down-projections stay as converted (%d layers): see mla_fit", len(held))
+        names -= set(held)
     for name, param in model.named_parameters():
         param.requires_grad_(name in names)
     return [p for n, p in model.named_parameters() if n in names]
