@@ -239,13 +239,27 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
         (["--kv-rank", "16"], "--kv-rank 16 is an MLA latent's width; use --attention mla"),
         (["--attention", "mla", "--rope-dims", "16"], "fit a smaller MLA cache on calibration text; add --calib-data"),
         (["--attention", "mla", "--dtype", "float16"], "float16 cannot hold; use --dtype bfloat16 or float32"),
+        (["--attention", "mla", "--rope-dims", "6", "--calib-data", "x.txt"], "--rope-dims must be a multiple of 4"),
+        (["--attention", "mla", "--kv-rank", "999", "--calib-data", "x.txt"], "--kv-rank 999 is wider than all"),
     ],
 )
 def test_what_an_mla_conversion_cannot_be_is_one_line_and_writes_nothing(parent, tmp_path, capsys, argv, says):
+    """Refused before anything is read or written (the shape, the dtype): not after the G-head conversion."""
+    argv = [str(parent.parent / "calib.txt") if a == "x.txt" else a for a in argv]
     before = tree_hashes(parent)
     code, err = run_cli(capsys, "convert", parent, tmp_path / "out", "--kv-heads", "2", *argv)
     assert code == 2 and one_line(err) and says in err
     assert sorted(tmp_path.iterdir()) == [] and tree_hashes(parent) == before
+
+
+def test_a_float16_source_is_refused_unless_another_dtype_is_named(tmp_path, capsys):
+    """float16 cannot hold the latent (about 1e-8): a source stored in it would have made a model of zeros."""
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320).half(), tmp_path / "half")
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--attention", "mla")
+    assert code == 2 and "the source's float16 (--dtype auto) cannot hold" in one_line(err)
+    assert main(["convert", str(src), str(tmp_path / "out"), "--kv-heads", "2", "--attention", "mla", "--dtype",
+                 "bfloat16", "-q"]) == 0  # fmt: skip
+    assert load(tmp_path / "out").config.kv_lora_rank == 32
 
 
 def test_an_mla_gguf_and_an_architecture_without_the_rewrite_are_refused(tmp_path, capsys):

@@ -65,8 +65,8 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
 
     src, g, kv_heads = record.source, record.source_geometry, record.kv_heads
     kind = record.attention
-    tags = ["gqaify", "gqa"] + (["mqa"] if kv_heads == 1 else []) + (["custom_code"] if record.shipped else [])
-    tags += ["mla"] if record.mla else []
+    shape = ["mla"] if record.mla else ["gqa"] + (["mqa"] if kv_heads == 1 else [])
+    tags = ["gqaify", *shape] + (["custom_code"] if record.shipped else [])
     meta = record.card
     data = ModelCardData(
         base_model=meta.get("base_model"),
@@ -82,7 +82,7 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
         f"({src.kind}{', revision ' + src.revision if src.revision else ''}).",
         "",
         f"- Attention: {g.num_heads} query heads; K/V heads {g.num_kv_heads} → {kv_heads} (KV cache "
-        f"{g.num_kv_heads // kv_heads}× smaller).",
+        f"{g.cached_per_token / record.output_geometry.cached_per_token:g}× smaller).",
         f"- Method: `{record.method}` ({METHOD_INFO[record.method].summary}){_grouping(record)}; query head i "
         f"reads K/V head i // {g.num_heads // kv_heads} (contiguous groups, as transformers' `repeat_kv`).",
         f"- {_rewritten(record)}; everything else is copied from the source unchanged. `gqaify.json` records the "

@@ -59,7 +59,7 @@ from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_ou
 from gqaify.errors import raise_if_problems
 from gqaify.model.archs import ArchSpec
 from gqaify.model.dtypes import torch_dtype
-from gqaify.model.geometry import Geometry, attention_kind, rotary_dim
+from gqaify.model.geometry import Geometry, rotary_dim
 from gqaify.model.hub import push_folder
 from gqaify.model.kvcache import kv_cache_bytes_per_token
 from gqaify.model.loading import load_model
@@ -145,7 +145,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
     if converter.changed_heads:  # said before a push, which may fail
         LOG.warning(uncalibrated_warning(s.method, s.src))
     if s.push_to_hub is not None:
-        message = f"{attention_kind(s.kv_heads)} of {source.name} by gqaify {__version__} (--method {s.method})"
+        message = f"{record.attention} of {source.name} by gqaify {__version__} (--method {s.method})"
         push_folder(written.out, s.push_to_hub, message)
     LOG.info("wrote %s", written.out)
     return _result(record, plan, calibrated, written, time.perf_counter() - start)
@@ -239,7 +239,7 @@ def _rewrite(s: ConvertSettings, plan: _Plan, folder: Path, source: Source) -> R
     rewrite = SHAPES[s.attention].rewrite
     if rewrite is None:
         return None
-    parent = str(source.directory) if source.kind == "local" else source.name
+    parent = source.name if source.kind == "gguf" else str(source.directory)  # a hub source: the commit read
 
     def load_parent():
         return load_model(parent, dtype=torch.float32, option="SRC")[0]

@@ -29,8 +29,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
-from gqaify.errors import UserError
+from gqaify.errors import UserError, raise_if_problems
 
 LINEAR_MARGIN = 1e-6  # mean(c^2) / eps at most, for any input: the latent norm's relative error is half of it
 # The rope types whose frequencies are fixed (one list for every length): the rewrite lists them per pair.
@@ -260,14 +261,33 @@ def mla_frequencies(source: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     return source[pairs.reshape(-1)]
 
 
-def check_shape(shape: MlaShape) -> None:
-    """Raises UserError where the shape cannot be built."""
-    if not 0 <= shape.pairs <= shape.head_dim // 2:
-        raise UserError(f"--rope-dims keeps 0 to {shape.head_dim // 2} rotary pairs of each K/V head")
-    if shape.kv_rank < 1:
-        raise UserError("--kv-rank must be at least 1")
-    if shape.pairs == 0:
-        raise UserError("an MLA layer needs a rotary key: keep at least one rotary pair (--rope-dims)")
+def shape_for(config: dict, kv_heads: int | None, kv_rank: int | None, rope_dim: int | None):
+    """(the MLA shape of a G-head model of the source `config` (a config.json dict), or None; what is wrong with the
+    request): G = `kv_heads` (None: the source's), the rest as `plan_mla` takes them. Read before any work."""
+    H = config.get("num_attention_heads")
+    if not isinstance(H, int) or H < 1:
+        return None, []  # config.json's own checks say so
+    G = kv_heads or config.get("num_key_value_heads") or H
+    d = config.get("head_dim") or config.get("hidden_size", 0) // H
+    problems = []
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (kind := rope.get("rope_type", rope.get("type", "default"))) not in STATIC_ROPE:
+        problems.append(
+            f"rope_type {kind!r} changes its frequencies with the length; an MLA rewrite lists fixed ones "
+            f"({', '.join(STATIC_ROPE)}): convert a model with one of those"
+        )
+    if rope_dim is not None and rope_dim % (2 * G):
+        problems.append(f"--rope-dims must be a multiple of {2 * G} (two per rotary pair, for each of {G} K/V heads)")
+    pairs = d // 2 if rope_dim is None else rope_dim // (2 * G)
+    if rope_dim is not None and not 1 <= pairs <= d // 2:
+        problems.append(
+            f"--rope-dims keeps 1 to {d // 2} rotary pairs of each of the {G} K/V heads: give {2 * G} to {G * d}"
+        )
+    full_rank = MlaShape(H, G, d, min(max(pairs, 0), d // 2), 1).full_rank
+    if kv_rank is not None and kv_rank > full_rank:
+        problems.append(f"--kv-rank {kv_rank} is wider than all it could hold ({full_rank}): give at most that")
+    shape = MlaShape(H, G, d, pairs, full_rank if kv_rank is None else kv_rank)
+    return (None if problems else shape), problems
 
 
 # -- a checkpoint -----------------------------------------------------------------------------------------------
@@ -343,7 +363,9 @@ class LayerStatistics:
     scores: torch.Tensor  # (d/2,), `pair_scores`
 
 
-def layer_statistics(model, ids: torch.Tensor, shape: MlaShape, block: int = 512) -> list[LayerStatistics]:
+def layer_statistics(
+    model, ids: torch.Tensor, shape: MlaShape, progress: bool = False, block: int = 512
+) -> list[LayerStatistics]:
     """Per layer, the statistics of the attention inputs of `model` (the GQA source) on the token ids `ids`."""
     layers = model.model.layers
     hidden = model.config.hidden_size
@@ -365,7 +387,8 @@ def layer_statistics(model, ids: torch.Tensor, shape: MlaShape, block: int = 512
     handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         with torch.no_grad():
-            for start in range(0, len(ids) - 1, block):
+            starts = range(0, len(ids) - 1, block)
+            for start in tqdm(starts, desc="MLA statistics", unit="window", disable=not progress or None):
                 window = ids[start : start + block]
                 model(window.unsqueeze(0))
                 counted[0] += len(window)
@@ -391,7 +414,12 @@ class MlaPlan:
 
 
 def plan_mla(
-    model, kv_rank: int | None = None, rope_dim: int | None = None, ids: torch.Tensor | None = None, ladder=False
+    model,
+    kv_rank: int | None = None,
+    rope_dim: int | None = None,
+    ids: torch.Tensor | None = None,
+    ladder: bool = False,
+    progress: bool = False,
 ) -> MlaPlan:
     """The rewrite of `model` (a loaded GQA, MQA or MHA transformers model) at this shape: exact without `kv_rank` and
     `rope_dim` (the source's cache), else fitted on the token ids `ids` (calibration text); `ladder`: rotary pairs
@@ -403,21 +431,12 @@ def plan_mla(
     config = model.config
     if problem := mla_problem(config.to_dict()):
         raise UserError(problem)
-    H = config.num_attention_heads
-    G = getattr(config, "num_key_value_heads", None) or H
-    d = getattr(config, "head_dim", None) or config.hidden_size // H
-    if rope_dim is not None and rope_dim % (2 * G):
-        raise UserError(f"--rope-dims must be a multiple of {2 * G} (two per rotary pair, for each of {G} K/V heads)")
-    pairs = d // 2 if rope_dim is None else rope_dim // (2 * G)
-    full_rank = MlaShape(H, G, d, pairs, 1).full_rank
-    shape = MlaShape(H, G, d, pairs, full_rank if kv_rank is None else kv_rank)
-    check_shape(shape)
-    if shape.kv_rank > full_rank:
-        raise UserError(f"--kv-rank {shape.kv_rank} is wider than all it could hold ({full_rank}): give at most that")
-    compressed = shape.pairs < d // 2 or shape.kv_rank < full_rank
+    shape, problems = shape_for(config.to_dict(), None, kv_rank, rope_dim)
+    raise_if_problems(problems)
+    compressed = shape.pairs < shape.head_dim // 2 or shape.kv_rank < shape.full_rank
     if compressed and ids is None:
         raise UserError("an MLA cache smaller than the source's is fitted on calibration text: pass --calib-data")
-    statistics = layer_statistics(model, ids, shape) if compressed else None
+    statistics = layer_statistics(model, ids, shape, progress) if compressed else None
     kept = kept_pairs(shape, None if statistics is None else sum(s.scores for s in statistics), ladder)
     frequencies = mla_frequencies(source_frequencies(config), kept)
     rope = rope_parameters(frequencies, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings)

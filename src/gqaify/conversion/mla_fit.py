@@ -10,8 +10,8 @@ and is brought to the parent decoder layer's output on the parent's stream, as `
 
 The latent's rows of `kv_a_proj_with_mqa` are held below its norm's epsilon (`mla.py`), tens of millions of times
 smaller than the rotary rows beside them; Adam moves every weight by about its learning rate, which would throw them
-out of that range at once. So they train through `RowScale`, a parametrization that lets Adam see them at the
-rotary rows' scale; uptraining uses the same (`preconditioned`).
+out of that range at once. So they train here through `RowScale`, a parametrization that lets Adam see them at the
+rotary rows' scale (`preconditioned`); uptraining holds them as converted (`latent_projections`).
 """
 
 from __future__ import annotations
@@ -64,15 +64,19 @@ def preconditioned(model) -> list[nn.Module]:
 
 
 def latent_projections(model) -> list[str]:
-    """The parameter names of `model`'s MLA down-projections whose latent rows sit below the norm's epsilon (as a
-    conversion writes them): uptraining holds them, since AdamW moves each weight by about its learning rate, which
-    would throw a latent row of 1e-8 out of the range where the norm is linear at the first step."""
-    names = []
-    for i, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
-        proj = getattr(layer.self_attn, "kv_a_proj_with_mqa", None)
-        if proj is not None and _latent_ratio(proj.weight, layer.self_attn.kv_lora_rank) < 1e-2:
-            names.append(f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight")
-    return names
+    """The parameter names of `model`'s MLA down-projections when it is gqaify's MLA rewrite (DeepSeek-V3 with every
+    layer dense and no query low-rank; read from the config, so a model on the meta device answers too): uptraining
+    holds them, since AdamW moves each weight by about its learning rate, which would throw a latent row of 1e-8
+    out of the range where the norm is linear at the first step."""
+    config = model.config
+    rewritten = (
+        config.model_type == "deepseek_v3"
+        and getattr(config, "q_lora_rank", 0) is None
+        and getattr(config, "first_k_dense_replace", 0) >= config.num_hidden_layers
+    )
+    if not rewritten:
+        return []
+    return [f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(config.num_hidden_layers)]
 
 
 def _latent_ratio(weight: torch.Tensor, rank: int) -> float:

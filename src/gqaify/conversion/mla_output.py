@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from gqaify.conversion.mla import MlaPlan, build_mla, mla_problem, plan_mla
+from gqaify.conversion.mla import MlaPlan, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla_fit import fit_mla
 from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
+from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
 
@@ -75,9 +76,12 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
             "--kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
             "(text other than your eval text)"
         )
-    if s.dtype == "float16":
+    problems += shape_for(config, s.kv_heads, s.kv_rank, s.rope_dims)[1]
+    stored = config.get("dtype") or config.get("torch_dtype")
+    if s.dtype == "float16" or (s.dtype == "auto" and stored == "float16"):
+        said = "--dtype float16" if s.dtype == "float16" else "the source's float16 (--dtype auto)"
         problems.append(
-            "an MLA latent is held below its norm's epsilon (about 1e-8), which float16 cannot hold; "
+            f"an MLA latent is held below its norm's epsilon (about 1e-8), which {said} cannot hold; "
             "use --dtype bfloat16 or float32"
         )
     return problems
@@ -95,7 +99,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritt
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = torch.cat(text.parts) if text is not None else None
-    plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out))
+    plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
     mla = build_mla(model, plan)
     del model
     if not plan.exact and (s.repair or s.refine_steps):
@@ -103,6 +107,6 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritt
         fit_mla(mla, load_parent(), windows, s.refine_steps, s.refine_lr, s.progress)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
-    mla.to(dtype).save_pretrained(folder, max_shard_size=s.max_shard_size)
+    mla.to(dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
     shards = sorted(folder.glob("model*.safetensors"))
     return Rewritten(MlaRecord.of(plan), len(shards), sum(path.stat().st_size for path in shards))
