@@ -70,29 +70,35 @@ def test_the_latent_norm_stays_linear_for_any_input_the_layer_norm_allows():
     assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
 
 
-def reference_partial_rope(model, ids: torch.Tensor, kept: list[int]) -> torch.Tensor:
-    """The source's logits where RoPE turns only the pairs `kept` of every head (the others unrotated), written
-    here from the weights: the partial-RoPE model an MLA layer with those pairs and a full latent must equal."""
+def reference_partial_rope(model, ids: torch.Tensor, kept: list[list[int]]) -> torch.Tensor:
+    """The source's logits where RoPE turns only the pairs `kept[g]` of K/V head g and its query heads (the others
+    unrotated), written here from the weights: the partial-RoPE model an MLA layer with those pairs and a full
+    latent must equal."""
     config = model.config
     H, G, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    half = d // 2
+    half, rep = d // 2, H // G
     base = config.rope_parameters["rope_theta"]
-    freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    freq[[j for j in range(half) if j not in kept]] = 0.0  # angle 0: not rotated
     T = ids.shape[1]
-    angle = torch.arange(T, dtype=torch.float64)[:, None] * freq[None, :]
-    cos, sin = torch.cat([angle.cos()] * 2, -1).float(), torch.cat([angle.sin()] * 2, -1).float()
+    cos, sin = [], []
+    for pairs in kept:
+        freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        freq[[j for j in range(half) if j not in pairs]] = 0.0  # angle 0: not rotated
+        angle = torch.arange(T, dtype=torch.float64)[:, None] * freq[None, :]
+        cos.append(torch.cat([angle.cos()] * 2, -1).float())
+        sin.append(torch.cat([angle.sin()] * 2, -1).float())
+    cos, sin = torch.stack(cos), torch.stack(sin)  # (G, T, d)
 
-    def rotate(x):
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+    def rotate(x, group_of_head):
+        c, s = cos[group_of_head], sin[group_of_head]
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
 
     h = model.model.embed_tokens(ids)[0]
     for layer in model.model.layers:
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        q = rotate((x @ a.q_proj.weight.T).view(T, H, d).transpose(0, 1))
-        k = rotate((x @ a.k_proj.weight.T).view(T, G, d).transpose(0, 1)).repeat_interleave(H // G, 0)
-        v = (x @ a.v_proj.weight.T).view(T, G, d).transpose(0, 1).repeat_interleave(H // G, 0)
+        q = rotate((x @ a.q_proj.weight.T).view(T, H, d).transpose(0, 1), torch.arange(H) // rep)
+        k = rotate((x @ a.k_proj.weight.T).view(T, G, d).transpose(0, 1), torch.arange(G)).repeat_interleave(rep, 0)
+        v = (x @ a.v_proj.weight.T).view(T, G, d).transpose(0, 1).repeat_interleave(rep, 0)
         scores = q @ k.transpose(1, 2) / math.sqrt(d) + torch.full((T, T), -math.inf).triu(1)
         h = h + (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * d) @ a.o_proj.weight.T
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -100,9 +106,9 @@ def reference_partial_rope(model, ids: torch.Tensor, kept: list[int]) -> torch.T
 
 
 def test_fewer_rotary_pairs_with_a_full_latent_equal_partial_rope():
-    """Keeping 3 of each head's 8 rotary pairs, the latent holding every dropped key dimension and every value: the
-    model is the source with RoPE off on the pairs not kept (checked against an attention written here), and the
-    pairs kept are the same for every head and layer (the class has one list of frequencies)."""
+    """Keeping 3 of each K/V head's 8 rotary pairs, the latent holding every dropped key dimension and every value:
+    the model is the source with RoPE off on the pairs not kept (checked against an attention written here); the
+    class's one list of frequencies is each K/V head's kept pairs in turn, the same in every layer."""
     source = build_model("llama", num_kv_heads=2)
     G, d = 2, source.config.head_dim
     full = G * (d - 2 * 3) + G * d
@@ -111,8 +117,9 @@ def test_fewer_rotary_pairs_with_a_full_latent_equal_partial_rope():
     frequencies = mla.model.rotary_emb.inv_freq.double()
     base = source.config.rope_parameters["rope_theta"]
     ladder = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    kept = [int((ladder - f).abs().argmin()) for f in frequencies[:3]]
-    assert torch.allclose(frequencies, ladder[kept].repeat(G), rtol=1e-5)
+    kept = [[int((ladder - f).abs().argmin()) for f in frequencies[3 * g : 3 * g + 3]] for g in range(G)]
+    assert torch.allclose(frequencies, ladder[torch.tensor(kept).flatten()], rtol=1e-5)
+    assert json.loads(json.dumps(kept)) != [kept[0]] * G  # the heads chose differently here
     ids = torch.randint(0, source.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected, got = reference_partial_rope(source, ids, kept), mla(ids).logits[0]
@@ -196,7 +203,7 @@ def test_convert_writes_a_plain_deepseek_v3_checkpoint_with_the_gqa_conversions_
         "kv_rank": 32,
         "rope_dims": 32,
         "nope_dims": 0,
-        "rotary_pairs": list(range(8)),
+        "rotary_pairs": [list(range(8))] * 2,
         "rope_type": "longrope",
         "exact": True,
     }
@@ -223,7 +230,7 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
     assert main(["convert", str(parent), str(out), "--kv-heads", "2", *map(str, argv), "-q"]) == 0
     record = json.loads((out / "gqaify.json").read_text())["mla"]
     assert (record["kv_rank"], record["rope_dims"], record["nope_dims"], record["exact"]) == (16, 16, 8, False)
-    assert len(record["rotary_pairs"]) == 4
+    assert [len(pairs) for pairs in record["rotary_pairs"]] == [4, 4]
     settings = EvalSettings(seq_len=32, speed=False, progress=False)
     report = gqaify.evaluate([str(out)], str(calib), tmp_path / "report", settings)
     entry = report.models[0]

@@ -12,7 +12,7 @@ A layer with G K/V heads of d dimensions, keeping `pairs` of each head's d/2 rot
     rotary key   the kept pairs of the G heads side by side, rope_dim = 2 x pairs x G, in transformers' rotate_half
                  layout; a query head's rotary query is its own kept pairs in its group's place, zeros elsewhere.
                  Each pair keeps its frequency: the class takes one ladder, `longrope`'s per-pair factors give any
-                 list (`rope_parameters`)
+                 list (`rope_parameters`), one for the model, so K/V head g keeps the same pairs in every layer
     latent       the values of the G heads, and the keys' dimensions whose pairs are not kept (they lose their
                  rotation); all of them (exact), or their first `kv_rank` principal components on calibration
                  activations, K and V balanced to equal energy first (`Latent`)
@@ -119,36 +119,37 @@ def rope_parameters(frequencies: torch.Tensor, base: float, positions: int) -> d
 
 def kept_pairs(shape: MlaShape, scores: torch.Tensor | None = None, ladder: bool = False) -> torch.Tensor:
     """Per K/V head, the indices of the rotary pairs kept (G, pairs), sorted: every pair where all are kept, else
-    those that contribute most to the attention scores summed over heads and layers (`scores`, (d/2,)). One set
-    for every head of every layer: the class has one list of frequencies for the whole model.
+    each head's that contribute most to the attention scores, summed over layers (`scores`, (G, d/2)). The class has
+    one list of frequencies for the whole model, whose g-th block is K/V head g's pairs in every layer.
 
-    With `ladder`, the pairs 0, c, 2c, ... for the spacing c whose pairs score most: frequencies that are one
-    base's ladder from 1, the only ones llama.cpp's MLA (`deepseek2`) turns (it reads no per-pair factors).
+    With `ladder`, the pairs 0, c, 2c, ... for the spacing c whose pairs score most over every head: frequencies
+    that are one base's ladder from 1, the only ones llama.cpp's MLA (`deepseek2`) turns (it reads no per-pair
+    factors), the same in every head.
     """
-    half = shape.head_dim // 2
+    half, G = shape.head_dim // 2, shape.kv_groups
     if shape.pairs == half:
-        chosen = torch.arange(half)
-    elif scores is None:
+        return torch.arange(half).expand(G, half)
+    if scores is None:
         raise ValueError("choosing fewer rotary pairs than a head has needs their scores")
-    elif ladder:
+    if ladder:
         spacings = range(1, (half - 1) // max(shape.pairs - 1, 1) + 1)
-        chosen = max((torch.arange(shape.pairs) * c for c in spacings), key=lambda pairs: scores[pairs].sum())
-    else:
-        chosen = scores.topk(shape.pairs).indices.sort().values
-    return chosen.expand(shape.kv_groups, shape.pairs)
+        total = scores.sum(0)
+        chosen = max((torch.arange(shape.pairs) * c for c in spacings), key=lambda pairs: total[pairs].sum())
+        return chosen.expand(G, shape.pairs)
+    return scores.topk(shape.pairs, dim=1).indices.sort(dim=1).values
 
 
 def pair_scores(q: torch.Tensor, k: torch.Tensor, shape: MlaShape) -> torch.Tensor:
-    """How much each rotary pair contributes to the scores, (d/2,): over calibration tokens, the mean norm of the
-    pair in each query head times its mean norm in the head's key (MHA2MLA's 2-norm criterion; a pair's norm does
-    not depend on the rotation), summed over heads. q: (tokens, H, d), k: (tokens, G, d)."""
+    """How much each rotary pair of each K/V head contributes to the scores, (G, d/2): over calibration tokens, the
+    mean norm of the pair in the head's queries times its mean norm in its key (MHA2MLA's 2-norm criterion; a
+    pair's norm does not depend on the rotation). q: (tokens, H, d), k: (tokens, G, d)."""
     half = shape.head_dim // 2
     rep = shape.num_heads // shape.kv_groups
 
     def pair_norms(x: torch.Tensor) -> torch.Tensor:
         return torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).mean(0)
 
-    return (pair_norms(q).view(shape.kv_groups, rep, half).sum(1) * pair_norms(k)).sum(0)
+    return pair_norms(q).view(shape.kv_groups, rep, half).sum(1) * pair_norms(k)
 
 
 def _rope_rows(pairs: torch.Tensor, shape: MlaShape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +361,7 @@ class LayerStatistics:
     """What calibration text says of one layer's inputs: their second moment, and the rotary pairs' scores."""
 
     covariance: torch.Tensor  # (hidden, hidden), the mean of x x^T over tokens
-    scores: torch.Tensor  # (d/2,), `pair_scores`
+    scores: torch.Tensor  # (G, d/2), `pair_scores`
 
 
 def layer_statistics(
@@ -370,7 +371,7 @@ def layer_statistics(
     layers = model.model.layers
     hidden = model.config.hidden_size
     sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in layers]
-    scores = [torch.zeros(shape.head_dim // 2, dtype=torch.float64) for _ in layers]
+    scores = [torch.zeros(shape.kv_groups, shape.head_dim // 2, dtype=torch.float64) for _ in layers]
     counted = [0]
 
     def hook(index):

@@ -70,7 +70,7 @@ def mla_gguf_problem(config: dict) -> str | None:
         return None
     if len(set(frequencies.tolist())) < len(frequencies):
         return (
-            "this MLA model's rotary key repeats its frequencies (each K/V head kept the same pairs), and llama.cpp's "
+            "this MLA model's rotary key repeats its frequencies (its K/V heads kept the same pairs), and llama.cpp's "
             f"deepseek2 rotates with one ladder of distinct ones; convert with --kv-heads 1, {_AS_FOLDER}"
         )
     return (

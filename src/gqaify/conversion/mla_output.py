@@ -33,7 +33,7 @@ class MlaRecord:
     kv_rank: int  # the latent's values per token and layer
     rope_dims: int  # the shared rotary key's
     nope_dims: int  # each query head's key dimensions read from the latent
-    rotary_pairs: list[int]  # the source heads' rotary pairs kept, by index (the same for every head)
+    rotary_pairs: list[list[int]]  # per K/V head of the G-head model, its rotary pairs kept, by index
     rope_type: str  # DeepSeek-V3's rope_parameters: default (one base's ladder) or longrope (a factor per pair)
     exact: bool  # the G-head model's function, to float precision
 
@@ -44,7 +44,7 @@ class MlaRecord:
     @classmethod
     def of(cls, plan: MlaPlan) -> MlaRecord:
         shape = plan.shape
-        pairs = plan.pairs[0].tolist()
+        pairs = plan.pairs.tolist()
         return cls(shape.kv_rank, shape.rope_dim, shape.nope_dim, pairs, plan.rope["rope_type"], plan.exact)
 
 
@@ -66,8 +66,8 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
         problems.append(problem)
     if out_is_gguf and s.kv_heads is not None and s.kv_heads > 1:  # the rest only the rewrite tells (`mla_gguf`)
         problems.append(
-            f"an MLA conversion of {s.kv_heads} K/V heads keeps the same rotary pairs in each, so its rotary key "
-            "repeats every frequency, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads 1, or "
+            f"an MLA conversion of {s.kv_heads} K/V heads gives each its own block of the rotary key, whose "
+            "frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads 1, or "
             "name OUT without .gguf (a folder that transformers serves)"
         )
     compressed = s.kv_rank is not None or s.rope_dims is not None
