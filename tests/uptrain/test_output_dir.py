@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,38 @@ def test_a_second_uptrain_into_a_claimed_output_dir_is_refused_writing_nothing(t
     assert f"{out} is being written by another gqaify uptrain (pid {os.getpid()}); wait for it" in line
     assert list(tmp_path.iterdir()) == []  # the claim went with its holder
     assert run_uptrain(uptrain_args(tiny, out)).returncode == 0  # and the folder is free again
+
+
+@pytest.mark.integration
+def test_an_output_dir_in_a_read_only_place_holds_its_claim_itself(tiny, tmp_path):
+    """A writable output_dir whose parent cannot be written (as 0.2.0 trained into): its claim is held inside it,
+    a second run finds it there, and the run trains and leaves no claim behind. (The parent: a read-only bind mount
+    of itself; the output_dir: a tmpfs mounted on a folder in it.)"""
+    place, out = tmp_path / "place", tmp_path / "place" / "run"
+    out.mkdir(parents=True)
+    mounts = [
+        ["mount", "--bind", str(place), str(place)],
+        ["mount", "-o", "remount,bind,ro", str(place)],
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(out)],
+    ]
+    for i, command in enumerate(mounts):
+        if os.geteuid() != 0 or subprocess.run(command, capture_output=True).returncode != 0:
+            for mounted in [place] if i else []:
+                subprocess.run(["umount", str(mounted)], check=True)
+            pytest.skip("a writable folder in a read-only one needs mounts, as root")
+    try:
+        assert not os.access(place, os.W_OK) and os.access(out, os.W_OK)
+        with claimed(out, "gqaify uptrain", option="output_dir", inside=True):
+            assert [p.name for p in out.iterdir()] == [".gqaify.claim"]
+            refused = run_uptrain(uptrain_args(tiny, out))
+        assert refused.returncode == 2 and "is being written by another gqaify uptrain" in one_line(refused.stderr)
+        assert list(out.iterdir()) == []
+        trained = run_uptrain(uptrain_args(tiny, out))
+        assert trained.returncode == 0, trained.stderr[-2000:]
+        assert (out / "final").is_dir() and not (out / ".gqaify.claim").exists()
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+        subprocess.run(["umount", str(place)], check=True)
 
 
 @pytest.mark.integration

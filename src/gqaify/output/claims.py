@@ -25,12 +25,13 @@ from gqaify.output.leftovers import remove_created
 LOG = logging.getLogger(__name__)
 
 CLAIM_SUFFIX = ".gqaify.claim"  # .OUT.gqaify.claim beside OUT: outside the .OUT.gqaify-* names of staging folders
+CLAIM_INSIDE = ".gqaify.claim"  # in OUT itself, for a claim `inside` allows where nothing can be written beside OUT
 _CLAIM_WRITTEN_WITHIN = 1.0  # seconds a refused run waits for the holder to write its pid into a new claim
 _CLAIM_MAX_BYTES = 4096  # a claim is a short JSON object: a longer file is none
 
 
 @contextlib.contextmanager
-def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
+def claimed(out: Path, command: str, option: str = "OUT", inside: bool = False) -> Iterator[None]:
     """Hold `out` for this process for the whole block: a run that asks for the same `out` meanwhile (another
     process, or another claim in this one) is refused at once, and the block's own run goes on untouched.
 
@@ -40,12 +41,18 @@ def claimed(out: Path, command: str, option: str = "OUT") -> Iterator[None]:
     is removed when the block ends, and so are the parent folders made for it if they are still empty. Anything
     else of that name (a symbolic link, a FIFO, a folder, a file that is no claim) is refused, and left as it is.
 
+    With `inside`, a writable folder `out` in a place that cannot be written (a read-only parent) holds its claim
+    itself, as `out`/.gqaify.claim: every run asking for that folder finds the same place read-only and looks there
+    too. The caller counts that name as its own (uptrain's output_dir).
+
     Raises:
         UserError: another run holds `out`: "OUT is being written by another gqaify generate (pid N); ...";
             the claim's name holds something else; or nothing can be written beside `out`.
     """
     real = out.resolve()
     path = real.with_name(f".{real.name}{CLAIM_SUFFIX}")
+    if inside and real.is_dir() and not os.access(real.parent, os.W_OK) and os.access(real, os.W_OK):
+        path = real / CLAIM_INSIDE
     created = []  # parent folders made here, removed again at the end if empty
     for parent in reversed(real.parents):
         if not parent.exists():

@@ -24,6 +24,7 @@ from gqaify._version import __version__
 from gqaify.conversion.card import Uptrained, model_card
 from gqaify.conversion.record import ConversionRecord
 from gqaify.errors import UserError
+from gqaify.output.claims import CLAIM_INSIDE
 from gqaify.output.destination import write_provenance
 from gqaify.output.whole import readable_as_umask_allows, written_whole
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
@@ -152,7 +153,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
                 "output_dir to train on it as it is now"
             )
         return run
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != CLAIM_INSIDE for p in out.iterdir()):  # this run's own claim aside
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
     return _new_run(out, identity, accelerator, data_sha256)
 

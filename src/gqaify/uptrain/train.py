@@ -178,7 +178,7 @@ def claimed_by_launch(out: Path, accelerator):
         said, failed = [None], None  # (refused: True for a UserError, its line), as every rank learns it
         if accelerator.is_main_process:
             try:
-                held.enter_context(claimed(out, "gqaify uptrain", option="output_dir"))
+                held.enter_context(claimed(out, "gqaify uptrain", option="output_dir", inside=True))
             except BaseException as exc:  # every rank hears of it: none waits for a main process that stopped
                 said = [(isinstance(exc, UserError), str(exc))]
                 failed = exc
