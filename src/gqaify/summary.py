@@ -14,11 +14,20 @@ def format_summary(result) -> str:
             f"({result.num_heads} query heads; groups {_groups(result.groups)})",
             f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
             *_fit_lines(result),
+            *_mla_lines(result.record.mla),
             f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
             f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
             f"  saved to        {printable(result.out)}",
         ]
     )
+
+
+def _mla_lines(mla) -> list[str]:
+    """What the MLA rewrite did (the fit lines above are the G-head conversion's)."""
+    if mla is None:
+        return []
+    how = "exact (the G-head model's function)" if mla.exact else "fitted on the calibration text, layer by layer"
+    return [f"  MLA             latent {mla.kv_rank} + rotary key {mla.rope_dims} values per token and layer, {how}"]
 
 
 def _fit_lines(result) -> list[str]:
