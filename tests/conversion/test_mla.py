@@ -16,7 +16,7 @@ from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.eval.settings import EvalSettings
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
-from helpers import losses, one_line, run_cli, tree_hashes
+from helpers import MODELS, losses, needs_assets, one_line, run_cli, tree_hashes
 
 
 def logits_scale(logits: torch.Tensor) -> float:
@@ -320,3 +320,17 @@ def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_c
     assert main(["convert", "--help"]) == 0
     offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)
     assert offered.split(",") == list(ATTENTION_INFO)
+
+
+@needs_assets
+def test_a_real_models_mla_conversion_is_its_gqa_conversion_to_float_precision(tmp_path):
+    """ref-mha-6L (a real MHA Llama, 8 heads of 32): the MLA rewrite of its GQA-2 conversion gives that conversion's
+    logits on real text, and caches what it caches."""
+    source = MODELS / "ref-mha-6L"
+    gqa = gqaify.convert(source, tmp_path / "gqa", 2, progress=False)
+    mla = gqaify.convert(source, tmp_path / "mla", 2, attention="mla", progress=False)
+    assert mla.kv_bytes_per_token_after == gqa.kv_bytes_per_token_after
+    ids = torch.tensor([list(range(1, 200, 3))])
+    with torch.no_grad():
+        expected, got = load(tmp_path / "gqa")(ids).logits, load(tmp_path / "mla")(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
