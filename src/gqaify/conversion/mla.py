@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from gqaify.errors import UserError, raise_if_problems
 
+STAT_WINDOW = 512  # calibration tokens a forward pass of the statistics reads, and the distances pairs are judged over
 LINEAR_MARGIN = 1e-6  # mean(c^2) / eps at most, for any input: the latent norm's relative error is half of it
 # The rope types whose frequencies are fixed (one list for every length): the rewrite lists them per pair.
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -137,6 +138,16 @@ def kept_pairs(shape: MlaShape, scores: torch.Tensor | None = None, ladder: bool
         chosen = max((torch.arange(shape.pairs) * c for c in spacings), key=lambda pairs: total[pairs].sum())
         return chosen.expand(G, shape.pairs)
     return scores.topk(shape.pairs, dim=1).indices.sort(dim=1).values
+
+
+def rotation_weight(frequencies: torch.Tensor, distance: int) -> torch.Tensor:
+    """What dropping each pair's rotation costs a score of unit size, (d/2,): 1 - cos(theta x delta), averaged over
+    the distances delta from 0 to `distance`. A pair that turns slowly barely changes over a window, so its
+    rotation can go at little cost however large its norms are (where MHA2MLA's norm criterion alone would keep
+    it): SmolLM2 keeping 16 of each head's 32 pairs, with the whole latent, was 2.42 nats/token of KL from its parent
+    on WikiText-2 with the norms alone, 0.061 with their product with this weight (1,024 tokens, windows of 512)."""
+    deltas = torch.arange(distance, dtype=torch.float64)
+    return 1 - torch.cos(frequencies[:, None] * deltas[None, :]).mean(dim=1)
 
 
 def pair_scores(q: torch.Tensor, k: torch.Tensor, shape: MlaShape) -> torch.Tensor:
@@ -365,7 +376,7 @@ class LayerStatistics:
 
 
 def layer_statistics(
-    model, ids: torch.Tensor, shape: MlaShape, progress: bool = False, block: int = 512
+    model, ids: torch.Tensor, shape: MlaShape, progress: bool = False, block: int = STAT_WINDOW
 ) -> list[LayerStatistics]:
     """Per layer, the statistics of the attention inputs of `model` (the GQA source) on the token ids `ids`."""
     layers = model.model.layers
@@ -438,8 +449,10 @@ def plan_mla(
     if compressed and ids is None:
         raise UserError("an MLA cache smaller than the source's is fitted on calibration text: pass --calib-data")
     statistics = layer_statistics(model, ids, shape, progress) if compressed else None
-    kept = kept_pairs(shape, None if statistics is None else sum(s.scores for s in statistics), ladder)
-    frequencies = mla_frequencies(source_frequencies(config), kept)
+    source = source_frequencies(config)
+    scores = None if statistics is None else sum(s.scores for s in statistics) * rotation_weight(source, STAT_WINDOW)
+    kept = kept_pairs(shape, scores, ladder)
+    frequencies = mla_frequencies(source, kept)
     rope = rope_parameters(frequencies, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings)
     return MlaPlan(shape, kept, rope, statistics)
 
