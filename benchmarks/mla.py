@@ -1,0 +1,166 @@
+"""Latent attention (MLA) beside GQA at equal KV bytes, with no training: mean KL to the parent over four kinds of
+text, and the worst text's perplexity ratio.
+
+    python benchmarks/mla.py                            # ref-mha-6L and SmolLM2-135M-Instruct
+    python benchmarks/mla.py --models ref-mha-6L        # one model
+
+Each row caches the same number of values per token and layer:
+    GQA lsq           `gqaify.convert(..., method="lsq", refine_steps=64)` on WikiText-2 validation (the best GQA)
+    MLA exact of it   that GQA model rewritten as DeepSeek-V3's dense MLA (`rewrite_as_mla`, no shape given)
+    MLA from parent   the parent rewritten at the budget directly: rotary pairs kept by their score, a joint
+                      latent of the dropped pairs' keys and the values (balanced K/V, PCA on calibration inputs);
+                      "PCA" as it comes, "fitted" then brought back to the parent layer by layer (`fit_mla`: o_proj
+                      refitted, 64 Adam steps a layer on the calibration windows)
+    MLA from GQA      the next larger GQA lsq model compressed to the budget the same way, then fitted
+
+Panel: WikiText-2 test, TinyStories validation, tiny-shakespeare's second half and Python's LICENSE.txt, the first
+4,096 tokens of each, windows of 512. Calibration: WikiText-2 validation (tokenized copy), 16,384 tokens, never a
+panel text. Writes OUT/mla.json and OUT/mla.md (OUT: --out, default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO.parent / "shared" / "assets" / "text"
+MODELS = REPO.parent / "shared" / "assets" / "models"
+CALIB_TEXT = TEXT / "wikitext-2-valid-tokenized.txt"
+CALIB_TOKENS = 16_384
+PANEL_TOKENS, WINDOW = 4096, 512
+REFINE_STEPS = 64
+
+# model -> (budgets in values per token and layer, {budget: rotary pairs kept of each of the parent's K/V heads})
+SETUPS = {
+    "ref-mha-6L": ([64, 128, 256], {64: 3, 128: 6, 256: 12}),
+    "SmolLM2-135M-Instruct": ([128, 256], {128: 8, 256: 16}),
+}
+
+
+def panel_texts() -> dict[str, str]:
+    shakespeare = (TEXT / "tinyshakespeare.txt").read_text()
+    half = shakespeare.index("\n\n", len(shakespeare) // 2)
+    licence = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    return {
+        "wikitext": (TEXT / "wikitext-2-raw-test.txt").read_text(),
+        "tinystories": (TEXT / "tinystories-valid-head.txt").read_text(),
+        "shakespeare-2": shakespeare[half:].lstrip(),
+        "licence": licence.read_text(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(SETUPS))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in args.models.split(","):
+        results[name] = measure(name, args.out / "mla" / name)
+        (args.out / "mla.json").write_text(json.dumps(results, indent=2))
+    table = "\n\n".join(format_table(name, rows) for name, rows in results.items())
+    (args.out / "mla.md").write_text(table + "\n")
+    print(table)
+
+
+def measure(name: str, work: Path) -> list[dict]:
+    import gqaify
+    from gqaify.conversion.mla import rewrite_as_mla
+    from gqaify.conversion.mla_fit import fit_mla
+    from gqaify.entry.demo import fetch_default_model
+    from gqaify.eval.perplexity import perplexity
+    from gqaify.model.loading import load_model
+
+    source = str(MODELS / name) if (MODELS / name).is_dir() else str(fetch_default_model())
+    parent, tokenizer = load_model(source, dtype=torch.float32)
+    texts = {k: tokenizer(v, return_tensors="pt").input_ids[0][:PANEL_TOKENS] for k, v in panel_texts().items()}
+    calib = tokenizer(CALIB_TEXT.read_text(), return_tensors="pt").input_ids[0][:CALIB_TOKENS]
+    parent_ppl = {k: perplexity(parent, ids, WINDOW, WINDOW, progress=False).perplexity for k, ids in texts.items()}
+    config = parent.config
+    H, G = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // H
+    budgets, pairs = SETUPS[name]
+    rows: list[dict] = []
+
+    def score(label: str, budget: int, model, seconds: float) -> None:
+        kls, ratios = {}, {}
+        for key, ids in texts.items():
+            p = perplexity(model, ids, WINDOW, WINDOW, progress=False, parent=parent)
+            kls[key] = p.kl_sum / p.tokens_scored
+            ratios[key] = p.perplexity / parent_ppl[key]
+        row = {
+            "model": name,
+            "variant": label,
+            "values": budget,
+            "mean_kl": sum(kls.values()) / len(kls),
+            "worst_ratio": max(ratios.values()),
+            "kl": kls,
+            "seconds": round(seconds, 1),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    gqa_models = {}
+    for budget in budgets:
+        kv_heads = budget // (2 * d)
+        if kv_heads < 1 or G % kv_heads or budget % (2 * d) or kv_heads == G:
+            continue
+        out = work / f"gqa-{kv_heads}"
+        start = time.perf_counter()
+        if not out.is_dir():
+            gqaify.convert(
+                source, out, kv_heads, method="lsq", calib_data=[str(CALIB_TEXT)], calib_tokens=CALIB_TOKENS,
+                refine_steps=REFINE_STEPS, calib_seq_len=WINDOW, progress=False,
+            )  # fmt: skip
+        gqa, _ = load_model(str(out), dtype=torch.float32)
+        score(f"GQA-{kv_heads} lsq", budget, gqa, time.perf_counter() - start)
+        if name == "ref-mha-6L":  # the rewrite's exactness, measured once on the panel (its tests check it)
+            start = time.perf_counter()
+            score(f"MLA exact of GQA-{kv_heads} lsq", budget, rewrite_as_mla(gqa), time.perf_counter() - start)
+        gqa_models[budget] = gqa
+    windows = list(calib[: len(calib) // WINDOW * WINDOW].view(-1, WINDOW))
+    for budget in budgets:
+        p = pairs[budget]
+        rope = 2 * p * G
+        start = time.perf_counter()
+        mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib)
+        label = f"MLA from parent ({p} pairs a head, latent {budget - rope})"
+        score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
+        fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
+        score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
+        larger = [b for b in gqa_models if b > budget]
+        if larger:
+            gqa = gqa_models[min(larger)]
+            g = gqa.config.num_key_value_heads
+            p_g = min(d // 2, max(1, round(p * G / g)))
+            rope = 2 * p_g * g
+            start = time.perf_counter()
+            mla = rewrite_as_mla(gqa, kv_rank=budget - rope, rope_dim=rope, ids=calib)
+            fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
+            label = f"MLA from GQA-{g} lsq ({p_g} pairs a head, latent {budget - rope}), fitted"
+            score(label, budget, mla, time.perf_counter() - start)
+    return rows
+
+
+def format_table(name: str, rows: list[dict]) -> str:
+    lines = [
+        f"**{name}** (no training; mean KL to the parent over four texts, worst perplexity ratio)",
+        "",
+        "| values / token / layer | variant | mean KL | worst ratio |",
+        "|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: r["values"]):
+        lines.append(f"| {row['values']} | {row['variant']} | {row['mean_kl']:.4f} | {row['worst_ratio']:.2f}× |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
