@@ -316,7 +316,9 @@ def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_c
     for name, shape in SHAPES.items():
         assert shape.info is ATTENTION_INFO[name]
         if shape.info.module:
-            assert [len(inspect.signature(f).parameters) for f in (shape.problems, shape.rewrite)] == [3, 4]
+            module = shape.module
+            assert [len(inspect.signature(f).parameters) for f in (module.problems, module.rewrite)] == [3, 4]
+            assert len(inspect.signature(module.write_gguf).parameters) == 5
     assert main(["convert", "--help"]) == 0
     offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)
     assert offered.split(",") == list(ATTENTION_INFO)

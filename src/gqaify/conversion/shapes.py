@@ -1,7 +1,7 @@
 """The attention shapes a conversion writes, one per `ATTENTION_INFO` entry: what checks a request for it, rewrites
 the G-head folder the stream wrote into it, and writes it as one GGUF file.
 
-A shape's module (its entry's `module`) defines three functions:
+A shape's module (its entry's `module`) defines three functions, looked up when called:
 
     problems(settings, config, out_is_gguf) -> list[str]   what the request cannot be, before anything is written
     rewrite(folder, settings, text, load_parent) -> Rewritten   the G-head folder made this shape, in place
@@ -15,25 +15,31 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
+import gqaify.conversion.to_gguf as to_gguf
 from gqaify.conversion.settings import ATTENTION_INFO, ShapeInfo
-from gqaify.conversion.to_gguf import write_gguf
 
 
 @dataclass(frozen=True)
 class Shape:
     name: str
     info: ShapeInfo
-    problems: Callable[..., list[str]]
-    rewrite: Callable | None  # None: the G-head conversion is the output
-    write_gguf: Callable[..., None]
+
+    @property
+    def module(self) -> ModuleType | None:
+        return None if self.info.module is None else importlib.import_module(self.info.module)
+
+    def problems(self, s, config: dict, out_is_gguf: bool) -> list[str]:
+        return [] if self.module is None else self.module.problems(s, config, out_is_gguf)
+
+    @property
+    def rewrite(self) -> Callable | None:
+        """The rewrite of the G-head folder into this shape (None: the G-head conversion is the output)."""
+        return None if self.module is None else self.module.rewrite
+
+    def write_gguf(self, *args) -> None:
+        return (to_gguf if self.module is None else self.module).write_gguf(*args)
 
 
-def _shape(name: str, info: ShapeInfo) -> Shape:
-    if info.module is None:
-        return Shape(name, info, lambda *_: [], None, write_gguf)
-    module = importlib.import_module(info.module)
-    return Shape(name, info, module.problems, module.rewrite, module.write_gguf)
-
-
-SHAPES: dict[str, Shape] = {name: _shape(name, info) for name, info in ATTENTION_INFO.items()}
+SHAPES: dict[str, Shape] = {name: Shape(name, info) for name, info in ATTENTION_INFO.items()}
