@@ -252,3 +252,17 @@ def losses(out: Path) -> list[float]:
     from gqaify.uptrain.report import read_metrics
 
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def llama_cpp_greedy(path: Path, prompt_ids: list[int], tokens: int) -> list[int]:
+    """Up to `tokens` new tokens by top-1 in llama.cpp, the end-of-text token included where it comes."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    out = []
+    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
+        out.append(int(token))
+        if len(out) == tokens or token == llm.token_eos():
+            break
+    llm.close()
+    return out

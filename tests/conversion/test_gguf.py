@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from gqaify.entry.cli import main
 from gqaify.testing import build_model, save, save_with_tokenizer
-from helpers import MODELS, needs_assets, one_line, run_cli, tree_hashes
+from helpers import MODELS, llama_cpp_greedy, needs_assets, one_line, run_cli, tree_hashes
 
 STORIES_MHA = MODELS / "stories260K-mha"
 needs_llama_cpp = pytest.mark.skipif(
@@ -175,19 +175,6 @@ def test_the_vocabulary_is_refused_before_the_conversion_runs(tmp_path, monkeypa
 
 
 # -- in llama.cpp ---------------------------------------------------------------------------------------------
-
-
-def llama_cpp_greedy(path: Path, prompt_ids: list[int], tokens: int) -> list[int]:
-    """Up to `tokens` new tokens by top-1 in llama.cpp, the end-of-text token included where it comes."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
-    out = []
-    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
-        out.append(int(token))
-        if len(out) == tokens or token == llm.token_eos():
-            return out
-    return out
 
 
 def transformers_greedy(folder: Path, prompt_ids: list[int], tokens: int) -> list[int]:

@@ -22,7 +22,7 @@ from gqaify.conversion.mla_gguf import mla_gguf_problem, write_mla_gguf
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.testing import build_model, save, save_with_tokenizer
-from helpers import MODELS, needs_assets, one_line, run_cli
+from helpers import MODELS, llama_cpp_greedy, needs_assets, one_line, run_cli
 
 STORIES_MHA = MODELS / "stories260K-mha"  # a Llama tokenizer, which GGUF output writes (a byte-level BPE one is not)
 needs_llama_cpp = pytest.mark.skipif(
@@ -80,20 +80,6 @@ def test_the_gguf_holds_the_folders_mla_tensors_as_llama_cpps_deepseek2_reads_th
         np.testing.assert_allclose(tensors[blk + "attn_kv_a_norm.weight"], norm, rtol=1e-6)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(mla_mqa["f16"]).tensors}
     assert types["blk.0.attn_kv_a_mqa.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"  # latent ~1e-8
-
-
-def llama_cpp_greedy(path: Path, prompt_ids: list[int], tokens: int) -> list[int]:
-    """Up to `tokens` new tokens by top-1 in llama.cpp, the end-of-text token included where it comes."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
-    out = []
-    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
-        out.append(int(token))
-        if len(out) == tokens or token == llm.token_eos():
-            break
-    llm.close()
-    return out
 
 
 @pytest.mark.integration
