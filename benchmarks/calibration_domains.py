@@ -25,20 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TEXT = REPO.parent / "shared" / "assets" / "text"
-MODELS = REPO.parent / "shared" / "assets" / "models"
+from commands import MODELS, TEXT, convert, evaluate, generate, panel, write_texts
+
 CALIB_TOKENS = 16_384
 EVAL_TOKENS = 4_096
 # model -> (its window for evaluation and calibration, K/V heads after conversion)
 SETUPS = {"ref-mha-6L": (512, 1), "SmolLM2-135M-Instruct": (1024, 1)}
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CODE_EVAL = ["argparse.py", "dataclasses.py", "textwrap.py", "fractions.py"]
-CODE_CALIB = ["difflib.py", "shlex.py", "calendar.py", "pprint.py", "statistics.py", "csv.py", "configparser.py"]
 # evaluation text (its name in the panel) -> the calibration of its own kind (None: no calibration is of its kind)
 OWN_KIND = {
     "wikitext": "WikiText-2 validation",
@@ -67,29 +61,6 @@ def main() -> None:
     print(table)
 
 
-def write_texts(folder: Path) -> dict[str, Path]:
-    """The texts made here (tiny-shakespeare's halves, the code and the licence), with the shared ones: by name."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shakespeare = (TEXT / "tinyshakespeare.txt").read_text()
-    half = shakespeare.index("\n\n", len(shakespeare) // 2)
-    made = {
-        "shakespeare-1": shakespeare[:half],
-        "shakespeare-2": shakespeare[half:].lstrip(),
-        "code-a": _joined(CODE_CALIB),
-        "code-b": _joined(CODE_EVAL),
-        "licence": (STDLIB / "LICENSE.txt").read_text(),
-    }
-    for name, text in made.items():
-        path = folder / f"{name}.txt"
-        if not path.is_file() or path.read_text() != text:  # a second run at once reads it as it is
-            path.write_text(text)
-    return {name: folder / f"{name}.txt" for name in made}
-
-
-def _joined(modules: list[str]) -> str:
-    return "\n\n".join((STDLIB / m).read_text() for m in modules)
-
-
 def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
     """{conversion label: {"texts": {text: {perplexity, ratio, kl}}, "panel": {...}}} for `name`, the parent's
     under "parent"."""
@@ -99,11 +70,8 @@ def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
     window, kv_heads = SETUPS[name]
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "parent-corpus"
-    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     if not corpus.is_dir():
-        subprocess.run(
-            [*cli, "generate", str(source), str(corpus), "--tokens", str(2 * CALIB_TOKENS), "-q"], check=True
-        )
+        subprocess.run(generate(source, corpus, tokens=2 * CALIB_TOKENS, quiet=True), check=True)
     single = {
         "WikiText-2 validation": TEXT / "wikitext-2-valid-tokenized.txt",
         "Shakespeare, 1st half": texts["shakespeare-1"],
@@ -119,56 +87,33 @@ def measure(name: str, out: Path, texts: dict[str, Path]) -> dict:
         folder = out / label.replace(" ", "-").replace(",", "").replace("+", "and")
         if not folder.is_dir():
             subprocess.run(
-                [
-                    *cli,
-                    "convert",
-                    str(source),
-                    str(folder),
-                    "--kv-heads",
-                    str(kv_heads),
-                    "--method",
-                    "lsq",
-                    "--calib-data",
-                    *sources,
-                    "--calib-tokens",
-                    str(CALIB_TOKENS),
-                    "--calib-seq-len",
-                    str(window),
-                    "--calib-split",
-                    "train",
-                    "-q",
-                ],
+                convert(
+                    source,
+                    folder,
+                    kv_heads=kv_heads,
+                    method="lsq",
+                    calib_data=sources,
+                    calib_tokens=CALIB_TOKENS,
+                    calib_seq_len=window,
+                    calib_split="train",
+                    quiet=True,
+                ),
                 check=True,
             )
         conversions[label] = folder
-    panel = {
-        "wikitext": TEXT / "wikitext-2-raw-test.txt",
-        "shakespeare": texts["shakespeare-2"],
-        "tinystories": TEXT / "tinystories-valid-head.txt",
-        "code": texts["code-b"],
-        "licence": texts["licence"],
-    }
     report = out / "eval-panel"
     if not (report / "report.json").exists():
         subprocess.run(
-            [
-                *cli,
-                "eval",
-                str(source),
-                *map(str, conversions.values()),
-                "--data",
-                *[f"{k}={v}" for k, v in panel.items()],
-                "--split",
-                "train",
-                "--max-tokens",
-                str(EVAL_TOKENS),
-                "--seq-len",
-                str(window),
-                "--no-speed",
-                "--out",
-                str(report),
-                "-q",
-            ],
+            evaluate(
+                [source, *conversions.values()],
+                data=panel(texts),
+                split="train",
+                max_tokens=EVAL_TOKENS,
+                seq_len=window,
+                speed=False,
+                out=report,
+                quiet=True,
+            ),
             check=True,
         )
     models = json.loads((report / "report.json").read_text())["models"]
@@ -198,11 +143,14 @@ def format_table(name: str, rows: dict[str, dict]) -> str:
             found = row["texts"][t]
             cell = f"{found['perplexity']:,.2f}" + ("" if found["ratio"] is None else f" ({found['ratio']:.2f}×)")
             cells.append(f"**{cell}**" if OWN_KIND[t] == label else cell)
-        panel = row["panel"]
+        scores = row["panel"]
         summary = (
             ["—", "—"]
-            if panel is None
-            else [f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})", f"{panel['mean_kl_to_parent']:.3f}"]
+            if scores is None
+            else [
+                f"{scores['worst_ratio_to_parent']:.2f}× ({scores['worst_text']})",
+                f"{scores['mean_kl_to_parent']:.3f}",
+            ]
         )
         lines.append(f"| {label} | " + " | ".join(cells + summary) + " |")
     lines.append("")

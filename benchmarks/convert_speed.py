@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from commands import convert
+
 SHAPES = {
     # hidden, layers, heads, intermediate, vocab
     "1b": (2048, 16, 32, 5632, 32000),
@@ -127,19 +129,14 @@ def main() -> None:
         shards = sorted(src.glob("*.safetensors"))
         total = sum(p.stat().st_size for p in shards)
         largest = max(p.stat().st_size for p in shards)
-        cmd = [
-            sys.executable,
-            "-c",
-            CONVERT,
-            "convert",
-            str(src),
-            str(out),
-            "--kv-heads",
-            str(args.kv_heads),
-            "--max-shard-size",
-            args.max_shard_size,
-            "-q",
-        ]
+        cmd = convert(
+            src,
+            out,
+            kv_heads=args.kv_heads,
+            max_shard_size=args.max_shard_size,
+            quiet=True,
+            program=[sys.executable, "-c", CONVERT],
+        )
         copies, converts, peaks = [], [], []
 
         def run_copy() -> None:

@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from commands import convert
+
 REPO = Path(__file__).resolve().parents[1]
 DECODE_TOKENS = 64
 REPEATS = 5  # of each writing measurement; the medians are reported
@@ -94,11 +96,10 @@ def build_models(out: Path) -> dict[str, Path]:
     from gqaify.entry.demo import fetch_default_model
 
     parent = fetch_default_model()
-    cli = [sys.executable, "-m", "gqaify.entry.cli", "convert", str(parent)]
     paths = {name: out / f"smollm2-kv{kv}.gguf" for name, kv in MODELS.items()}
     for name, kv in MODELS.items():
         if not paths[name].is_file() and kv <= 3:
-            subprocess.run([*cli, str(paths[name]), "--kv-heads", str(kv), "--gguf-type", "f16", "-q"], check=True)
+            subprocess.run(convert(parent, paths[name], kv_heads=kv, gguf_type="f16", quiet=True), check=True)
     twin = paths["MHA-9 twin"]
     if not twin.is_file():  # not a conversion gqaify makes (9 heads from 3): repeated heads, written by the same writer
         folder = out / "smollm2-mha9"
@@ -134,22 +135,7 @@ def measure_writing(out: Path) -> None:
     parent = fetch_default_model()
     folder = out / "smollm2-mqa-f32"
     if not folder.is_dir():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gqaify.entry.cli",
-                "convert",
-                str(parent),
-                str(folder),
-                "--kv-heads",
-                "1",
-                "--dtype",
-                "float32",
-                "-q",
-            ],
-            check=True,
-        )
+        subprocess.run(convert(parent, folder, kv_heads=1, dtype="float32", quiet=True), check=True)
     runs = {"GGUF f16 (gqaify)": WRITE_GGUF, "plain f16 bytes": WRITE_PLAIN}
     measured: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(REPEATS):  # alternating, so that both meet the page cache in the same states

@@ -23,9 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-REF = REPO.parent / "shared" / "assets" / "models" / "ref-mha-6L"
-TEXT = REPO.parent / "shared" / "assets" / "text"
+from commands import MODELS, REPO, TEXT, accelerate_launch, options, uptrain
+
+REF = MODELS / "ref-mha-6L"
 GIB = 2**30
 # one thread per process; glibc gives every allocation of THRESHOLD bytes or more a mapping of its own and returns it
 # when freed: with its default, freed tensors stay in its heaps and the resident peak counts them after they are gone
@@ -105,20 +105,20 @@ def launch_config(folder: Path, kind: str, processes: int) -> Path:
     return path
 
 
-def measure(name: str, config: Path, processes: int, settings: list[str], root: Path, threshold: int) -> dict:
-    """Plan and measured peak per process of one launch."""
+def measure(name: str, config: Path, processes: int, settings: dict, root: Path, threshold: int) -> dict:
+    """Plan and measured peak per process of one launch (`settings`: uptrain's, by field)."""
     out, record = root / name, root / f"{name}.memory"
     plan = subprocess.run(
-        [sys.executable, "-m", "gqaify.uptrain", *settings, "--output_dir", str(out), "--plan", str(config)],
+        uptrain(**settings, output_dir=out, plan=config),
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     env = {**os.environ, **MEASURING, "MEMORY_RECORD": str(record), "MALLOC_MMAP_THRESHOLD_": str(threshold)}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    launch = accelerate_launch(config)
     if processes == 1:
         launch = [sys.executable]
-    argv = [*launch, __file__, "--child", *settings, "--output_dir", str(out), "--no_progress"]
+    argv = [*launch, __file__, "--child", *options("uptrain", **settings, output_dir=out, progress=False)]
     subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     ranks = [json.loads(Path(f"{record}.{r}").read_text()) for r in range(processes)]
     added = [r["peak_bytes"] - r["before_bytes"] for r in ranks]
@@ -148,36 +148,28 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     parent = parent_model(args.out / "parent", args.layers, args.hidden)
     steps = 3
-    settings = [
-        "--model",
-        str(parent),
-        "--kv_heads",
-        "2",
-        "--method",
-        "mean",
-        "--data",
-        str(TEXT / "tinystories-train-sample.txt"),
-        "--seq_len",
-        str(args.seq_len),
-        "--micro_batch_size",
-        str(args.micro_batch),
-        "--max_tokens",
-        str(steps * 2 * args.micro_batch * args.seq_len),
-        "--save_every",
-        "0",
-        "--distill_from",
-        str(parent),
-    ]
+    settings = {
+        "model": parent,
+        "kv_heads": 2,
+        "method": "mean",
+        "data": TEXT / "tinystories-train-sample.txt",
+        "seq_len": args.seq_len,
+        "micro_batch_size": args.micro_batch,
+        "max_tokens": steps * 2 * args.micro_batch * args.seq_len,
+        "save_every": 0,
+        "distill_from": parent,
+    }
     launches = [
-        ("one-process", launch_config(args.out, "ddp", 1), 1, []),
-        ("fsdp2-2", launch_config(args.out, "fsdp", 2), 2, []),
-        ("fsdp2-2-whole-teacher", launch_config(args.out, "fsdp", 2), 2, ["--no_shard_teacher"]),
-        ("ddp-2", launch_config(args.out, "ddp", 2), 2, []),
+        ("one-process", launch_config(args.out, "ddp", 1), 1, {}),
+        ("fsdp2-2", launch_config(args.out, "fsdp", 2), 2, {}),
+        ("fsdp2-2-whole-teacher", launch_config(args.out, "fsdp", 2), 2, {"shard_teacher": False}),
+        ("ddp-2", launch_config(args.out, "ddp", 2), 2, {}),
     ]
     rows = []
     for name, config, processes, extra in launches:
-        grad_accum = ["--grad_accum", str(2 // processes)]
-        row = measure(name, config, processes, [*settings, *grad_accum, *extra], args.out, args.threshold)
+        row = measure(
+            name, config, processes, {**settings, "grad_accum": 2 // processes, **extra}, args.out, args.threshold
+        )
         rows.append(row)
         measured = ", ".join(f"{m / GIB:.3f}" for m in row["measured_bytes"])
         print(

@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from calibration_domains import TEXT, write_texts
+from commands import REPO, TEXT, convert, evaluate, generate, mixture, panel, uptrain, write_texts
 from gqaify.records import read_run
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 CORPUS_TOKENS = 32_768  # a quarter of the mixture's 100k training tokens is about 25k
 CONVERSION_KEYS = ("kv_heads", "method", "calib_data", "calib_tokens", "calib_mode", "refine_steps")
@@ -59,15 +57,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     texts = write_texts(out / "texts")
     corpus = args.corpus.resolve() if args.corpus else corpus_once(gguf, out)
-    data = {
-        VARIANTS[0]: [f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}"],
-        VARIANTS[1]: [
-            f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}",
-            f"verse={texts['shakespeare-1']}",
-            f"stories={TEXT / 'tinystories-train-sample.txt'}",
-            f"parent={corpus}",
-        ],
-    }
+    data = {VARIANTS[0]: {"wikitext": TEXT / "wikitext-2-valid-tokenized.txt"}, VARIANTS[1]: mixture(texts, corpus)}
     recipe = yaml.safe_load(RECIPE.read_text())
     training = out / "training-recipe.yaml"
     training.write_text(
@@ -87,51 +77,30 @@ def main() -> None:
         converted, run_dir = out / f"converted-{i}", out / f"uptrained-{i}"
         if not converted.is_dir():
             subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "gqaify.entry.cli",
-                    "convert",
-                    str(gguf),
-                    str(converted),
-                    "--kv-heads",
-                    str(recipe["kv_heads"]),
-                    "--method",
-                    recipe["method"],
-                    "--calib-data",
-                    *data[name],
-                    "--calib-split",
-                    "train",
-                    "--calib-tokens",
-                    str(recipe["calib_tokens"]),
-                    "--calib-mode",
-                    recipe["calib_mode"],
-                    "--refine-steps",
-                    str(recipe["refine_steps"]),
-                    "-q",
-                ],
+                convert(
+                    gguf,
+                    converted,
+                    kv_heads=recipe["kv_heads"],
+                    method=recipe["method"],
+                    calib_data=data[name],
+                    calib_split="train",
+                    calib_tokens=recipe["calib_tokens"],
+                    calib_mode=recipe["calib_mode"],
+                    refine_steps=recipe["refine_steps"],
+                    quiet=True,
+                ),
                 check=True,
             )
-        command = [
-            sys.executable,
-            "-m",
-            "gqaify.uptrain",
-            "--recipe",
-            str(training),
-            "--model",
-            str(converted),
-            "--distill_from",
-            str(gguf),
-            "--output_dir",
-            str(run_dir),
-            "--max_tokens",
-            str(args.tokens),
-            "--data",
-            *data[name],
-            "--save_every",
-            "50",
-            *args.override.split(),
-        ]
+        command = uptrain(
+            recipe=training,
+            model=converted,
+            distill_from=gguf,
+            output_dir=run_dir,
+            max_tokens=args.tokens,
+            data=data[name],
+            save_every=50,
+            extra=args.override.split(),
+        )
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         run = read_run(run_dir)
         if not (run is not None and run.completed):
@@ -146,19 +115,7 @@ def main() -> None:
 def corpus_once(gguf: Path, out: Path) -> Path:
     """The parent-written corpus, made once (resumed if a run was stopped)."""
     corpus = out / "parent-corpus"
-    command = [
-        sys.executable,
-        "-m",
-        "gqaify.entry.cli",
-        "generate",
-        str(gguf),
-        str(corpus),
-        "--tokens",
-        str(CORPUS_TOKENS),
-        "--seed",
-        "0",
-        "-q",
-    ]
+    command = generate(gguf, corpus, tokens=CORPUS_TOKENS, seed=0, quiet=True)
     subprocess.run(command, check=True)
     return corpus
 
@@ -166,39 +123,20 @@ def corpus_once(gguf: Path, out: Path) -> Path:
 def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path) -> dict:
     """gqaify eval of the parent and every model on the panel, with story_endings."""
     report_dir = out / "final-eval"
-    panel = {
-        "wikitext": TEXT / "wikitext-2-raw-test.txt",
-        "shakespeare": texts["shakespeare-2"],
-        "tinystories": TEXT / "tinystories-valid-head.txt",
-        "code": texts["code-b"],
-        "licence": texts["licence"],
-    }
     if not (report_dir / "report.json").exists():
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gqaify.entry.cli",
-                "eval",
-                str(gguf),
-                *map(str, models),
-                "--data",
-                *[f"{k}={v}" for k, v in panel.items()],
-                "--split",
-                "train",
-                "--max-tokens",
-                "4096",
-                "--seq-len",
-                "1024",
-                "--no-speed",
-                "--tasks",
-                "story_endings",
-                "--include-path",
-                str(REPO / "tests" / "tasks"),
-                "--out",
-                str(report_dir),
-                "-q",
-            ],
+            evaluate(
+                [gguf, *models],
+                data=panel(texts),
+                split="train",
+                max_tokens=4096,
+                seq_len=1024,
+                speed=False,
+                tasks=["story_endings"],
+                include_path=REPO / "tests" / "tasks",
+                out=report_dir,
+                quiet=True,
+            ),
             check=True,
         )
     return json.loads((report_dir / "report.json").read_text())
@@ -216,11 +154,11 @@ def write_results(out: Path, report: dict, tokens: int) -> None:
             f"{t['perplexity']:.2f}" + ("" if t["ratio_to_parent"] is None else f" ({t['ratio_to_parent']:.2f}×)")
             for t in model["texts"]
         ]
-        panel = model["panel"]
+        scores = model["panel"]
         acc = next((t for t in model.get("tasks") or [] if t["metric"] == "acc_norm"), None)
         cells += [
-            "—" if panel is None else f"{panel['mean_kl_to_parent']:.3f}",
-            "—" if panel is None else f"{panel['worst_ratio_to_parent']:.2f}× ({panel['worst_text']})",
+            "—" if scores is None else f"{scores['mean_kl_to_parent']:.3f}",
+            "—" if scores is None else f"{scores['worst_ratio_to_parent']:.2f}× ({scores['worst_text']})",
             "—" if acc is None else f"{acc['value']:.3f} ± {acc['stderr']:.3f}",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from commands import REPO, TEXT, convert, evaluate, generate, uptrain
 from gqaify.records import read_run
 
-REPO = Path(__file__).resolve().parents[1]
-TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 WIKI_TRAIN = TEXT / "wikitext-2-valid-tokenized.txt"
 WIKI_TEST = TEXT / "wikitext-2-raw-test.txt"
@@ -78,29 +76,17 @@ def main() -> None:
     for name in names:
         folder, data, weight, extra = VARIANTS[name]
         run_dir = out / folder
-        command = [
-            sys.executable,
-            "-m",
-            "gqaify.uptrain",
-            "--recipe",
-            str(recipe),
-            "--model",
-            str(converted),
-            "--distill_from",
-            str(gguf),
-            "--output_dir",
-            str(run_dir),
-            "--max_tokens",
-            str(args.tokens),
-            "--eval_every",
-            str(args.eval_every),
-            "--distill_weight",
-            str(weight),
-            "--data",
-            str(WIKI_TRAIN if data == "wikitext" else corpus),
-            *extra,
-            *args.override.split(),
-        ]
+        command = uptrain(
+            recipe=recipe,
+            model=converted,
+            distill_from=gguf,
+            output_dir=run_dir,
+            max_tokens=args.tokens,
+            eval_every=args.eval_every,
+            distill_weight=weight,
+            data=WIKI_TRAIN if data == "wikitext" else corpus,
+            extra=[*extra, *args.override.split()],
+        )
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         run = read_run(run_dir)
         if not (run is not None and run.completed):
@@ -117,27 +103,17 @@ def convert_once(gguf: Path, out: Path) -> Path:
     if not converted.is_dir():
         calib = str((REPO / recipe["calib_data"]).resolve())
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gqaify.entry.cli",
-                "convert",
-                str(gguf),
-                str(converted),
-                "--kv-heads",
-                str(recipe["kv_heads"]),
-                "--method",
-                recipe["method"],
-                "--calib-data",
-                calib,
-                "--calib-tokens",
-                str(recipe["calib_tokens"]),
-                "--calib-mode",
-                recipe["calib_mode"],
-                "--refine-steps",
-                str(recipe["refine_steps"]),
-                "-q",
-            ],
+            convert(
+                gguf,
+                converted,
+                kv_heads=recipe["kv_heads"],
+                method=recipe["method"],
+                calib_data=calib,
+                calib_tokens=recipe["calib_tokens"],
+                calib_mode=recipe["calib_mode"],
+                refine_steps=recipe["refine_steps"],
+                quiet=True,
+            ),
             check=True,
         )
     return converted
@@ -146,22 +122,7 @@ def convert_once(gguf: Path, out: Path) -> Path:
 def corpus_once(gguf: Path, out: Path) -> Path:
     """The parent-written corpus, made once (resumed if a run was stopped)."""
     corpus = out / "parent-corpus"
-    command = [
-        sys.executable,
-        "-m",
-        "gqaify.entry.cli",
-        "generate",
-        str(gguf),
-        str(corpus),
-        "--tokens",
-        str(CORPUS_TOKENS),
-        "--length",
-        "256",
-        "--batch-size",
-        "16",
-        "--seed",
-        "0",
-    ]
+    command = generate(gguf, corpus, tokens=CORPUS_TOKENS, length=256, batch_size=16, seed=0)
     subprocess.run(command, check=True)
     return corpus
 
@@ -181,30 +142,19 @@ def final_eval(gguf: Path, converted: Path, finals: dict[str, Path], out: Path) 
     models = [str(gguf), str(converted), *map(str, finals.values())]
     if not (report_dir / "report.json").exists():
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gqaify.entry.cli",
-                "eval",
-                *models,
-                "--data",
-                str(WIKI_TEST),
-                "--max-tokens",
-                "4096",
-                "--seq-len",
-                "1024",
-                "--diag-tokens",
-                "1024",
-                "--no-speed",
-                "--tasks",
-                "story_endings",
-                "--include-path",
-                str(REPO / "tests" / "tasks"),
-                "--generate",
-                "--out",
-                str(report_dir),
-                "-q",
-            ],
+            evaluate(
+                models,
+                data=WIKI_TEST,
+                max_tokens=4096,
+                seq_len=1024,
+                diag_tokens=1024,
+                speed=False,
+                tasks=["story_endings"],
+                include_path=REPO / "tests" / "tasks",
+                generate=True,
+                out=report_dir,
+                quiet=True,
+            ),
             check=True,
         )
     return json.loads((report_dir / "report.json").read_text())

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from calibration_domains import write_texts
+from commands import write_texts
 from gqaify.uptrain.curve import CurvePoint
 from gqaify.uptrain.report import read_metrics
 from panel_recovery import final_eval

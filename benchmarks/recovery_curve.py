@@ -32,11 +32,10 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from calibration_domains import MODELS, TEXT, write_texts
+from commands import MODELS, convert, generate, mixture, panel, uptrain, write_texts
 from gqaify.records import read_run
 from gqaify.uptrain.curve import CurvePoint, forecast
 from gqaify.uptrain.report import read_metrics
@@ -84,70 +83,59 @@ def main() -> None:
     out = Path(args.out).resolve() / args.model
     out.mkdir(parents=True, exist_ok=True)
     texts = write_texts(out / "texts")
-    mixture = [
-        f"wikitext={TEXT / 'wikitext-2-valid-tokenized.txt'}",
-        f"verse={texts['shakespeare-1']}",
-        f"stories={TEXT / 'tinystories-train-sample.txt'}",
-        *([f"parent={args.parent_text.resolve()}"] if args.parent_text else []),
-    ]
-    panel = [
-        f"wikitext={TEXT / 'wikitext-2-raw-test.txt'}",
-        f"shakespeare={texts['shakespeare-2']}",
-        f"tinystories={TEXT / 'tinystories-valid-head.txt'}",
-        f"code={texts['code-b']}",
-        f"licence={texts['licence']}",
-    ]
+    texts_trained = mixture(texts, args.parent_text.resolve() if args.parent_text else None)
 
-    def convert(folder: Path, options: list[str]) -> float:
-        return _timed(folder / "convert.seconds", [
-            "convert", parent, folder / "converted", "--kv-heads", "1", "--method", "lsq", "--calib-data", *mixture,
-            "--calib-split", "train", "--calib-tokens", args.calib_tokens, "--calib-seq-len", seq_len, "-q", *options,
-        ])  # fmt: skip
+    def timed_conversion(folder: Path, options: list[str]) -> float:
+        return _timed(folder / "convert.seconds", convert(
+            parent, folder / "converted", kv_heads=1, method="lsq", calib_data=texts_trained, calib_split="train",
+            calib_tokens=args.calib_tokens, calib_seq_len=seq_len, quiet=True, extra=options,
+        ))  # fmt: skip
 
-    seconds = {"convert": convert(out, [])}
-    common = [
-        "--data", *mixture, "--split", "train", "--seq_len", seq_len, "--micro_batch_size", 4,
-        "--max_tokens", args.tokens, "--lr", lr, "--eval_data", *panel, "--eval_split", "train",
-        "--eval_tokens", args.eval_tokens, "--eval_seq_len", window, "--eval_points", args.points,
-        "--save_every", 0, "--no_progress",
-    ]  # fmt: skip
-    start = ["--model", out / "converted"]
-    runs = {}  # name -> (run folder, uptrain argv, seconds spent before training: scoring, or another conversion)
+    seconds = {"convert": timed_conversion(out, [])}
+    common = dict(
+        data=texts_trained, split="train", seq_len=seq_len, micro_batch_size=4, max_tokens=args.tokens, lr=lr,
+        eval_data=panel(texts), eval_split="train", eval_tokens=args.eval_tokens, eval_seq_len=window,
+        eval_points=args.points, save_every=0, progress=False,
+    )  # fmt: skip
+    start = {"model": out / "converted"}
+    runs = {}  # name -> (run folder, uptrain's settings, its extra words, seconds spent before training)
     variants = args.variants.split(",")
     if "live" in variants:
         runs["live teacher"] = (
-            out / "live", [*start, *common, "--distill_from", parent, "--output_dir", out / "live"], seconds["convert"]
+            out / "live", {**start, **common, "distill_from": parent, "output_dir": out / "live"}, [],
+            seconds["convert"],
         )  # fmt: skip
     for extra in args.extra:
         name, _, options = extra.partition("=")
         folder = out / name
         runs[name] = (
             folder,
-            [*start, *common, "--distill_from", parent, "--output_dir", folder, *options.split()],
+            {**start, **common, "distill_from": parent, "output_dir": folder},
+            options.split(),
             seconds["convert"],
         )
     for other in args.start:
         name, _, options = other.partition("=")
         folder = out / f"start-{name}"
-        seconds[f"convert {name}"] = convert(folder, options.split())
-        argv = ["--model", folder / "converted", *common, "--distill_from", parent, "--output_dir", folder / "run"]
-        runs[f"start {name}"] = (folder / "run", [*argv, *args.start_train.split()], seconds[f"convert {name}"])
+        seconds[f"convert {name}"] = timed_conversion(folder, options.split())
+        settings = {"model": folder / "converted", **common, "distill_from": parent, "output_dir": folder / "run"}
+        runs[f"start {name}"] = (folder / "run", settings, args.start_train.split(), seconds[f"convert {name}"])
     if "stored" in variants:
         scored = out / "scored"
-        seconds["score"] = _timed(out / "score.seconds", [
-            "generate", parent, scored, "--score-data", *mixture, "--score-split", "train", "--length", seq_len,
-            "--top-logprobs", args.top_k, "--tokens", args.tokens, "--batch-size", 8, "-q",
-        ])  # fmt: skip
-        stored = [*start, *common, "--distill_from_data", "--parent", parent, "--output_dir", out / "stored"]
-        stored[stored.index("--data") + 1 : stored.index("--data") + 1 + len(mixture)] = [scored]
-        runs[f"stored top-{args.top_k}"] = (out / "stored", stored, seconds["convert"] + seconds["score"])
+        seconds["score"] = _timed(out / "score.seconds", generate(
+            parent, scored, score_data=texts_trained, score_split="train", length=seq_len, top_logprobs=args.top_k,
+            tokens=args.tokens, batch_size=8, quiet=True,
+        ))  # fmt: skip
+        stored = {**start, **common, "data": [scored], "distill_from_data": True, "parent": parent}
+        stored["output_dir"] = out / "stored"  # last, as the other runs' output_dir
+        runs[f"stored top-{args.top_k}"] = (out / "stored", stored, [], seconds["convert"] + seconds["score"])
     results = {"model": args.model, "tokens": args.tokens, "top_k": args.top_k, "seconds": seconds, "runs": {}}
-    for name, (folder, argv, extra) in runs.items():
+    for name, (folder, settings, words, before) in runs.items():
         run = read_run(folder)
         if not (run is not None and run.completed):
             print(f"== {name}", flush=True)
-            subprocess.run([sys.executable, "-m", "gqaify.uptrain", *map(str, argv)], check=True)
-        results["runs"][name] = _judged(folder, extra)
+            subprocess.run(uptrain(**settings, extra=words), check=True)
+        results["runs"][name] = _judged(folder, before)
         (out / "recovery_curve.json").write_text(json.dumps(results, indent=2) + "\n")
     live, stored = results["runs"].get("live teacher"), results["runs"].get(f"stored top-{args.top_k}")
     if live and stored:  # the live teacher's curve at the stored run's wall-clock, scoring included
@@ -169,12 +157,12 @@ def _parent(model: str) -> str:
     return str(MODELS / model)
 
 
-def _timed(record: Path, argv: list) -> float:
-    """Seconds `gqaify ARGV` took, run once (kept in `record`: a rerun reuses it)."""
+def _timed(record: Path, command: list[str]) -> float:
+    """Seconds `command` took, run once (kept in `record`: a rerun reuses it)."""
     if record.exists():
         return float(record.read_text())
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "gqaify.entry.cli", *map(str, argv)], check=True)
+    subprocess.run(command, check=True)
     took = time.perf_counter() - started
     record.write_text(f"{took:.1f}\n")
     return took

@@ -20,9 +20,9 @@ import argparse
 import itertools
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+from commands import convert, generate, gqaify
 from gqaify.records import read_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,30 +45,20 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     corpus, converted = out / "parent-text", out / "mqa"
-    subprocess.run(
-        [*cli, "generate", str(PARENT), str(corpus), "--tokens", "49152", "--length", "256", "-q"], check=True
-    )
+    subprocess.run(generate(PARENT, corpus, tokens=49152, length=256, quiet=True), check=True)
     if not converted.is_dir():
         subprocess.run(
-            [
-                *cli,
-                "convert",
-                str(PARENT),
-                str(converted),
-                "--kv-heads",
-                "1",
-                "--method",
-                "lsq",
-                "--calib-data",
-                str(TRAIN),
-                "--calib-tokens",
-                "8192",
-                "--calib-seq-len",
-                "256",
-                "-q",
-            ],
+            convert(
+                PARENT,
+                converted,
+                kv_heads=1,
+                method="lsq",
+                calib_data=TRAIN,
+                calib_tokens=8192,
+                calib_seq_len=256,
+                quiet=True,
+            ),
             check=True,
         )
     rows = []
@@ -78,38 +68,24 @@ def main() -> None:
         run_dir = out / f"{data_name}-{loss}-{trainable}".replace(" ", "_")
         if not (run_dir / "final").is_dir():
             subprocess.run(
-                [
-                    *cli,
+                gqaify(
                     "uptrain",
-                    "--model",
-                    str(converted),
-                    "--data",
-                    str(data),
-                    "--distill_from",
-                    str(PARENT),
-                    "--distill_weight",
-                    weight,
-                    "--max_tokens",
-                    str(args.tokens),
-                    "--seq_len",
-                    "128",
-                    "--micro_batch_size",
-                    "4",
-                    "--eval_data",
-                    str(EVAL),
-                    "--eval_split",
-                    "train",
-                    "--eval_tokens",
-                    "4096",
-                    "--eval_seq_len",
-                    "256",
-                    "--output_dir",
-                    str(run_dir),
-                    "--save_every",
-                    "0",
-                    "--no_progress",
-                    *extra,
-                ],
+                    model=converted,
+                    data=data,
+                    distill_from=PARENT,
+                    distill_weight=weight,
+                    max_tokens=args.tokens,
+                    seq_len=128,
+                    micro_batch_size=4,
+                    eval_data=EVAL,
+                    eval_split="train",
+                    eval_tokens=4096,
+                    eval_seq_len=256,
+                    output_dir=run_dir,
+                    save_every=0,
+                    progress=False,
+                    extra=extra,
+                ),
                 check=True,
                 stdout=subprocess.DEVNULL,
             )

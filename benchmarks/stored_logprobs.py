@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from commands import convert, generate, gqaify
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "assets" / "text"
 PARENT = REPO.parent / "shared" / "assets" / "models" / "stories260K-mha"
@@ -47,77 +49,46 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.cost:
         return teacher_cost(out)
-    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     corpus, converted = out / "parent-text-k512", out / "mqa"
     subprocess.run(
-        [
-            *cli,
-            "generate",
-            str(PARENT),
-            str(corpus),
-            "--tokens",
-            str(args.tokens),
-            "--length",
-            "256",
-            "--top-logprobs",
-            str(max(KS)),
-            "-q",
-        ],
-        check=True,
+        generate(PARENT, corpus, tokens=args.tokens, length=256, top_logprobs=max(KS), quiet=True), check=True
     )
     if not converted.is_dir():
         subprocess.run(
-            [
-                *cli,
-                "convert",
-                str(PARENT),
-                str(converted),
-                "--kv-heads",
-                "1",
-                "--method",
-                "lsq",
-                "--calib-data",
-                str(TRAIN),
-                "--calib-tokens",
-                "8192",
-                "--calib-seq-len",
-                "256",
-                "-q",
-            ],
+            convert(
+                PARENT,
+                converted,
+                kv_heads=1,
+                method="lsq",
+                calib_data=TRAIN,
+                calib_tokens=8192,
+                calib_seq_len=256,
+                quiet=True,
+            ),
             check=True,
         )
-    teachers = {"parent running": ["--distill_from", str(PARENT), "--data", str(corpus)]}
+    teachers = {"parent running": {"distill_from": PARENT, "data": corpus}}
     for k in KS:
-        teachers[f"stored top-{k}"] = ["--distill_from_data", "--data", str(keep_top(corpus, k, out))]
+        teachers[f"stored top-{k}"] = {"distill_from_data": True, "data": keep_top(corpus, k, out)}
     rows = {"conversion": score(converted)}
     for name, teacher in teachers.items():
         run_dir = out / name.replace(" ", "-")
         if not (run_dir / "final").is_dir():
             subprocess.run(
-                [
-                    *cli,
+                gqaify(
                     "uptrain",
-                    "--model",
-                    str(converted),
-                    *teacher,
-                    "--distill_weight",
-                    "1",
-                    "--trainable",
-                    "attention",
-                    "--lr",
-                    "3e-3",
-                    "--max_tokens",
-                    str(args.tokens),
-                    "--seq_len",
-                    "128",
-                    "--micro_batch_size",
-                    "4",
-                    "--save_every",
-                    "0",
-                    "--output_dir",
-                    str(run_dir),
-                    "--no_progress",
-                ],
+                    model=converted,
+                    **teacher,
+                    distill_weight=1,
+                    trainable="attention",
+                    lr="3e-3",
+                    max_tokens=args.tokens,
+                    seq_len=128,
+                    micro_batch_size=4,
+                    save_every=0,
+                    output_dir=run_dir,
+                    progress=False,
+                ),
                 check=True,
             )
         rows[name] = score(run_dir / "final")
@@ -134,44 +105,34 @@ def teacher_cost(out: Path) -> None:
     from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
-    cli = [sys.executable, "-m", "gqaify.entry.cli"]
     corpus, converted = out / "smollm2-text-k64", out / "smollm2-mqa"
-    subprocess.run(
-        [*cli, "generate", str(gguf), str(corpus), "--tokens", "8192", "--top-logprobs", "64", "-q"], check=True
-    )
+    subprocess.run(generate(gguf, corpus, tokens=8192, top_logprobs=64, quiet=True), check=True)
     if not converted.is_dir():
-        subprocess.run([*cli, "convert", str(gguf), str(converted), "--kv-heads", "1", "-q"], check=True)
-    teachers = {"parent running": ["--distill_from", str(gguf)], "stored top-64": ["--distill_from_data"]}
+        subprocess.run(convert(gguf, converted, kv_heads=1, quiet=True), check=True)
+    teachers = {"parent running": {"distill_from": gguf}, "stored top-64": {"distill_from_data": True}}
     rows = {}
     for name, teacher in teachers.items():
         run_dir = out / ("cost-" + name.replace(" ", "-"))
-        argv = [
-            "uptrain",
-            "--model",
-            str(converted),
-            "--data",
-            str(corpus),
-            *teacher,
-            "--distill_weight",
-            "1",
-            "--max_tokens",
-            str(8 * 4 * 256),
-            "--seq_len",
-            "256",
-            "--micro_batch_size",
-            "4",
-            "--save_every",
-            "0",
-            "--output_dir",
-            str(run_dir),
-            "--no_progress",
-        ]
         # a process of its own, which reports its own peak resident memory
         code = (
             "import resource, sys; from gqaify.entry.cli import main; assert main(sys.argv[1:]) == 0; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
         )
-        done = subprocess.run([sys.executable, "-c", code, *argv], check=True, capture_output=True, text=True)
+        command = gqaify(
+            "uptrain",
+            model=converted,
+            data=corpus,
+            **teacher,
+            distill_weight=1,
+            max_tokens=8 * 4 * 256,
+            seq_len=256,
+            micro_batch_size=4,
+            save_every=0,
+            output_dir=run_dir,
+            progress=False,
+            program=[sys.executable, "-c", code],
+        )
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [m for m in metrics if "loss" in m]
         rate = (steps[-1]["tokens"] - steps[-5]["tokens"]) / (steps[-1]["time"] - steps[-5]["time"])

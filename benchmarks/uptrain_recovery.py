@@ -22,15 +22,13 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from commands import REPO, TEXT, options, uptrain
 from gqaify.records import read_run
 
-REPO = Path(__file__).resolve().parents[1]
-TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 
 # name -> (folder under OUT, overrides of the recipe: every variant trains all weights of the converted model).
@@ -142,29 +140,17 @@ def recovery(
     for variant in variants:
         folder, variant_overrides = VARIANTS[variant]
         run_dir = out / folder
-        command = [
-            sys.executable,
-            "-m",
-            "gqaify.uptrain",
-            "--recipe",
-            str(RECIPE),
-            "--model",
-            str(gguf),
-            "--distill_from",
-            str(gguf),
-            "--output_dir",
-            str(run_dir),
-            "--max_tokens",
-            str(tokens),
-            "--eval_every",
-            str(eval_every),
-            "--data",
-            str(TEXT / "wikitext-2-valid-tokenized.txt"),
-            "--eval_data",
-            str(TEXT / "wikitext-2-raw-test.txt"),
-            *variant_overrides,
-            *overrides,
-        ]
+        command = uptrain(
+            recipe=RECIPE,
+            model=gguf,
+            distill_from=gguf,
+            output_dir=run_dir,
+            max_tokens=tokens,
+            eval_every=eval_every,
+            data=TEXT / "wikitext-2-valid-tokenized.txt",
+            eval_data=TEXT / "wikitext-2-raw-test.txt",
+            extra=[*variant_overrides, *overrides],
+        )
         print(f"== {variant}: {' '.join(command[1:])}", flush=True)
         run = read_run(run_dir)
         if not (run is not None and run.completed):  # else: measured before
@@ -244,25 +230,18 @@ def ours_tokens_per_s(model_dir: Path, steps: int) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = parse(
-            [
-                "--model",
-                str(model_dir),
-                "--output_dir",
-                tmp,
-                "--data",
-                str(TEXT / "wikitext-2-valid-tokenized.txt"),
-                "--seq_len",
-                "256",
-                "--micro_batch_size",
-                "4",
-                "--max_tokens",
-                str(steps * 1024),
-                "--lr",
-                "3e-4",
-                "--save_every",
-                "0",
-                "--no_progress",
-            ]
+            options(
+                "uptrain",
+                model=model_dir,
+                output_dir=tmp,
+                data=TEXT / "wikitext-2-valid-tokenized.txt",
+                seq_len=256,
+                micro_batch_size=4,
+                max_tokens=steps * 1024,
+                lr="3e-4",
+                save_every=0,
+                progress=False,
+            )
         )
         uptrain(settings)
         rows = [r for r in read_metrics(Path(tmp) / "metrics.jsonl") if "time" in r]

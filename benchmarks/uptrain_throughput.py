@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from commands import REPO, TEXT, accelerate_launch, uptrain
 from gqaify.records import read_run
 
-REPO = Path(__file__).resolve().parents[1]
-TEXT = REPO.parent / "shared" / "assets" / "text"
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 
 # Dense bf16 peak of the GPUs this has run on, TFLOP/s, by the start of torch.cuda.get_device_name()
@@ -59,47 +57,25 @@ def flops_per_token(student: Path, teacher: Path | None, seq_len: int) -> float:
 def run(shape: str, args, gguf: Path, out: Path) -> dict:
     micro, seq_len = (int(x) for x in shape.split("x"))
     run_dir = out / f"run-{shape}"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        args.config,
-        "--num_processes",
-        str(args.processes),
-        "-m",
-        "gqaify.uptrain",
-        "--recipe",
-        str(RECIPE),
-        "--model",
-        str(gguf),
-        "--distill_from",
-        str(gguf),
-        "--method",
-        "mean",
-        "--calib_data",
-        "",
-        "--data",
-        str(TEXT / "wikitext-2-valid-tokenized.txt"),
-        "--eval_data",
-        "",
-        "--output_dir",
-        str(run_dir),
-        "--micro_batch_size",
-        str(micro),
-        "--seq_len",
-        str(seq_len),
-        "--max_tokens",
-        str(args.steps * micro * seq_len * args.processes),
-        "--eval_every",
-        "0",
-        "--save_every",
-        "0",
-        "--log_every",
-        "1",
-        "--no_progress",
-        *args.override.split(),
-    ]
+    command = uptrain(
+        launcher=accelerate_launch(args.config, args.processes),
+        recipe=RECIPE,
+        model=gguf,
+        distill_from=gguf,
+        method="mean",
+        calib_data="",
+        data=TEXT / "wikitext-2-valid-tokenized.txt",
+        eval_data="",
+        output_dir=run_dir,
+        micro_batch_size=micro,
+        seq_len=seq_len,
+        max_tokens=args.steps * micro * seq_len * args.processes,
+        eval_every=0,
+        save_every=0,
+        log_every=1,
+        progress=False,
+        extra=args.override.split(),
+    )
     print("==", " ".join(command[1:]), flush=True)
     subprocess.run(command, check=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"time"' in line]

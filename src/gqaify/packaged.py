@@ -2,18 +2,22 @@
 the repository root), found by name from any folder once gqaify is installed, as torchtune's configs are; and the
 versions gqaify is tested with (`src/gqaify/constraints.txt`, linked as constraints.txt at the root).
 
-    gqaify recipes                                   list them, each with the command that runs it
+    gqaify recipes                                   list them, each with what it is and the command that runs it
     gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
     gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
     pip install -c "$(gqaify --constraints)" gqaify  the tested versions, for a wheel user (pip reads the path)
 
-A recipe's paths (`data`, `calib_data`, `eval_data`, `model`) are read from the working directory, as every path
-gqaify is given; the packaged recipes name their text as hub datasets (`name[:config]@split`), what a user has, and
-each first line runs it offline from a checkout with the local copies in ../shared/assets as overrides.
+Every packaged file is one entry of `RECIPE_REGISTRY` or `LAUNCH_REGISTRY` below (torchtune's `_recipe_registry.py`),
+read by the listing, the copy and `--recipe NAME`: a file on disk that no entry names is never found, and a test
+fails where the entries and the files disagree. A recipe's paths (`data`, `calib_data`, `eval_data`, `model`) are
+read from the working directory, as every path gqaify is given; the packaged recipes name their text as hub datasets
+(`name[:config]@split`), what a user has, and each first line runs it offline from a checkout with the local copies
+in ../shared/assets as overrides.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from gqaify.errors import UserError
@@ -22,18 +26,93 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 CONSTRAINTS = Path(__file__).resolve().parent / "constraints.txt"  # pip's -c file of the tested versions
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """An uptraining recipe gqaify packages, declared once: its name and what it converts and trains. Its file is
+    recipes/NAME.yaml (what `gqaify recipes cp NAME .` writes and `--recipe NAME` then reads), whose first line is
+    the command that runs it."""
+
+    name: str  # `--recipe NAME`, `gqaify recipes cp NAME`
+    converts: str  # the parent and the shape it becomes: "SmolLM2-135M-Instruct -> MQA"
+    summary: str  # one line: how it converts and trains, and where it runs
+    distributed: bool  # written for several processes too (a multi-process accelerate config runs it as it is)
+
+    @property
+    def file(self) -> Path:
+        return RECIPES / f"{self.name}.yaml"
+
+    @property
+    def description(self) -> str:
+        processes = "one process or several" if self.distributed else "one process"
+        return f"{self.converts} ({processes}): {self.summary}"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """An accelerate config gqaify packages, declared once: `accelerate launch --config_file` reads its file,
+    recipes/NAME.yaml (NAME as `accelerate/cpu`), and `--plan NAME` plans the memory a run needs under it."""
+
+    name: str  # "accelerate/NAME"
+    processes: int  # its num_processes
+    summary: str  # one line: what it launches
+
+    @property
+    def file(self) -> Path:
+        return RECIPES / f"{self.name}.yaml"
+
+    @property
+    def description(self) -> str:
+        return f"{self.processes} process{'es' if self.processes > 1 else ''}: {self.summary}"
+
+
+# Every packaged recipe: a new one is its YAML under recipes/ (its first line the command that runs it) and one
+# entry here.
+RECIPE_REGISTRY: tuple[Recipe, ...] = (
+    Recipe(
+        "llama2-7b-gqa8",
+        "Llama-2-7B -> GQA-8",
+        "the GQA paper's setting adapted (mean pooling), on FineWeb-Edu streamed, in bf16 on 8 GPUs with FSDP",
+        distributed=True,
+    ),
+    Recipe(
+        "ref-mha-6L-gqa2",
+        "ref-mha-6L -> GQA-2",
+        "the small real MHA Llama of ../shared/assets, on TinyStories, a few minutes on a CPU",
+        distributed=False,
+    ),
+    Recipe(
+        "smollm2-135m-mqa",
+        "SmolLM2-135M-Instruct -> MQA",
+        "lsq fitted layer by layer, distilled from the parent on four kinds of text, 45 minutes on one CPU core",
+        distributed=True,
+    ),
+)
+
+# Every packaged accelerate config: a new one is its YAML under recipes/accelerate/ and one entry here.
+LAUNCH_REGISTRY: tuple[LaunchConfig, ...] = (
+    LaunchConfig("accelerate/cpu", 1, "the CPU, full precision"),
+    LaunchConfig("accelerate/fsdp", 8, "FSDP2 on 8 GPUs of one machine, bf16"),
+    LaunchConfig("accelerate/multi-gpu", 8, "DDP on the GPUs of one machine (set num_processes to their number), bf16"),
+    LaunchConfig("accelerate/single-gpu", 1, "one GPU, bf16"),
+)
+
+
 def recipe_names() -> list[str]:
-    """Every packaged file's name: recipes by their stem, accelerate configs as `accelerate/NAME`."""
-    recipes = sorted(p.stem for p in RECIPES.glob("*.yaml"))
-    return recipes + sorted(f"accelerate/{p.stem}" for p in (RECIPES / "accelerate").glob("*.yaml"))
+    """Every packaged file's name, as the registries list them: the recipes, then the accelerate configs."""
+    return [entry.name for entry in (*RECIPE_REGISTRY, *LAUNCH_REGISTRY)]
+
+
+def entry(name: str) -> Recipe | LaunchConfig | None:
+    """The registry's entry for `name` (with or without .yaml, or as the checkout names it: recipes/NAME.yaml), or
+    None."""
+    stem = name.removesuffix(".yaml").removeprefix("recipes/")
+    return next((e for e in (*RECIPE_REGISTRY, *LAUNCH_REGISTRY) if e.name == stem), None)
 
 
 def find(name: str) -> Path | None:
-    """The packaged file `name` (with or without .yaml, or as the checkout names it: recipes/NAME.yaml), or None."""
-    stem = name.removesuffix(".yaml").removeprefix("recipes/")
-    if stem not in recipe_names():
-        return None
-    return RECIPES / f"{stem}.yaml"
+    """The packaged file `name` (spelled as `entry` takes it), or None."""
+    found = entry(name)
+    return None if found is None else found.file
 
 
 def recipe_by_name(name: str) -> Path | None:
@@ -42,13 +121,13 @@ def recipe_by_name(name: str) -> Path | None:
     Raises:
         UserError: `name` is a packaged accelerate config: the launch's, which accelerate reads, not a recipe.
     """
-    found = find(name)
-    if found is None or found.parent == RECIPES:
-        return found
-    stem = found.relative_to(RECIPES).with_suffix("").as_posix()
+    found = entry(name)
+    if not isinstance(found, LaunchConfig):
+        return None if found is None else found.file
     raise UserError(
-        f"--recipe {name} is an accelerate config, not a recipe; pass it to `accelerate launch --config_file {found} "
-        f"-m gqaify.uptrain --recipe RECIPE`, or to --plan {stem} for the memory a run needs under it"
+        f"--recipe {name} is an accelerate config, not a recipe; pass it to `accelerate launch --config_file "
+        f"{found.file} -m gqaify.uptrain --recipe RECIPE`, or to --plan {found.name} for the memory a run needs "
+        "under it"
     )
 
 
@@ -59,12 +138,15 @@ def first_line(path: Path) -> str:
 
 
 def listing() -> str:
-    """The packaged recipes, one a line, with the command that runs each (its `recipes/NAME.yaml` is found by name
-    from any folder), then the accelerate configs with their paths (accelerate reads a file)."""
-    names = recipe_names()
-    width = max(len(n) for n in names)
-    shown = [str(find(n)) if n.startswith("accelerate/") else first_line(find(n)) for n in names]
-    return "\n".join(f"{n.ljust(width)}  {s}" for n, s in zip(names, shown, strict=True))
+    """The packaged files, as the registries list them: each name with what it is, and under it the command that
+    runs it (a recipe, found by name from any folder) or its path (an accelerate config: accelerate reads a file)."""
+    entries = (*RECIPE_REGISTRY, *LAUNCH_REGISTRY)
+    width = max(len(e.name) for e in entries)
+    lines = []
+    for e in entries:
+        shown = first_line(e.file) if isinstance(e, Recipe) else str(e.file)
+        lines += [f"{e.name.ljust(width)}  {e.description}", f"{' ' * width}  {shown}"]
+    return "\n".join(lines)
 
 
 def copy_out(name: str, destination: str) -> Path:

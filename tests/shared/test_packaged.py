@@ -18,26 +18,97 @@ import yaml
 
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
-from gqaify.packaged import RECIPES, find, recipe_by_name, recipe_names
+from gqaify.packaged import (
+    LAUNCH_REGISTRY,
+    RECIPE_REGISTRY,
+    RECIPES,
+    entry,
+    find,
+    first_line,
+    recipe_by_name,
+    recipe_names,
+)
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from gqaify.uptrain.settings import load_recipe
 from helpers import ASSETS, CLOSED, MODELS, REPO, needs_assets
 
 
-def test_every_recipe_and_config_is_listed_with_its_command(capsys):
-    packaged = sorted(p.relative_to(RECIPES).with_suffix("").as_posix() for p in RECIPES.rglob("*.yaml"))
-    assert sorted(recipe_names()) == packaged and "smollm2-135m-mqa" in packaged and "accelerate/fsdp" in packaged
+def test_the_registries_and_the_files_on_disk_agree():
+    """Every YAML under recipes/ is one entry of the registries, and every entry's file is there: a recipe added
+    without its entry (never listed, copied or found) or an entry whose file went fails here, naming it."""
+    on_disk = {p.relative_to(RECIPES).with_suffix("").as_posix() for p in RECIPES.rglob("*.yaml")}
+    listed = recipe_names()
+    assert len(set(listed)) == len(listed), f"named twice in the registries: {listed}"
+    assert not (unlisted := sorted(on_disk - set(listed))), (
+        f"YAML files under recipes/ no registry entry names: {unlisted}"
+    )
+    assert not (missing := sorted(set(listed) - on_disk)), f"registry entries whose file is not in recipes/: {missing}"
+    assert all("/" not in r.name for r in RECIPE_REGISTRY) and all(
+        c.name.startswith("accelerate/") and c.name.count("/") == 1 for c in LAUNCH_REGISTRY
+    )
+    assert (REPO / "recipes").resolve() == RECIPES  # the checkout's recipes/ is the packaged folder
+
+
+def test_recipes_readme_names_every_packaged_file_the_registries_list():
+    """recipes/README.md's table and its accelerate line name what the registries list, no more, no fewer (in the
+    order the README reads best: the main recipe first)."""
+    readme = (RECIPES / "README.md").read_text()
+    table = re.findall(r"^\| `([\w.-]+)\.yaml` \|", readme, re.M)
+    assert sorted(table) == sorted(r.name for r in RECIPE_REGISTRY)
+    line = next(line for line in readme.splitlines() if line.startswith("`accelerate/`:"))
+    named = re.findall(r"`([\w-]+)\.yaml`", line)
+    assert sorted(named) == sorted(c.name.removeprefix("accelerate/") for c in LAUNCH_REGISTRY)
+
+
+def test_every_listed_recipe_loads_by_name_through_the_settings_parser_and_is_what_its_entry_says(
+    tmp_path, monkeypatch
+):
+    """Each entry of the registry, by its name from a folder that is no checkout, read by uptrain's own parser:
+    every key of its file is a setting with a valid value, and its entry's `converts` names the model it names and
+    the shape its kv_heads make."""
+    from gqaify.settings import text_lists
+    from gqaify.uptrain.settings import UPTRAIN, parse
+
+    monkeypatch.chdir(tmp_path)
+    for recipe in RECIPE_REGISTRY:
+        settings = parse(["--recipe", recipe.name])
+        values = text_lists(UPTRAIN.settings, load_recipe(recipe.file))  # a recipe's one text is a list of one
+        assert all(getattr(settings, k) == v for k, v in values.items() if not isinstance(v, float)), recipe.name
+        parent, shape = recipe.converts.split(" -> ")
+        assert Path(settings.model).name.lower().removesuffix("-hf") == parent.lower(), recipe.name
+        assert shape == ("MQA" if settings.kv_heads == 1 else f"GQA-{settings.kv_heads}"), recipe.name
+        assert recipe.summary and "\n" not in recipe.summary
+    assert not list(tmp_path.iterdir())
+
+
+def test_every_listed_accelerate_config_reads_as_the_launch_its_entry_says_and_recipes_say_if_they_take_several():
+    """Each config's processes are its num_processes, as --plan reads it; a recipe launched (by its own first line
+    or a config's) with several processes is declared distributed, and one declared for one process never is."""
+    from gqaify.uptrain.plan import Launch
+
+    launched = {}  # recipe -> the processes of every packaged config whose first line runs it, or its own runs under
+    for config in LAUNCH_REGISTRY:
+        assert Launch.read(config.file).processes == config.processes, config.name
+        for recipe in re.findall(r"--recipe recipes/([\w.-]+)\.yaml", first_line(config.file)):
+            launched.setdefault(recipe, set()).add(config.processes)
+    for recipe in RECIPE_REGISTRY:
+        for config in re.findall(r"--config_file recipes/(accelerate/[\w-]+)\.yaml", first_line(recipe.file)):
+            launched.setdefault(recipe.name, set()).add(entry(config).processes)
+    for recipe in RECIPE_REGISTRY:
+        assert recipe.distributed == (max(launched.get(recipe.name, {1})) > 1), (recipe.name, launched)
+
+
+def test_every_recipe_and_config_is_listed_with_what_it_is_and_its_command(capsys):
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == recipe_names()
-    for line in lines:  # a recipe's command; an accelerate config's path, which accelerate reads
-        name, shown = line.split(maxsplit=1)
-        assert (
-            ("gqaify uptrain" in shown or "accelerate launch" in shown)
-            if "/" not in name
-            else shown == str(RECIPES / f"{name}.yaml")
-        )
-    assert (REPO / "recipes").resolve() == RECIPES  # the checkout's recipes/ is the packaged folder
+    heads, under = lines[::2], lines[1::2]
+    assert [line.split()[0] for line in heads] == recipe_names() and len(heads) == len(under)
+    width = len(heads[0]) - len(heads[0][len(heads[0].split()[0]) :].lstrip())
+    for head, shown, e in zip(heads, under, (*RECIPE_REGISTRY, *LAUNCH_REGISTRY), strict=True):
+        assert head == f"{e.name.ljust(width - 2)}  {e.description}" and shown[:width] == " " * width
+        # a recipe's command, its first line; an accelerate config's path, which accelerate reads
+        assert shown[width:] == (first_line(e.file) if e in RECIPE_REGISTRY else str(RECIPES / f"{e.name}.yaml"))
+    assert "one process or several" in heads[0] and heads[1].split(" (")[1].startswith("one process)")
 
 
 def test_a_packaged_file_is_found_by_each_spelling_of_its_name_and_a_recipe_only_among_recipes():
@@ -50,6 +121,18 @@ def test_a_packaged_file_is_found_by_each_spelling_of_its_name_and_a_recipe_only
             recipe_by_name(name)
     for name in ("nope", "fsdp", "accelerate/smollm2-135m-mqa", "../recipes/smollm2-135m-mqa"):
         assert find(name) is None and recipe_by_name(name) is None
+
+
+def test_a_yaml_file_no_registry_entry_names_is_never_found_nor_listed(tmp_path, monkeypatch):
+    """The registries are the list, not the folder: a stray file beside the recipes is not a recipe."""
+    import gqaify.packaged
+
+    shutil.copytree(RECIPES, tmp_path / "recipes")
+    (tmp_path / "recipes" / "stray.yaml").write_text("# gqaify uptrain --recipe recipes/stray.yaml\nlr: 1.0\n")
+    monkeypatch.setattr(gqaify.packaged, "RECIPES", tmp_path / "recipes")
+    assert find("stray") is None and recipe_by_name("stray") is None and "stray" not in recipe_names()
+    assert find("smollm2-135m-mqa") == tmp_path / "recipes" / "smollm2-135m-mqa.yaml"
+    assert "stray" not in gqaify.packaged.listing()
 
 
 def test_a_recipe_is_copied_out_byte_for_byte_and_never_over_a_file(capsys, tmp_path):
@@ -317,7 +400,7 @@ def test_the_recipes_name_hub_text_and_the_local_copies_are_first_line_overrides
     from gqaify.uptrain.settings import parse
 
     offline = []
-    for recipe in sorted(RECIPES.glob("*.yaml")):
+    for recipe in [r.file for r in RECIPE_REGISTRY]:
         line = recipe.read_text().splitlines()[0].removeprefix("# ")
         assignments, _, commands = line.rpartition("; ")
         variables = dict(a.split("=", 1) for a in shlex.split(assignments))
@@ -376,7 +459,7 @@ def test_the_commands_a_recipe_gives_for_an_installed_gqaify_name_it_and_write_w
 
     monkeypatch.chdir(tmp_path)
     by_name = {}
-    for recipe in sorted(RECIPES.glob("*.yaml")):
+    for recipe in [r.file for r in RECIPE_REGISTRY]:
         lines = [line.removeprefix("#").strip() for line in recipe.read_text().splitlines() if line.startswith("#   ")]
         commands = [shlex.split(line) for line in lines if line.startswith("gqaify ")]
         runs = [c for c in commands if c[:2] == ["gqaify", "uptrain"]]
