@@ -5,7 +5,8 @@ Exit status (see `gqaify.errors`): 0 done; 2 bad input (one line on stderr namin
 nothing written); 1 the machine ran out of something (one line, e.g. disk space), another process of a CPU (gloo)
 launch stopped (one line; `errors.peer_lost`), or an internal error (a bug: the traceback is printed); 130
 interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left); 141, with nothing said, where the
-reader of its output went away (`gqaify recipes | head`).
+reader of its output went away (`gqaify recipes | head`). A stage that leaves something behind when it fails (uptrain's
+checkpoints) says what, and this module makes the line (`Left`, `raise_as_said`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from gqaify.errors import (
     PEER_STOPPED,
@@ -28,6 +30,7 @@ from gqaify.errors import (
     peer_lost,
     record_stop_signal,
 )
+from gqaify.output.whole import is_full_disk
 
 
 def run_command(command: Callable[[], object], verbose: bool = False, process_exit: bool = False) -> int:
@@ -63,6 +66,36 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
             say("gqaify: internal error (a bug in gqaify, not in your input); please report it")
             return 1
     return 0
+
+
+@dataclass(frozen=True)
+class Left:
+    """What a stage that failed leaves on disk, in the words its one line ends with (`raise_as_said`) after each
+    cause: a stop (Ctrl-C, SIGTERM), another process of the launch stopping (`errors.peer_lost`), and the disk of
+    `disk` filling up. None: the stage has nothing to add for that cause (its error is raised as it is)."""
+
+    stopped: str | None = None
+    lost: str | None = None
+    full: str | None = None
+    disk: str = ""  # "output_dir /runs/a": what filled up
+
+
+def raise_as_said(exc: BaseException, left: Left) -> None:
+    """Raise the one-line error that a stage failing with `exc` ends with, saying what it `left`: an `Interrupted`
+    for a stop, a `ResourceError` for another process's stop or for a full disk (the peer's stop first: the launcher
+    stops this process too). Return where `exc` is none of these or `left` says nothing of its cause: the caller
+    raises `exc` as it is (a `UserError` says its own line; anything else is a bug)."""
+    if peer_lost(exc):
+        if left.lost is not None:
+            raise ResourceError(f"{PEER_STOPPED}; {left.lost}") from exc
+        return
+    stop = as_interrupt(exc)
+    if stop is not None:
+        if left.stopped is not None:
+            raise stop.with_message(left.stopped) from None
+        return
+    if left.full is not None and is_full_disk(exc):
+        raise ResourceError(f"no space left on the disk of {left.disk}; {left.full}") from exc
 
 
 def say(line: str) -> None:

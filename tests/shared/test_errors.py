@@ -300,7 +300,7 @@ def test_a_caller_in_the_process_gets_its_sigterm_handler_back_after_a_lost_peer
     gqaify.uptrain.__main__.main (or gqaify.entry.cli.main) with its argv could no longer be stopped by SIGTERM."""
     import gqaify.uptrain.__main__ as entry
 
-    def command_line(argv, prog, stages):
+    def command_line(argv, prog):
         try:
             raise RuntimeError(GLOO_PEER_GONE)
         except RuntimeError as exc:

@@ -1,69 +1,197 @@
-"""The checks of a run's inputs made before anything is loaded or written: every problem at once."""
+"""The checks of a run's inputs, made before anything is written: every problem at once, and what the checks read,
+for the run to use rather than read again (`Inputs`). They read first (`_read`), then judge what they read."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gqaify._version import __version__
 from gqaify.conversion.record import ConversionRecord
-from gqaify.errors import UserError, problems_in, raise_if_problems
+from gqaify.errors import UserError, raise_if_problems
+from gqaify.eval.tasks import Harness
 from gqaify.model.archs import ARCHITECTURES, attention_pattern
-from gqaify.model.loading import check_weights, load_config, untrusted_problem
+from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists
 from gqaify.output.destination import name_problem, resolve_out, writable_problem
-from gqaify.records import PROVENANCE_FILE, read_provenance
+from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_provenance
 from gqaify.text.corpus_format import corpus_record
 from gqaify.text.loading import named_texts
 from gqaify.text.pins import local_path
 from gqaify.uptrain.settings import UptrainSettings
+from gqaify.uptrain.sharding import fsdp_problem
+
+MODELS = ("model", "distill_from", "parent")  # the settings that name a model
 
 
-def check_inputs(s: UptrainSettings) -> None:
-    """Every problem at once: the settings' (`UptrainSettings.problems`); output_dir is a folder or absent; the models
-    exist; the windows fit in the model's positions."""
-    problems = s.problems()
-    if s.output_dir:
-        problems += problems_in(_output_dir_problem(s.output_dir))
-    configs = {}
-    for key in ("model", "distill_from", "parent"):
-        if value := getattr(s, key):
-            if value.startswith((".", "/", "~")) and not exists(value):
-                # a recipe's path beside a checkout (ref-mha-6L-gqa2 by name from elsewhere): say what to pass
-                problems.append(
-                    f"{key} {value} does not exist here ({Path.cwd()}; a recipe's paths are read from the working "
-                    f"directory); pass --{key} with a model folder, hub id or .gguf file"
-                )
-                continue
-            try:
-                # exists and is a model, whose weights are whole (their headers: a damaged one is found before
-                # output_dir is touched, not by the load that follows the claim)
-                configs[key] = load_config(value, option=key, trust_remote_code=s.trust_remote_code)
-                check_weights(value, key)
-            except UserError as exc:
-                problems.append(str(exc))
-    model_type = getattr(configs.get("model"), "model_type", None)
-    spec = ARCHITECTURES.get(model_type)
-    if s.trainable != "all" and model_type is not None:  # before the model is loaded
+@dataclass(frozen=True)
+class Inputs:
+    """What the checks read of a run's inputs, for the run to use rather than read again: the config of each model the
+    settings name (by its setting, one of `MODELS`), the model's tokenizer, the tasks' harness (None without
+    eval_tasks), and with distill_from_data the record of the corpus (None: none, or one that cannot be read, which
+    the data's own reading says)."""
+
+    configs: dict[str, Any]
+    tokenizer: Any
+    harness: Harness | None
+    corpus: CorpusRecord | None
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: every stored id of a corpus it trains on falls in it."""
+        return self.configs["model"].vocab_size
+
+
+def check_inputs(s: UptrainSettings) -> Inputs:
+    """Every problem at once, before anything is written: the settings' (`UptrainSettings.problems`) and the launch's
+    (a tracker in log_to that is not installed, FSDP1 without GPUs); output_dir is a folder or absent; the models
+    exist, whole, the model with its tokenizer (`_read`); what trains is known in its architecture; the windows fit in
+    its positions; a corpus of stored log-probabilities is its parent's.
+
+    Returns:
+        what was read (`Inputs`).
+
+    Raises:
+        UserError: every problem found, in one message.
+    """
+    problems = s.problems() + _launch_problems(s)
+    found, unread = _read(s)
+    model = found.configs.get("model")
+    positions = getattr(model, "max_position_embeddings", None)
+    too_long = [
+        f"{key} {n} exceeds the {positions} positions of {s.model}; lower {key}"
+        for key, n in (("seq_len", s.seq_len), ("eval_seq_len", s.eval_seq_len))
+        if positions and n and n > positions
+    ]
+    raise_if_problems(
+        problems,
+        _output_dir_problem(s.output_dir) if s.output_dir else None,
+        unread,
+        _trainable_problem(s, model),
+        _untrusted_problem(s, model),
+        _vocab_problem(s, found.corpus, model),
+        _parent_problem(s, found.corpus),
+        too_long,
+        _lora_rank_problem(s, model),
+        None if s.kv_heads is not None else _record_problem(s.model),  # a model converted in the run is gqaify's own
+    )
+    return found
+
+
+def _launch_problems(s: UptrainSettings) -> list[str]:
+    """What the launch cannot run: a tracker in log_to whose package is not installed (accelerate would drop it
+    without a word), or FSDP1 on a machine without an accelerator (`sharding.fsdp_problem`)."""
+    from accelerate.tracking import get_available_trackers
+
+    available = {str(t) for t in get_available_trackers()} | {"csv"}
+    missing = [t for t in s.log_to if t not in available]
+    problems = [f"log_to {missing[0]} needs its package; pip install {missing[0]}"] if missing else []
+    return problems + [p for p in [fsdp_problem()] if p]
+
+
+def _read(s: UptrainSettings) -> tuple[Inputs, list[str]]:
+    """(what the checks read (`Inputs`), why each of the rest cannot be read): the tasks' harness (where the request
+    itself is sound), the corpus's record, each model's config where it exists and is a model whose weights are
+    whole (their headers: a damaged one is found before output_dir is touched, not by the load that follows the
+    claim), and the model's tokenizer."""
+    unread = []
+    request = s.task_request()
+    harness = None
+    if request.names and not request.problems():
         try:
-            attention_pattern(model_type, f"trainable {s.trainable}")
+            harness = Harness(request)  # reads the tasks' datasets
         except UserError as exc:
-            problems.append(str(exc))
-    if s.kv_heads is not None and spec is not None and spec.shipped_class and not s.trust_remote_code:
-        problems.append(untrusted_problem(f"model {s.model} converted to {s.kv_heads} K/V heads is a class that"))
-    problems += _corpus_parent_problems(s, configs.get("model"))
-    positions = getattr(configs.get("model"), "max_position_embeddings", None)
-    for key, length in (("seq_len", s.seq_len), ("eval_seq_len", s.eval_seq_len)):
-        if positions and length and length > positions:
-            problems.append(f"{key} {length} exceeds the {positions} positions of {s.model}; lower {key}")
-    hidden = getattr(configs.get("model"), "hidden_size", None)
-    if s.trainable == "lora" and hidden and s.lora_rank > hidden:  # before adapters that large are made
-        problems.append(
-            f"lora_rank {s.lora_rank:,} is more than the hidden size {hidden:,} of {s.model}: an adapter of that "
-            "rank is no low-rank one; lower lora_rank"
-        )
-    if s.kv_heads is None:  # a model converted in the run is gqaify's own: its record reads
-        problems += problems_in(_record_problem(s.model))
-    raise_if_problems(problems)
+            unread.append(str(exc))
+    corpus = None
+    if s.distill_from_data and len(s.data) == 1:
+        folder = Path(named_texts(s.data)[0].source).expanduser()
+        with contextlib.suppress(UserError):  # a corpus whose record cannot be read: refused by the data's reading
+            corpus = corpus_record(folder) if folder.is_dir() else None
+    configs = {}
+    for key in (k for k in MODELS if getattr(s, k)):
+        value = getattr(s, key)
+        if value.startswith((".", "/", "~")) and not exists(value):
+            # a recipe's path beside a checkout (ref-mha-6L-gqa2 by name from elsewhere): say what to pass
+            unread.append(
+                f"{key} {value} does not exist here ({Path.cwd()}; a recipe's paths are read from the working "
+                f"directory); pass --{key} with a model folder, hub id or .gguf file"
+            )
+            continue
+        try:
+            configs[key] = load_config(value, option=key, trust_remote_code=s.trust_remote_code)
+            check_weights(value, key)
+        except UserError as exc:
+            unread.append(str(exc))
+    tokenizer = None
+    if "model" in configs:
+        try:
+            tokenizer = load_tokenizer(s.model, option="model")
+        except UserError as exc:
+            unread.append(str(exc))
+    return Inputs(configs, tokenizer, harness, corpus), unread
+
+
+def _trainable_problem(s: UptrainSettings, config) -> str | None:
+    """Why what trains cannot be found in the model's architecture (said before the model is loaded)."""
+    model_type = getattr(config, "model_type", None)
+    if s.trainable == "all" or model_type is None:
+        return None
+    try:
+        attention_pattern(model_type, f"trainable {s.trainable}")
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def _untrusted_problem(s: UptrainSettings, config) -> str | None:
+    """A conversion to a class only gqaify's shipped modeling code implements, without trust_remote_code."""
+    spec = ARCHITECTURES.get(getattr(config, "model_type", None))
+    if s.kv_heads is None or spec is None or not spec.shipped_class or s.trust_remote_code:
+        return None
+    return untrusted_problem(f"model {s.model} converted to {s.kv_heads} K/V heads is a class that")
+
+
+def _lora_rank_problem(s: UptrainSettings, config) -> str | None:
+    """An adapter rank above the model's hidden size (said before adapters that large are made)."""
+    hidden = getattr(config, "hidden_size", None)
+    if s.trainable != "lora" or not hidden or s.lora_rank <= hidden:
+        return None
+    return (
+        f"lora_rank {s.lora_rank:,} is more than the hidden size {hidden:,} of {s.model}: an adapter of that rank is "
+        "no low-rank one; lower lora_rank"
+    )
+
+
+def _vocab_problem(s: UptrainSettings, corpus: CorpusRecord | None, config) -> str | None:
+    """A corpus of stored top-K (its record `corpus`) in a vocabulary of another size than the model's: its stored ids
+    are another tokenizer's."""
+    vocab = getattr(config, "vocab_size", None)
+    if corpus is None or corpus.vocab_size is None or vocab is None or corpus.vocab_size == vocab:
+        return None
+    return (
+        f"data {s.data[0]} was written by {corpus.parent}, whose vocabulary has {corpus.vocab_size:,} tokens, and the "
+        f"model {s.model} has {vocab:,}: its stored ids are another tokenizer's; generate the corpus from the model's "
+        "parent"
+    )
+
+
+def _parent_problem(s: UptrainSettings, corpus: CorpusRecord | None) -> str | None:
+    """A corpus of stored top-K (its record `corpus`) written by another parent than the run's `parent` (the model
+    itself where the run converts it): the run would train toward one parent and be measured against another."""
+    parent = s.parent or (s.model if s.kv_heads is not None else None)
+    if corpus is None or parent is None:
+        return None
+    theirs = local_path(corpus.parent)
+    if theirs.startswith("/") and not exists(theirs) or local_path(parent) == theirs:  # moved since: not known
+        return None
+    named = "parent" if s.parent else "model (converted here: the parent)"
+    return (
+        f"data {s.data[0]} was written by {corpus.parent}, and the run's {named} is {parent}: distill_from_data would "
+        f"train toward another parent than the one it is measured against; generate the corpus from {parent}, or set "
+        f"parent {corpus.parent}"
+    )
 
 
 def _record_problem(model: str) -> str | None:
@@ -86,39 +214,6 @@ def _record_problem(model: str) -> str | None:
             "upgrade gqaify (pip install -U gqaify), or convert the model again with this one"
         )
     return None
-
-
-def _corpus_parent_problems(s: UptrainSettings, config) -> list[str]:
-    """With distill_from_data, what says the corpus's stored top-K is another parent's than the run's: a vocabulary
-    of another size than the model's (`config`), or a parent other than the run's `parent` (the model itself where
-    the run converts it). A corpus whose record cannot be read is left to the data's own check."""
-    if not s.distill_from_data or len(s.data) != 1:
-        return []
-    folder = Path(named_texts(s.data)[0].source).expanduser()
-    try:
-        record = corpus_record(folder) if folder.is_dir() else None
-    except UserError:
-        return []
-    if record is None:
-        return []
-    written = f"data {s.data[0]} was written by {record.parent}"
-    problems = []
-    vocab = getattr(config, "vocab_size", None)
-    if record.vocab_size is not None and vocab is not None and record.vocab_size != vocab:
-        problems.append(
-            f"{written}, whose vocabulary has {record.vocab_size:,} tokens, and the model {s.model} has {vocab:,}: its "
-            "stored ids are another tokenizer's; generate the corpus from the model's parent"
-        )
-    parent = s.parent or (s.model if s.kv_heads is not None else None)
-    theirs = local_path(record.parent)
-    gone = theirs.startswith("/") and not exists(theirs)  # the parent's folder moved since: not known
-    if parent is not None and not gone and local_path(parent) != theirs:
-        named = "parent" if s.parent else "model (converted here: the parent)"
-        problems.append(
-            f"{written}, and the run's {named} is {parent}: distill_from_data would train toward another parent than "
-            f"the one it is measured against; generate the corpus from {parent}, or set parent {record.parent}"
-        )
-    return problems
 
 
 def _output_dir_problem(output_dir: str) -> str | None:

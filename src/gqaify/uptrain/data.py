@@ -24,7 +24,6 @@ import torch
 from torch.utils.data import Sampler
 
 from gqaify.errors import UserError
-from gqaify.model.loading import load_config
 from gqaify.text.corpus_format import STORED, corpus_record, stored_problem
 from gqaify.text.loading import DOCUMENTS_PER_MAP, load_rows, named_texts, packed_blocks, tokens_sha256
 
@@ -171,9 +170,10 @@ class EpochSampler(Sampler[int]):
         yield from torch.randperm(self.num_blocks, generator=generator)[: len(self)].tolist()
 
 
-def training_loader(s: UptrainSettings, tokenizer, accelerator):
+def training_loader(s: UptrainSettings, tokenizer, vocab_size: int, accelerator):
     """(DataLoader of packed blocks, optimizer steps in the budget, SHA-256 of the blocks' tokens: all of them, or
-    when streaming the first step's, which are all that is read before training).
+    when streaming the first step's, which are all that is read before training). The blocks are `tokenizer`'s
+    tokens, or with distill_from_data the stored ones, each of them in the model's vocabulary of `vocab_size`.
 
     Raises:
         UserError: the budget is less than one step, or the data packs into fewer blocks than one step needs.
@@ -186,8 +186,7 @@ def training_loader(s: UptrainSettings, tokenizer, accelerator):
     blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
     with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
         if s.distill_from_data:
-            vocab = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code).vocab_size
-            blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming, vocab) for t in sources]
+            blocks = [packed_stored_blocks(t.source, s.split, s.seq_len, s.streaming, vocab_size) for t in sources]
         else:
             blocks = [
                 packed_blocks(t.source, s.split, s.text_column, tokenizer, s.seq_len, s.streaming) for t in sources

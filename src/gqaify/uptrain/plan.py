@@ -155,14 +155,7 @@ def plan(s, launch: Launch) -> MemoryPlan:
         UserError: a setting the run would refuse (every problem at once: a budget below one step of the launch's
             processes among them, so that a huge batch is refused, not planned); a model's config cannot be read.
     """
-    from gqaify.model.loading import load_config
-
-    one_process = s.step_problem(processes=1)  # among s.problems() already
-    raise_if_problems(s.problems(), None if one_process else s.step_problem(launch.processes))
-    student_config = _student_config(s)
-    teacher_config = None
-    if s.distill_from:
-        teacher_config = load_config(s.distill_from, option="distill_from", trust_remote_code=s.trust_remote_code)
+    student_config, teacher_config = _configs(s, launch)
     n = launch.processes if launch.sharded else 1
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(launch.mixed_precision, torch.float32)
     with torch.device("meta"):
@@ -191,16 +184,31 @@ def plan(s, launch: Launch) -> MemoryPlan:
     )
 
 
-def _student_config(s):
-    """The config of the model that trains: `model`, or its conversion to kv_heads."""
+def _configs(s, launch: Launch) -> tuple[object, object | None]:
+    """(the config of the model that trains: `model`, or its conversion to kv_heads; the teacher's, or None), read
+    once, with every problem at once: the settings' (`UptrainSettings.problems`, and a budget below one step of the
+    launch's processes), and a model's config that cannot be read.
+
+    Raises:
+        UserError: every problem found.
+    """
     from gqaify.model.archs import ARCHITECTURES
     from gqaify.model.loading import load_config
 
-    config = load_config(s.model, option="model", trust_remote_code=s.trust_remote_code)
+    one_process = s.step_problem(processes=1)  # among s.problems() already
+    problems = s.problems()
+    configs = {}
+    for key in (k for k in ("model", "distill_from") if getattr(s, k)):
+        try:
+            configs[key] = load_config(getattr(s, key), option=key, trust_remote_code=s.trust_remote_code)
+        except UserError as exc:
+            problems.append(str(exc))
+    raise_if_problems(problems, None if one_process else s.step_problem(launch.processes))
+    student = configs["model"]
     if s.kv_heads is not None:
-        spec = ARCHITECTURES.get(config.model_type)
-        setattr(config, spec.num_kv_heads_key if spec else "num_key_value_heads", s.kv_heads)
-    return config
+        spec = ARCHITECTURES.get(student.model_type)
+        setattr(student, spec.num_kv_heads_key if spec else "num_key_value_heads", s.kv_heads)
+    return student, configs.get("distill_from")
 
 
 def _model(config, dtype) -> torch.nn.Module:

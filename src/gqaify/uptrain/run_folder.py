@@ -1,4 +1,5 @@
-"""An uptraining run's folder: what makes it this run, its checkpoints, and its final model.
+"""An uptraining run's folder: its claim, what makes it this run, its checkpoints, its final model, and what a run
+that failed leaves there (`left_after_failure`).
 
     output_dir/
         run.json               the settings that define the run and the SHA-256 of its data's tokens (a rerun
@@ -21,12 +22,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gqaify._version import __version__
+from gqaify.command import Left
 from gqaify.conversion.card import Uptrained, model_card
 from gqaify.conversion.record import ConversionRecord
-from gqaify.errors import UserError
-from gqaify.output.claims import CLAIM_INSIDE
+from gqaify.errors import PEER_STOPPED, ResourceError, UserError
+from gqaify.output.claims import CLAIM_INSIDE, claimed
 from gqaify.output.destination import write_provenance
-from gqaify.output.whole import readable_as_umask_allows, written_whole
+from gqaify.output.whole import is_full_disk, readable_as_umask_allows, written_whole
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
@@ -105,6 +107,51 @@ def _located(values: dict) -> dict:
     return {**values, **changed}
 
 
+@dataclass(frozen=True)
+class Found:
+    """output_dir as a run found it, before its claim: whether it existed, which of the run's names (`RUN_NAMES`) it
+    held, and every local path the run reads (`read_paths`), which nothing of the run's removes. A run that never
+    trained leaves it so (`undo_claim`)."""
+
+    out: Path
+    existed: bool
+    names: set[str]
+    reads: list[Path]
+
+    @classmethod
+    def of(cls, out: Path, s: UptrainSettings) -> Found:
+        return cls(out, out.exists(), run_files(out), read_paths(s))
+
+
+@contextlib.contextmanager
+def claimed_by_launch(out: Path, accelerator):
+    """`claims.claimed` on output_dir, held by the launch's main process for the whole run; where another run holds
+    it, every process of this launch is refused with the same line.
+
+    Raises:
+        UserError: another gqaify run (its pid named) is writing output_dir, or its claim's name holds something
+            else.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    with contextlib.ExitStack() as held:
+        said, failed = [None], None  # (refused: True for a UserError, its line), as every rank learns it
+        if accelerator.is_main_process:
+            try:
+                held.enter_context(claimed(out, "gqaify uptrain", option="output_dir", inside=True))
+            except BaseException as exc:  # every rank hears of it: none waits for a main process that stopped
+                said = [(isinstance(exc, UserError), str(exc))]
+                failed = exc
+        if accelerator.num_processes > 1:
+            broadcast_object_list(said)
+        if failed is not None:
+            raise failed
+        if said[0] is not None:
+            refused, line = said[0]
+            raise UserError(line) if refused else ResourceError(f"{PEER_STOPPED}; nothing was written: rerun it")
+        yield
+
+
 def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator, data_sha256: str) -> RunRecord:
     """The record of `out`'s run (run.json), written if new; refuses a folder that holds another run or other
     files. A run recorded there that never trained (killed while converting) with other settings or data is
@@ -159,12 +206,26 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
 
 
 def _new_run(out: Path, identity: dict, accelerator, data_sha256: str) -> RunRecord:
-    """A new run's record, written to `out`/run.json (the folder made if need be) by the main process."""
+    """A new run's record, written to `out`/run.json (the folder made if need be) by the main process.
+
+    Raises:
+        ResourceError: the disk is full; run.json is written whole or not at all, and a folder made for it is
+            removed again.
+    """
     run = RunRecord(version=__version__, settings=identity, data_sha256=data_sha256)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_run(out, run)
+        made = not out.exists()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            save_run(out, run)
+        except OSError as exc:
+            if not is_full_disk(exc):
+                raise
+            if made:  # empty: run.json was not written
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+            raise ResourceError(f"no space left on the disk of output_dir {out}; nothing was written") from exc
     accelerator.wait_for_everyone()
     return run
 
@@ -244,13 +305,28 @@ def remove_run_files(out: Path, names: set[str], reads: list[Path]) -> list[str]
     return removed
 
 
-def undo_claim(out: Path, found: set[str], existed: bool, s: UptrainSettings) -> None:
-    """Remove what a run that never trained wrote (of `RUN_NAMES`, those not `found` in `out` when it began), so
-    that `out` is left as it was found; a folder made for the run goes too, if nothing else is in it."""
-    remove_run_files(out, run_files(out) - found, reads=read_paths(s))
-    if not existed:
+def undo_claim(found: Found) -> None:
+    """Remove what a run that never trained wrote (of `RUN_NAMES`, those not `found` in output_dir when it began), so
+    that output_dir is left as it was found; a folder made for the run goes too, if nothing else is in it."""
+    out = found.out
+    remove_run_files(out, run_files(out) - found.names, reads=found.reads)
+    if not found.existed:
         with contextlib.suppress(OSError):
             out.rmdir()
+
+
+def left_after_failure(found: Found, steps: int, started: bool, main_process: bool) -> Left:
+    """What a run of `steps` that failed leaves in output_dir, as the line that ends it says it (`command.Left`):
+    where it never `started` training, output_dir as it was `found` (the main process removes what the run wrote
+    there: `undo_claim`), nothing written; else its checkpoints, from which a rerun resumes (`what_is_left`)."""
+    disk = f"output_dir {found.out}"
+    if not started:
+        if main_process:
+            undo_claim(found)
+        nothing = "nothing was written"
+        return Left(nothing, f"{nothing}: rerun the same command", f"{nothing}: free some space and rerun", disk)
+    left = what_is_left(found.out, steps)
+    return Left(left, left, f"{left}, once space is freed", disk)
 
 
 def checkpoints(root: Path) -> list[Path]:
