@@ -11,6 +11,8 @@ Each row caches the same number of values per token and layer:
                       latent of the dropped pairs' keys and the values (balanced K/V, PCA on calibration inputs);
                       "PCA" as it comes, "fitted" then brought back to the parent layer by layer (`fit_mla`: o_proj
                       refitted, 64 Adam steps a layer on the calibration windows)
+    split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`choose_split`: the PCA starts
+                      of six splits judged on held-out calibration windows), then fitted; shown where it differs
     MLA from GQA      the next larger GQA lsq model compressed to the budget the same way, then fitted
 
 Panel: WikiText-2 test, TinyStories validation, tiny-shakespeare's second half and Python's LICENSE.txt, the first
@@ -23,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TEXT = REPO.parent / "shared" / "assets" / "text"
-MODELS = REPO.parent / "shared" / "assets" / "models"
+from commands import MODELS, REPO, TEXT, panel_contents
+
 CALIB_TEXT = TEXT / "wikitext-2-valid-tokenized.txt"
 CALIB_TOKENS = 16_384
 PANEL_TOKENS, WINDOW = 4096, 512
@@ -44,37 +44,41 @@ SETUPS = {
 }
 
 
+# the four texts of the panel (`commands.PANEL`) read here, the code left out: name in mla.json -> name in the panel
+PANEL_TEXTS = {
+    "wikitext": "wikitext",
+    "tinystories": "tinystories",
+    "shakespeare-2": "shakespeare",
+    "licence": "licence",
+}
+
+
 def panel_texts() -> dict[str, str]:
-    shakespeare = (TEXT / "tinyshakespeare.txt").read_text()
-    half = shakespeare.index("\n\n", len(shakespeare) // 2)
-    licence = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-    return {
-        "wikitext": (TEXT / "wikitext-2-raw-test.txt").read_text(),
-        "tinystories": (TEXT / "tinystories-valid-head.txt").read_text(),
-        "shakespeare-2": shakespeare[half:].lstrip(),
-        "licence": licence.read_text(),
-    }
+    texts = panel_contents(PANEL_TEXTS.values())
+    return {ours: texts[theirs] for ours, theirs in PANEL_TEXTS.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(SETUPS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--no-from-gqa", action="store_true", help="skip the rows that compress a larger GQA model")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models.split(","):
-        results[name] = measure(name, args.out / "mla" / name)
+        results[name] = measure(name, args.out / "mla" / name, from_gqa=not args.no_from_gqa)
         (args.out / "mla.json").write_text(json.dumps(results, indent=2))
     table = "\n\n".join(format_table(name, rows) for name, rows in results.items())
     (args.out / "mla.md").write_text(table + "\n")
     print(table)
 
 
-def measure(name: str, work: Path) -> list[dict]:
+def measure(name: str, work: Path, from_gqa: bool = True) -> list[dict]:
     import gqaify
-    from gqaify.conversion.mla import rewrite_as_mla
+    from gqaify.conversion.mla import build_mla, rewrite_as_mla
     from gqaify.conversion.mla_fit import fit_mla
+    from gqaify.conversion.mla_split import choose_split
     from gqaify.entry.demo import fetch_default_model
     from gqaify.eval.perplexity import perplexity
     from gqaify.model.loading import load_model
@@ -136,8 +140,18 @@ def measure(name: str, work: Path) -> list[dict]:
         score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
         fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
         score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
+        start = time.perf_counter()
+        plan, trials = choose_split(parent, budget, calib)  # what --kv-cut alone does
+        if plan.shape.rope_dim != rope:
+            mla = build_mla(parent, plan)
+            fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
+            label = (
+                f"MLA from parent, split chosen (latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}), fitted"
+            )
+            score(label, budget, mla, time.perf_counter() - start)
+        print(json.dumps({"budget": budget, "splits tried": [vars(t) for t in trials]}), flush=True)
         larger = [b for b in gqa_models if b > budget]
-        if larger:
+        if larger and from_gqa:
             gqa = gqa_models[min(larger)]
             g = gqa.config.num_key_value_heads
             p_g = min(d // 2, max(1, round(p * G / g)))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import gqaify
-from gqaify.conversion.mla import MlaShape, latent_from_covariance, rewrite_as_mla
+from gqaify.conversion.mla import MlaShape, build_mla, plan_mla, rewrite_as_mla
+from gqaify.conversion.mla_latent import latent_from_covariance
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.eval.settings import EvalSettings
@@ -70,34 +71,38 @@ def test_the_latent_norm_stays_linear_for_any_input_the_layer_norm_allows():
     assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
 
 
-def reference_partial_rope(model, ids: torch.Tensor, kept: list[list[int]]) -> torch.Tensor:
-    """The source's logits where RoPE turns only the pairs `kept[g]` of K/V head g and its query heads (the others
-    unrotated), written here from the weights: the partial-RoPE model an MLA layer with those pairs and a full
-    latent must equal."""
+def reference_partial_rope(model, ids: torch.Tensor, kept: list[list[list[int]]]) -> torch.Tensor:
+    """The source's logits where, in layer l, RoPE turns only the pairs `kept[l][g]` of K/V head g and its query
+    heads (the others unrotated), written here from the weights: the partial-RoPE model an MLA layer with those
+    pairs and a full latent must equal."""
     config = model.config
     H, G, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     half, rep = d // 2, H // G
     base = config.rope_parameters["rope_theta"]
     T = ids.shape[1]
-    cos, sin = [], []
-    for pairs in kept:
-        freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        freq[[j for j in range(half) if j not in pairs]] = 0.0  # angle 0: not rotated
-        angle = torch.arange(T, dtype=torch.float64)[:, None] * freq[None, :]
-        cos.append(torch.cat([angle.cos()] * 2, -1).float())
-        sin.append(torch.cat([angle.sin()] * 2, -1).float())
-    cos, sin = torch.stack(cos), torch.stack(sin)  # (G, T, d)
 
-    def rotate(x, group_of_head):
+    def rotations(layer_kept):
+        cos, sin = [], []
+        for pairs in layer_kept:
+            freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+            freq[[j for j in range(half) if j not in pairs]] = 0.0  # angle 0: not rotated
+            angle = torch.arange(T, dtype=torch.float64)[:, None] * freq[None, :]
+            cos.append(torch.cat([angle.cos()] * 2, -1).float())
+            sin.append(torch.cat([angle.sin()] * 2, -1).float())
+        return torch.stack(cos), torch.stack(sin)  # (G, T, d)
+
+    def rotate(x, group_of_head, cos, sin):
         c, s = cos[group_of_head], sin[group_of_head]
         return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
 
     h = model.model.embed_tokens(ids)[0]
-    for layer in model.model.layers:
+    for layer, layer_kept in zip(model.model.layers, kept, strict=True):
         a = layer.self_attn
+        cos, sin = rotations(layer_kept)
         x = layer.input_layernorm(h)
-        q = rotate((x @ a.q_proj.weight.T).view(T, H, d).transpose(0, 1), torch.arange(H) // rep)
-        k = rotate((x @ a.k_proj.weight.T).view(T, G, d).transpose(0, 1), torch.arange(G)).repeat_interleave(rep, 0)
+        q = rotate((x @ a.q_proj.weight.T).view(T, H, d).transpose(0, 1), torch.arange(H) // rep, cos, sin)
+        k = rotate((x @ a.k_proj.weight.T).view(T, G, d).transpose(0, 1), torch.arange(G), cos, sin)
+        k = k.repeat_interleave(rep, 0)
         v = (x @ a.v_proj.weight.T).view(T, G, d).transpose(0, 1).repeat_interleave(rep, 0)
         scores = q @ k.transpose(1, 2) / math.sqrt(d) + torch.full((T, T), -math.inf).triu(1)
         h = h + (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * d) @ a.o_proj.weight.T
@@ -106,24 +111,51 @@ def reference_partial_rope(model, ids: torch.Tensor, kept: list[list[int]]) -> t
 
 
 def test_fewer_rotary_pairs_with_a_full_latent_equal_partial_rope():
-    """Keeping 3 of each K/V head's 8 rotary pairs, the latent holding every dropped key dimension and every value:
-    the model is the source with RoPE off on the pairs not kept (checked against an attention written here); the
-    class's one list of frequencies is each K/V head's kept pairs in turn, the same in every layer."""
+    """Keeping 6 (K/V head, pair) choices of 16, the latent holding every dropped key dimension and every value: the
+    model is the source with RoPE off on the pairs not kept (checked against an attention written here). The
+    class's one list of frequencies is the pairs listed; which head keeps which changes from layer to layer, and a
+    head may keep more than another."""
     source = build_model("llama", num_kv_heads=2)
     G, d = 2, source.config.head_dim
-    full = G * (d - 2 * 3) + G * d
+    full = 2 * G * d - 2 * 6
     calibration = torch.randint(0, source.config.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
-    mla = rewrite_as_mla(source, kv_rank=full, rope_dim=2 * 3 * G, ids=calibration)
-    frequencies = mla.model.rotary_emb.inv_freq.double()
+    plan = plan_mla(source, kv_rank=full, rope_dim=2 * 3 * G, ids=calibration)
+    mla = build_mla(source, plan)
+    kept = plan.layout.per_layer(G)
+    assert [sum(len(pairs) for pairs in layer) for layer in kept] == [6, 6]
+    assert kept[0] != kept[1] and len(kept[0][0]) != len(kept[0][1])  # chosen per layer, unequally: this seed
     base = source.config.rope_parameters["rope_theta"]
     ladder = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    kept = [[int((ladder - f).abs().argmin()) for f in frequencies[3 * g : 3 * g + 3]] for g in range(G)]
-    assert torch.allclose(frequencies, ladder[torch.tensor(kept).flatten()], rtol=1e-5)
-    assert json.loads(json.dumps(kept)) != [kept[0]] * G  # the heads chose differently here
+    frequencies = mla.model.rotary_emb.inv_freq.double()
+    assert torch.allclose(frequencies, ladder[plan.layout.pairs], rtol=1e-5)
+    for layer in kept:  # each listed frequency is kept by as many heads as it is listed, in every layer
+        listed = sorted(plan.layout.pairs.tolist())
+        assert sorted(pair for pairs in layer for pair in pairs) == listed
     ids = torch.randint(0, source.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected, got = reference_partial_rope(source, ids, kept), mla(ids).logits[0]
     assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+
+
+def test_the_listed_frequencies_are_the_best_of_every_list_a_brute_force_tries():
+    """The layout keeps the (head, pair) choices whose scores sum highest under one list of frequencies for every
+    layer (each listed frequency given, in each layer, to the heads that score most on it): checked against every
+    list of 4 frequencies of 5, none listed more often than there are heads."""
+    import itertools
+
+    from gqaify.conversion.mla_rotary import choose_layout
+
+    scores = torch.rand(3, 2, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)  # (layers, G, d/2)
+    layers, G, half = scores.shape
+
+    def total(listed) -> float:
+        counts = torch.bincount(torch.tensor(listed), minlength=half)
+        return sum(float(scores[i, :, f].topk(int(counts[f])).values.sum()) for i in range(layers) for f in set(listed))
+
+    lists = [c for c in itertools.combinations_with_replacement(range(half), 4) if max(map(c.count, c)) <= G]
+    layout = choose_layout(scores, G, 2 * half, pairs=2, layers=layers)
+    kept = sum(float(scores[i, layout.heads[i, j], layout.pairs[j]]) for i in range(layers) for j in range(4))
+    assert kept == pytest.approx(max(map(total, lists))) == pytest.approx(total(layout.pairs.tolist()))
 
 
 def test_a_narrower_latent_is_the_leading_components_of_the_balanced_targets():
@@ -134,7 +166,7 @@ def test_a_narrower_latent_is_the_leading_components_of_the_balanced_targets():
     targets = torch.randn(shape.full_rank, 12, generator=generator, dtype=torch.float64)
     x = torch.randn(500, 12, generator=generator, dtype=torch.float64)
     covariance = x.T @ x / len(x)
-    latent = latent_from_covariance(targets, covariance, shape)
+    latent = latent_from_covariance(targets, covariance, shape.kv_rank, shape.kv_groups * shape.nope_dim)
     y = x @ targets.T  # (tokens, targets)
     keys = shape.kv_groups * shape.nope_dim
     balance = torch.ones(shape.full_rank, dtype=torch.float64)
@@ -142,6 +174,31 @@ def test_a_narrower_latent_is_the_leading_components_of_the_balanced_targets():
     error = ((y - y @ latent.down.T @ latent.up.T) * balance).pow(2).sum() / len(x)
     eigenvalues = torch.linalg.eigvalsh((y * balance).T @ (y * balance) / len(x))
     assert error.item() == pytest.approx(eigenvalues[: shape.full_rank - shape.kv_rank].sum().item(), rel=1e-6)
+
+
+def test_a_latent_in_a_metric_is_the_leading_components_in_that_metric():
+    """With a metric M (the scores' and the output's), the latent's error |M (t' - t)|, keys and values balanced
+    in M, is the sum of the eigenvalues the rank leaves out; and it is smaller there than the plain latent's."""
+    generator = torch.Generator().manual_seed(6)
+    shape = MlaShape(num_heads=4, kv_groups=2, head_dim=8, pairs=2, kv_rank=10)
+    keys = shape.kv_groups * shape.nope_dim
+    targets = torch.randn(shape.full_rank, 12, generator=generator, dtype=torch.float64)
+    x = torch.randn(500, 12, generator=generator, dtype=torch.float64)
+    covariance = x.T @ x / len(x)
+    a = torch.randn(shape.full_rank, shape.full_rank, generator=generator, dtype=torch.float64)
+    metric = a @ a.T / shape.full_rank + torch.eye(shape.full_rank, dtype=torch.float64)
+    y = x @ targets.T @ metric.T  # (tokens, targets) as the metric sees them
+    balance = torch.ones(shape.full_rank, dtype=torch.float64)
+    balance[:keys] = (y[:, keys:].pow(2).sum() / y[:, :keys].pow(2).sum()).sqrt()
+
+    def error(latent) -> float:
+        reconstructed = x @ (latent.up @ latent.down @ targets).T @ metric.T
+        return (((reconstructed - y) * balance).pow(2).sum() / len(x)).item()
+
+    latent = latent_from_covariance(targets, covariance, shape.kv_rank, keys, metric)
+    eigenvalues = torch.linalg.eigvalsh((y * balance).T @ (y * balance) / len(x))
+    assert error(latent) == pytest.approx(eigenvalues[: shape.full_rank - shape.kv_rank].sum().item(), rel=1e-6)
+    assert error(latent) < error(latent_from_covariance(targets, covariance, shape.kv_rank, keys))
 
 
 @pytest.mark.parametrize(
@@ -203,7 +260,7 @@ def test_convert_writes_a_plain_deepseek_v3_checkpoint_with_the_gqa_conversions_
         "kv_rank": 32,
         "rope_dims": 32,
         "nope_dims": 0,
-        "rotary_pairs": [list(range(8))] * 2,
+        "rotary_pairs": [[list(range(8))] * 2] * 2,  # per layer, per K/V head
         "rope_type": "longrope",
         "exact": True,
     }
@@ -229,8 +286,14 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
     ]
     assert main(["convert", str(parent), str(out), "--kv-heads", "2", *map(str, argv), "-q"]) == 0
     record = json.loads((out / "gqaify.json").read_text())["mla"]
-    assert (record["kv_rank"], record["rope_dims"], record["nope_dims"], record["exact"]) == (16, 16, 8, False)
-    assert [len(pairs) for pairs in record["rotary_pairs"]] == [4, 4]
+    fewest = min(len(pairs) for layer in record["rotary_pairs"] for pairs in layer)
+    assert (record["kv_rank"], record["rope_dims"], record["nope_dims"], record["exact"]) == (
+        16,
+        16,
+        16 - 2 * fewest,
+        False,
+    )
+    assert [sum(len(pairs) for pairs in layer) for layer in record["rotary_pairs"]] == [8, 8]
     settings = EvalSettings(seq_len=32, speed=False, progress=False)
     report = gqaify.evaluate([str(out)], str(calib), tmp_path / "report", settings)
     entry = report.models[0]
@@ -303,6 +366,24 @@ def test_an_mla_model_uptrains_with_its_latent_down_projection_held(parent, tmp_
     assert type(load(out / "final")).__name__ == "DeepseekV3ForCausalLM"
 
 
+def test_uptrain_converts_to_a_smaller_mla_cache_itself_calibrated_on_its_data(parent, tmp_path):
+    """uptrain's conversion takes the shape settings a conversion does: MLA at 16 + 16 values from GQA-2, fitted on
+    the training data (calib_data defaults to it, as for a calibrated method), then trained."""
+    from gqaify.uptrain import parse
+    from gqaify.uptrain import run as uptrain
+
+    (tmp_path / "train.txt").write_text(CORPUS * 4)
+    out = tmp_path / "run"
+    argv = ["--model", parent, "--kv_heads", "2", "--attention", "mla", "--kv_rank", "16", "--rope_dims", "16"]
+    argv += ["--output_dir", out, "--data", tmp_path / "train.txt", "--seq_len", "16", "--calib_seq_len", "64"]
+    uptrain(parse([*map(str, argv), "--micro_batch_size", "2", "--max_tokens", "320", "--no-progress"]))
+    record = json.loads((out / "converted" / "gqaify.json").read_text())
+    assert (record["mla"]["kv_rank"], record["mla"]["rope_dims"], record["mla"]["exact"]) == (16, 16, False)
+    assert record["settings"]["calib_data"] == [str(tmp_path / "train.txt")]
+    config = load(out / "final").config
+    assert (config.kv_lora_rank, config.qk_rope_head_dim) == (16, 16) and len(losses(out)) == 10
+
+
 def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):
     """An attention shape is one entry of ATTENTION_INFO naming its module: the registry is built from it, the
     command line offers exactly its names, and each module has the three functions the pipeline calls."""
@@ -317,7 +398,7 @@ def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_c
         assert shape.info is ATTENTION_INFO[name]
         if shape.info.module:
             module = shape.module
-            assert [len(inspect.signature(f).parameters) for f in (module.problems, module.rewrite)] == [3, 4]
+            assert [len(inspect.signature(f).parameters) for f in (module.problems, module.rewrite)] == [3, 5]
             assert len(inspect.signature(module.write_gguf).parameters) == 5
     assert main(["convert", "--help"]) == 0
     offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)

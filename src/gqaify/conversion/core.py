@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from gqaify._version import __version__
+from gqaify.conversion.budget import resolve_cut
 from gqaify.conversion.calibrate import (
     CalibratedLayers,
     CalibrationText,
@@ -106,13 +107,16 @@ class ConversionResult:
         return None if self.record.calibration is None else self.record.calibration.seconds
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, kv_heads: int, **settings) -> ConversionResult:
-    """Convert the checkpoint `src` to `kv_heads` key/value heads and save it as a plain checkpoint at `out`.
+def convert(
+    src: str | os.PathLike, out: str | os.PathLike, kv_heads: int | None = None, **settings
+) -> ConversionResult:
+    """Convert the checkpoint `src` to `kv_heads` key/value heads (or to the cache `kv_cut` says) and save it as a
+    plain checkpoint at `out`.
 
     Args:
         src: a local model folder, a Hugging Face hub id, or a `.gguf` file. Never modified.
         out: the folder to create. Written beside, renamed into place when complete.
-        kv_heads: G, the new number of K/V heads; must divide the source's. 1 is MQA.
+        kv_heads: G, the new number of K/V heads; must divide the source's. 1 is MQA. None: `kv_cut` says.
         settings: the other fields of `ConvertSettings` (method, calib_data, dtype, force, push_to_hub, ...),
             the same as the command line's options.
 
@@ -130,6 +134,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
     request = check_request(sink.checked(s))  # every problem with the settings, OUT and SRC, before reading
     raise_if_problems(sink.said(request.problems), sink.problems(s))
     with open_source(request.source, s.revision) as source:
+        s = _cut(s, source)
         plan = _plan(s, request, source, sink)
         remove_leftovers(sink.out)
         raise_if_problems(space_problem(sink.out, plan.size))
@@ -149,6 +154,18 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         push_folder(written.out, s.push_to_hub, message)
     LOG.info("wrote %s", written.out)
     return _result(record, plan, calibrated, written, time.perf_counter() - start)
+
+
+def _cut(s: ConvertSettings, source: Source) -> ConvertSettings:
+    """`s` with what `--kv-cut` decides of the opened source filled in (`budget.resolve_cut`); as it is without."""
+    if s.kv_cut is None:
+        return s
+    checked = config_problems(source.config, None, None)
+    if checked.geometry is None:
+        return s  # `_plan` says what is wrong with config.json
+    resolved, problems = resolve_cut(s, checked.geometry)
+    raise_if_problems(problems)
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -244,7 +261,7 @@ def _rewrite(s: ConvertSettings, plan: _Plan, folder: Path, source: Source) -> R
     def load_parent():
         return load_model(parent, dtype=torch.float32, option="SRC")[0]
 
-    return rewrite(folder, s, plan.text, load_parent)
+    return rewrite(folder, s, plan.text, load_parent, plan.geometry)
 
 
 def _record(

@@ -7,12 +7,13 @@ latent through its own rows of `kv_b_proj`. transformers' `DeepseekV3ForCausalLM
 body: the same embedding, MLP, norms and head, and a cache that holds the latent (`DynamicCache` stores c and the
 rotary key, not the expanded heads). So the output is a plain checkpoint: `AutoModelForCausalLM` loads it.
 
-A layer with G K/V heads of d dimensions, keeping `pairs` of each head's d/2 rotary pairs (all of them: exact):
+A layer with G K/V heads of d dimensions, keeping rope_dim / 2 (K/V head, rotary pair) choices (all: exact):
 
-    rotary key   the kept pairs of the G heads side by side, rope_dim = 2 x pairs x G, in transformers' rotate_half
-                 layout; a query head's rotary query is its own kept pairs in its group's place, zeros elsewhere.
-                 Each pair keeps its frequency: the class takes one ladder, `longrope`'s per-pair factors give any
-                 list (`rope_parameters`), one for the model, so K/V head g keeps the same pairs in every layer
+    rotary key   one key of rope_dim values every query head shares, in transformers' rotate_half layout, at one
+                 list of frequencies for the model (`longrope`'s per-pair factors give any list: `rope_parameters`);
+                 each dimension carries one K/V head's pair at its frequency, the head may change from layer to
+                 layer (`mla_rotary.RotaryLayout`); a query head's rotary query is its own head's pairs in their
+                 places, zeros elsewhere
     latent       the values of the G heads, and the keys' dimensions whose pairs are not kept (they lose their
                  rotation); all of them (exact), or their first `kv_rank` principal components on calibration
                  activations, K and V balanced to equal energy first (`Latent`)
@@ -21,6 +22,8 @@ A layer with G K/V heads of d dimensions, keeping `pairs` of each head's d/2 rot
                  (bounded by the weights, not by text), and the norm's weight scales it back up: exact to about
                  5e-7 relatively, and the weight stays free to train
     scaling      the class divides the scores by sqrt(nope + rope_dim); the queries carry the difference
+    nope         each query head's non-rotary key, read from the latent: as wide as the most any K/V head leaves
+                 unrotated in a layer, zeros past its own
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from gqaify.conversion.mla_latent import Latent, latent_from_covariance, target_metric
+from gqaify.conversion.mla_rotary import (
+    STATIC_ROPE,
+    RotaryLayout,
+    choose_layout,
+    pair_scores,
+    rope_parameters,
+    rotation_weight,
+    source_frequencies,
+)
 from gqaify.errors import UserError, raise_if_problems
 
 STAT_WINDOW = 512  # calibration tokens a forward pass of the statistics reads, and the distances pairs are judged over
 LINEAR_MARGIN = 1e-6  # mean(c^2) / eps at most, for any input: the latent norm's relative error is half of it
-# The rope types whose frequencies are fixed (one list for every length): the rewrite lists them per pair.
-STATIC_ROPE = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -74,203 +85,59 @@ class MlaShape:
         return cls(num_heads, kv_groups, head_dim, head_dim // 2, kv_groups * head_dim)
 
 
-def source_frequencies(config) -> torch.Tensor:
-    """The source's rotary frequencies, one per pair (d/2), as its own transformers class computes them.
-
-    Raises:
-        UserError: a rope type whose frequencies change with the length or that scales the scores.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = getattr(config, "rope_parameters", None) or {}
-    kind = rope.get("rope_type", "default")
-    if kind not in STATIC_ROPE:
-        raise UserError(
-            f"rope_type {kind!r} changes its frequencies with the length; an MLA rewrite lists fixed ones "
-            f"({', '.join(STATIC_ROPE)}): convert a model with one of those"
-        )
-    if kind == "default":
-        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
-    if scaling != 1.0:
-        raise UserError(f"rope_type {kind!r} scales the attention scores by {scaling}; an MLA rewrite cannot")
-    return inv_freq.double()
-
-
-def rope_parameters(frequencies: torch.Tensor, base: float, positions: int) -> dict:
-    """DeepSeek-V3's `rope_parameters` for these per-pair frequencies: the default ladder of `base` where they are
-    it, else `longrope` with one factor per pair (short and long the same, no attention factor)."""
-    dim = 2 * len(frequencies)
-    ladder = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    if torch.allclose(frequencies, ladder, rtol=1e-6, atol=0):
-        return {"rope_type": "default", "rope_theta": base}
-    factors = (1.0 / (frequencies * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))).tolist()
-    return {
-        "rope_type": "longrope",
-        "rope_theta": base,
-        "short_factor": factors,
-        "long_factor": factors,
-        "factor": 1.0,
-        "attention_factor": 1.0,
-        "original_max_position_embeddings": positions,
-    }
-
-
-def kept_pairs(shape: MlaShape, scores: torch.Tensor | None = None, ladder: bool = False) -> torch.Tensor:
-    """Per K/V head, the indices of the rotary pairs kept (G, pairs), sorted: every pair where all are kept, else
-    each head's that contribute most to the attention scores, summed over layers (`scores`, (G, d/2)). The class has
-    one list of frequencies for the whole model, whose g-th block is K/V head g's pairs in every layer.
-
-    With `ladder`, the pairs 0, c, 2c, ... for the spacing c whose pairs score most over every head: frequencies
-    that are one base's ladder from 1, the only ones llama.cpp's MLA (`deepseek2`) turns (it reads no per-pair
-    factors), the same in every head.
-    """
-    half, G = shape.head_dim // 2, shape.kv_groups
-    if shape.pairs == half:
-        return torch.arange(half).expand(G, half)
-    if scores is None:
-        raise ValueError("choosing fewer rotary pairs than a head has needs their scores")
-    if ladder:
-        spacings = range(1, (half - 1) // max(shape.pairs - 1, 1) + 1)
-        total = scores.sum(0)
-        chosen = max((torch.arange(shape.pairs) * c for c in spacings), key=lambda pairs: total[pairs].sum())
-        return chosen.expand(G, shape.pairs)
-    return scores.topk(shape.pairs, dim=1).indices.sort(dim=1).values
-
-
-def rotation_weight(frequencies: torch.Tensor, distance: int) -> torch.Tensor:
-    """What dropping each pair's rotation costs a score of unit size, (d/2,): 1 - cos(theta x delta), averaged over
-    the distances delta from 0 to `distance`. A pair that turns slowly barely changes over a window, so its
-    rotation can go at little cost however large its norms are (where MHA2MLA's norm criterion alone would keep
-    it): SmolLM2 keeping 16 of each head's 32 pairs, with the whole latent, was 2.42 nats/token of KL from its parent
-    on WikiText-2 with the norms alone, 0.061 with their product with this weight (1,024 tokens, windows of 512)."""
-    deltas = torch.arange(distance, dtype=torch.float64)
-    return 1 - torch.cos(frequencies[:, None] * deltas[None, :]).mean(dim=1)
-
-
-def pair_scores(q: torch.Tensor, k: torch.Tensor, shape: MlaShape) -> torch.Tensor:
-    """How much each rotary pair of each K/V head contributes to the scores, (G, d/2): over calibration tokens, the
-    mean norm of the pair in the head's queries times its mean norm in its key (MHA2MLA's 2-norm criterion; a
-    pair's norm does not depend on the rotation). q: (tokens, H, d), k: (tokens, G, d)."""
-    half = shape.head_dim // 2
-    rep = shape.num_heads // shape.kv_groups
-
-    def pair_norms(x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).mean(0)
-
-    return pair_norms(q).view(shape.kv_groups, rep, half).sum(1) * pair_norms(k)
-
-
-def _rope_rows(pairs: torch.Tensor, shape: MlaShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """(group, dimension of that group's head) of each rotary dimension of the MLA layer, in rotate_half order."""
-    half, r2 = shape.head_dim // 2, shape.rope_dim // 2
-    group = torch.arange(shape.kv_groups).repeat_interleave(shape.pairs)
-    first = pairs.reshape(-1)
-    assert len(first) == r2
-    return torch.cat([group, group]), torch.cat([first, first + half])
-
-
-def _nope_dims(pairs: torch.Tensor, shape: MlaShape) -> torch.Tensor:
-    """(G, nope_dim): each K/V head's dimensions whose pairs are not kept, in order."""
-    half = shape.head_dim // 2
-    rows = []
-    for kept in pairs:
-        dropped = sorted(set(range(half)) - set(kept.tolist()))
-        rows.append(torch.tensor(dropped + [j + half for j in dropped], dtype=torch.long))
-    return torch.stack(rows) if rows[0].numel() else torch.zeros(shape.kv_groups, 0, dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class Latent:
-    """The latent of one layer: c = down @ x from the stacked targets, targets ~ up @ c. Rows of the targets: the
-    G heads' non-rotary key dimensions (G x nope_dim), then their values (G x d)."""
-
-    down: torch.Tensor  # (kv_rank, targets)
-    up: torch.Tensor  # (targets, kv_rank)
-
-
-def latent_from_covariance(targets: torch.Tensor, covariance: torch.Tensor | None, shape: MlaShape) -> Latent:
-    """The latent of `targets` (the stacked target rows of the projection, (T, hidden)): every target where
-    kv_rank holds them all, else the leading principal components of the target activations under `covariance`
-    (of the layer's inputs, (hidden, hidden)), keys and values weighted to equal energy first (TransMLA's BKV)."""
-    n_targets = targets.shape[0]
-    if shape.kv_rank >= n_targets:
-        eye = torch.eye(n_targets, dtype=targets.dtype)
-        pad = torch.zeros(shape.kv_rank - n_targets, n_targets, dtype=targets.dtype)
-        return Latent(torch.cat([eye, pad]), torch.cat([eye, pad.T], dim=1))
-    if covariance is None:
-        raise ValueError("a latent narrower than its targets needs calibration activations")
-    n_keys = shape.kv_groups * shape.nope_dim
-    energy = torch.einsum("th,hk,tk->t", targets, covariance, targets)
-    key_energy, value_energy = energy[:n_keys].sum(), energy[n_keys:].sum()
-    balance = torch.ones(n_targets, dtype=targets.dtype)
-    if n_keys and key_energy > 0:
-        balance[:n_keys] = torch.sqrt(value_energy / key_energy)
-    weighted = balance[:, None] * targets
-    eigenvalues, vectors = torch.linalg.eigh(weighted @ covariance @ weighted.T)
-    basis = vectors[:, eigenvalues.argsort(descending=True)[: shape.kv_rank]]  # (T, R), orthonormal
-    return Latent(basis.T * balance[None, :], basis / balance[:, None])
-
-
 def mla_layer(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     input_norm: torch.Tensor,
     shape: MlaShape,
-    pairs: torch.Tensor,
+    rotary: tuple[tuple[torch.Tensor, torch.Tensor], list[torch.Tensor], int],
     latent: Latent,
     eps: float,
 ) -> dict[str, torch.Tensor]:
     """One layer's MLA tensors (names relative to the attention module) from its GQA projections.
 
     q: (H*d, hidden), k and v: (G*d, hidden), rows by head, rotate_half layout; `input_norm` the weight of the
-    RMSNorm before the layer (it bounds the latent, see the module docstring); `pairs` from `kept_pairs`.
+    RMSNorm before the layer (it bounds the latent, see the module docstring); `rotary` this layer's rotary rows
+    (`RotaryLayout.rows`), each K/V head's dimensions left to the latent (`RotaryLayout.dropped`), and the
+    model's non-rotary width (`RotaryLayout.nope_dim`: heads that keep more pairs leave the rest of theirs zero).
     """
     H, G, d = shape.num_heads, shape.kv_groups, shape.head_dim
     rep = H // G
     q, k, v = q.double().view(H, d, -1), k.double().view(G, d, -1), v.double().view(G, d, -1)
     hidden = q.shape[-1]
-    rope_group, rope_dim_of = _rope_rows(pairs, shape)
-    nope = _nope_dims(pairs, shape)  # (G, nope_dim)
+    (rope_group, rope_dim_of), nope, width = rotary
 
     # queries: per head [nope | rope], scaled from the source's 1/sqrt(d) to the class's 1/sqrt(nope + rope)
-    scale = math.sqrt((shape.nope_dim + shape.rope_dim) / d)
-    q_out = torch.zeros(H, shape.nope_dim + shape.rope_dim, hidden, dtype=torch.float64)
+    scale = math.sqrt((width + shape.rope_dim) / d)
+    q_out = torch.zeros(H, width + shape.rope_dim, hidden, dtype=torch.float64)
     for h in range(H):
         g = h // rep
-        q_out[h, : shape.nope_dim] = q[h, nope[g]]
+        q_out[h, : len(nope[g])] = q[h, nope[g]]
         mine = rope_group == g
-        q_out[h, shape.nope_dim + torch.nonzero(mine).squeeze(1)] = q[h, rope_dim_of[mine]]
+        q_out[h, width + torch.nonzero(mine).squeeze(1)] = q[h, rope_dim_of[mine]]
     q_out *= scale
 
     # the latent's targets: non-rotary key dimensions, then values
-    targets = torch.cat([torch.stack([k[g, nope[g]] for g in range(G)]).reshape(-1, hidden), v.reshape(-1, hidden)])
+    targets = torch.cat([*(k[g, nope[g]] for g in range(G)), v.reshape(-1, hidden)])
     down = latent.down.double() @ targets  # (R, hidden)
     bound = torch.linalg.matrix_norm(down, ord=2) * math.sqrt(hidden) * input_norm.double().abs().max()
     shrink = math.sqrt(LINEAR_MARGIN * eps * shape.kv_rank) / max(float(bound), 1e-30)
     k_rope = k[rope_group, rope_dim_of]  # (rope_dim, hidden)
 
     up = latent.up.double()  # (targets, R)
-    n_keys = G * shape.nope_dim
-    kv_b = torch.zeros(H, shape.nope_dim + d, shape.kv_rank, dtype=torch.float64)
+    starts = [sum(len(n) for n in nope[:g]) for g in range(G + 1)]
+    kv_b = torch.zeros(H, width + d, shape.kv_rank, dtype=torch.float64)
     for h in range(H):
         g = h // rep
-        kv_b[h, : shape.nope_dim] = up[g * shape.nope_dim : (g + 1) * shape.nope_dim]
-        kv_b[h, shape.nope_dim :] = up[n_keys + g * d : n_keys + (g + 1) * d]
+        kv_b[h, : len(nope[g])] = up[starts[g] : starts[g + 1]]
+        kv_b[h, width:] = up[starts[G] + g * d : starts[G] + (g + 1) * d]
     return {
         "q_proj.weight": q_out.reshape(-1, hidden),
         "kv_a_proj_with_mqa.weight": torch.cat([down * shrink, k_rope]),
         "kv_a_layernorm.weight": torch.full((shape.kv_rank,), math.sqrt(eps) / shrink, dtype=torch.float64),
         "kv_b_proj.weight": kv_b.reshape(-1, shape.kv_rank),
     }
-
-
-def mla_frequencies(source: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """The MLA layer's per-pair frequencies (rope_dim / 2): each kept pair's own, in `_rope_rows` order."""
-    return source[pairs.reshape(-1)]
 
 
 def shape_for(config: dict, kv_heads: int | None, kv_rank: int | None, rope_dim: int | None):
@@ -341,7 +208,7 @@ def mla_problem(config: dict) -> str | None:
     return None
 
 
-def mla_config(config, shape: MlaShape, rope: dict):
+def mla_config(config, shape: MlaShape, rope: dict, nope_dim: int):
     """DeepSeek-V3's config of the rewritten model: every layer dense, the MLA shape, the source's body."""
     from transformers import DeepseekV3Config
 
@@ -359,7 +226,7 @@ def mla_config(config, shape: MlaShape, rope: dict):
         q_lora_rank=None,
         kv_lora_rank=shape.kv_rank,
         qk_rope_head_dim=shape.rope_dim,
-        qk_nope_head_dim=shape.nope_dim,
+        qk_nope_head_dim=nope_dim,
         v_head_dim=shape.head_dim,
         rope_parameters=rope,
         rope_interleave=False,
@@ -392,7 +259,7 @@ def layer_statistics(
             attn = layers[index].self_attn
             q = (x @ attn.q_proj.weight.double().T).view(len(x), shape.num_heads, shape.head_dim)
             k = (x @ attn.k_proj.weight.double().T).view(len(x), shape.kv_groups, shape.head_dim)
-            scores[index] += pair_scores(q, k, shape) * len(x)
+            scores[index] += pair_scores(q, k, shape.num_heads, shape.kv_groups) * len(x)
 
         return capture
 
@@ -413,16 +280,20 @@ def layer_statistics(
 
 @dataclass(frozen=True)
 class MlaPlan:
-    """An MLA rewrite worked out for one model: its shape, the rotary pairs kept, the per-layer statistics."""
+    """An MLA rewrite worked out for one model: its shape, the rotary layout, the per-layer statistics."""
 
     shape: MlaShape
-    pairs: torch.Tensor  # (G, pairs kept), `kept_pairs`
+    layout: RotaryLayout  # which K/V head's pair each rotary dimension carries, in each layer
     rope: dict  # DeepSeek-V3's rope_parameters
     statistics: list[LayerStatistics] | None  # None: the exact rewrite, which reads no text
 
     @property
     def exact(self) -> bool:
         return self.statistics is None
+
+    @property
+    def nope_dim(self) -> int:
+        return self.layout.nope_dim(self.shape.kv_groups, self.shape.head_dim)
 
 
 def plan_mla(
@@ -432,10 +303,12 @@ def plan_mla(
     ids: torch.Tensor | None = None,
     ladder: bool = False,
     progress: bool = False,
+    statistics: list[LayerStatistics] | None = None,
 ) -> MlaPlan:
     """The rewrite of `model` (a loaded GQA, MQA or MHA transformers model) at this shape: exact without `kv_rank` and
     `rope_dim` (the source's cache), else fitted on the token ids `ids` (calibration text); `ladder`: rotary pairs
-    llama.cpp can turn (`kept_pairs`).
+    llama.cpp can turn (`choose_layout`); `statistics`: `layer_statistics` already read (of any shape of this
+    model), else read from `ids`.
 
     Raises:
         UserError: an architecture or a shape the rewrite does not take, or a smaller cache without text.
@@ -446,36 +319,47 @@ def plan_mla(
     shape, problems = shape_for(config.to_dict(), None, kv_rank, rope_dim)
     raise_if_problems(problems)
     compressed = shape.pairs < shape.head_dim // 2 or shape.kv_rank < shape.full_rank
-    if compressed and ids is None:
+    if compressed and ids is None and statistics is None:
         raise UserError("an MLA cache smaller than the source's is fitted on calibration text: pass --calib-data")
-    statistics = layer_statistics(model, ids, shape, progress) if compressed else None
+    if not compressed:
+        statistics = None
+    elif statistics is None:
+        statistics = layer_statistics(model, ids, shape, progress)
     source = source_frequencies(config)
-    scores = None if statistics is None else sum(s.scores for s in statistics) * rotation_weight(source, STAT_WINDOW)
-    kept = kept_pairs(shape, scores, ladder)
-    frequencies = mla_frequencies(source, kept)
-    rope = rope_parameters(frequencies, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings)
-    return MlaPlan(shape, kept, rope, statistics)
+    scores = None
+    if statistics is not None:
+        scores = torch.stack([s.scores for s in statistics]) * rotation_weight(source, STAT_WINDOW)
+    layers = config.num_hidden_layers
+    layout = choose_layout(scores, shape.kv_groups, shape.head_dim, shape.pairs, layers, ladder)
+    rope = rope_parameters(
+        source[layout.pairs], float(config.rope_parameters["rope_theta"]), config.max_position_embeddings
+    )
+    return MlaPlan(shape, layout, rope, statistics)
 
 
 def build_mla(model, plan: MlaPlan):
     """The DeepSeek-V3 dense MLA model `plan` describes, in float32, its body `model`'s."""
     from transformers import DeepseekV3ForCausalLM
 
-    shape, G, d = plan.shape, plan.shape.kv_groups, plan.shape.head_dim
-    target = mla_config(model.config, shape, plan.rope)
+    shape, layout, G, d = plan.shape, plan.layout, plan.shape.kv_groups, plan.shape.head_dim
+    target = mla_config(model.config, shape, plan.rope, plan.nope_dim)
     state = {name: t.detach().float() for name, t in model.state_dict().items()}
     eps = 1e-6  # DeepSeek-V3's latent norm keeps RMSNorm's default epsilon, whatever rms_norm_eps says
-    nope = _nope_dims(plan.pairs, shape)
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}.self_attn."
         q, k, v = (state.pop(prefix + f"{p}_proj.weight") for p in "qkv")
         hidden = q.shape[1]
-        key_rows = k.view(G, d, hidden)[torch.arange(G)[:, None], nope].reshape(-1, hidden)
+        nope = [layout.dropped(i, g, d) for g in range(G)]
+        key_rows = torch.cat([k.view(G, d, hidden)[g, nope[g]] for g in range(G)])
         targets = torch.cat([key_rows, v]).double()
         covariance = None if plan.statistics is None else plan.statistics[i].covariance
-        latent = latent_from_covariance(targets, covariance, shape)
+        metric = None
+        if covariance is not None:
+            metric = target_metric(q, state[prefix + "o_proj.weight"], covariance, shape.num_heads, nope)
+        latent = latent_from_covariance(targets, covariance, shape.kv_rank, len(key_rows), metric)
         norm = layer.input_layernorm.weight.detach()
-        for name, tensor in mla_layer(q, k, v, norm, shape, plan.pairs, latent, eps).items():
+        rotary = (layout.rows(i, d), nope, plan.nope_dim)
+        for name, tensor in mla_layer(q, k, v, norm, shape, rotary, latent, eps).items():
             state[prefix + name] = tensor.float()
     mla = DeepseekV3ForCausalLM(target).eval()
     missing, unexpected = mla.load_state_dict(state, strict=False)

@@ -3,6 +3,8 @@
 Each decoder layer of the MLA model, in order, takes the MLA model's own stream (the layers below it already fitted)
 and is brought to the parent decoder layer's output on the parent's stream, as `repair` does for GQA:
 
+    values     each query head's value rows of kv_b_proj refitted by least squares so that the head's attention
+               output matches the parent head's (linear in them, given the MLA layer's own attention weights)
     o_proj     refitted by least squares so that the MLA attention's output matches the parent attention's, shrunk
                towards the current o_proj by the ridge strength that predicts the held-out windows best
     refine     Adam steps on the attention's projections minimising the whole layer's squared error against the
@@ -130,6 +132,53 @@ def _refit_o_proj(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary,
     o_proj.weight.copy_(best.to(o_proj.weight.dtype))
 
 
+@torch.no_grad()
+def _refit_values(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held) -> None:
+    """Each query head's value rows of `kv_b_proj` by ridge least squares, so that the head's attention output
+    (o_proj's input) matches the parent head's: given the MLA layer's own attention weights A and latent c, a head's
+    output A c W^T is linear in its value rows W. The strength is the one the held-out windows choose."""
+    attn, parent_attn = layer.self_attn, parent_layer.self_attn
+    H, R, nope, dv = attn.num_heads, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.v_head_dim
+    latents, parent_outputs = [], []
+    hooks = [
+        attn.kv_a_layernorm.register_forward_hook(lambda module, args, out: latents.append(out[0].double())),
+        parent_attn.o_proj.register_forward_pre_hook(lambda module, args: parent_outputs.append(args[0][0].double())),
+    ]
+    implementation = attn.config._attn_implementation
+    attn.config._attn_implementation = "eager"  # its attention weights
+    designs = []
+    try:
+        for x in parent_in:
+            _attention(parent_layer, x, parent_rotary)
+        for x in mla_in:
+            positions, mask = torch.arange(x.shape[1])[None], _causal(x.shape[1], x.dtype)
+            weights = attn(layer.input_layernorm(x), position_embeddings=rotary(x, positions), attention_mask=mask)[1]
+            designs.append(weights[0].double() @ latents[-1])  # (H, tokens, R): A c per head
+    finally:
+        attn.config._attn_implementation = implementation
+        for hook in hooks:
+            hook.remove()
+    targets = [y.view(y.shape[0], H, dv).transpose(0, 1) for y in parent_outputs]  # (H, tokens, dv)
+    kv_b = attn.kv_b_proj.weight.view(H, nope + dv, R)
+    fit = [i for i, h in enumerate(held) if not h]
+    check = [i for i, h in enumerate(held) if h] or fit
+    for h in range(H):
+        z = torch.cat([designs[i][h] for i in fit])
+        y = torch.cat([targets[i][h] for i in fit])
+        current = kv_b[h, nope:].double()  # (dv, R)
+        gram, cross = z.T @ z, z.T @ y
+        energy = gram.diagonal().mean()
+
+        held_z, held_y = [designs[i][h] for i in check], [targets[i][h] for i in check]
+        best, best_error = current, _error(current, held_z, held_y, [True] * len(check))
+        for shrink in _SHRINKS:
+            ridge = shrink * energy * torch.eye(R, dtype=gram.dtype)
+            candidate = torch.linalg.solve(gram + ridge, cross + ridge @ current.T).T
+            if (e := _error(candidate, held_z, held_y, [True] * len(check))) < best_error:
+                best, best_error = candidate, e
+        kv_b[h, nope:] = best.to(kv_b.dtype)
+
+
 def _error(weight, inputs, targets, held) -> float:
     chosen = [i for i, h in enumerate(held) if h] or range(len(inputs))
     return sum(((inputs[i] @ weight.T - targets[i]) ** 2).sum().item() for i in chosen)
@@ -175,6 +224,7 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
     for layer, parent_layer in tqdm(layers, desc="fitting MLA layers", disable=not progress or None):
         with torch.no_grad():
             parent_out = [_layer(parent_layer, x, parent_rotary) for x in parent_in]
+        _refit_values(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held)
         _refit_o_proj(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held)
         if steps:
             with torch.enable_grad():

@@ -16,11 +16,15 @@ from pathlib import Path
 
 import torch
 
+from gqaify.conversion.budget import cut_values
 from gqaify.conversion.mla import MlaPlan, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla_fit import fit_mla
 from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
+from gqaify.conversion.mla_split import SplitTrial, choose_split
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
+from gqaify.model.geometry import Geometry
+from gqaify.records import optional
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
@@ -33,19 +37,21 @@ class MlaRecord:
     kv_rank: int  # the latent's values per token and layer
     rope_dims: int  # the shared rotary key's
     nope_dims: int  # each query head's key dimensions read from the latent
-    rotary_pairs: list[list[int]]  # per K/V head of the G-head model, its rotary pairs kept, by index
+    rotary_pairs: list[list[list[int]]]  # per layer, per K/V head of the G-head model, its rotary pairs kept
     rope_type: str  # DeepSeek-V3's rope_parameters: default (one base's ladder) or longrope (a factor per pair)
     exact: bool  # the G-head model's function, to float precision
+    # --kv-cut with neither width given: every split tried, the one kept the closest (`mla_split`)
+    splits: list[SplitTrial] | None = optional()
 
     @property
     def cached_per_token(self) -> int:
         return self.kv_rank + self.rope_dims
 
     @classmethod
-    def of(cls, plan: MlaPlan) -> MlaRecord:
+    def of(cls, plan: MlaPlan, splits: list[SplitTrial] | None = None) -> MlaRecord:
         shape = plan.shape
-        pairs = plan.pairs.tolist()
-        return cls(shape.kv_rank, shape.rope_dim, shape.nope_dim, pairs, plan.rope["rope_type"], plan.exact)
+        pairs = plan.layout.per_layer(shape.kv_groups)
+        return cls(shape.kv_rank, shape.rope_dim, plan.nope_dim, pairs, plan.rope["rope_type"], plan.exact, splits)
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,10 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
             "frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads 1, or "
             "name OUT without .gguf (a folder that transformers serves)"
         )
-    compressed = s.kv_rank is not None or s.rope_dims is not None
+    compressed = s.kv_rank is not None or s.rope_dims is not None or s.kv_cut not in (None, 1)
     if compressed and not s.calib_data:
         problems.append(
-            "--kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
+            "--kv-cut, --kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
             "(text other than your eval text)"
         )
     problems += shape_for(config, s.kv_heads, s.kv_rank, s.rope_dims)[1]
@@ -87,11 +93,12 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     return problems
 
 
-def rewrite(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritten:
+def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Geometry) -> Rewritten:
     """The G-head checkpoint in `folder` rewritten as MLA in place: its weights and config.json replaced, its
     tokenizer and other files kept. A smaller cache is fitted on the calibration `text` (a `CalibrationText`):
-    its rotary pairs and latent chosen, then brought back to the parent (`load_parent()`) layer by layer
-    (`mla_fit`, with s.repair and s.refine_steps as a GQA conversion reads them)."""
+    its rotary pairs and latent chosen (with `--kv-cut` alone, its split too: `mla_split`), then brought back to
+    the parent (`load_parent()`, of geometry `source`) layer by layer (`mla_fit`, with s.repair and
+    s.refine_steps as a GQA conversion reads them)."""
     from transformers import AutoModelForCausalLM
 
     config = json.loads((folder / "config.json").read_text())
@@ -99,7 +106,13 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritt
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = torch.cat(text.parts) if text is not None else None
-    plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
+    ladder, splits = is_gguf_out(s.out), None
+    budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
+    held = source.with_kv_heads(s.kv_heads).cached_per_token  # what the G-head model caches
+    if budget is not None and budget < held and s.kv_rank is None and s.rope_dims is None:
+        plan, splits = choose_split(model, budget, ids, ladder, s.progress)
+    else:
+        plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=ladder, progress=s.progress)
     mla = build_mla(model, plan)
     del model
     if not plan.exact and (s.repair or s.refine_steps):
@@ -109,4 +122,4 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object]) -> Rewritt
         old.unlink()
     mla.to(dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
     shards = sorted(folder.glob("model*.safetensors"))
-    return Rewritten(MlaRecord.of(plan), len(shards), sum(path.stat().st_size for path in shards))
+    return Rewritten(MlaRecord.of(plan, splits), len(shards), sum(path.stat().st_size for path in shards))

@@ -400,21 +400,14 @@ class MethodSettings(Settings):
 
 
 @dataclass(frozen=True)
-class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
-    """Everything `gqaify convert` is asked to do: the command line's options, a --config file's keys, and the
-    keyword arguments of `gqaify.convert`. gqaify.json records them as resolved (see `resolved_record`)."""
+class ShapeSettings(Settings):
+    """The attention shape a conversion writes (`ATTENTION_INFO`) and, for MLA, its cache's widths: a conversion's,
+    and uptraining's for the conversion it runs."""
 
-    src: str | None = setting(
-        None, "the model to convert: hub id, local model folder, or .gguf file (never modified)", required=True
-    )
-    kv_heads: int | None = setting(
-        None,
-        "G, the new number of K/V heads; must divide the source's; 1 = MQA",
-        required=True,
-        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
-    )
     attention: AttentionName = setting(
-        "gqa", "OUT's attention: " + "; ".join(f"{name}: {info.summary}" for name, info in ATTENTION_INFO.items())
+        "gqa",
+        "the attention the conversion writes: "
+        + "; ".join(f"{name}: {info.summary}" for name, info in ATTENTION_INFO.items()),
     )
     kv_rank: int | None = setting(
         None,
@@ -429,6 +422,27 @@ class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
         "mla: the rotary key's width, one key every query head shares: 2 x the rotary pairs kept x G (default: all, "
         "exact); the cache per token and layer is kv_rank + rope_dims",
         check=(Range(2, says="a whole number of at least 2"), Needs("attention", "is an MLA key's width", value="mla")),
+    )
+
+
+@dataclass(frozen=True)
+class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, Progress):
+    """Everything `gqaify convert` is asked to do: the command line's options, a --config file's keys, and the
+    keyword arguments of `gqaify.convert`. gqaify.json records them as resolved (see `resolved_record`)."""
+
+    src: str | None = setting(
+        None, "the model to convert: hub id, local model folder, or .gguf file (never modified)", required=True
+    )
+    kv_heads: int | None = setting(
+        None,
+        "G, the new number of K/V heads; must divide the source's; 1 = MQA (or give --kv-cut)",
+        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
+    )
+    kv_cut: float | None = setting(
+        None,
+        "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); mla any X, "
+        "its latent and rotary widths chosen on --calib-data unless --kv-rank or --rope-dims is given",
+        check=(Finite("give a number above 1, e.g. 4"), Range(1, says="a number of at least 1")),
     )
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(
@@ -446,7 +460,10 @@ class ConvertSettings(MethodSettings, Output, Dtype, Seed, Hub, Progress):
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (their declarations'); `checks.check_request` adds what the
         files say (SRC, OUT, max_shard_size read as bytes)."""
-        return CONVERT.declared_problems(self)
+        problems = CONVERT.declared_problems(self)
+        if self.kv_heads is None and self.kv_cut is None:
+            problems.append("say how small the cache becomes: --kv-heads G (1 = MQA) or --kv-cut X (1/X of it)")
+        return problems
 
 
 # What a rerun from gqaify.json does not repeat: how the first run went, not what it produced.

@@ -4,7 +4,7 @@ the G-head folder the stream wrote into it, and writes it as one GGUF file.
 A shape's module (its entry's `module`) defines three functions, looked up when called:
 
     problems(settings, config, out_is_gguf) -> list[str]   what the request cannot be, before anything is written
-    rewrite(folder, settings, text, load_parent) -> Rewritten   the G-head folder made this shape, in place
+    rewrite(folder, settings, text, load_parent, source_geometry) -> Rewritten   the G-head folder made this shape
     write_gguf(folder, out, out_type, tokenizer_gguf, record)   the folder as llama.cpp loads it
 
 GQA is the stream's own output: no problems of its own, no rewrite, `to_gguf.write_gguf`.

@@ -5,7 +5,7 @@
 Every field is a recipe key and a `--key value` option, read as every stage's settings are (`gqaify.settings`);
 `--recipe` is uptrain's name for `--config`. The recipe sets defaults; the command line wins. With kv_heads, the
 model is converted first, by the conversion's own fields (`MethodSettings`: method, grouping, calib_*, refine_*,
-repair), which uptrain's settings are made of.
+repair; `ShapeSettings`: attention, kv_rank, rope_dims), which uptrain's settings are made of.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.settings import ConvertSettings, MethodSettings
+from gqaify.conversion.settings import ConvertSettings, MethodSettings, ShapeSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.model.locations import exists
@@ -54,7 +54,7 @@ EVAL_POINTS = 8
 CHECKPOINTS_PER_RUN = 10  # a checkpoint every tenth of the run at least...
 CHECKPOINT_SECONDS = 600  # ...and after every 10 minutes without one, whichever comes first
 # The fields of the conversion: checked only when there is one to run (kv_heads set)
-CONVERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(MethodSettings))
+CONVERSION_FIELDS = frozenset(f.name for cls in (MethodSettings, ShapeSettings) for f in dataclasses.fields(cls))
 
 
 def _peft_problem(trainable: str, name: str) -> str | None:
@@ -64,7 +64,7 @@ def _peft_problem(trainable: str, name: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
+class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode, Progress):
     """What an uptraining run trains, on what, for how long, and how it is watched: a recipe's keys, the command
     line's options, and the fields of `gqaify.uptrain.run`'s settings. With kv_heads, `model` is converted first,
     by the fields of `MethodSettings`."""
@@ -258,7 +258,8 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
         from gqaify.conversion.settings import METHOD_INFO
 
         info = METHOD_INFO.get(self.method)
-        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity"
+        smaller_mla = self.attention == "mla" and (self.kv_rank is not None or self.rope_dims is not None)
+        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity" or smaller_mla
         if self.calib_data is not None or not self.data or not needs_text:
             return self
         weights = self.calib_weights if self.calib_weights is not None else self.data_weights
@@ -270,6 +271,7 @@ class UptrainSettings(MethodSettings, Seed, Hub, TrustRemoteCode, Progress):
         as the training data is unless calib_split or calib_text_column say otherwise (its dtype, seed and shards
         are the conversion's defaults)."""
         method = {f.name: getattr(self.calibrated_on_data(), f.name) for f in dataclasses.fields(MethodSettings)}
+        method.update({f.name: getattr(self, f.name) for f in dataclasses.fields(ShapeSettings)})
         method.update(
             calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column or self.text_column
         )

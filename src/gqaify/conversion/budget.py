@@ -1,0 +1,71 @@
+"""`--kv-cut X`: the cache as users think of it, 1/X of the source's, for either attention shape.
+
+    gqa   the K/V heads that cache 1/X of the source's: G = source heads / X, a whole number that divides them, or
+          refused in one line naming the cuts the model allows (and MLA, which takes any)
+    mla   the values per token and layer, 2 x source heads x head_dim / X (rounded down), split between the latent
+          (`--kv-rank`) and the shared rotary key (`--rope-dims`): the one not given is the rest; neither given, the
+          split is chosen on the calibration text (`conversion/mla_split.py`) and recorded
+
+`resolve_cut` turns the request into the settings a conversion runs with (G, and the split where it is fixed), once
+the source's config.json is read; its problems are the request's, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from gqaify.conversion.settings import ConvertSettings
+from gqaify.model.geometry import Geometry
+
+
+def cut_values(geometry: Geometry, cut: float) -> int:
+    """The values per token and layer `--kv-cut cut` leaves of a source's cache (rounded down)."""
+    return math.floor(geometry.cached_per_token / cut + 1e-9)
+
+
+def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings, list[str]]:
+    """`s` with what `--kv-cut` decides filled in (G; for MLA the split where one width is given), and the problems
+    of the request against the source's `geometry`."""
+    if s.kv_cut is None:
+        return s, []
+    heads, head_dim = geometry.num_kv_heads, geometry.head_dim
+    cut = s.kv_cut
+    if s.attention == "gqa":
+        allowed = [heads // g for g in range(heads, 0, -1) if heads % g == 0]
+        g = heads / cut
+        if not g.is_integer() or heads % int(g):
+            shown = ", ".join(f"{a:g}" for a in allowed)
+            return s, [
+                f"--kv-cut {cut:g}: no whole number of the source's {heads} K/V heads caches 1/{cut:g} of them; GQA "
+                f"cuts this model by {shown}, or pass --attention mla, whose latent takes any cut"
+            ]
+        if s.kv_heads is not None and s.kv_heads != int(g):
+            return s, [f"--kv-heads {s.kv_heads} and --kv-cut {cut:g} disagree (the cut means {int(g)} K/V heads)"]
+        return dataclasses.replace(s, kv_heads=int(g)), []
+    kv_heads = s.kv_heads or heads
+    budget = cut_values(geometry, cut)
+    held = 2 * kv_heads * head_dim
+    if budget > held:
+        return s, [
+            f"--kv-cut {cut:g} leaves {budget} values per token and layer, more than the {kv_heads}-K/V-head model "
+            f"caches ({held}); give a larger cut, or more --kv-heads"
+        ]
+    if budget < 2 * kv_heads + 1:
+        return s, [
+            f"--kv-cut {cut:g} leaves {budget} values per token and layer, too few for a rotary pair of each of "
+            f"{kv_heads} K/V heads and a latent; give a smaller cut, or --kv-heads 1"
+        ]
+    rank, rope = s.kv_rank, s.rope_dims
+    if rank is not None and rope is not None and rank + rope != budget:
+        return s, [
+            f"--kv-rank {rank} and --rope-dims {rope} cache {rank + rope} values, where --kv-cut {cut:g} means "
+            f"{budget}; give two of the three"
+        ]
+    if rank is not None and rope is None:
+        rope = budget - rank
+    elif rope is not None and rank is None:
+        rank = budget - rope
+    if (rank is not None and rank < 1) or (rope is not None and rope < 2):
+        return s, [f"--kv-cut {cut:g} leaves {budget} values; the latent needs at least 1 and the rotary key 2"]
+    return dataclasses.replace(s, kv_heads=kv_heads, kv_rank=rank, rope_dims=rope), []

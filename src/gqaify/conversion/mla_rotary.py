@@ -1,0 +1,166 @@
+"""The rotary part of an MLA layer: which K/V head's rotary pair each dimension of the shared rotary key carries, in
+every layer, at the one list of frequencies DeepSeek-V3's class takes for the whole model.
+
+The shared key has F slots (rope_dim = 2F; in rotate_half, slot j is dimensions j and F + j), each turning at one
+source pair's frequency (`RotaryLayout.pairs`, the model's list). In each layer, each slot carries one K/V head's
+pair at that frequency (`RotaryLayout.heads`): a frequency listed n times is kept by n heads of every layer, but
+which heads may change from layer to layer, and a head may keep more pairs than another. A head's pairs not kept
+lose their rotation and join the latent.
+
+    exact      every pair of every head: the G heads' blocks side by side, the same in every layer
+    chosen     the F (head, pair) choices that carry most of the attention scores on calibration text (MHA2MLA's
+               norm product, weighed by what dropping a pair's rotation costs over a window): the list of
+               frequencies by greedy marginal gain over the layers (optimal, since each frequency's gain is concave
+               in how often it is listed), then in each layer each listed frequency given to the heads that score
+               most on it.
+    ladder     the pairs 0, c, 2c, ... for every head: one base's ladder from 1, the only frequencies llama.cpp's MLA
+               (`deepseek2`) turns (it reads no per-pair factors)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gqaify.errors import UserError
+
+# The rope types whose frequencies are fixed (one list for every length): the rewrite lists them per pair.
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RotaryLayout:
+    """Slot j of the shared rotary key turns at source pair `pairs[j]`'s frequency and carries, in layer l, K/V head
+    `heads[l, j]`'s pair `pairs[j]` (slots of one frequency are distinct heads)."""
+
+    pairs: torch.Tensor  # (F,), source pair per slot: the model's list of frequencies
+    heads: torch.Tensor  # (layers, F), the K/V head each slot carries in each layer
+
+    def kept(self, layer: int, head: int) -> list[int]:
+        """The pairs K/V head `head` keeps rotary in `layer`, sorted."""
+        return sorted(self.pairs[self.heads[layer] == head].tolist())
+
+    def dropped(self, layer: int, head: int, head_dim: int) -> torch.Tensor:
+        """K/V head `head`'s dimensions whose pairs are not kept in `layer` (they join the latent), in order."""
+        half, kept = head_dim // 2, set(self.kept(layer, head))
+        pairs = [j for j in range(half) if j not in kept]
+        return torch.tensor(pairs + [j + half for j in pairs], dtype=torch.long)
+
+    def rows(self, layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K/V head, dimension of that head) of each rotary dimension in `layer`, in rotate_half order."""
+        heads, pairs = self.heads[layer], self.pairs
+        return torch.cat([heads, heads]), torch.cat([pairs, pairs + head_dim // 2])
+
+    def nope_dim(self, kv_groups: int, head_dim: int) -> int:
+        """A query head's non-rotary key dimensions: the most any K/V head leaves unrotated in any layer (heads
+        that keep more pairs leave the rest of theirs zero)."""
+        counts = torch.stack([(self.heads == g).sum(1) for g in range(kv_groups)])  # (G, layers)
+        return head_dim - 2 * int(counts.min())
+
+    def per_layer(self, kv_groups: int) -> list[list[list[int]]]:
+        """Per layer, per K/V head, its pairs kept (gqaify.json's record)."""
+        return [[self.kept(layer, g) for g in range(kv_groups)] for layer in range(len(self.heads))]
+
+    @classmethod
+    def same_in_every_layer(cls, pairs: torch.Tensor, layers: int) -> RotaryLayout:
+        """Each K/V head g keeping `pairs[g]` ((G, p)) in every layer: the heads' blocks side by side."""
+        G, p = pairs.shape
+        heads = torch.arange(G).repeat_interleave(p)
+        return cls(pairs.reshape(-1).clone(), heads.expand(layers, G * p).clone())
+
+
+def choose_layout(
+    scores: torch.Tensor | None, kv_groups: int, head_dim: int, pairs: int, layers: int, ladder: bool = False
+) -> RotaryLayout:
+    """The layout keeping `pairs` x G (head, pair) choices: every pair where that is all of them, else the ones that
+    score most (`scores`, (layers, G, d/2), weighed by `rotation_weight`; see the module docstring); with `ladder`,
+    the spacing c whose pairs 0, c, 2c, ... score most, in every head."""
+    half, G = head_dim // 2, kv_groups
+    if pairs == half:
+        return RotaryLayout.same_in_every_layer(torch.arange(half).expand(G, half), layers)
+    if scores is None:
+        raise ValueError("choosing fewer rotary pairs than a head has needs their scores")
+    if ladder:
+        spacings = range(1, (half - 1) // max(pairs - 1, 1) + 1)
+        total = scores.sum((0, 1))
+        chosen = max((torch.arange(pairs) * c for c in spacings), key=lambda kept: total[kept].sum())
+        return RotaryLayout.same_in_every_layer(chosen.expand(G, pairs), layers)
+    ranked = scores.sort(dim=1, descending=True).values.sum(0)  # (G, half): the n-th best head's score, over layers
+    counts = torch.zeros(half, dtype=torch.long)
+    for _ in range(pairs * G):  # the list of frequencies, by greedy marginal gain
+        gain = torch.where(counts < G, ranked[counts.clamp(max=G - 1), torch.arange(half)], -torch.inf)
+        counts[int(gain.argmax())] += 1
+    listed = torch.arange(half).repeat_interleave(counts)
+    heads = torch.empty(layers, len(listed), dtype=torch.long)
+    for layer in range(layers):
+        for pair in counts.nonzero().flatten().tolist():
+            slots = (listed == pair).nonzero().flatten()
+            heads[layer, slots] = scores[layer, :, pair].topk(int(counts[pair])).indices.sort().values
+    return RotaryLayout(listed, heads)
+
+
+def source_frequencies(config) -> torch.Tensor:
+    """The source's rotary frequencies, one per pair (d/2), as its own transformers class computes them.
+
+    Raises:
+        UserError: a rope type whose frequencies change with the length or that scales the scores.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind not in STATIC_ROPE:
+        raise UserError(
+            f"rope_type {kind!r} changes its frequencies with the length; an MLA rewrite lists fixed ones "
+            f"({', '.join(STATIC_ROPE)}): convert a model with one of those"
+        )
+    if kind == "default":
+        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    if scaling != 1.0:
+        raise UserError(f"rope_type {kind!r} scales the attention scores by {scaling}; an MLA rewrite cannot")
+    return inv_freq.double()
+
+
+def rope_parameters(frequencies: torch.Tensor, base: float, positions: int) -> dict:
+    """DeepSeek-V3's `rope_parameters` for these per-pair frequencies: the default ladder of `base` where they are
+    it, else `longrope` with one factor per pair (short and long the same, no attention factor)."""
+    dim = 2 * len(frequencies)
+    ladder = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if torch.allclose(frequencies, ladder, rtol=1e-6, atol=0):
+        return {"rope_type": "default", "rope_theta": base}
+    factors = (1.0 / (frequencies * base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))).tolist()
+    return {
+        "rope_type": "longrope",
+        "rope_theta": base,
+        "short_factor": factors,
+        "long_factor": factors,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": positions,
+    }
+
+
+def rotation_weight(frequencies: torch.Tensor, distance: int) -> torch.Tensor:
+    """What dropping each pair's rotation costs a score of unit size, (d/2,): 1 - cos(theta x delta), averaged over
+    the distances delta from 0 to `distance`. A pair that turns slowly barely changes over a window, so its
+    rotation can go at little cost however large its norms are (where MHA2MLA's norm criterion alone would keep
+    it): SmolLM2 keeping 16 of each head's 32 pairs, with the whole latent, was 2.42 nats/token of KL from its parent
+    on WikiText-2 with the norms alone, 0.061 with their product with this weight (1,024 tokens, windows of 512)."""
+    deltas = torch.arange(distance, dtype=torch.float64)
+    return 1 - torch.cos(frequencies[:, None] * deltas[None, :]).mean(dim=1)
+
+
+def pair_scores(q: torch.Tensor, k: torch.Tensor, num_heads: int, kv_groups: int) -> torch.Tensor:
+    """How much each rotary pair of each K/V head contributes to the scores, (G, d/2): over calibration tokens, the
+    mean norm of the pair in the head's queries times its mean norm in its key (MHA2MLA's 2-norm criterion; a
+    pair's norm does not depend on the rotation). q: (tokens, H, d), k: (tokens, G, d)."""
+    half = q.shape[-1] // 2
+
+    def pair_norms(x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).mean(0)
+
+    return pair_norms(q).view(kv_groups, num_heads // kv_groups, half).sum(1) * pair_norms(k)

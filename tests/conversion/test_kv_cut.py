@@ -1,0 +1,105 @@
+"""`--kv-cut X`: the cache as 1/X of the source's, for GQA (the K/V heads that make it) and for MLA (any X, its split
+given or chosen on calibration text), checked against the conversions the explicit options make."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gqaify
+from gqaify.conversion.mla_split import candidate_splits
+from gqaify.entry.cli import main
+from gqaify.eval.settings import EvalSettings
+from gqaify.testing import CORPUS, build_model, save_with_tokenizer
+from helpers import one_line, run_cli, tree_hashes
+
+LAYERS, HEADS, HEAD_DIM = 2, 4, 16  # build_model's Llama: its cache is 2 x 4 x 16 = 128 values per token and layer
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    """A tiny MHA Llama (4 K/V heads of 16) with a tokenizer, and calibration text beside it."""
+    root = tmp_path_factory.mktemp("cut")
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=HEADS, vocab_size=320), root / "parent")
+    (root / "calib.txt").write_text(CORPUS * 8)
+    return src
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for path in sorted(folder.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+
+def test_a_gqa_cut_is_the_conversion_to_the_heads_it_names(parent, tmp_path):
+    """--kv-cut 2 on 4 K/V heads is --kv-heads 2: the same tensors; the record says both."""
+    assert main(["convert", str(parent), str(tmp_path / "cut"), "--kv-cut", "2", "-q"]) == 0
+    assert main(["convert", str(parent), str(tmp_path / "heads"), "--kv-heads", "2", "-q"]) == 0
+    cut, heads = weights(tmp_path / "cut"), weights(tmp_path / "heads")
+    assert cut.keys() == heads.keys() and all(torch.equal(cut[k], heads[k]) for k in cut)
+    record = json.loads((tmp_path / "cut" / "gqaify.json").read_text())
+    assert (record["kv_heads"], record["settings"]["kv_cut"], record["settings"]["kv_heads"]) == (2, 2.0, 2)
+    assert (
+        main(["convert", "--config", str(tmp_path / "cut" / "gqaify.json"), "--out", str(tmp_path / "again"), "-q"])
+        == 0
+    )
+    assert weights(tmp_path / "again").keys() == cut.keys()
+
+
+def test_an_mla_cut_with_one_width_given_takes_the_rest_for_the_other(parent, tmp_path):
+    """--kv-cut 2 leaves 64 values: --kv-rank 40 leaves 24 for the rotary key (12 of the 4 heads' rotary pairs in
+    every layer)."""
+    out = tmp_path / "mla"
+    calib = str(parent.parent / "calib.txt")
+    argv = ["--attention", "mla", "--kv-cut", "2", "--kv-rank", "40", "--calib-data", calib, "--calib-seq-len", "64"]
+    assert main(["convert", str(parent), str(out), *argv, "-q"]) == 0
+    mla = json.loads((out / "gqaify.json").read_text())["mla"]
+    assert (mla["kv_rank"], mla["rope_dims"]) == (40, 24) and "splits" not in mla
+    assert [sum(len(pairs) for pairs in layer) for layer in mla["rotary_pairs"]] == [12] * LAYERS
+
+
+def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_every_one_tried(parent, tmp_path):
+    """--kv-cut 3 leaves floor(128 / 3) = 42 values; the splits tried are `candidate_splits`', the one kept the one
+    closest to the parent on the held-out calibration windows, and eval counts and measures its cache."""
+    out = tmp_path / "mla"
+    calib = str(parent.parent / "calib.txt")
+    argv = ["--attention", "mla", "--kv-cut", "3", "--calib-data", calib, "--calib-seq-len", "64"]
+    assert main(["convert", str(parent), str(out), *argv, "-q"]) == 0
+    mla = json.loads((out / "gqaify.json").read_text())["mla"]
+    tried = [(s["kv_rank"], s["rope_dims"]) for s in mla["splits"]]
+    assert tried == candidate_splits(HEADS, HEADS, HEAD_DIM, 42) == [(34, 8), (26, 16), (18, 24), (10, 32)]
+    best = min(mla["splits"], key=lambda s: s["kl"])
+    assert (mla["kv_rank"], mla["rope_dims"]) == (best["kv_rank"], best["rope_dims"])
+    assert all(s["kl"] > 0 for s in mla["splits"])
+    settings = EvalSettings(seq_len=32, speed=False, progress=False)
+    entry = gqaify.evaluate([str(out)], calib, tmp_path / "report", settings).models[0]
+    assert entry.kv_cache_bytes_per_token == 42 * LAYERS * 4 and entry.kv_latent == 42
+    assert entry.kv_cache_bytes_analytic == entry.kv_cache_bytes_measured == 32 * 42 * LAYERS * 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--kv-cut", "3"],
+            "no whole number of the source's 4 K/V heads caches 1/3 of them; GQA cuts this model by 1, 2, 4",
+        ),
+        (["--kv-cut", "4", "--kv-heads", "2"], "--kv-heads 2 and --kv-cut 4 disagree (the cut means 1 K/V heads)"),
+        ([], "say how small the cache becomes: --kv-heads G (1 = MQA) or --kv-cut X"),
+        (["--kv-cut", "0.5"], "--kv-cut"),
+        (["--kv-cut", "3", "--attention", "mla"], "add --calib-data"),
+        (
+            ["--kv-cut", "2", "--attention", "mla", "--kv-rank", "30", "--rope-dims", "24", "--calib-data", "x.txt"],
+            "--kv-rank 30 and --rope-dims 24 cache 54 values, where --kv-cut 2 means 64",
+        ),
+        (["--kv-cut", "200", "--attention", "mla", "--calib-data", "x.txt"], "too few for a rotary pair"),
+    ],
+)
+def test_a_cut_that_cannot_be_made_is_one_line_and_writes_nothing(parent, tmp_path, capsys, argv, says):
+    argv = [str(parent.parent / "calib.txt") if a == "x.txt" else a for a in argv]
+    before = tree_hashes(parent)
+    code, err = run_cli(capsys, "convert", parent, tmp_path / "out", *argv)
+    assert code == 2 and one_line(err) and says in err
+    assert sorted(tmp_path.iterdir()) == [] and tree_hashes(parent) == before
