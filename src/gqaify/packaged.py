@@ -81,6 +81,18 @@ RECIPE_REGISTRY: tuple[Recipe, ...] = (
         distributed=False,
     ),
     Recipe(
+        "smollm2-135m-mla",
+        "SmolLM2-135M-Instruct -> MLA 128",
+        "latent attention at MQA's cache, fitted layer by layer, then the MQA recipe's training at a lower lr",
+        distributed=False,
+    ),
+    Recipe(
+        "smollm2-135m-mla256",
+        "SmolLM2-135M-Instruct -> MLA 256",
+        "latent attention at two thirds of the cache (no GQA makes it), then the MQA recipe's training",
+        distributed=False,
+    ),
+    Recipe(
         "smollm2-135m-mqa",
         "SmolLM2-135M-Instruct -> MQA",
         "lsq fitted layer by layer, distilled from the parent on four kinds of text, 45 minutes on one CPU core",

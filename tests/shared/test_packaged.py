@@ -65,7 +65,7 @@ def test_every_listed_recipe_loads_by_name_through_the_settings_parser_and_is_wh
 ):
     """Each entry of the registry, by its name from a folder that is no checkout, read by uptrain's own parser:
     every key of its file is a setting with a valid value, and its entry's `converts` names the model it names and
-    the shape its kv_heads make."""
+    the shape its kv_heads (or its MLA cache) make."""
     from gqaify.settings import text_lists
     from gqaify.uptrain.settings import UPTRAIN, parse
 
@@ -76,7 +76,10 @@ def test_every_listed_recipe_loads_by_name_through_the_settings_parser_and_is_wh
         assert all(getattr(settings, k) == v for k, v in values.items() if not isinstance(v, float)), recipe.name
         parent, shape = recipe.converts.split(" -> ")
         assert Path(settings.model).name.lower().removesuffix("-hf") == parent.lower(), recipe.name
-        assert shape == ("MQA" if settings.kv_heads == 1 else f"GQA-{settings.kv_heads}"), recipe.name
+        if settings.attention == "mla":
+            assert shape == f"MLA {settings.kv_rank + settings.rope_dims}", recipe.name
+        else:
+            assert shape == ("MQA" if settings.kv_heads == 1 else f"GQA-{settings.kv_heads}"), recipe.name
         assert recipe.summary and "\n" not in recipe.summary
     assert not list(tmp_path.iterdir())
 
@@ -420,7 +423,7 @@ def test_the_recipes_name_hub_text_and_the_local_copies_are_first_line_overrides
         packaged = parse(["--recipe", str(recipe)])
         for source in [t.source for t in named_texts([*packaged.data, *packaged.eval_data])]:
             assert source in written or ("/" in source and not source.startswith((".", "/"))), (recipe.name, source)
-    assert offline == ["ref-mha-6L-gqa2", "smollm2-135m-mqa"]
+    assert offline == ["ref-mha-6L-gqa2", "smollm2-135m-mla", "smollm2-135m-mla256", "smollm2-135m-mqa"]
 
 
 def test_an_accelerate_config_named_as_a_recipe_is_one_line_saying_where_it_goes(capsys, tmp_path, monkeypatch):
@@ -473,4 +476,4 @@ def test_the_commands_a_recipe_gives_for_an_installed_gqaify_name_it_and_write_w
             written = [c[3] for c in commands if c[:2] == ["gqaify", "generate"]]
             local = [t.source for t in named_texts(settings.data) if not ("/" in t.source and "@" in t.source)]
             assert local == written, (recipe.name, local, written)  # what it reads that is no hub dataset
-    assert sorted(by_name) == ["ref-mha-6L-gqa2", "smollm2-135m-mqa"]
+    assert sorted(by_name) == ["ref-mha-6L-gqa2", "smollm2-135m-mla", "smollm2-135m-mla256", "smollm2-135m-mqa"]
