@@ -65,6 +65,37 @@ def smollm2_gguf() -> Path:
         pytest.skip(f"SmolLM2 GGUF not available: {exc}")
 
 
+@pytest.fixture(scope="module")
+def smollm2_read_once(smollm2_gguf) -> Path:
+    """`smollm2_gguf`, read by gguf once in this module where transformers reads it again and again: gguf's reader
+    takes 4 s of CPU to walk the file's 1.2 million metadata parts (its 49,152-token vocabulary and merges), and
+    transformers makes a new one for every config, tokenizer and state dict it reads from the file (four in each
+    conversion, three in each load); and for each state dict it rebuilds gguf's tensor-name table of the
+    architecture once per module of the model (397 times, 3 s). The same unchanged file gives the same reader,
+    which its users only read (its memory map is read-only), and the same architecture and depth the same table;
+    any other file, or this one rewritten, is read afresh. What is read is what a fresh reader reads."""
+    import functools
+
+    import gguf
+
+    made, readers = gguf.GGUFReader, {}
+    target = smollm2_gguf.resolve()
+
+    def reader(path, mode="r"):
+        if mode != "r" or Path(path).resolve() != target:
+            return made(path, mode)
+        stat = target.stat()
+        key = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = made(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield smollm2_gguf
+
+
 # -- fixtures several test modules use --------------------------------------------------------------------
 
 

@@ -247,6 +247,7 @@ def test_eval_reads_the_gguf_as_the_safetensors(stories_gguf, tmp_path):
 @pytest.mark.integration
 @pytest.mark.slow
 @needs_llama_cpp
+@pytest.mark.usefixtures("smollm2_read_once")
 def test_smollm2_mqa_gguf_decodes_in_llama_cpp_as_in_transformers(smollm2_gguf, tmp_path):
     from transformers import AutoTokenizer
 

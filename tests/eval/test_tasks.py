@@ -5,10 +5,12 @@ checked against an independent scoring loop, a G = H conversion must score exact
 the harness must see the same logits as the perplexity path.
 """
 
+import copy
 import json
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +32,40 @@ pytestmark = pytest.mark.integration
 
 TASKS = REPO / "tests" / "tasks"
 TEXT = ASSETS / "text" / "tinystories-valid-head.txt"
-SETTINGS = dict(seq_len=256, max_tokens=1024, speed=False, progress=False)
+# the harness scores 16 of the task's requests per forward pass: each model's 4 x 270 choices in about 68 passes,
+# not 1,080 (the independent loop below still scores each choice alone; a choice's log-likelihood in a padded batch
+# differs from its own only in the last bits, which TIE allows for)
+SETTINGS = dict(seq_len=256, max_tokens=1024, speed=False, progress=False, batch_size=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def harness_tasks_indexed_once():
+    """lm-eval's TaskManager indexes the 14,000 task YAMLs the harness ships each time one is made (10 s of CPU),
+    and four tests here make one. In this module the harness's folder is indexed once and every TaskManager gets a
+    deep copy of that index, as a fresh one; the folders a test adds (--include-path) are indexed afresh each time
+    and take precedence over the harness's entries, as in TaskIndex.build (which also logs each such override, a
+    log gqaify mutes)."""
+    try:
+        from lm_eval.tasks import manager
+        from lm_eval.tasks._index import TaskIndex
+    except ImportError:  # a test here says what --tasks answers without the harness
+        yield
+        return
+    own, build, built = Path(manager.__file__).parent, TaskIndex.build, {}
+
+    def build_own_once(paths, *, resolve_includes=True):
+        paths = list(paths)
+        if not paths or Path(paths[0]) != own:
+            return build(paths, resolve_includes=resolve_includes)
+        if resolve_includes not in built:
+            built[resolve_includes] = build([own], resolve_includes=resolve_includes)
+        index = copy.deepcopy(built[resolve_includes])
+        index.update(build(paths[1:], resolve_includes=resolve_includes))
+        return index
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TaskIndex, "build", staticmethod(build_own_once))
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def test_norm_mean_starts_closer_to_the_parent_than_mean_on_ref_mha_6l(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
+def smollm2(smollm2_gguf, smollm2_read_once):
     model = AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, attn_implementation="eager"
     ).eval()
@@ -71,6 +71,7 @@ def smollm2(smollm2_gguf):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_read_once")
 def test_smollm2_gguf_identity(smollm2_gguf, smollm2, tmp_path):
     _, ids, expected = smollm2
     gqaify.convert(smollm2_gguf, tmp_path / "same", kv_heads=3, progress=False)
@@ -81,6 +82,7 @@ def test_smollm2_gguf_identity(smollm2_gguf, smollm2, tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_read_once")
 def test_smollm2_gguf_to_mqa(smollm2_gguf, smollm2, tmp_path):
     _, ids, _ = smollm2
     result = gqaify.convert(smollm2_gguf, tmp_path / "mqa", kv_heads=1, dtype="bfloat16", progress=False)
@@ -128,16 +130,18 @@ def test_eval_ref_mha_6l_against_the_transformers_guide(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_read_once")
 def test_eval_smollm2_parent_and_mqa(smollm2_gguf, tmp_path):
     from gqaify.text.loading import load_text
 
     gqaify.convert(smollm2_gguf, tmp_path / "mqa", kv_heads=1, progress=False)
     text = tmp_path / "text.txt"
     text.write_text(load_text(str(TEXT / "wikitext-2-raw-test.txt")).text if TEXT.is_dir() else CORPUS * 20)
-    settings = gqaify.EvalSettings(seq_len=512, max_tokens=1024, speed=False, progress=False)
+    # two windows of 256 tokens (each forward of the 135M model costs CPU in proportion to its tokens)
+    settings = gqaify.EvalSettings(seq_len=256, max_tokens=512, speed=False, progress=False)
     report = gqaify.evaluate([str(smollm2_gguf), str(tmp_path / "mqa")], str(text), tmp_path / "r", settings)
     parent, mqa = report.models
-    assert parent.tokenizer == mqa.tokenizer and parent.tokens_scored == mqa.tokens_scored == 1022
+    assert parent.tokenizer == mqa.tokenizer and parent.tokens_scored == mqa.tokens_scored == 510
     assert (parent.num_key_value_heads, mqa.num_key_value_heads, mqa.kv_ratio_to_parent) == (3, 1, 3)
-    assert parent.kv_cache_bytes_measured == parent.kv_cache_bytes_analytic == 512 * 2 * 30 * 3 * 64 * 4
+    assert parent.kv_cache_bytes_measured == parent.kv_cache_bytes_analytic == 256 * 2 * 30 * 3 * 64 * 4
     assert parent.perplexity < 100 < mqa.perplexity
