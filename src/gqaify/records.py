@@ -16,7 +16,8 @@ checked against its field's type (a `Mistyped` error names the field, whatever t
 declared `optional()` is left out of the JSON where it says nothing: while it holds its default (`optional()`: None),
 or while another field is None (`optional(unless_none="calibration")`: what calibration measured is said only by a
 calibrated conversion, null or not). Read back, a field left out takes its default. A field whose JSON key is not a
-Python name (uptrain's "from") says so with `json_key(...)`.
+Python name (uptrain's "from") says so with `json_key(...)`. JSON has no NaN or infinity: a file whose writer wrote
+them as null (eval's report.json) is read with `nan_for_null`, a null where a plain float is wanted read as NaN.
 
 Every kind is listed once, in `KINDS`: the record types it is read as, and how a record of it reruns its stage
 (`Kind.command`, where its settings are: what `--config RECORD` reads, `rerun_settings`). A type declared above this
@@ -32,6 +33,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import math
 import reprlib
 import types
 import typing
@@ -104,8 +106,10 @@ def record_text(record) -> str:
     return json.dumps(as_json(record), indent=2) + "\n"
 
 
-def from_json(cls: type[R], value: dict) -> R:
-    """The record of type `cls` that the JSON object `value` holds (`as_json` read back).
+def from_json(cls: type[R], value: dict, nan_for_null: bool = False) -> R:
+    """The record of type `cls` that the JSON object `value` holds (`as_json` read back). With `nan_for_null`, a null
+    where the field (or a list's item) is a float that may not be None reads as NaN: a number that was not finite,
+    written as null; where the field may be None, a null is None.
 
     Raises:
         ValueError: a key `cls` has no field for (a record of something else, or of a later gqaify), a required
@@ -120,10 +124,10 @@ def from_json(cls: type[R], value: dict) -> R:
     read = {}
     for key, item in value.items():
         hint = hints[names[key]]
-        if not _fits(hint, item):
+        if not _fits(hint, item, nan_for_null):
             raise Mistyped(key, item, _words(hint))
         try:
-            read[names[key]] = _read(hint, item)
+            read[names[key]] = _read(hint, item, nan_for_null)
         except Mistyped as exc:  # in a nested record: its field, under this one's
             raise Mistyped(f"{key}.{exc.field}", exc.value, exc.wanted) from None
     try:
@@ -144,18 +148,23 @@ class Mistyped(ValueError):
 _WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text", type(None): "null"}
 
 
-def _fits(hint, value) -> bool:
+def _fits(hint, value, nan_for_null: bool = False) -> bool:
     """Whether the JSON value `value` is of the field type `hint` (a record's, by its contents where it is one;
-    a Literal's by its values' types: which values a field takes is its reader's to say)."""
+    a Literal's by its values' types: which values a field takes is its reader's to say); with `nan_for_null`, a
+    null is a float."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_fits(arm, value) for arm in args)
+        return any(_fits(arm, value, nan_for_null) for arm in args)
     if origin is typing.Literal:
         return any(_fits(type(arg), value) for arg in args)
     if dataclasses.is_dataclass(hint) or hint is dict or origin is dict:
-        return isinstance(value, dict) and (len(args) < 2 or all(_fits(args[1], v) for v in value.values()))
+        return isinstance(value, dict) and (
+            len(args) < 2 or all(_fits(args[1], v, nan_for_null) for v in value.values())
+        )
     if hint in (list, tuple) or origin in (list, tuple):
-        return isinstance(value, list) and (not args or all(_fits(args[0], v) for v in value))
+        return isinstance(value, list) and (not args or all(_fits(args[0], v, nan_for_null) for v in value))
+    if hint is float and value is None:
+        return nan_for_null
     if hint in (int, float):
         return isinstance(value, int if hint is int else (int, float)) and not isinstance(value, bool)
     if hint in _WORDS:
@@ -177,20 +186,24 @@ def _words(hint) -> str:
     return _WORDS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def _read(hint, value):
+def _read(hint, value, nan_for_null: bool = False):
+    """The JSON value `value`, which fits `hint`, read as it: records typed, with `nan_for_null` a plain float's null
+    NaN (a null where the field may be None stays None)."""
     if value is None:
-        return None
+        return math.nan if nan_for_null and hint is float else None
     if dataclasses.is_dataclass(hint):
-        return from_json(hint, value)
+        return from_json(hint, value, nan_for_null)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         records = [a for a in args if dataclasses.is_dataclass(a)]
         if records and isinstance(value, dict):
-            return from_json(records[0], value)
+            return from_json(records[0], value, nan_for_null)
         lists = [a for a in args if typing.get_origin(a) is list]
-        return _read(lists[0], value) if lists and isinstance(value, list) else value
+        return _read(lists[0], value, nan_for_null) if lists and isinstance(value, list) else value
     if origin is list and args:
-        return [_read(args[0], item) for item in value]
+        return [_read(args[0], item, nan_for_null) for item in value]
+    if origin is dict and len(args) == 2:
+        return {key: _read(args[1], item, nan_for_null) for key, item in value.items()}
     return value
 
 

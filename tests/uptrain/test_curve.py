@@ -6,13 +6,23 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 from PIL import Image
 
+from gqaify.errors import UserError
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from gqaify.uptrain.curve import CurvePoint, eval_steps, fit_power_law, forecast, read_forecast
+from gqaify.uptrain.curve import (
+    CurvePoint,
+    PowerLaw,
+    eval_steps,
+    fit_power_law,
+    forecast,
+    read_forecast,
+    write_forecast,
+)
 from gqaify.uptrain.report import read_metrics
 from helpers import uptrain_args as args
 
@@ -153,3 +163,36 @@ def test_a_start_at_no_distance_from_the_parent_is_no_alarm():
     start = [CurvePoint(0, 0.0, 0.0, None, {"a": 1.0})]
     found = forecast(start + law(3.0, 0.3, TOKENS), 0.01)
     assert found.status != "moved away" and found.sentence()
+
+
+def test_recovery_json_reads_back_typed_and_equal_to_the_forecast_written(tmp_path):
+    """recovery.json through the records' machinery: every field checked against its type, the law and the points
+    typed; a number that is not finite reads back as it was."""
+    points = law(3.0, 0.3, TOKENS, noise=0.05)
+    points[-1] = CurvePoint(points[-1].tokens, 1.5, points[-1].mean_kl, 1.25, {"a": 2.0, "b": math.inf})
+    for target in (0.05, 10.0, 1e-9):  # on track (a law, a range), reached, beyond reach
+        found = forecast(points, target)
+        write_forecast(tmp_path, found)
+        read = read_forecast(tmp_path)
+        assert read == found and isinstance(read.points[0], CurvePoint)
+        assert read.law is None or isinstance(read.law, PowerLaw)
+    assert read_forecast(tmp_path / "elsewhere") is None  # a folder that holds none
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda text: text[:-20], "Expecting"),
+        (lambda text: text.replace('"tokens_seen": ', '"tokens_seen": "many", "was": ', 1), "has no field 'was'"),
+        (lambda text: re.sub(r'"tokens_seen": \d+', '"tokens_seen": "many"', text, count=1), "tokens_seen 'many'"),
+        (lambda text: re.sub(r'"status": "[a-z ]+"', '"status": "soon"', text, count=1), "status 'soon' is not one"),
+    ],
+)
+def test_a_damaged_recovery_json_is_one_line_naming_the_file(tmp_path, damage, said):
+    write_forecast(tmp_path, forecast(law(3.0, 0.3, TOKENS), 0.05))
+    file = tmp_path / "recovery.json"
+    file.write_text(damage(file.read_text()))
+    with pytest.raises(UserError) as caught:
+        read_forecast(tmp_path)
+    message = str(caught.value)
+    assert str(file) in message and said in message and "\n" not in message

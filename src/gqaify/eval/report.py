@@ -1,14 +1,14 @@
-"""The eval report: `report.json`, `report.md` (a table), PNG plots and `gqaify.json` (what wrote them), written as
-one folder that appears whole (`outputs.staged`), as a conversion's OUT does."""
+"""The eval report: `report.json` (`Report.write`; `Report.read` reads it back typed), `report.md` (a table), PNG
+plots and `gqaify.json` (what wrote them), written as one folder that appears whole (`outputs.staged`), as a
+conversion's OUT does."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.eval.results import ModelReport, Report, TaskScore, model_labels
+from gqaify.eval.results import REPORT_FILE, ModelReport, Report, TaskScore, model_labels
 from gqaify.eval.settings import decode_context
 from gqaify.eval.tasks import headline
 from gqaify.figures import distinct_colors, figure, integer_ticks, log_scale, readable_xticks
@@ -458,18 +458,6 @@ def plot_diagnostics(report: Report, path: Path) -> None:
         ax.grid(True, alpha=0.3)
 
 
-def _finite(value):
-    """`value` with every NaN and infinity null: report.json is JSON, which has no NaN (a model that diverged
-    has a NaN perplexity; report.md shows it as nan)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def write_report(report: Report, out: Path, force: bool = False) -> None:
     """Write the report as the folder `out`: created whole, or with `force` replacing a report gqaify wrote.
 
@@ -478,7 +466,7 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
         ResourceError: the disk filled up; nothing was left behind.
     """
     writers = {
-        "report.json": lambda p: p.write_text(json.dumps(_finite(report.to_dict()), indent=2, allow_nan=False) + "\n"),
+        REPORT_FILE: report.write,  # read back typed by `Report.read`
         "report.md": lambda p: p.write_text(markdown(report)),
         PLOT_KV: lambda p: plot_perplexity_vs_kv(report, p),
         PLOT_DIAGNOSTICS: lambda p: plot_diagnostics(report, p),

@@ -1,15 +1,19 @@
-"""What `gqaify eval` found: one `ModelReport` per model and the `Report` around them (report.json's schema)."""
+"""What `gqaify eval` found: one `ModelReport` per model and the `Report` around them (report.json's schema:
+`Report.write` writes it, `Report.read` reads it back typed)."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
-from gqaify.records import TOOL
+from gqaify.errors import UserError
+from gqaify.records import TOOL, as_json, from_json
+from gqaify.summary import printable
 
 if TYPE_CHECKING:
     import torch
@@ -239,22 +243,72 @@ class ModelReport:
         return f"G={self.num_key_value_heads}" if self.kv_latent is None else f"MLA {self.kv_latent}"
 
 
+REPORT_FILE = "report.json"
+_HEADER = ("tool", "version")  # what report.json opens with besides the report's fields: who wrote it
+
+
 @dataclass
 class Report:
+    """What `gqaify eval` found, and its report.json: `write` writes it, `read` reads it back typed, equal to the
+    report written. JSON has no NaN or infinity: a number that was not finite (a diverged model's perplexity) is null
+    in the file and reads back as NaN (as None where its field may be None)."""
+
     data: list[TextInfo]
     settings: dict
     models: list[ModelReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {
-            "tool": TOOL,
-            "version": __version__,
-            "data": [asdict(t) for t in self.data],
-            "settings": self.settings,
-            "models": [asdict(m) for m in self.models],
-            "notes": self.notes,
-        }
+        """report.json's value: who wrote it (`_HEADER`), then the report's fields, every NaN and infinity null."""
+        return _finite({"tool": TOOL, "version": __version__, **as_json(self)})
+
+    def write(self, path: Path) -> None:
+        """Write report.json (`to_dict`) as the file `path`."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> Report:
+        """The report in `path` (a report.json gqaify eval wrote, or the folder holding it), read back typed: every
+        model, text and score as the dataclass it was written from, a null where a float that may not be None is
+        wanted read as NaN.
+
+        Raises:
+            UserError: one line naming the file: it cannot be read, is not JSON, or is not a report this gqaify
+                reads (damaged, or of a later version: the problem names the field).
+        """
+        file = Path(path) / REPORT_FILE if Path(path).is_dir() else Path(path)
+        where = printable(file)
+        try:
+            value = json.loads(file.read_text())
+        except OSError as exc:
+            raise UserError(
+                f"cannot read {where} ({exc.strerror or exc}); name a report.json gqaify eval wrote"
+            ) from None
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise UserError(
+                f"{where} is not JSON ({exc}): not a report gqaify eval wrote whole; evaluate again"
+            ) from None
+        if not isinstance(value, dict) or value.get("tool") != TOOL:
+            raise UserError(f'{where} is not a report gqaify eval wrote (no "tool": "{TOOL}")')
+        try:
+            return from_json(cls, {k: v for k, v in value.items() if k not in _HEADER}, nan_for_null=True)
+        except ValueError as exc:
+            raise UserError(
+                f"{where} (gqaify {value.get('version')}) is not a report gqaify {__version__} reads: {exc}; "
+                "evaluate again to write it anew"
+            ) from None
+
+
+def _finite(value):
+    """`value` with every NaN and infinity null: report.json is JSON, which has no NaN (a model that diverged
+    has a NaN perplexity; report.md shows it as nan)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def model_labels(names: list[str]) -> list[str]:

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from gqaify.errors import UserError
+from gqaify.records import from_json, record_text
+from gqaify.summary import printable
 
 FORECAST_FILE = "recovery.json"
 REPORT_FILE = "recovery.md"
@@ -230,20 +235,35 @@ def forecast(points: list[CurvePoint], target_kl: float) -> Forecast:
 
 
 def write_forecast(out: Path, found: Forecast) -> None:
-    """recovery.json (the forecast, typed as `Forecast`) and recovery.md (the same for a reader) in `out`."""
-    (out / FORECAST_FILE).write_text(json.dumps(asdict(found), indent=2) + "\n")
+    """recovery.json (the forecast, typed as `Forecast`: `read_forecast` reads it back) and recovery.md (the same for
+    a reader) in `out`. A number that is not finite (a diverged evaluation's) is written as Python's NaN or Infinity,
+    which Python reads back as it was."""
+    (out / FORECAST_FILE).write_text(record_text(found))
     (out / REPORT_FILE).write_text(_report(found))
 
 
 def read_forecast(out: Path) -> Forecast | None:
-    """The forecast a run folder holds, read back typed (None where it holds none)."""
-    try:
-        raw = json.loads((out / FORECAST_FILE).read_text())
-    except (OSError, ValueError):
+    """The forecast the run folder `out` holds (its recovery.json, as `write_forecast` wrote it), read back typed and
+    equal to the forecast written; None where it holds none.
+
+    Raises:
+        UserError: one line naming recovery.json: it cannot be read, is not JSON, or is not a forecast this gqaify
+            reads (damaged, or of another version: the problem names the field).
+    """
+    file = Path(out) / FORECAST_FILE
+    if not file.is_file():
         return None
-    raw["law"] = PowerLaw(**raw["law"]) if raw.get("law") else None
-    raw["points"] = [CurvePoint(**p) for p in raw["points"]]
-    return Forecast(**raw)
+    try:
+        found = from_json(Forecast, json.loads(file.read_text()))
+        if found.status not in typing.get_args(Status):
+            raise ValueError(f"status {found.status!r} is not one of {', '.join(typing.get_args(Status))}")
+    except (OSError, ValueError) as exc:  # ValueError: not JSON (or not UTF-8), or not a Forecast
+        problem = exc.strerror if isinstance(exc, OSError) else exc
+        raise UserError(
+            f"{printable(file)} is not a recovery forecast this gqaify reads ({problem}); delete it: a run draws it "
+            "anew from its metrics.jsonl at each evaluation"
+        ) from None
+    return found
 
 
 def _report(found: Forecast) -> str:
