@@ -1,5 +1,6 @@
 """The KV cache and decode speed where users serve: llama.cpp (through llama-cpp-python), on SmolLM2-135M-Instruct's
-MHA-9 twin, its GQA-3 self and its MQA conversion, and the speed and memory of writing GGUF.
+MHA-9 twin, its GQA-3 self, its MQA conversion and that MQA model rewritten as latent attention (MLA, the same
+cache: deepseek2 in llama.cpp), and the speed and memory of writing GGUF.
 
     python benchmarks/llama_cpp_serving.py                       # contexts 512 ... 8192, 2 threads
     python benchmarks/llama_cpp_serving.py --contexts 512,2048 --threads 1
@@ -7,7 +8,8 @@ MHA-9 twin, its GQA-3 self and its MQA conversion, and the speed and memory of w
 
 The three models are f16 GGUF files gqaify writes: the MHA-9 twin has each of the parent's 3 K/V heads repeated
 for its 3 query heads (the same function as the parent, 3x its cache), the GQA-3 one is the parent converted to 3
-K/V heads (itself), the MQA one the parent mean-pooled to 1 (its quality does not matter here). For each model and
+K/V heads (itself), the MQA one the parent mean-pooled to 1 (its quality does not matter here), the MLA one that
+MQA model rewritten exactly (`--attention mla`: a latent of 64 and a rotary key of 64). For each model and
 context N, a fresh process loads the model with a context of N + 64, evaluates N seeded random tokens in batches of
 512 (prompt processing, tokens/s), then 64 tokens one at a time (decode, tokens/s), with --threads CPU threads;
 the KV cache size is what llama.cpp reports when it allocates the cache. Writes OUT/llama_cpp_serving.md, .json and
@@ -33,7 +35,13 @@ from commands import convert
 REPO = Path(__file__).resolve().parents[1]
 DECODE_TOKENS = 64
 REPEATS = 5  # of each writing measurement; the medians are reported
-MODELS = {"MHA-9 twin": 9, "GQA-3 (parent)": 3, "MQA": 1}
+# name -> (the file's stem, the conversion's settings; None: the MHA twin, which gqaify does not make)
+MODELS = {
+    "MHA-9 twin": ("smollm2-kv9", None),
+    "GQA-3 (parent)": ("smollm2-kv3", {"kv_heads": 3}),
+    "MQA": ("smollm2-kv1", {"kv_heads": 1}),
+    "MLA 128 (MQA rewritten)": ("smollm2-mla128", {"kv_heads": 1, "attention": "mla", "dtype": "float32"}),
+}
 
 # One measurement, in a process of its own (llama.cpp reports its cache on stderr when it allocates it).
 MEASURE = """
@@ -91,15 +99,15 @@ def main() -> None:
 
 
 def build_models(out: Path) -> dict[str, Path]:
-    """The three f16 GGUF files (made once)."""
+    """The f16 GGUF files (made once)."""
     from gqaify.conversion.to_gguf import write_gguf
     from gqaify.entry.demo import fetch_default_model
 
     parent = fetch_default_model()
-    paths = {name: out / f"smollm2-kv{kv}.gguf" for name, kv in MODELS.items()}
-    for name, kv in MODELS.items():
-        if not paths[name].is_file() and kv <= 3:
-            subprocess.run(convert(parent, paths[name], kv_heads=kv, gguf_type="f16", quiet=True), check=True)
+    paths = {name: out / f"{stem}.gguf" for name, (stem, _) in MODELS.items()}
+    for name, (_, settings) in MODELS.items():
+        if not paths[name].is_file() and settings is not None:
+            subprocess.run(convert(parent, paths[name], **settings, gguf_type="f16", quiet=True), check=True)
     twin = paths["MHA-9 twin"]
     if not twin.is_file():  # not a conversion gqaify makes (9 heads from 3): repeated heads, written by the same writer
         folder = out / "smollm2-mha9"
