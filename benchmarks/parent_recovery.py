@@ -161,7 +161,7 @@ def final_eval(gguf: Path, converted: Path, finals: dict[str, Path], out: Path) 
 
 
 def write_results(out: Path, finals: dict[str, Path], report: dict | None, tokens: int) -> None:
-    from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
+    from gqaify.uptrain.metrics import eval_curve, plot_recovery, read_metrics
 
     curves, rows, parent = {}, [], None
     for name, final in finals.items():

@@ -28,7 +28,7 @@ import yaml
 
 from commands import write_texts
 from gqaify.uptrain.curve import CurvePoint
-from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.metrics import read_metrics
 from panel_recovery import final_eval
 from recovery_curve import first_half_law
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from commands import MODELS, convert, generate, mixture, panel, uptrain, write_texts
 from gqaify.records import read_run
 from gqaify.uptrain.curve import CurvePoint, forecast
-from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.metrics import read_metrics
 
 SETUPS = {  # model -> (seq_len, lr, eval window)
     "ref-mha-6L": (256, 1e-3, 512),

@@ -134,7 +134,7 @@ def recovery(
     overrides: list[str] = (),
 ) -> dict:
     """Run (or read) each variant; write OUT/NAME.png, .md and .json; return what the .json holds."""
-    from gqaify.uptrain.report import eval_curve, plot_recovery, read_metrics
+    from gqaify.uptrain.metrics import eval_curve, plot_recovery, read_metrics
 
     curves, parent, rows = {}, None, []
     for variant in variants:
@@ -224,7 +224,7 @@ def speed(gguf: Path, out: Path, steps: int, repeats: int) -> None:
 
 
 def ours_tokens_per_s(model_dir: Path, steps: int) -> float:
-    from gqaify.uptrain.report import read_metrics
+    from gqaify.uptrain.metrics import read_metrics
     from gqaify.uptrain.settings import parse
     from gqaify.uptrain.train import run as uptrain
 

@@ -249,7 +249,7 @@ def tree_hashes(directory: Path) -> dict[str, str]:
 
 def losses(out: Path) -> list[float]:
     """The training losses an uptraining run in `out` logged, step by step."""
-    from gqaify.uptrain.report import read_metrics
+    from gqaify.uptrain.metrics import read_metrics
 
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 

@@ -221,7 +221,7 @@ def test_a_prompt_longer_than_the_positions_is_refused(tmp_path, capsys, caplog)
 def test_a_checkpoint_and_no_dataset_converts_calibrated_and_uptrains(tmp_path):
     """README's three commands on the MHA twin of stories260K: the parent's text is the only data, and the
     uptrained model's KL to the parent on it falls."""
-    from gqaify.uptrain.report import read_metrics
+    from gqaify.uptrain.metrics import read_metrics
 
     parent, text = MODELS / "stories260K-mha", tmp_path / "parent-text"
     assert main(["generate", str(parent), str(text), "--tokens", "6000", "--length", "128", "-q"]) == 0

@@ -14,7 +14,7 @@ from gqaify.generation.settings import GenerateSettings
 from gqaify.text.loading import packed_blocks
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.metrics import read_metrics
 from helpers import run_cli
 from helpers import uptrain_args as args
 

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from gqaify.errors import UserError
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.metrics import read_metrics
 from gqaify.uptrain.student import lr_factor
 from helpers import run_uptrain
 from helpers import uptrain_args as args

@@ -23,7 +23,7 @@ from gqaify.uptrain.curve import (
     read_forecast,
     write_forecast,
 )
-from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.metrics import read_metrics
 from helpers import uptrain_args as args
 
 

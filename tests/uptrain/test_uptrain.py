@@ -28,7 +28,7 @@ from gqaify.uptrain import UptrainSettings, parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.data import EpochSampler, packed_blocks
 from gqaify.uptrain.distill import distillation_kl
-from gqaify.uptrain.report import read_metrics
+from gqaify.uptrain.metrics import read_metrics
 from gqaify.uptrain.settings import load_recipe
 from helpers import (
     MODELS,

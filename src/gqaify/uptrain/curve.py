@@ -295,7 +295,7 @@ def _number(value: float | None, spec: str) -> str:
 def draw_curve(out: Path, target_kl: float, parent_perplexities: dict[str, float] | None, title: str) -> Forecast:
     """The run in `out` as its metrics.jsonl stands: its forecast written (recovery.json, recovery.md) and its
     curve drawn (recovery.png)."""
-    from gqaify.uptrain.report import METRICS, read_metrics
+    from gqaify.uptrain.metrics import METRICS, read_metrics
 
     points = [p for p in map(CurvePoint.of, read_metrics(out / METRICS)) if p is not None]
     found = forecast(points, target_kl)

@@ -34,7 +34,7 @@ from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
 from gqaify.text.pins import local_path
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
-from gqaify.uptrain.report import METRICS, METRICS_CSV, eval_curve, read_metrics
+from gqaify.uptrain.metrics import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
 
 CHECKPOINTS = "checkpoints"

@@ -41,7 +41,7 @@ from gqaify.uptrain.curve import PLOT_FILE, Forecast, draw_curve, eval_steps, re
 from gqaify.uptrain.data import training_loader
 from gqaify.uptrain.evaluation import curve_title, eval_texts, evaluator
 from gqaify.uptrain.lora import merged
-from gqaify.uptrain.report import (
+from gqaify.uptrain.metrics import (
     METRICS,
     METRICS_CSV,
     CsvTracker,
