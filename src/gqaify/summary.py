@@ -27,6 +27,10 @@ def _mla_lines(mla) -> list[str]:
     if mla is None:
         return []
     how = "exact (the G-head model's function)" if mla.exact else "fitted on the calibration text, layer by layer"
+    if mla.fitted is False:
+        how = "its PCA start (the layer-by-layer fit took it further from the parent, and was undone)"
+    elif not mla.exact and mla.fitted is None:
+        how = "its PCA start on the calibration text (not fitted)"
     return [f"  MLA             latent {mla.kv_rank} + rotary key {mla.rope_dims} values per token and layer, {how}"]
 
 

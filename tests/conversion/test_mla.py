@@ -384,6 +384,31 @@ def test_uptrain_converts_to_a_smaller_mla_cache_itself_calibrated_on_its_data(p
     assert (config.kv_lora_rank, config.qk_rope_head_dim) == (16, 16) and len(losses(out)) == 10
 
 
+def test_a_fit_that_takes_the_model_further_from_its_parent_is_undone(monkeypatch):
+    """Each layer's fit is judged on that layer's output, which does not always add up over the layers: the whole
+    fit is kept only if the model's next-token KL to the parent falls on the held-out windows. A step that wrecks
+    o_proj is undone to the last bit; the same fit without it is kept."""
+    from gqaify.conversion import mla_fit
+
+    source = build_model("llama", num_kv_heads=2)
+    ids = torch.randint(0, source.config.vocab_size, (1200,), generator=torch.Generator().manual_seed(7))
+    windows = list(ids[:1024].view(-1, 64))
+    mla = rewrite_as_mla(source, kv_rank=24, rope_dim=8, ids=ids)
+    before = {name: t.clone() for name, t in mla.state_dict().items()}
+    kl = mla_fit.held_out_kl(source, mla, windows[7::8])
+
+    def wrecked(layer, *args):
+        with torch.no_grad():
+            layer.self_attn.o_proj.weight.mul_(-50.0)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mla_fit, "_refit_o_proj", wrecked)
+        assert mla_fit.fit_mla(mla, source, windows, steps=0, progress=False) is False
+    assert all(torch.equal(before[name], t) for name, t in mla.state_dict().items())
+    assert mla_fit.fit_mla(mla, source, windows, steps=0, progress=False) is True
+    assert mla_fit.held_out_kl(source, mla, windows[7::8]) < kl
+
+
 def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):
     """An attention shape is one entry of ATTENTION_INFO naming its module: the registry is built from it, the
     command line offers exactly its names, and each module has the three functions the pipeline calls."""

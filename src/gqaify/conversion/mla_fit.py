@@ -210,12 +210,30 @@ def _refine(layer, mla_in, parent_out, rotary, held, steps: int, lr: float) -> N
         attn.load_state_dict(saved)
 
 
-def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e-3, progress: bool = True) -> None:
-    """`mla` (float32) fitted to `parent`, layer by layer, on the token windows `windows` (1-D each)."""
+def held_out_kl(reference, model, windows: list[torch.Tensor]) -> float:
+    """The mean KL per token of `model`'s next-token distribution to `reference`'s, over the token windows."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for window in windows:
+            expected = torch.log_softmax(reference(window[None]).logits[0].double(), dim=-1)
+            got = torch.log_softmax(model(window[None]).logits[0].double(), dim=-1)
+            total += (expected.exp() * (expected - got)).sum().item()
+            count += len(window)
+    return total / count
+
+
+def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e-3, progress: bool = True) -> bool:
+    """`mla` (float32) fitted to `parent`, layer by layer, on the token windows `windows` (1-D each); kept only if
+    the whole model comes closer to the parent on the held-out windows (its next-token KL), else undone: each
+    layer's steps are judged on that layer's output, which does not always add up over the layers. Returns whether
+    the fit was kept."""
     mla.train(False)
     parent.train(False)
-    changed = preconditioned(mla)
     held = holdout(len(windows))
+    check = [w for w, h in zip(windows, held, strict=True) if h] or windows
+    unfitted = {name: t.detach().clone() for name, t in mla.state_dict().items()}
+    before = held_out_kl(parent, mla, check)
+    changed = preconditioned(mla)
     with torch.no_grad():
         mla_in = [mla.model.embed_tokens(w[None]) for w in windows]
         parent_in = [parent.model.embed_tokens(w[None]).float() for w in windows]
@@ -234,4 +252,17 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
         parent_in = parent_out
     for proj in changed:
         parametrize.remove_parametrizations(proj, "weight", leave_parametrized=True)
-    LOG.info("fitted %d MLA layers on %d calibration windows", len(layers), len(windows))
+    after = held_out_kl(parent, mla, check)
+    if after >= before:
+        mla.load_state_dict(unfitted)
+        LOG.warning(
+            "the layer-by-layer fit took the MLA model further from its parent on the held-out calibration windows "
+            "(KL %.4g -> %.4g nats/token): it is kept as the PCA made it",
+            before,
+            after,
+        )
+        return False
+    LOG.info(
+        "fitted %d MLA layers on %d calibration windows: KL %.4g -> %.4g", len(layers), len(windows), before, after
+    )
+    return True

@@ -42,16 +42,20 @@ class MlaRecord:
     exact: bool  # the G-head model's function, to float precision
     # --kv-cut with neither width given: every split tried, the one kept the closest (`mla_split`)
     splits: list[SplitTrial] | None = optional()
+    # a smaller cache: whether the layer-by-layer fit was kept (False: it took the model further from its parent on
+    # the held-out calibration windows, so the PCA start is written); None: nothing was fitted
+    fitted: bool | None = optional()
 
     @property
     def cached_per_token(self) -> int:
         return self.kv_rank + self.rope_dims
 
     @classmethod
-    def of(cls, plan: MlaPlan, splits: list[SplitTrial] | None = None) -> MlaRecord:
+    def of(cls, plan: MlaPlan, splits: list[SplitTrial] | None = None, fitted: bool | None = None) -> MlaRecord:
         shape = plan.shape
         pairs = plan.layout.per_layer(shape.kv_groups)
-        return cls(shape.kv_rank, shape.rope_dim, plan.nope_dim, pairs, plan.rope["rope_type"], plan.exact, splits)
+        rope = plan.rope["rope_type"]
+        return cls(shape.kv_rank, shape.rope_dim, plan.nope_dim, pairs, rope, plan.exact, splits, fitted)
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,12 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
         plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=ladder, progress=s.progress)
     mla = build_mla(model, plan)
     del model
+    fitted = None
     if not plan.exact and (s.repair or s.refine_steps):
         windows = [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
-        fit_mla(mla, load_parent(), windows, s.refine_steps, s.refine_lr, s.progress)
+        fitted = fit_mla(mla, load_parent(), windows, s.refine_steps, s.refine_lr, s.progress)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
     mla.to(dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
     shards = sorted(folder.glob("model*.safetensors"))
-    return Rewritten(MlaRecord.of(plan, splits), len(shards), sum(path.stat().st_size for path in shards))
+    return Rewritten(MlaRecord.of(plan, splits, fitted), len(shards), sum(path.stat().st_size for path in shards))

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, MlaShape, build_mla, layer_statistics, plan_mla
+from gqaify.conversion.mla_fit import held_out_kl
 
 ROPE_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)  # of the cache's values, the rotary key's in the splits tried
 
@@ -45,17 +46,6 @@ def candidate_splits(num_heads: int, kv_groups: int, head_dim: int, budget: int)
     return splits
 
 
-def _kl(reference, model, windows: list[torch.Tensor]) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for window in windows:
-            expected = torch.log_softmax(reference(window[None]).logits[0].double(), dim=-1)
-            got = torch.log_softmax(model(window[None]).logits[0].double(), dim=-1)
-            total += (expected.exp() * (expected - got)).sum().item()
-            count += len(window)
-    return total / count
-
-
 def choose_split(
     model, budget: int, ids: torch.Tensor, ladder: bool = False, progress: bool = False
 ) -> tuple[MlaPlan, list[SplitTrial]]:
@@ -71,7 +61,7 @@ def choose_split(
     plans, trials = [], []
     for rank, rope in tqdm(splits, desc="MLA splits", unit="split", disable=not progress or None):
         plan = plan_mla(model, rank, rope, ladder=ladder, statistics=statistics)
-        trials.append(SplitTrial(rank, rope, _kl(model, build_mla(model, plan), windows)))
+        trials.append(SplitTrial(rank, rope, held_out_kl(model, build_mla(model, plan), windows)))
         plans.append(plan)
     best = min(range(len(trials)), key=lambda i: trials[i].kl)
     return plans[best], trials
