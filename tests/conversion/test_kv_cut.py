@@ -95,6 +95,10 @@ def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_
             "--kv-rank 30 and --rope-dims 24 cache 54 values, where --kv-cut 2 means 64",
         ),
         (["--kv-cut", "200", "--attention", "mla", "--calib-data", "x.txt"], "too few for a rotary pair"),
+        (
+            ["--kv-cut", "2", "--attention", "mla", "--kv-rank", "30", "--calib-data", "x.txt"],
+            "--kv-cut 2 with --kv-rank 30 leaves a rotary key of 34 values, not a multiple of 8",
+        ),
     ],
 )
 def test_a_cut_that_cannot_be_made_is_one_line_and_writes_nothing(parent, tmp_path, capsys, argv, says):

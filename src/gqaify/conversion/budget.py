@@ -64,6 +64,11 @@ def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings
         ]
     if rank is not None and rope is None:
         rope = budget - rank
+        if rope % (2 * kv_heads):
+            return s, [
+                f"--kv-cut {cut:g} with --kv-rank {rank} leaves a rotary key of {rope} values, not a multiple of "
+                f"{2 * kv_heads} (two per rotary pair of each of {kv_heads} K/V heads); give --rope-dims instead"
+            ]
     elif rope is not None and rank is None:
         rank = budget - rope
     if (rank is not None and rank < 1) or (rope is not None and rope < 2):
