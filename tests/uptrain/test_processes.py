@@ -58,22 +58,48 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Loaded into each launched process (as sitecustomize): where the process group is ended, how many DDP models are
+# still alive, written to DDP_ALIVE_AT_END/rank-N.
+_COUNT_DDP_AT_END = """
+import gc, os
+from pathlib import Path
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+_destroy = dist.destroy_process_group
+
+def _counted(*args, **kwargs):
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    (Path(os.environ["DDP_ALIVE_AT_END"]) / f"rank-{os.environ['RANK']}").write_text(str(alive))
+    return _destroy(*args, **kwargs)
+
+dist.destroy_process_group = _counted
+"""
+
+
 @pytest.mark.integration
 def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
-    """2 processes x micro-batch 2 x accumulation 1 = 1 process x 2 x 2: the same blocks per step."""
+    """2 processes x micro-batch 2 x accumulation 1 = 1 process x 2 x 2: the same blocks per step. And each process
+    frees its DDP model before it ends the process group: where DDP's reducer held the group's last reference, gloo's
+    destructor waited, holding the GIL, for a worker thread that needed it, and the process never exited."""
     one, two = tmp_path / "one", tmp_path / "two"
     uptrain(parse(args(tiny, one)))
     common = args(tiny, two, "--grad_accum", "1")
-    # bounded: once, under a loaded machine, one process never returned after the run had completed
+    hook, counts = tmp_path / "hook", tmp_path / "ddp-alive"
+    hook.mkdir()
+    counts.mkdir()
+    (hook / "sitecustomize.py").write_text(_COUNT_DDP_AT_END)
+    path = os.pathsep.join(p for p in [str(hook), CPU_PROCESSES.get("PYTHONPATH")] if p)
     done = subprocess.run(
         [*accelerate_launch("gqaify.uptrain"), *common, "--dist_timeout", "300"],
         capture_output=True,
         text=True,
-        env=CPU_PROCESSES,
+        env={**CPU_PROCESSES, "PYTHONPATH": path, "DDP_ALIVE_AT_END": str(counts)},
         cwd=tmp_path,
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert {f.name: f.read_text() for f in counts.iterdir()} == {"rank-0": "0", "rank-1": "0"}
     assert json.loads((two / "run.json").read_text())["settings"]["processes"] == 2
     assert len(losses(two)) == 20
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)

@@ -105,7 +105,21 @@ def run(settings: UptrainSettings) -> UptrainResult:
     data = _read_data(launched)  # all of it, before output_dir is touched
     with claimed_by_launch(out, accelerator):  # a second run into output_dir is refused here, writing nothing
         result = _claimed_run(launched, data)
+    _end_launch(accelerator)
     return _pushed(launched, result)
+
+
+def _end_launch(accelerator) -> None:
+    """End the launch's process group, once nothing of the run holds it any more.
+
+    DDP's reducer holds a reference to the group. Where the reducer drops the last one (the model freed after
+    `destroy_process_group`), gloo's destructor joins its worker threads while holding the GIL, and one of them may
+    need the GIL to free the barrier it has just finished: the process then never exits (a rank hung once in eight
+    two-process runs on a loaded CPU). So the run's model, optimizer and loader are freed first, garbage collection
+    included, and the group goes last: its last reference is then Python's, whose destructor releases the GIL."""
+    accelerator.free_memory()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def _read_data(launched: Launched) -> RunData:
@@ -200,8 +214,7 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     final = merged(accelerator.unwrap_model(model)) if s.trainable == "lora" else model  # a plain checkpoint
     save_final(accelerator, final, inputs.tokenizer, Trained(model_path, saved_dtype), out, s, progress, run.record)
     run.save_record(completed=True)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # last: it also ends the process group
+    accelerator.wait_for_everyone()  # every process reads the finished run (`_end_launch` ends the group)
     return _result_of_finished_run(out, run.record)
 
 
