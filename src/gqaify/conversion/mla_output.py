@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gqaify.conversion.budget import cut_values
-from gqaify.conversion.mla import MlaPlan, build_mla, mla_problem, plan_mla, shape_for
+from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla_fit import fit_mla
 from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
 from gqaify.conversion.mla_split import SplitTrial, choose_split
@@ -109,7 +109,8 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     dtype = torch_dtype(s.dtype) or torch_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids = torch.cat(text.parts) if text is not None else None
+    # the sources' windows interleaved: the split's held-out end (`mla_split`) holds more than the last source
+    ids = torch.cat(text.windows(STAT_WINDOW)) if text is not None else None
     ladder, splits = is_gguf_out(s.out), None
     budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
     held = source.with_kv_heads(s.kv_heads).cached_per_token  # what the G-head model caches
