@@ -3,6 +3,7 @@ copies of its data in ../shared), timed end to end, then judged on the panel aga
 
     python benchmarks/recipe_goals.py                      # about an hour on two CPU cores
     python benchmarks/recipe_goals.py --judge-only         # judge a run already in the recipe's output_dir
+    python benchmarks/recipe_goals.py --recipe smollm2-135m-mla --out runs/bench/recipe-goals-mla   # MLA, MQA's cache
 
 Every command of the recipe's first line (the parent-written corpus, then the uptraining with its conversion) runs
 as written, each timed. Then one `gqaify eval` puts the parent, the conversion before training and the uptrained
@@ -33,7 +34,7 @@ from panel_recovery import final_eval
 from recovery_curve import first_half_law
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
+RECIPES = REPO / "recipes"
 GOALS = {"mean_kl": 0.70, "worst_ratio": 3.5, "wikitext": 32.0, "story_endings": 0.66}
 
 
@@ -41,11 +42,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench/recipe-goals", help="output folder for the report")
     parser.add_argument("--judge-only", action="store_true", help="judge the run already in the recipe's output_dir")
+    parser.add_argument("--recipe", default="smollm2-135m-mqa", help="a packaged recipe whose first line runs it")
     args = parser.parse_args()
+    recipe_file = RECIPES / f"{args.recipe}.yaml"
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    line = RECIPE.read_text().splitlines()[0].removeprefix("# ")
-    recipe = yaml.safe_load(RECIPE.read_text())
+    line = recipe_file.read_text().splitlines()[0].removeprefix("# ")
+    recipe = yaml.safe_load(recipe_file.read_text())
     run_dir = REPO / recipe["output_dir"]
     timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").exists() else {}
     if not args.judge_only:
