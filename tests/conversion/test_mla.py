@@ -366,6 +366,56 @@ def test_an_mla_model_uptrains_with_its_latent_down_projection_held(parent, tmp_
     assert type(load(out / "final")).__name__ == "DeepseekV3ForCausalLM"
 
 
+@pytest.mark.parametrize(
+    ("trainable", "changed"),
+    [
+        (["--trainable", "lora", "--lora_rank", "4"], {"q_proj", "kv_b_proj", "o_proj"}),
+        (["--trainable", "kv-only"], {"kv_b_proj"}),
+        (["--trainable", "attention"], {"q_proj", "kv_b_proj", "o_proj", "kv_a_layernorm"}),
+    ],
+    ids=["lora", "kv-only", "attention"],
+)
+def test_an_mla_models_attention_trains_alone(parent, tmp_path, trainable, changed):
+    """trainable lora, kv-only and attention find DeepSeek-V3's attention as gqaify writes it: exactly the
+    projections each names change (LoRA's merged into a plain checkpoint), the latent's down-projection and
+    everything outside attention stay as converted."""
+    from safetensors.torch import load_file
+
+    from gqaify.uptrain import parse
+    from gqaify.uptrain import run as uptrain
+
+    mla = tmp_path / "mla"
+    assert main(["convert", str(parent), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    (tmp_path / "train.txt").write_text(CORPUS * 4)
+    out = tmp_path / "run"
+    argv = ["--model", mla, "--output_dir", out, "--data", tmp_path / "train.txt", "--seq_len", "16"]
+    argv += ["--micro_batch_size", "2", "--max_tokens", "320", "--lr", "1e-2", "--no-progress", *trainable]
+    uptrain(parse(list(map(str, argv))))
+    before, after = load_file(mla / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert before.keys() == after.keys()
+    moved = {name.split(".")[-2] for name in before if not torch.equal(before[name], after[name])}
+    assert moved == changed
+    assert type(load(out / "final")).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_the_memory_plan_of_a_run_that_converts_to_mla_counts_the_mla_models_tensors(parent, tmp_path):
+    """`gqaify uptrain --plan` of a run that converts to MLA itself plans the MLA model it will train (its wider
+    query, its latent's projections), not the GQA model it is made from: the weights are the converted checkpoint's,
+    the gradients all but the latent's down-projection, which stays as converted."""
+    from gqaify.uptrain.plan import Launch, plan
+    from gqaify.uptrain.settings import parse
+
+    mla = tmp_path / "mla"
+    assert main(["convert", str(parent), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    (tmp_path / "train.txt").write_text(CORPUS)
+    argv = ["--model", parent, "--kv_heads", "2", "--attention", "mla", "--output_dir", tmp_path / "run"]
+    argv += ["--data", tmp_path / "train.txt", "--seq_len", "16", "--max_tokens", "320"]
+    found = plan(parse(list(map(str, argv))), Launch(1, False, "no"))
+    weights = dict(load(mla).named_parameters())
+    assert found.student == 4 * sum(p.numel() for p in weights.values())
+    assert found.gradients == 4 * sum(p.numel() for n, p in weights.items() if "kv_a_proj_with_mqa" not in n)
+
+
 def test_uptrain_converts_to_a_smaller_mla_cache_itself_calibrated_on_its_data(parent, tmp_path):
     """uptrain's conversion takes the shape settings a conversion does: MLA at 16 + 16 values from GQA-2, fitted on
     the training data (calib_data defaults to it, as for a calibrated method), then trained."""

@@ -420,15 +420,50 @@ def arch_for(model_type: str, architectures: list[str] | None = None) -> ArchSpe
     return spec
 
 
-def attention_pattern(model_type: str, wanted: str) -> str:
-    """A regular expression matching every layer's attention module path of `model_type` (`model.layers.3.self_attn`).
+@dataclass(frozen=True)
+class TrainedAttention:
+    """What `trainable` attention, kv-only and lora train in one architecture: every layer's attention module path
+    (`pattern`, a regular expression), the projections LoRA adapts and the K/V ones kv-only trains, relative to
+    it; `fused`: one tensor holds Q, K and V (kv-only cannot train K and V alone)."""
+
+    pattern: str
+    projections: tuple[str, ...]
+    kv: tuple[str, ...]
+    fused: bool = False
+
+    @classmethod
+    def of(cls, spec: ArchSpec) -> TrainedAttention:
+        names = (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj, spec.qkv_proj)
+        pattern = _layers_pattern(spec.attention)
+        return cls(pattern, tuple(n for n in names if n), tuple(spec.kv_modules()), spec.qkv_proj is not None)
+
+
+def _layers_pattern(attention: str) -> str:
+    return re.escape(attention).replace(re.escape(LAYER), r"\d+")
+
+
+# The classes gqaify writes but does not convert from (an attention shape's output): where they train.
+# DeepSeek-V3's latent attention as `--attention mla` writes it (no query low-rank): kv_a_proj_with_mqa holds the
+# latent's down-projection, which uptraining keeps as converted (`conversion/mla_fit.latent_projections`), so LoRA
+# adapts the query, the latent's up-projections (kv_b_proj) and o_proj, and kv-only trains kv_b_proj.
+WRITTEN: dict[str, TrainedAttention] = {
+    "deepseek_v3": TrainedAttention(
+        _layers_pattern(f"model.layers.{LAYER}.self_attn"), ("q_proj", "kv_b_proj", "o_proj"), ("kv_b_proj",)
+    ),
+}
+
+
+def trained_attention(model_type: str, wanted: str) -> TrainedAttention:
+    """Where `model_type`'s attention trains (`TrainedAttention`): from the architecture table, or for a class
+    gqaify writes (`WRITTEN`).
 
     Raises:
-        UserError: the architecture is not in the table; `wanted` (e.g. "trainable lora") says what needed it.
+        UserError: neither knows the architecture; `wanted` (e.g. "trainable lora") says what needed it.
     """
     from gqaify.errors import UserError
 
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None:
-        raise UserError(f"{wanted}: gqaify does not know where attention lives in {model_type}; use trainable all")
-    return re.escape(spec.attention).replace(re.escape(LAYER), r"\d+")
+    if model_type in ARCHITECTURES:
+        return TrainedAttention.of(ARCHITECTURES[model_type])
+    if model_type in WRITTEN:
+        return WRITTEN[model_type]
+    raise UserError(f"{wanted}: gqaify does not know where attention lives in {model_type}; use trainable all")

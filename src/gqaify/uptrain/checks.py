@@ -12,7 +12,7 @@ from gqaify._version import __version__
 from gqaify.conversion.record import ConversionRecord
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import Harness
-from gqaify.model.archs import ARCHITECTURES, attention_pattern
+from gqaify.model.archs import ARCHITECTURES, trained_attention
 from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists
 from gqaify.output.destination import name_problem, resolve_out, writable_problem
@@ -139,7 +139,7 @@ def _trainable_problem(s: UptrainSettings, config) -> str | None:
     if s.trainable == "all" or model_type is None:
         return None
     try:
-        attention_pattern(model_type, f"trainable {s.trainable}")
+        trained_attention(model_type, f"trainable {s.trainable}")
     except UserError as exc:
         return str(exc)
     return None

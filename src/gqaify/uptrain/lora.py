@@ -2,7 +2,8 @@
 
     W x  ->  W x + (alpha / r) B A x        A: (r, in), B: (out, r), B = 0 at the start (the model is unchanged)
 
-The adapters sit on the projections the architecture table names (q, k, v, o, or a fused qkv) in every layer,
+The adapters sit on the projections the architecture table names (q, k, v, o, or a fused qkv; an MLA model's
+q, kv_b and o) in every layer,
 so the converted attention (the merged K/V heads and the readers' compensation) is what adapts; the rest of the
 model is frozen. The final model has the adapters merged into its weights: a plain checkpoint of the converted
 class, which loads without peft.
@@ -14,7 +15,7 @@ import re
 
 import torch
 
-from gqaify.model.archs import ARCHITECTURES, attention_pattern
+from gqaify.model.archs import trained_attention
 
 
 def target_pattern(model_type: str) -> str:
@@ -23,10 +24,8 @@ def target_pattern(model_type: str) -> str:
     Raises:
         UserError: the architecture is not in gqaify's table (where its attention lives is unknown).
     """
-    attention = attention_pattern(model_type, "trainable lora")
-    spec = ARCHITECTURES[model_type]
-    names = [n for n in (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj, spec.qkv_proj) if n]
-    return rf"(.*\.)?{attention}\.({'|'.join(re.escape(n) for n in names)})"
+    trained = trained_attention(model_type, "trainable lora")
+    return rf"(.*\.)?{trained.pattern}\.({'|'.join(re.escape(n) for n in trained.projections)})"
 
 
 def with_adapters(model, rank: int, alpha: float) -> torch.nn.Module:

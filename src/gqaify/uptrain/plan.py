@@ -208,7 +208,22 @@ def _configs(s, launch: Launch) -> tuple[object, object | None]:
     if s.kv_heads is not None:
         spec = ARCHITECTURES.get(student.model_type)
         setattr(student, spec.num_kv_heads_key if spec else "num_key_value_heads", s.kv_heads)
+    if s.attention == "mla" and student.model_type in ARCHITECTURES:
+        student = _mla_student(student, s)
     return student, configs.get("distill_from")
+
+
+def _mla_student(config, s):
+    """The config of the MLA model the run converts to (`conversion/mla.py`'s class and shape). A smaller cache's
+    non-rotary key width is chosen per layer on calibration text (the widest head's); it is counted here at its
+    most, the source's head_dim, so that the plan never counts short."""
+    from gqaify.conversion.mla import mla_config, shape_for
+
+    shape, _ = shape_for(config.to_dict(), s.kv_heads, s.kv_rank, s.rope_dims)
+    if shape is None:  # the conversion's own checks refuse it before training
+        return config
+    exact = s.kv_rank is None and s.rope_dims is None
+    return mla_config(config, shape, {"rope_type": "default"}, shape.nope_dim if exact else shape.head_dim)
 
 
 def _model(config, dtype) -> torch.nn.Module:

@@ -13,7 +13,7 @@ import torch
 
 from gqaify.conversion.mla_fit import latent_projections
 from gqaify.errors import UserError
-from gqaify.model.archs import ARCHITECTURES, attention_pattern
+from gqaify.model.archs import trained_attention
 from gqaify.model.loading import load_model
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.lora import with_adapters
@@ -65,17 +65,16 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
     """
     names = {n for n, _ in model.named_parameters()}
     if trainable != "all":
-        attention = attention_pattern(model.config.model_type, f"trainable {trainable}")
-        spec = ARCHITECTURES[model.config.model_type]
+        trained = trained_attention(model.config.model_type, f"trainable {trainable}")
         if trainable == "attention":
-            pattern = rf"{attention}\."
+            pattern = rf"{trained.pattern}\."
         else:
-            if spec.qkv_proj:
+            if trained.fused:
                 raise UserError(
                     f"trainable kv-only: {model.config.model_type} fuses Q, K and V in one tensor; "
                     "use trainable attention"
                 )
-            pattern = rf"{attention}\.({'|'.join(re.escape(k) for k in spec.kv_modules())})\."
+            pattern = rf"{trained.pattern}\.({'|'.join(re.escape(k) for k in trained.kv)})\."
         names = {n for n in names if re.match(pattern, n)}
     if held := latent_projections(model):
         LOG.info("the MLA latent's down-projections stay as converted (%d layers): see mla_fit", len(held))
