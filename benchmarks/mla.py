@@ -3,9 +3,10 @@ text, and the worst text's perplexity ratio.
 
     python benchmarks/mla.py                            # ref-mha-6L and SmolLM2-135M-Instruct
     python benchmarks/mla.py --models ref-mha-6L        # one model
+    python benchmarks/mla.py --no-from-gqa --quick       # what convert does: the split --kv-cut chooses, fitted
 
 Each row caches the same number of values per token and layer:
-    GQA lsq           `gqaify.convert(..., method="lsq", refine_steps=64)` on WikiText-2 validation (the best GQA)
+    GQA lsq           `gqaify.convert(..., method="lsq", refine_steps=64)` on the calibration mixture (the best GQA)
     MLA exact of it   that GQA model rewritten as DeepSeek-V3's dense MLA (`rewrite_as_mla`, no shape given)
     MLA from parent   the parent rewritten at the budget directly: rotary pairs kept by their score, a joint
                       latent of the dropped pairs' keys and the values (balanced K/V, PCA on calibration inputs);
@@ -16,8 +17,11 @@ Each row caches the same number of values per token and layer:
     MLA from GQA      the next larger GQA lsq model compressed to the budget the same way, then fitted
 
 Panel: WikiText-2 test, TinyStories validation, tiny-shakespeare's second half and Python's LICENSE.txt, the first
-4,096 tokens of each, windows of 512. Calibration: WikiText-2 validation (tokenized copy), 16,384 tokens, never a
-panel text. Writes OUT/mla.json and OUT/mla.md (OUT: --out, default benchmarks/results).
+4,096 tokens of each, windows of 512. Calibration: the benchmarks' mixture (`commands.mixture`: WikiText-2
+validation, tiny-shakespeare's first half, the TinyStories sample), 16,384 tokens in equal shares, read and cut into
+interleaved windows by gqaify's own calibration reader, as `gqaify convert --calib-data A B C` reads them; none of it
+a panel text, and the licence no kind it holds. `--calib wikitext` calibrates on WikiText-2 validation alone.
+Writes OUT/mla.json and OUT/mla.md (OUT: --out, default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -30,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-from commands import MODELS, REPO, TEXT, panel_contents
+from commands import MODELS, REPO, TEXT, mixture, panel_contents, write_texts
 
-CALIB_TEXT = TEXT / "wikitext-2-valid-tokenized.txt"
 CALIB_TOKENS = 16_384
 PANEL_TOKENS, WINDOW = 4096, 512
 REFINE_STEPS = 64
@@ -63,18 +66,37 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(SETUPS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--no-from-gqa", action="store_true", help="skip the rows that compress a larger GQA model")
+    parser.add_argument("--quick", action="store_true", help="fit the chosen split only (the fixed one unfitted)")
+    parser.add_argument("--calib", choices=["mixture", "wikitext"], default="mixture", help="the calibration text")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    calib = calibration_files(args.calib, args.out / "texts")
     results = {}
     for name in args.models.split(","):
-        results[name] = measure(name, args.out / "mla" / name, from_gqa=not args.no_from_gqa)
+        work = args.out / "mla" / (name if args.calib == "mixture" else f"{name}-{args.calib}")
+        results[name] = measure(name, work, calib, from_gqa=not args.no_from_gqa, quick=args.quick)
         (args.out / "mla.json").write_text(json.dumps(results, indent=2))
     table = "\n\n".join(format_table(name, rows) for name, rows in results.items())
     (args.out / "mla.md").write_text(table + "\n")
     print(table)
 
 
-def measure(name: str, work: Path, from_gqa: bool = True) -> list[dict]:
+def calibration_files(which: str, texts: Path) -> list[str]:
+    if which == "wikitext":
+        return [str(TEXT / "wikitext-2-valid-tokenized.txt")]
+    return [str(path) for path in mixture(write_texts(texts)).values()]
+
+
+def calibration_windows(files: list[str], tokenizer) -> list[torch.Tensor]:
+    """The calibration windows `gqaify convert --calib-data FILES --calib-tokens 16384 --calib-seq-len 512` fits on."""
+    from gqaify.conversion.calibrate import read_calibration
+    from gqaify.conversion.settings import Calibration
+
+    calibration = Calibration(files, CALIB_TOKENS, "train", "text", WINDOW, "sequential", REFINE_STEPS, 1e-3, True)
+    return [w for w in read_calibration(calibration, tokenizer).windows(WINDOW) if len(w) > 1]
+
+
+def measure(name: str, work: Path, calib_files: list[str], from_gqa: bool = True, quick: bool = False) -> list[dict]:
     import gqaify
     from gqaify.conversion.mla import build_mla, rewrite_as_mla
     from gqaify.conversion.mla_fit import fit_mla
@@ -86,7 +108,8 @@ def measure(name: str, work: Path, from_gqa: bool = True) -> list[dict]:
     source = str(MODELS / name) if (MODELS / name).is_dir() else str(fetch_default_model())
     parent, tokenizer = load_model(source, dtype=torch.float32)
     texts = {k: tokenizer(v, return_tensors="pt").input_ids[0][:PANEL_TOKENS] for k, v in panel_texts().items()}
-    calib = tokenizer(CALIB_TEXT.read_text(), return_tensors="pt").input_ids[0][:CALIB_TOKENS]
+    windows = calibration_windows(calib_files, tokenizer)
+    calib = torch.cat(windows)  # the ids the MLA rewrite's statistics and split choice read, as `convert` gives them
     parent_ppl = {k: perplexity(parent, ids, WINDOW, WINDOW, progress=False).perplexity for k, ids in texts.items()}
     config = parent.config
     H, G = config.num_attention_heads, config.num_key_value_heads
@@ -121,7 +144,7 @@ def measure(name: str, work: Path, from_gqa: bool = True) -> list[dict]:
         start = time.perf_counter()
         if not out.is_dir():
             gqaify.convert(
-                source, out, kv_heads, method="lsq", calib_data=[str(CALIB_TEXT)], calib_tokens=CALIB_TOKENS,
+                source, out, kv_heads, method="lsq", calib_data=calib_files, calib_tokens=CALIB_TOKENS,
                 refine_steps=REFINE_STEPS, calib_seq_len=WINDOW, progress=False,
             )  # fmt: skip
         gqa, _ = load_model(str(out), dtype=torch.float32)
@@ -130,7 +153,6 @@ def measure(name: str, work: Path, from_gqa: bool = True) -> list[dict]:
             start = time.perf_counter()
             score(f"MLA exact of GQA-{kv_heads} lsq", budget, rewrite_as_mla(gqa), time.perf_counter() - start)
         gqa_models[budget] = gqa
-    windows = list(calib[: len(calib) // WINDOW * WINDOW].view(-1, WINDOW))
     for budget in budgets:
         p = pairs[budget]
         rope = 2 * p * G
@@ -138,11 +160,12 @@ def measure(name: str, work: Path, from_gqa: bool = True) -> list[dict]:
         mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib)
         label = f"MLA from parent ({p} pairs a head, latent {budget - rope})"
         score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
-        fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
-        score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
+        if not quick:
+            fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
+            score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
         start = time.perf_counter()
         plan, trials = choose_split(parent, budget, calib)  # what --kv-cut alone does
-        if plan.shape.rope_dim != rope:
+        if quick or plan.shape.rope_dim != rope:
             mla = build_mla(parent, plan)
             fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
             label = (
