@@ -107,3 +107,47 @@ def test_a_cut_that_cannot_be_made_is_one_line_and_writes_nothing(parent, tmp_pa
     code, err = run_cli(capsys, "convert", parent, tmp_path / "out", *argv)
     assert code == 2 and one_line(err) and says in err
     assert sorted(tmp_path.iterdir()) == [] and tree_hashes(parent) == before
+
+
+# -- uptrain's conversion takes the cut too --------------------------------------------------------------------------
+
+
+def uptrain_argv(parent, tmp_path, *more):
+    (tmp_path / "train.txt").write_text(CORPUS * 4)
+    argv = ["--model", parent, "--output_dir", tmp_path / "run", "--data", tmp_path / "train.txt", "--seq_len", "16"]
+    return [*map(str, argv), "--micro_batch_size", "2", "--max_tokens", "320", "--no-progress", *more]
+
+
+def test_uptrain_converts_to_the_cut_it_is_given(parent, tmp_path):
+    """uptrain's kv_cut is the conversion's: GQA at 1/2 of 4 K/V heads trains the 2-head model convert makes."""
+    from gqaify.uptrain import parse
+    from gqaify.uptrain import run as uptrain
+
+    uptrain(parse(uptrain_argv(parent, tmp_path, "--kv_cut", "2")))
+    assert main(["convert", str(parent), str(tmp_path / "heads"), "--kv-heads", "2", "-q"]) == 0
+    converted, heads = weights(tmp_path / "run" / "converted"), weights(tmp_path / "heads")
+    assert converted.keys() == heads.keys() and all(torch.equal(converted[k], heads[k]) for k in heads)
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_uptrains_mla_cut_is_chosen_on_its_data_and_its_plan_counts_no_less_than_it_trains(parent, tmp_path):
+    """An MLA cut alone in uptrain: the split chosen on the training data (its calibration text by default) and
+    recorded; the memory plan of the same settings, made before any split is chosen, counts no fewer weights than
+    the model the run trained, and the GQA cut plans as the heads it names."""
+    from safetensors.torch import load_file
+
+    from gqaify.uptrain import parse
+    from gqaify.uptrain import run as uptrain
+    from gqaify.uptrain.plan import Launch, plan
+
+    argv = uptrain_argv(parent, tmp_path, "--attention", "mla", "--kv_cut", "4", "--calib_seq_len", "64")
+    uptrain(parse(argv))
+    record = json.loads((tmp_path / "run" / "converted" / "gqaify.json").read_text())
+    mla = record["mla"]
+    assert mla["kv_rank"] + mla["rope_dims"] == 2 * HEADS * HEAD_DIM // 4 and len(mla["splits"]) > 1
+    assert record["settings"]["calib_data"] == [str(tmp_path / "train.txt")]
+    trained = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    one = Launch(1, False, "no")
+    assert plan(parse(argv), one).student >= 4 * sum(t.numel() for t in trained.values())
+    cut = plan(parse(uptrain_argv(parent, tmp_path, "--kv_cut", "2")), one)
+    assert cut == plan(parse(uptrain_argv(parent, tmp_path, "--kv_heads", "2")), one)

@@ -404,6 +404,12 @@ class ShapeSettings(Settings):
     """The attention shape a conversion writes (`ATTENTION_INFO`) and, for MLA, its cache's widths: a conversion's,
     and uptraining's for the conversion it runs."""
 
+    kv_cut: float | None = setting(
+        None,
+        "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); mla any X, "
+        "its latent and rotary widths chosen on --calib-data unless --kv-rank or --rope-dims is given",
+        check=(Finite("give a number above 1, e.g. 4"), Range(1, says="a number of at least 1")),
+    )
     attention: AttentionName = setting(
         "gqa",
         "the attention the conversion writes: "
@@ -437,12 +443,6 @@ class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, P
         None,
         "G, the new number of K/V heads; must divide the source's; 1 = MQA (or give --kv-cut)",
         check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
-    )
-    kv_cut: float | None = setting(
-        None,
-        "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); mla any X, "
-        "its latent and rotary widths chosen on --calib-data unless --kv-rank or --rope-dims is given",
-        check=(Finite("give a number above 1, e.g. 4"), Range(1, says="a number of at least 1")),
     )
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(

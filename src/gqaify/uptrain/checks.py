@@ -75,7 +75,7 @@ def check_inputs(s: UptrainSettings) -> Inputs:
         _parent_problem(s, found.corpus),
         too_long,
         _lora_rank_problem(s, model),
-        None if s.kv_heads is not None else _record_problem(s.model),  # a model converted in the run is gqaify's own
+        None if s.converts else _record_problem(s.model),  # a model converted in the run is gqaify's own
     )
     return found
 
@@ -148,9 +148,10 @@ def _trainable_problem(s: UptrainSettings, config) -> str | None:
 def _untrusted_problem(s: UptrainSettings, config) -> str | None:
     """A conversion to a class only gqaify's shipped modeling code implements, without trust_remote_code."""
     spec = ARCHITECTURES.get(getattr(config, "model_type", None))
-    if s.kv_heads is None or spec is None or not spec.shipped_class or s.trust_remote_code:
+    if not s.converts or spec is None or not spec.shipped_class or s.trust_remote_code:
         return None
-    return untrusted_problem(f"model {s.model} converted to {s.kv_heads} K/V heads is a class that")
+    heads = f"{s.kv_heads} K/V heads" if s.kv_heads is not None else f"1/{s.kv_cut:g} of its cache"
+    return untrusted_problem(f"model {s.model} converted to {heads} is a class that")
 
 
 def _lora_rank_problem(s: UptrainSettings, config) -> str | None:
@@ -180,7 +181,7 @@ def _vocab_problem(s: UptrainSettings, corpus: CorpusRecord | None, config) -> s
 def _parent_problem(s: UptrainSettings, corpus: CorpusRecord | None) -> str | None:
     """A corpus of stored top-K (its record `corpus`) written by another parent than the run's `parent` (the model
     itself where the run converts it): the run would train toward one parent and be measured against another."""
-    parent = s.parent or (s.model if s.kv_heads is not None else None)
+    parent = s.parent or (s.model if s.converts else None)
     if corpus is None or parent is None:
         return None
     theirs = local_path(corpus.parent)

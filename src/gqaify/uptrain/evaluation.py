@@ -108,7 +108,7 @@ def _parent_perplexities(
     """The parent's perplexity on each eval text, by name, for the ratios and the plot's reference line (computed
     once per run); `loaded` (the model named `loaded_name`: the teacher, or a stored run's parent) is used where
     it is that parent, else the parent is loaded for this."""
-    parent = s.parent or s.distill_from or (s.model if s.kv_heads is not None else None)
+    parent = s.parent or s.distill_from or (s.model if s.converts else None)
     if parent is None:
         return None
     model = loaded if loaded is not None and parent == loaded_name else None

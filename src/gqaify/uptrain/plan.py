@@ -205,12 +205,43 @@ def _configs(s, launch: Launch) -> tuple[object, object | None]:
             problems.append(str(exc))
     raise_if_problems(problems, None if one_process else s.step_problem(launch.processes))
     student = configs["model"]
+    spec = ARCHITECTURES.get(student.model_type)
+    if s.kv_cut is not None and spec is not None:
+        s = _cut(s, spec, student)
     if s.kv_heads is not None:
-        spec = ARCHITECTURES.get(student.model_type)
         setattr(student, spec.num_kv_heads_key if spec else "num_key_value_heads", s.kv_heads)
-    if s.attention == "mla" and student.model_type in ARCHITECTURES:
+    if s.attention == "mla" and spec is not None:
         student = _mla_student(student, s)
     return student, configs.get("distill_from")
+
+
+def _cut(s, spec, config):
+    """`s` with the K/V heads, and an MLA cache's widths, that kv_cut means for the model of `config`, as the
+    conversion resolves them (`budget.resolve_cut`). Where the split is chosen on calibration text (neither width
+    given), the widest of the splits it may choose (`mla_split.candidate_splits`), so that the plan never counts
+    short.
+
+    Raises:
+        UserError: the cut is one the conversion refuses.
+    """
+    from gqaify.conversion.budget import cut_values, resolve_cut
+    from gqaify.conversion.mla_split import candidate_splits
+    from gqaify.model.geometry import Geometry
+
+    geometry = Geometry.from_config(spec, config.to_dict())
+    resolved, problems = resolve_cut(s.conversion("plan"), geometry)
+    raise_if_problems(problems)
+    heads, rank, rope = resolved.kv_heads, resolved.kv_rank, resolved.rope_dims
+    if s.attention == "mla" and rank is None and rope is None:
+        H, d, hidden = geometry.num_heads, geometry.head_dim, config.hidden_size
+        splits = candidate_splits(H, heads, d, cut_values(geometry, s.kv_cut))
+
+        def weights(split: tuple[int, int]) -> int:  # kv_a, kv_b and q_proj, the non-rotary key at its widest
+            r, k = split
+            return hidden * (r + k) + r * H * 2 * d + hidden * H * (d + k)
+
+        rank, rope = max(splits, key=weights)
+    return dataclasses.replace(s, kv_heads=heads, kv_rank=rank, rope_dims=rope)
 
 
 def _mla_student(config, s):

@@ -53,7 +53,7 @@ POSITIVE = Range(1, says="a positive integer")
 EVAL_POINTS = 8
 CHECKPOINTS_PER_RUN = 10  # a checkpoint every tenth of the run at least...
 CHECKPOINT_SECONDS = 600  # ...and after every 10 minutes without one, whichever comes first
-# The fields of the conversion: checked only when there is one to run (kv_heads set)
+# The fields of the conversion: checked only when there is one to run (kv_heads or kv_cut set)
 CONVERSION_FIELDS = frozenset(f.name for cls in (MethodSettings, ShapeSettings) for f in dataclasses.fields(cls))
 
 
@@ -71,7 +71,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
 
     # -- the model
     model: str | None = setting(
-        None, "a converted checkpoint, or a source to convert when kv_heads is set", required=True
+        None, "a converted checkpoint, or a source to convert when kv_heads or kv_cut is set", required=True
     )
     kv_heads: int | None = setting(
         None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
@@ -226,7 +226,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         """Everything wrong with the values, at once (files are checked where they are opened): the fields'
         declarations (the conversion's only with kv_heads: there is none to run without), a token budget of
         one step at least (`step_problem`), a teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
-        converts = self.kv_heads is not None
+        converts = self.converts
         checked = self.calibrated_on_data() if converts else self
         problems = UPTRAIN.declared_problems(checked, leave_out=frozenset() if converts else CONVERSION_FIELDS)
         if self.max_tokens is None and self.budget_fraction is None:
@@ -252,13 +252,19 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
             )
         return problems + self.task_request().problems()
 
+    @property
+    def converts(self) -> bool:
+        """Whether the run converts `model` first (kv_heads or kv_cut given), or trains it as it is."""
+        return self.kv_heads is not None or self.kv_cut is not None
+
     def calibrated_on_data(self) -> UptrainSettings:
         """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
         the method is calibrated: a conversion fitted on what the model will train on."""
         from gqaify.conversion.settings import METHOD_INFO
 
         info = METHOD_INFO.get(self.method)
-        smaller_mla = self.attention == "mla" and (self.kv_rank is not None or self.rope_dims is not None)
+        widths = (self.kv_rank, self.rope_dims, None if self.kv_cut == 1 else self.kv_cut)
+        smaller_mla = self.attention == "mla" and any(w is not None for w in widths)
         needs_text = (info is not None and info.calibrated) or self.grouping == "similarity" or smaller_mla
         if self.calib_data is not None or not self.data or not needs_text:
             return self

@@ -395,7 +395,7 @@ def make_accelerator(s: UptrainSettings, out: Path):
 
 def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
     """`model` itself, or its conversion to `kv_heads` in output_dir/converted (converted once, atomically)."""
-    if s.kv_heads is None:
+    if not s.converts:
         return s.model
     converted = out / "converted"
     if accelerator.is_main_process and not converted.is_dir():
