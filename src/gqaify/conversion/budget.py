@@ -74,3 +74,44 @@ def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings
     if (rank is not None and rank < 1) or (rope is not None and rope < 2):
         return s, [f"--kv-cut {cut:g} leaves {budget} values; the latent needs at least 1 and the rotary key 2"]
     return dataclasses.replace(s, kv_heads=kv_heads, kv_rank=rank, rope_dims=rope), []
+
+
+def planned_config(s: ConvertSettings, config):
+    """The config (a transformers config, changed in place) of the model the conversion `s` writes from a source of
+    `config`, for a memory plan: its K/V heads, or its MLA shape. What calibration chooses is counted at its widest,
+    so that a plan never counts short: an MLA split `--kv-cut` chooses, the widest candidate
+    (`mla_split.candidate_splits`); a smaller cache's non-rotary key, chosen per layer, the source's head_dim.
+
+    Raises:
+        UserError: a cut the conversion refuses.
+    """
+    from gqaify.conversion.mla import mla_config, shape_for
+    from gqaify.conversion.mla_split import candidate_splits
+    from gqaify.errors import raise_if_problems
+    from gqaify.model.archs import ARCHITECTURES
+
+    spec = ARCHITECTURES.get(config.model_type)
+    if spec is None:  # the conversion's own checks refuse it before training
+        return config
+    geometry = Geometry.from_config(spec, config.to_dict())
+    s, problems = resolve_cut(s, geometry)
+    raise_if_problems(problems)
+    rank, rope = s.kv_rank, s.rope_dims
+    if s.attention == "mla" and s.kv_cut is not None and rank is None and rope is None:
+        H, d, hidden = geometry.num_heads, geometry.head_dim, config.hidden_size
+        splits = candidate_splits(H, s.kv_heads, d, cut_values(geometry, s.kv_cut))
+
+        def weights(split: tuple[int, int]) -> int:  # kv_a, kv_b and q_proj, the non-rotary key at its widest
+            r, k = split
+            return hidden * (r + k) + r * H * 2 * d + hidden * H * (d + k)
+
+        rank, rope = max(splits, key=weights)
+    if s.kv_heads is not None:
+        setattr(config, spec.num_kv_heads_key, s.kv_heads)
+    if s.attention != "mla":
+        return config
+    shape, _ = shape_for(config.to_dict(), s.kv_heads, rank, rope)
+    if shape is None:  # the conversion's own checks refuse it before training
+        return config
+    exact = rank is None and rope is None
+    return mla_config(config, shape, {"rope_type": "default"}, shape.nope_dim if exact else shape.head_dim)

@@ -192,7 +192,7 @@ def _configs(s, launch: Launch) -> tuple[object, object | None]:
     Raises:
         UserError: every problem found.
     """
-    from gqaify.model.archs import ARCHITECTURES
+    from gqaify.conversion.budget import planned_config
     from gqaify.model.loading import load_config
 
     one_process = s.step_problem(processes=1)  # among s.problems() already
@@ -204,57 +204,8 @@ def _configs(s, launch: Launch) -> tuple[object, object | None]:
         except UserError as exc:
             problems.append(str(exc))
     raise_if_problems(problems, None if one_process else s.step_problem(launch.processes))
-    student = configs["model"]
-    spec = ARCHITECTURES.get(student.model_type)
-    if s.kv_cut is not None and spec is not None:
-        s = _cut(s, spec, student)
-    if s.kv_heads is not None:
-        setattr(student, spec.num_kv_heads_key if spec else "num_key_value_heads", s.kv_heads)
-    if s.attention == "mla" and spec is not None:
-        student = _mla_student(student, s)
+    student = planned_config(s.conversion("plan"), configs["model"]) if s.converts else configs["model"]
     return student, configs.get("distill_from")
-
-
-def _cut(s, spec, config):
-    """`s` with the K/V heads, and an MLA cache's widths, that kv_cut means for the model of `config`, as the
-    conversion resolves them (`budget.resolve_cut`). Where the split is chosen on calibration text (neither width
-    given), the widest of the splits it may choose (`mla_split.candidate_splits`), so that the plan never counts
-    short.
-
-    Raises:
-        UserError: the cut is one the conversion refuses.
-    """
-    from gqaify.conversion.budget import cut_values, resolve_cut
-    from gqaify.conversion.mla_split import candidate_splits
-    from gqaify.model.geometry import Geometry
-
-    geometry = Geometry.from_config(spec, config.to_dict())
-    resolved, problems = resolve_cut(s.conversion("plan"), geometry)
-    raise_if_problems(problems)
-    heads, rank, rope = resolved.kv_heads, resolved.kv_rank, resolved.rope_dims
-    if s.attention == "mla" and rank is None and rope is None:
-        H, d, hidden = geometry.num_heads, geometry.head_dim, config.hidden_size
-        splits = candidate_splits(H, heads, d, cut_values(geometry, s.kv_cut))
-
-        def weights(split: tuple[int, int]) -> int:  # kv_a, kv_b and q_proj, the non-rotary key at its widest
-            r, k = split
-            return hidden * (r + k) + r * H * 2 * d + hidden * H * (d + k)
-
-        rank, rope = max(splits, key=weights)
-    return dataclasses.replace(s, kv_heads=heads, kv_rank=rank, rope_dims=rope)
-
-
-def _mla_student(config, s):
-    """The config of the MLA model the run converts to (`conversion/mla.py`'s class and shape). A smaller cache's
-    non-rotary key width is chosen per layer on calibration text (the widest head's); it is counted here at its
-    most, the source's head_dim, so that the plan never counts short."""
-    from gqaify.conversion.mla import mla_config, shape_for
-
-    shape, _ = shape_for(config.to_dict(), s.kv_heads, s.kv_rank, s.rope_dims)
-    if shape is None:  # the conversion's own checks refuse it before training
-        return config
-    exact = s.kv_rank is None and s.rope_dims is None
-    return mla_config(config, shape, {"rope_type": "default"}, shape.nope_dim if exact else shape.head_dim)
 
 
 def _model(config, dtype) -> torch.nn.Module:
