@@ -224,7 +224,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (files are checked where they are opened): the fields'
-        declarations (the conversion's only with kv_heads: there is none to run without), a token budget of
+        declarations (the conversion's only where it converts: there is none to run without), a token budget of
         one step at least (`step_problem`), a teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
         converts = self.converts
         checked = self.calibrated_on_data() if converts else self
