@@ -15,18 +15,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-# the tiny models of every architecture and the independent references, shared with the benchmarks
-from gqaify.testing import (  # noqa: F401 (what the fixtures below use)
-    ARCH_CONFIGS,
-    CORPUS,
-    QK_NORMS,
-    build_model,
-    duplicate_kv_heads,
-    save,
-    save_with_tokenizer,
-    transformers_doc_loop,
-)
-from helpers import ASSETS, CLOSED, MODELS, REPO, needs_assets, tree_hashes  # noqa: F401, E402
+# Nothing heavy is imported here: with the tests spread over processes, the process that hands them out reads this
+# file too, and torch and transformers (seconds) would be imported there for nothing. The fixtures import what they use.
 
 
 def pytest_addoption(parser):
@@ -35,6 +25,17 @@ def pytest_addoption(parser):
         action="store_true",
         help="run the integration tests too (processes launched and killed, wheels built, llama.cpp): .ci/run does",
     )
+
+
+def pytest_collection_finish(session):
+    """Everything alive once the tests are collected (torch, transformers and the tests' modules: millions of
+    objects) is moved out of the garbage collector's sight, where it stays alive anyway: a full collection then walks
+    only what the tests make. gqaify collects in full where a model is done with (eval after each model, a launch
+    of several processes at its end), which in a process that has imported every test module took 0.4 s a time."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -106,6 +107,7 @@ def hub_unreachable(monkeypatch):
     from huggingface_hub import constants
 
     from gqaify.model import hub
+    from helpers import CLOSED
 
     monkeypatch.setenv("HF_ENDPOINT", CLOSED)
     monkeypatch.setattr(constants, "ENDPOINT", CLOSED)
@@ -120,6 +122,7 @@ def hub_unreachable(monkeypatch):
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """A tiny MHA parent (4 heads) with a tokenizer, its GQA-2 mean-pool, training and eval text."""
     from gqaify.conversion.core import convert
+    from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 
     root = tmp_path_factory.mktemp("uptrain")
     parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")

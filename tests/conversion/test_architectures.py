@@ -136,7 +136,7 @@ def test_lsq_pools_rotated_twins_back_exactly(model_type, tmp_path):
 
     twin = save_with_tokenizer(rotated_twin(gqa, pairs), tmp_path / "mha")
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    calibration = dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=2048, calib_seq_len=48)
+    calibration = dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=512, calib_seq_len=48)
     gqaify.convert(twin, tmp_path / "out", kv_heads=2, method="lsq", **calibration, progress=False)
     torch.testing.assert_close(logits(load(tmp_path / "out"), ids), expected, atol=1e-4, rtol=1e-4)
 

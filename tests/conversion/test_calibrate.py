@@ -33,7 +33,7 @@ SLIDING = {"mistral": {"sliding_window": 8}, "gemma2": {"sliding_window": 8}}  #
 @pytest.fixture
 def calibration(tmp_path) -> dict:
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    return dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=1024, calib_seq_len=48)
+    return dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=384, calib_seq_len=48)
 
 
 def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):
@@ -164,6 +164,7 @@ def test_the_walk_holds_one_decoder_layer_at_a_time(calibration, tmp_path, monke
 
 def test_sequential_layers_are_repaired_and_refinement_lowers_the_output_error(calibration, tmp_path):
     _, src = _tiny("llama", tmp_path / "src", num_kv_heads=4)
+    calibration = {**calibration, "calib_tokens": 1024}  # held-out windows enough to judge the refinement on
     plain = gqaify.convert(
         src, tmp_path / "parallel", kv_heads=1, method="lsq", **calibration, calib_mode="parallel", progress=False
     )

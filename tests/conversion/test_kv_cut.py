@@ -54,6 +54,7 @@ def test_an_mla_cut_with_one_width_given_takes_the_rest_for_the_other(parent, tm
     out = tmp_path / "mla"
     calib = str(parent.parent / "calib.txt")
     argv = ["--attention", "mla", "--kv-cut", "2", "--kv-rank", "40", "--calib-data", calib, "--calib-seq-len", "64"]
+    argv += ["--calib-tokens", "2048"]
     assert main(["convert", str(parent), str(out), *argv, "-q"]) == 0
     mla = json.loads((out / "gqaify.json").read_text())["mla"]
     assert (mla["kv_rank"], mla["rope_dims"]) == (40, 24) and "splits" not in mla
@@ -65,7 +66,18 @@ def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_
     closest to the parent on the held-out calibration windows, and eval counts and measures its cache."""
     out = tmp_path / "mla"
     calib = str(parent.parent / "calib.txt")
-    argv = ["--attention", "mla", "--kv-cut", "3", "--calib-data", calib, "--calib-seq-len", "64"]
+    argv = [
+        "--attention",
+        "mla",
+        "--kv-cut",
+        "3",
+        "--calib-data",
+        calib,
+        "--calib-seq-len",
+        "64",
+        "--calib-tokens",
+        "2048",
+    ]
     assert main(["convert", str(parent), str(out), *argv, "-q"]) == 0
     mla = json.loads((out / "gqaify.json").read_text())["mla"]
     tried = [(s["kv_rank"], s["rope_dims"]) for s in mla["splits"]]

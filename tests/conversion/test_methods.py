@@ -28,7 +28,7 @@ FOLDABLE = {"llama": {}, "qwen2": {}, "phi3": {}, "stablelm": {"qk_layernorm": F
 @pytest.fixture
 def calibration(tmp_path) -> dict:
     (tmp_path / "calib.txt").write_text(CORPUS * 4)
-    return dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=2048, calib_seq_len=48)
+    return dict(calib_data=str(tmp_path / "calib.txt"), calib_tokens=512, calib_seq_len=48)
 
 
 def _tiny(model_type: str, directory, num_kv_heads: int = 2, **overrides):

@@ -28,7 +28,7 @@ from helpers import (
 )
 
 STORIES = MODELS / "stories260K"
-SMALL = ["--length", "48", "--batch-size", "4", "-q"]
+SMALL = ["--length", "24", "--batch-size", "8", "-q"]
 
 
 # Loaded first by every Python process started with its folder on PYTHONPATH (`held_env`): once
@@ -202,7 +202,7 @@ def test_prompts_are_continued_in_turn(tmp_path):
     prompts.write_text("Once upon a time\n\nThe little dog\n")
     assert generate(tmp_path / "p", "--prompts", str(prompts)) == 0
     rows = [json.loads(line) for line in (tmp_path / "p" / "data" / "train-00000.jsonl").read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == ["Once upon a time", "The little dog"] * 2
+    assert [r["prompt"] for r in rows] == ["Once upon a time", "The little dog"] * 4  # a shard: one batch of 8
     assert all(r["text"].startswith(r["prompt"]) and r["tokens"] > 0 for r in rows)
 
 

@@ -13,6 +13,7 @@ The architecture table of the docs (docs/architectures.md, between its `TABLE_ST
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,10 @@ class Row:
     mla: str = ""  # whether `--attention mla` rewrites it, or why not
 
 
-def kv_head_types() -> list[str]:
-    """transformers' model types with a causal-LM class whose (text) config has a K/V head count.
+@functools.cache
+def kv_head_types() -> tuple[str, ...]:
+    """transformers' model types with a causal-LM class whose (text) config has a K/V head count (read once: it
+    builds every type's default config, seconds).
 
     A type whose default config cannot be built is counted too: nothing says it has no K/V heads.
     """
@@ -53,7 +56,7 @@ def kv_head_types() -> list[str]:
             text = config
         if "num_key_value_heads" in type(text).__dict__.get("__annotations__", {}) or _has_attribute(text):
             found.append(model_type)
-    return found
+    return tuple(found)
 
 
 def _has_attribute(config) -> bool:

@@ -116,8 +116,10 @@ def _end_launch(accelerator) -> None:
     `destroy_process_group`), gloo's destructor joins its worker threads while holding the GIL, and one of them may
     need the GIL to free the barrier it has just finished: the process then never exits (a rank hung once in eight
     two-process runs on a loaded CPU). So the run's model, optimizer and loader are freed first, garbage collection
-    included, and the group goes last: its last reference is then Python's, whose destructor releases the GIL."""
-    accelerator.free_memory()
+    included, and the group goes last: its last reference is then Python's, whose destructor releases the GIL. A
+    launch of one process has no group, and skips the collection (a whole pass over the heap)."""
+    if accelerator.num_processes > 1:
+        accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
