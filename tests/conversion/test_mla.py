@@ -283,6 +283,8 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
         calib,
         "--calib-seq-len",
         "64",
+        "--calib-tokens",
+        "2048",
     ]
     assert main(["convert", str(parent), str(out), "--kv-heads", "2", *map(str, argv), "-q"]) == 0
     record = json.loads((out / "gqaify.json").read_text())["mla"]
@@ -492,3 +494,53 @@ def test_a_real_models_mla_conversion_is_its_gqa_conversion_to_float_precision(t
     with torch.no_grad():
         expected, got = load(tmp_path / "gqa")(ids).logits, load(tmp_path / "mla")(ids).logits
     assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+
+
+def test_float16_is_refused_where_an_mla_model_is_evaluated_or_trained(parent, tmp_path, capsys, monkeypatch):
+    """float16 rounds the latent's weights (held below the norm's epsilon, about 1e-8) to its few smallest steps,
+    6e-8 apart: eval --dtype float16 of an MLA rewrite, and uptraining one, or converting to one, under fp16 mixed
+    precision (asked, or the launch's) are refused in one line, writing nothing; bfloat16 keeps them."""
+    mla = tmp_path / "mla"
+    assert main(["convert", str(parent), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    attn = load(mla).model.layers[0].self_attn
+    rows = attn.kv_a_proj_with_mqa.weight[: attn.kv_lora_rank].detach()
+
+    def error(dtype) -> float:
+        return ((rows.to(dtype).float() - rows).abs().max() / rows.abs().max()).item()
+
+    assert error(torch.float16) > 0.1 and error(torch.bfloat16) < 0.01  # what the refusal is for
+    calib = parent.parent / "calib.txt"
+    code, err = run_cli(capsys, "eval", mla, "--data", calib, "--out", tmp_path / "r", "--dtype", "float16", "-q")
+    assert code == 2 and one_line(err) and "--dtype float16 cannot hold; evaluate it with --dtype bfloat16" in err
+    assert not (tmp_path / "r").exists()
+    run = ["--data", calib, "--output_dir", tmp_path / "run", "--seq_len", "16", "--max_tokens", "64"]
+    for model, extra in ([mla, []], [parent, ["--kv_heads", "2", "--attention", "mla"]]):
+        code, err = run_cli(capsys, "uptrain", "--model", model, *run, *extra, "--mixed_precision", "fp16")
+        assert code == 2 and one_line(err) and "mixed_precision fp16 cannot hold; train with" in err
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    code, err = run_cli(capsys, "uptrain", "--model", mla, *run)
+    assert code == 2 and "mixed_precision fp16 (the launch's) cannot hold" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_disk_plan_counts_the_wider_queries_of_the_mla_model(tmp_path, capsys, monkeypatch):
+    """The exact rewrite of an MHA model keeps every rotary pair of each of its 8 K/V heads in the one shared
+    rotary key, which each query head reads through its own query as wide: the query projection is 8 times the
+    source's, 14 MB written from a 6 MB source, more than the plan's margin. The plan counts the MLA model, so too
+    little room for it is refused up front."""
+    import shutil
+
+    from gqaify.output import destination
+
+    wide = dict(num_attention_heads=8, hidden_size=256, head_dim=32, num_hidden_layers=4, vocab_size=320)
+    src = save_with_tokenizer(build_model("llama", num_kv_heads=8, **wide), tmp_path / "src")
+    out = tmp_path / "mla"
+    assert main(["convert", str(src), str(out), "--kv-heads", "8", "--attention", "mla", "-q"]) == 0
+    written = sum(path.stat().st_size for path in out.iterdir())
+    assert written > 2 * sum(path.stat().st_size for path in src.glob("*.safetensors"))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(destination.shutil, "disk_usage", lambda path: usage._replace(free=written - 1))
+    code, err = run_cli(capsys, "convert", src, tmp_path / "again", "--kv-heads", "8", "--attention", "mla")
+    assert code == 2 and "not enough disk space" in one_line(err)
+    assert int(re.search(r"needs ([\d,]+) bytes", err)[1].replace(",", "")) >= written
+    assert not (tmp_path / "again").exists()

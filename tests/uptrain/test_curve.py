@@ -196,3 +196,26 @@ def test_a_damaged_recovery_json_is_one_line_naming_the_file(tmp_path, damage, s
         read_forecast(tmp_path)
     message = str(caught.value)
     assert str(file) in message and said in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("options", "title"),
+    [
+        ({}, "parent (lora)"),
+        ({"kv_heads": 1}, "parent as MQA (lora)"),
+        ({"kv_heads": 2, "distill_weight": 1.0}, "parent as GQA-2 (lora, distilled)"),
+        ({"kv_cut": 4}, "parent as GQA, 1/4 cache (lora)"),
+        ({"kv_cut": 2.5, "attention": "mla"}, "parent as MLA, 1/2.5 cache (lora)"),
+        (
+            {"kv_heads": 1, "attention": "mla", "kv_rank": 62, "rope_dims": 66},
+            "parent as MLA, latent 62 + rotary 66 (lora)",
+        ),
+        ({"kv_heads": 2, "attention": "mla"}, "parent as MLA, the source cache size (lora)"),
+    ],
+)
+def test_the_recovery_plots_title_names_the_attention_a_converting_run_trains(options, title):
+    from gqaify.uptrain.evaluation import curve_title
+    from gqaify.uptrain.settings import UptrainSettings
+
+    options = {"distill_weight": 0.0, **options}
+    assert curve_title(UptrainSettings(model="runs/parent", trainable="lora", **options)) == title

@@ -208,7 +208,10 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
         raise_if_problems(text_problems(calibration, text, geometry.hidden_size))
         for warning in short_sources(text):
             LOG.warning(warning)
-    size = sum(meta.nbytes for meta in output.tensors.values()) + _SPACE_MARGIN
+    weights = max(
+        sum(meta.nbytes for meta in output.tensors.values()), SHAPES[s.attention].weight_bytes(s, source.config)
+    )
+    size = weights + _SPACE_MARGIN
     size += sum(path.stat().st_size for path in source.side_files())
     if calibration is not None:  # the fitted layers wait on disk, in float32, until the stream writes them
         size += sum(

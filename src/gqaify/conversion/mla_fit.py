@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from gqaify.conversion.repair import holdout
+from gqaify.model.geometry import latent_below_epsilon
 
 LOG = logging.getLogger(__name__)
 
@@ -66,19 +67,13 @@ def preconditioned(model) -> list[nn.Module]:
 
 
 def latent_projections(model) -> list[str]:
-    """The parameter names of `model`'s MLA down-projections when it is gqaify's MLA rewrite (DeepSeek-V3 with every
-    layer dense and no query low-rank; read from the config, so a model on the meta device answers too): uptraining
-    holds them, since AdamW moves each weight by about its learning rate, which would throw a latent row of 1e-8
-    out of the range where the norm is linear at the first step."""
-    config = model.config
-    rewritten = (
-        config.model_type == "deepseek_v3"
-        and getattr(config, "q_lora_rank", 0) is None
-        and getattr(config, "first_k_dense_replace", 0) >= config.num_hidden_layers
-    )
-    if not rewritten:
+    """The parameter names of `model`'s MLA down-projections when it is gqaify's MLA rewrite (read from the config,
+    `latent_below_epsilon`, so a model on the meta device answers too): uptraining holds them, since AdamW moves
+    each weight by about its learning rate, which would throw a latent row of 1e-8 out of the range where the norm
+    is linear at the first step."""
+    if not latent_below_epsilon(model.config):
         return []
-    return [f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(config.num_hidden_layers)]
+    return [f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(model.config.num_hidden_layers)]
 
 
 def _latent_ratio(weight: torch.Tensor, rank: int) -> float:

@@ -23,7 +23,7 @@ from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F40
 from gqaify.conversion.mla_split import SplitTrial, choose_split
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
-from gqaify.model.geometry import Geometry
+from gqaify.model.geometry import Geometry, float16_latent_problem
 from gqaify.records import optional
 from gqaify.sizes import parse_size
 
@@ -80,8 +80,7 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
             "frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads 1, or "
             "name OUT without .gguf (a folder that transformers serves)"
         )
-    compressed = s.kv_rank is not None or s.rope_dims is not None or s.kv_cut not in (None, 1)
-    if compressed and not s.calib_data:
+    if s.smaller_mla and not s.calib_data:
         problems.append(
             "--kv-cut, --kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
             "(text other than your eval text)"
@@ -90,10 +89,7 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     stored = config.get("dtype") or config.get("torch_dtype")
     if s.dtype == "float16" or (s.dtype == "auto" and stored == "float16"):
         said = "--dtype float16" if s.dtype == "float16" else "the source's float16 (--dtype auto)"
-        problems.append(
-            f"an MLA latent is held below its norm's epsilon (about 1e-8), which {said} cannot hold; "
-            "use --dtype bfloat16 or float32"
-        )
+        problems.append(float16_latent_problem(said, "use --dtype bfloat16 or float32"))
     return problems
 
 
@@ -106,7 +102,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     from transformers import AutoModelForCausalLM
 
     config = json.loads((folder / "config.json").read_text())
-    dtype = torch_dtype(s.dtype) or torch_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")
+    dtype = _written_dtype(s, config)
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     # the sources' windows interleaved: the split's held-out end (`mla_split`) holds more than the last source
@@ -129,3 +125,23 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     mla.to(dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
     shards = sorted(folder.glob("model*.safetensors"))
     return Rewritten(MlaRecord.of(plan, splits, fitted), len(shards), sum(path.stat().st_size for path in shards))
+
+
+def weight_bytes(s, config: dict) -> int:
+    """The bytes of the weights the rewrite of a source of `config` (config.json's) writes, at most: the model
+    `budget.planned_config` plans (what calibration chooses counted at its widest), built on the meta device. Its
+    query projection is wider than the source's (each query head's non-rotary and rotary parts), so the G-head
+    model's plan can count short."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gqaify.conversion.budget import planned_config
+
+    source = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(planned_config(s, source))
+    return sum(p.numel() for p in model.parameters()) * _written_dtype(s, config).itemsize
+
+
+def _written_dtype(s, config: dict) -> torch.dtype:
+    """The dtype the rewrite writes: --dtype, else the source's (float32 where it names none)."""
+    return torch_dtype(s.dtype) or torch_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")

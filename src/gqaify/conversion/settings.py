@@ -430,6 +430,13 @@ class ShapeSettings(Settings):
         check=(Range(2, says="a whole number of at least 2"), Needs("attention", "is an MLA key's width", value="mla")),
     )
 
+    @property
+    def smaller_mla(self) -> bool:
+        """Whether this is an MLA conversion to a smaller cache than the source's (a width or a cut given): one
+        fitted on calibration text, where the exact rewrite needs none."""
+        widths = (self.kv_rank, self.rope_dims, None if self.kv_cut == 1 else self.kv_cut)
+        return self.attention == "mla" and any(w is not None for w in widths)
+
 
 @dataclass(frozen=True)
 class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, Progress):

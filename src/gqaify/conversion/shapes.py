@@ -6,8 +6,9 @@ A shape's module (its entry's `module`) defines three functions, looked up when 
     problems(settings, config, out_is_gguf) -> list[str]   what the request cannot be, before anything is written
     rewrite(folder, settings, text, load_parent, source_geometry) -> Rewritten   the G-head folder made this shape
     write_gguf(folder, out, out_type, tokenizer_gguf, record)   the folder as llama.cpp loads it
+    weight_bytes(settings, config) -> int   the weights the rewrite writes, at most (the disk plan's)
 
-GQA is the stream's own output: no problems of its own, no rewrite, `to_gguf.write_gguf`.
+GQA is the stream's own output: no problems of its own, no rewrite, `to_gguf.write_gguf`, the stream's plan.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class Shape:
 
     def write_gguf(self, *args) -> None:
         return (to_gguf if self.module is None else self.module).write_gguf(*args)
+
+    def weight_bytes(self, s, config: dict) -> int:
+        """The bytes of the weights this shape's rewrite writes, at most (0: it writes none; the stream's plan
+        counts the G-head model)."""
+        return 0 if self.module is None else self.module.weight_bytes(s, config)
 
 
 SHAPES: dict[str, Shape] = {name: Shape(name, info) for name, info in ATTENTION_INFO.items()}

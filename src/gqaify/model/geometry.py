@@ -77,6 +77,20 @@ class Geometry:
         return self.num_heads // self.num_kv_heads
 
 
+def latent_below_epsilon(config) -> bool:
+    """Whether `config` (a transformers config, or config.json's dict) is gqaify's MLA rewrite: DeepSeek-V3 with every
+    layer dense and no query low-rank, whose latent is held below its norm's epsilon (about 1e-8,
+    `conversion/mla.py`) so that the norm is linear; float16, whose smallest normal value is 6e-5, cannot hold it."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    dense = (get("first_k_dense_replace", 0) or 0) >= (get("num_hidden_layers", 0) or 0)
+    return get("model_type") == "deepseek_v3" and get("q_lora_rank", 0) is None and dense
+
+
+def float16_latent_problem(said: str, fix: str) -> str:
+    """The refusal of float16 (`said`: how it was asked for) for an MLA rewrite, with its `fix`."""
+    return f"an MLA latent is held below its norm's epsilon (about 1e-8), which {said} cannot hold; {fix}"
+
+
 def attention_kind(num_kv_heads: int) -> str:
     """What a model with `num_kv_heads` K/V heads is called in the summaries and the card: "MQA" or "GQA-G"."""
     return "MQA" if num_kv_heads == 1 else f"GQA-{num_kv_heads}"

@@ -4,6 +4,7 @@ for the run to use rather than read again (`Inputs`). They read first (`_read`),
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from gqaify.conversion.record import ConversionRecord
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import Harness
 from gqaify.model.archs import ARCHITECTURES, trained_attention
+from gqaify.model.geometry import float16_latent_problem, latent_below_epsilon
 from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists
 from gqaify.output.destination import name_problem, resolve_out, writable_problem
@@ -76,8 +78,19 @@ def check_inputs(s: UptrainSettings) -> Inputs:
         too_long,
         _lora_rank_problem(s, model),
         None if s.converts else _record_problem(s.model),  # a model converted in the run is gqaify's own
+        _float16_problem(s, model),
     )
     return found
+
+
+def _float16_problem(s: UptrainSettings, model) -> str | None:
+    """fp16 mixed precision (asked here or by the launch) for an MLA rewrite, or a run that converts to one."""
+    precision = s.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    mla = (s.converts and s.attention == "mla") or (model is not None and latent_below_epsilon(model))
+    if precision != "fp16" or not mla:
+        return None
+    said = "mixed_precision fp16" + ("" if s.mixed_precision else " (the launch's)")
+    return float16_latent_problem(said, "train with mixed_precision bf16 or no")
 
 
 def _launch_problems(s: UptrainSettings) -> list[str]:

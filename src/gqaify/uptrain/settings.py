@@ -263,9 +263,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         from gqaify.conversion.settings import METHOD_INFO
 
         info = METHOD_INFO.get(self.method)
-        widths = (self.kv_rank, self.rope_dims, None if self.kv_cut == 1 else self.kv_cut)
-        smaller_mla = self.attention == "mla" and any(w is not None for w in widths)
-        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity" or smaller_mla
+        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity" or self.smaller_mla
         if self.calib_data is not None or not self.data or not needs_text:
             return self
         weights = self.calib_weights if self.calib_weights is not None else self.data_weights
