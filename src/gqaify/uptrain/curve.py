@@ -345,7 +345,7 @@ def plot_curve(found: Forecast, parent_perplexities: dict[str, float] | None, pa
             ax.grid(True, which="both", alpha=0.3)
             _legend(ax, fontsize=8)
         _plot_texts(texts, points, parent_perplexities)
-        by_tokens.set_title(title)
+        by_tokens.figure.suptitle(title)  # over the three panels: a long model name and shape fit above them
 
 
 def _from_the_start(ax, xs: list[float]) -> None:
