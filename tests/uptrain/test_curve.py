@@ -210,7 +210,7 @@ def test_a_damaged_recovery_json_is_one_line_naming_the_file(tmp_path, damage, s
             {"kv_heads": 1, "attention": "mla", "kv_rank": 62, "rope_dims": 66},
             "parent as MLA, latent 62 + rotary 66 (lora)",
         ),
-        ({"kv_heads": 2, "attention": "mla"}, "parent as MLA, the source cache size (lora)"),
+        ({"kv_heads": 2, "attention": "mla"}, "parent as MLA, the source's cache size (lora)"),
     ],
 )
 def test_the_recovery_plots_title_names_the_attention_a_converting_run_trains(options, title):

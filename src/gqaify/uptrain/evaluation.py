@@ -133,7 +133,7 @@ def _converted_to(s: UptrainSettings) -> str:
     if s.attention == "mla":
         widths = [f"latent {s.kv_rank}" if s.kv_rank else "", f"rotary {s.rope_dims}" if s.rope_dims else ""]
         cache = f"1/{s.kv_cut:g} cache" if s.kv_cut not in (None, 1) else " + ".join(w for w in widths if w)
-        return f" as MLA, {cache or 'the source cache size'}"
+        return " as MLA, " + (cache or "the source's cache size")
     if s.kv_cut is not None:
         return f" as GQA, 1/{s.kv_cut:g} cache"
     return " as MQA" if s.kv_heads == 1 else f" as GQA-{s.kv_heads}"
