@@ -34,6 +34,12 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def calibrated_on(text) -> list[str]:
+    """convert's options for a smaller MLA cache fitted on the tiny models' calibration `text`: windows of 64, the
+    first 2,048 tokens (what the MLA tests' assertions hold at)."""
+    return ["--calib-data", str(text), "--calib-seq-len", "64", "--calib-tokens", "2048"]
+
+
 def run_uptrain(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     """`python -m gqaify uptrain ARGV` in a fresh process (as accelerate launches it)."""
     return subprocess.run([sys.executable, "-m", "gqaify", "uptrain", *argv], capture_output=True, text=True, **kwargs)

@@ -13,7 +13,7 @@ from gqaify.conversion.mla_split import candidate_splits
 from gqaify.entry.cli import main
 from gqaify.eval.settings import EvalSettings
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
-from helpers import one_line, run_cli, tree_hashes
+from helpers import calibrated_on, one_line, run_cli, tree_hashes
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 16  # build_model's Llama: its cache is 2 x 4 x 16 = 128 values per token and layer
 
@@ -53,8 +53,7 @@ def test_an_mla_cut_with_one_width_given_takes_the_rest_for_the_other(parent, tm
     every layer)."""
     out = tmp_path / "mla"
     calib = str(parent.parent / "calib.txt")
-    argv = ["--attention", "mla", "--kv-cut", "2", "--kv-rank", "40", "--calib-data", calib, "--calib-seq-len", "64"]
-    argv += ["--calib-tokens", "2048"]
+    argv = ["--attention", "mla", "--kv-cut", "2", "--kv-rank", "40", *calibrated_on(calib)]
     assert main(["convert", str(parent), str(out), *argv, "-q"]) == 0
     mla = json.loads((out / "gqaify.json").read_text())["mla"]
     assert (mla["kv_rank"], mla["rope_dims"]) == (40, 24) and "splits" not in mla
@@ -66,18 +65,7 @@ def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_
     closest to the parent on the held-out calibration windows, and eval counts and measures its cache."""
     out = tmp_path / "mla"
     calib = str(parent.parent / "calib.txt")
-    argv = [
-        "--attention",
-        "mla",
-        "--kv-cut",
-        "3",
-        "--calib-data",
-        calib,
-        "--calib-seq-len",
-        "64",
-        "--calib-tokens",
-        "2048",
-    ]
+    argv = ["--attention", "mla", "--kv-cut", "3", *calibrated_on(calib)]
     assert main(["convert", str(parent), str(out), *argv, "-q"]) == 0
     mla = json.loads((out / "gqaify.json").read_text())["mla"]
     tried = [(s["kv_rank"], s["rope_dims"]) for s in mla["splits"]]

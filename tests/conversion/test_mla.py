@@ -17,7 +17,7 @@ from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.eval.settings import EvalSettings
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
-from helpers import MODELS, losses, needs_assets, one_line, run_cli, tree_hashes
+from helpers import MODELS, calibrated_on, losses, needs_assets, one_line, run_cli, tree_hashes
 
 
 def logits_scale(logits: torch.Tensor) -> float:
@@ -272,21 +272,8 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
     measures in transformers' cache alike."""
     out = tmp_path / "small"
     calib = parent.parent / "calib.txt"
-    argv = [
-        "--attention",
-        "mla",
-        "--kv-rank",
-        "16",
-        "--rope-dims",
-        "16",
-        "--calib-data",
-        calib,
-        "--calib-seq-len",
-        "64",
-        "--calib-tokens",
-        "2048",
-    ]
-    assert main(["convert", str(parent), str(out), "--kv-heads", "2", *map(str, argv), "-q"]) == 0
+    argv = ["--attention", "mla", "--kv-rank", "16", "--rope-dims", "16", *calibrated_on(calib)]
+    assert main(["convert", str(parent), str(out), "--kv-heads", "2", *argv, "-q"]) == 0
     record = json.loads((out / "gqaify.json").read_text())["mla"]
     fewest = min(len(pairs) for layer in record["rotary_pairs"] for pairs in layer)
     assert (record["kv_rank"], record["rope_dims"], record["nope_dims"], record["exact"]) == (
