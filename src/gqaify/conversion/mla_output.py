@@ -23,7 +23,7 @@ from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F40
 from gqaify.conversion.mla_split import SplitTrial, choose_split
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
-from gqaify.model.geometry import Geometry, float16_latent_problem
+from gqaify.model.geometry import Geometry, float16_asked, float16_latent_problem
 from gqaify.records import optional
 from gqaify.sizes import parse_size
 
@@ -86,9 +86,7 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
             "(text other than your eval text)"
         )
     problems += shape_for(config, s.kv_heads, s.kv_rank, s.rope_dims)[1]
-    stored = config.get("dtype") or config.get("torch_dtype")
-    if s.dtype == "float16" or (s.dtype == "auto" and stored == "float16"):
-        said = "--dtype float16" if s.dtype == "float16" else "the source's float16 (--dtype auto)"
+    if said := float16_asked(s.dtype, config, "the source's"):
         problems.append(float16_latent_problem(said, "use --dtype bfloat16 or float32"))
     return problems
 

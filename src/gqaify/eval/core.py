@@ -39,7 +39,7 @@ from gqaify.eval.settings import DATA_PIN, EvalSettings, decode_context, window_
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
 from gqaify.model.archs import ARCHITECTURES, ArchSpec
-from gqaify.model.geometry import Geometry, float16_latent_problem, latent_below_epsilon
+from gqaify.model.geometry import Geometry, float16_asked, float16_latent_problem, latent_below_epsilon
 from gqaify.model.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.model.loading import check_weights, device_problem, load_config, load_model, load_tokenizer, resolve_device
 from gqaify.model.locations import exists
@@ -334,11 +334,8 @@ def _float16_problem(s: EvalSettings, name: str, config) -> str | None:
     """An MLA rewrite asked to load in float16, by --dtype or by its config (`latent_below_epsilon`)."""
     if config is None or not latent_below_epsilon(config):
         return None
-    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "").removeprefix("torch.")
-    if s.dtype == "float16" or (s.dtype == "auto" and stored == "float16"):
-        said = "--dtype float16" if s.dtype == "float16" else "its config's float16 (--dtype auto)"
-        return f"{name}: " + float16_latent_problem(said, "evaluate it with --dtype bfloat16 or float32")
-    return None
+    said = float16_asked(s.dtype, config, "its config's")
+    return said and f"{name}: " + float16_latent_problem(said, "evaluate it with --dtype bfloat16 or float32")
 
 
 def _out_problems(s: EvalSettings) -> list[str]:
