@@ -450,7 +450,7 @@ def test_a_fit_that_takes_the_model_further_from_its_parent_is_undone(monkeypatc
 
 def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):
     """An attention shape is one entry of ATTENTION_INFO naming its module: the registry is built from it, the
-    command line offers exactly its names, and each module has the three functions the pipeline calls."""
+    command line offers exactly its names, and each module has the four functions the pipeline calls."""
     import inspect
 
     from gqaify.conversion.settings import ATTENTION_INFO
@@ -464,6 +464,7 @@ def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_c
             module = shape.module
             assert [len(inspect.signature(f).parameters) for f in (module.problems, module.rewrite)] == [3, 5]
             assert len(inspect.signature(module.write_gguf).parameters) == 5
+            assert len(inspect.signature(module.weight_bytes).parameters) == 2
     assert main(["convert", "--help"]) == 0
     offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)
     assert offered.split(",") == list(ATTENTION_INFO)

@@ -1,7 +1,7 @@
 """The attention shapes a conversion writes, one per `ATTENTION_INFO` entry: what checks a request for it, rewrites
 the G-head folder the stream wrote into it, and writes it as one GGUF file.
 
-A shape's module (its entry's `module`) defines three functions, looked up when called:
+A shape's module (its entry's `module`) defines four functions, looked up when called:
 
     problems(settings, config, out_is_gguf) -> list[str]   what the request cannot be, before anything is written
     rewrite(folder, settings, text, load_parent, source_geometry) -> Rewritten   the G-head folder made this shape
