@@ -4,12 +4,14 @@ text, and the worst text's perplexity ratio.
     python benchmarks/mla.py                            # ref-mha-6L and SmolLM2-135M-Instruct
     python benchmarks/mla.py --models ref-mha-6L        # one model
     python benchmarks/mla.py --no-from-gqa --quick       # what convert does: the split --kv-cut chooses, fitted
+    python benchmarks/mla.py --no-turn                   # the rotary key chosen head by head, not turned
 
 Each row caches the same number of values per token and layer:
     GQA lsq           `gqaify.convert(..., method="lsq", refine_steps=64)` on the calibration mixture (the best GQA)
     MLA exact of it   that GQA model rewritten as DeepSeek-V3's dense MLA (`rewrite_as_mla`, no shape given)
-    MLA from parent   the parent rewritten at the budget directly: rotary pairs kept by their score, a joint
-                      latent of the dropped pairs' keys and the values (balanced K/V, PCA on calibration inputs);
+    MLA from parent   the parent rewritten at the budget directly: each frequency's pairs turned across the K/V
+                      heads and the components kept by their score (--no-turn: the heads' own pairs), a joint latent
+                      of what they leave of the keys and the values (balanced K/V, PCA on calibration inputs);
                       "PCA" as it comes, "fitted" then brought back to the parent layer by layer (`fit_mla`: o_proj
                       refitted, 64 Adam steps a layer on the calibration windows)
     split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`choose_split`: the PCA starts
@@ -68,13 +70,18 @@ def main() -> None:
     parser.add_argument("--no-from-gqa", action="store_true", help="skip the rows that compress a larger GQA model")
     parser.add_argument("--quick", action="store_true", help="fit the chosen split only (the fixed one unfitted)")
     parser.add_argument("--calib", choices=["mixture", "wikitext"], default="mixture", help="the calibration text")
+    parser.add_argument(
+        "--no-turn", action="store_true", help="choose the rotary key head by head, its pairs not turned across heads"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     calib = calibration_files(args.calib, args.out / "texts")
     results = {}
     for name in args.models.split(","):
         work = args.out / "mla" / (name if args.calib == "mixture" else f"{name}-{args.calib}")
-        results[name] = measure(name, work, calib, from_gqa=not args.no_from_gqa, quick=args.quick)
+        results[name] = measure(
+            name, work, calib, from_gqa=not args.no_from_gqa, quick=args.quick, across=not args.no_turn
+        )
         (args.out / "mla.json").write_text(json.dumps(results, indent=2))
     table = "\n\n".join(format_table(name, rows) for name, rows in results.items())
     (args.out / "mla.md").write_text(table + "\n")
@@ -96,7 +103,9 @@ def calibration_windows(files: list[str], tokenizer) -> list[torch.Tensor]:
     return [w for w in read_calibration(calibration, tokenizer).windows(WINDOW) if len(w) > 1]
 
 
-def measure(name: str, work: Path, calib_files: list[str], from_gqa: bool = True, quick: bool = False) -> list[dict]:
+def measure(
+    name: str, work: Path, calib_files: list[str], from_gqa: bool = True, quick: bool = False, across: bool = True
+) -> list[dict]:
     import gqaify
     from gqaify.conversion.mla import build_mla, rewrite_as_mla
     from gqaify.conversion.mla_fit import fit_mla
@@ -115,6 +124,7 @@ def measure(name: str, work: Path, calib_files: list[str], from_gqa: bool = True
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // H
     budgets, pairs = SETUPS[name]
+    turned = "" if across or G == 1 else ", head by head"  # --no-turn: the rotary key chosen without turning
     rows: list[dict] = []
 
     def score(label: str, budget: int, model, seconds: float) -> None:
@@ -157,19 +167,20 @@ def measure(name: str, work: Path, calib_files: list[str], from_gqa: bool = True
         p = pairs[budget]
         rope = 2 * p * G
         start = time.perf_counter()
-        mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib)
-        label = f"MLA from parent ({p} pairs a head, latent {budget - rope})"
+        mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib, across=across)
+        label = f"MLA from parent ({p} pairs a head, latent {budget - rope}{turned})"
         score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
         if not quick:
             fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
             score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
         start = time.perf_counter()
-        plan, trials = choose_split(parent, budget, calib)  # what --kv-cut alone does
+        plan, trials = choose_split(parent, budget, calib, across=across)  # what --kv-cut alone does
         if quick or plan.shape.rope_dim != rope:
             mla = build_mla(parent, plan)
             fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
             label = (
-                f"MLA from parent, split chosen (latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}), fitted"
+                f"MLA from parent, split chosen (latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{turned}), "
+                "fitted"
             )
             score(label, budget, mla, time.perf_counter() - start)
         print(json.dumps({"budget": budget, "splits tried": [vars(t) for t in trials]}), flush=True)
@@ -180,9 +191,9 @@ def measure(name: str, work: Path, calib_files: list[str], from_gqa: bool = True
             p_g = min(d // 2, max(1, round(p * G / g)))
             rope = 2 * p_g * g
             start = time.perf_counter()
-            mla = rewrite_as_mla(gqa, kv_rank=budget - rope, rope_dim=rope, ids=calib)
+            mla = rewrite_as_mla(gqa, kv_rank=budget - rope, rope_dim=rope, ids=calib, across=across)
             fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
-            label = f"MLA from GQA-{g} lsq ({p_g} pairs a head, latent {budget - rope}), fitted"
+            label = f"MLA from GQA-{g} lsq ({p_g} pairs a head, latent {budget - rope}{turned}), fitted"
             score(label, budget, mla, time.perf_counter() - start)
     return rows
 

@@ -119,7 +119,7 @@ def test_fewer_rotary_pairs_with_a_full_latent_equal_partial_rope():
     G, d = 2, source.config.head_dim
     full = 2 * G * d - 2 * 6
     calibration = torch.randint(0, source.config.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
-    plan = plan_mla(source, kv_rank=full, rope_dim=2 * 3 * G, ids=calibration)
+    plan = plan_mla(source, kv_rank=full, rope_dim=2 * 3 * G, ids=calibration, across=False)
     mla = build_mla(source, plan)
     kept = plan.layout.per_layer(G)
     assert [sum(len(pairs) for pairs in layer) for layer in kept] == [6, 6]
@@ -135,6 +135,34 @@ def test_fewer_rotary_pairs_with_a_full_latent_equal_partial_rope():
     with torch.no_grad():
         expected, got = reference_partial_rope(source, ids, kept), mla(ids).logits[0]
     assert (got - expected).abs().max().item() <= 1e-4 * logits_scale(expected)
+
+
+def test_turning_each_frequency_across_heads_keeps_what_a_head_by_head_choice_loses():
+    """Two K/V heads whose pairs of each frequency are multiples of one another (rank one across the heads, a
+    different multiple for each pair): one rotary slot per frequency, turned across the heads, holds both heads'
+    rotation whole, so the rewrite is exact; choosing heads instead, each frequency keeps one head's rotation and
+    loses the other's."""
+    source = build_model("llama", num_kv_heads=2)
+    G, d = 2, source.config.head_dim
+    half = d // 2
+    multiples = torch.linspace(-1.5, 2.0, half).repeat(2)[:, None]  # one per pair, both of its dimensions
+    with torch.no_grad():
+        for layer in source.model.layers:
+            k = layer.self_attn.k_proj.weight.view(G, d, -1)
+            k[1] = multiples * k[0]
+    rope_dim = d  # = 2 x (d/2 / G) pairs x G heads: as many slots as frequencies
+    full = MlaShape(source.config.num_attention_heads, G, d, half // G, 1).full_rank  # the widest latent allowed
+    calibration = torch.randint(0, source.config.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, source.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = source(ids).logits
+    for across, exact in ((True, True), (False, False)):
+        plan = plan_mla(source, kv_rank=full, rope_dim=rope_dim, ids=calibration, across=across)
+        if across:  # one slot per frequency: the leading component holds all of it
+            assert sorted(plan.layout.pairs.tolist()) == list(range(half))
+        with torch.no_grad():
+            error = (build_mla(source, plan)(ids).logits - expected).abs().max().item()
+        assert (error <= 1e-4 * logits_scale(expected)) == exact, (across, error)
 
 
 def test_the_listed_frequencies_are_the_best_of_every_list_a_brute_force_tries():

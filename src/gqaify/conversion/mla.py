@@ -13,9 +13,10 @@ A layer with G K/V heads of d dimensions, keeping rope_dim / 2 (K/V head, rotary
                  list of frequencies for the model (`longrope`'s per-pair factors give any list: `rope_parameters`);
                  each dimension carries one K/V head's pair at its frequency, the head may change from layer to
                  layer (`mla_rotary.RotaryLayout`); a query head's rotary query is its own head's pairs in their
-                 places, zeros elsewhere
-    latent       the values of the G heads, and the keys' dimensions whose pairs are not kept (they lose their
-                 rotation); all of them (exact), or their first `kv_rank` principal components on calibration
+                 places, zeros elsewhere. Turned (a smaller cache, `across`): each dimension carries a mix of the
+                 heads' pairs of its frequency, and a query head reads it by its own head's share in the mix
+    latent       the values of the G heads, and what the rotary key leaves of each head's key (unrotated);
+                 all of them (exact), or their first `kv_rank` principal components on calibration
                  activations, K and V balanced to equal energy first (`Latent`)
     the norm     RMSNorm(c) = c / sqrt(mean(c^2) + eps) x w is linear where mean(c^2) << eps: `kv_a_proj` scales
                  the latent down so that mean(c^2) <= 1e-6 eps for any input the layer's own input norm can give
@@ -28,6 +29,7 @@ A layer with G K/V heads of d dimensions, keeping rope_dim / 2 (K/V head, rotary
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,7 +40,9 @@ from gqaify.conversion.mla_latent import Latent, latent_from_covariance, target_
 from gqaify.conversion.mla_rotary import (
     STATIC_ROPE,
     RotaryLayout,
+    across_heads,
     choose_layout,
+    pair_moments,
     pair_scores,
     rope_parameters,
     rotation_weight,
@@ -98,15 +102,16 @@ def mla_layer(
     """One layer's MLA tensors (names relative to the attention module) from its GQA projections.
 
     q: (H*d, hidden), k and v: (G*d, hidden), rows by head, rotate_half layout; `input_norm` the weight of the
-    RMSNorm before the layer (it bounds the latent, see the module docstring); `rotary` this layer's rotary rows
-    (`RotaryLayout.rows`), each K/V head's dimensions left to the latent (`RotaryLayout.dropped`), and the
-    model's non-rotary width (`RotaryLayout.nope_dim`: heads that keep more pairs leave the rest of theirs zero).
+    RMSNorm before the layer (it bounds the latent, see the module docstring); `rotary` this layer's rotary key as
+    weights on the heads' key dimensions (`RotaryLayout.basis`), each K/V head's dimensions the latent holds
+    (`RotaryLayout.dropped`), and the model's non-rotary width (`RotaryLayout.nope_dim`: heads that leave fewer
+    leave the rest of theirs zero).
     """
     H, G, d = shape.num_heads, shape.kv_groups, shape.head_dim
     rep = H // G
     q, k, v = q.double().view(H, d, -1), k.double().view(G, d, -1), v.double().view(G, d, -1)
     hidden = q.shape[-1]
-    (rope_group, rope_dim_of), nope, width = rotary
+    basis, nope, width = rotary
 
     # queries: per head [nope | rope], scaled from the source's 1/sqrt(d) to the class's 1/sqrt(nope + rope)
     scale = math.sqrt((width + shape.rope_dim) / d)
@@ -114,16 +119,15 @@ def mla_layer(
     for h in range(H):
         g = h // rep
         q_out[h, : len(nope[g])] = q[h, nope[g]]
-        mine = rope_group == g
-        q_out[h, width + torch.nonzero(mine).squeeze(1)] = q[h, rope_dim_of[mine]]
+        q_out[h, width:] = basis[:, g] @ q[h]
     q_out *= scale
 
-    # the latent's targets: non-rotary key dimensions, then values
-    targets = torch.cat([*(k[g, nope[g]] for g in range(G)), v.reshape(-1, hidden)])
+    # the latent's targets: what the rotary key leaves of each head's key, then values
+    k_rope = torch.einsum("sgd,gdh->sh", basis, k)  # (rope_dim, hidden)
+    targets = torch.cat([residual_keys(k, basis, nope).reshape(-1, hidden), v.reshape(-1, hidden)])
     down = latent.down.double() @ targets  # (R, hidden)
     bound = torch.linalg.matrix_norm(down, ord=2) * math.sqrt(hidden) * input_norm.double().abs().max()
     shrink = math.sqrt(LINEAR_MARGIN * eps * shape.kv_rank) / max(float(bound), 1e-30)
-    k_rope = k[rope_group, rope_dim_of]  # (rope_dim, hidden)
 
     up = latent.up.double()  # (targets, R)
     starts = [sum(len(n) for n in nope[:g]) for g in range(G + 1)]
@@ -138,6 +142,13 @@ def mla_layer(
         "kv_a_layernorm.weight": torch.full((shape.kv_rank,), math.sqrt(eps) / shrink, dtype=torch.float64),
         "kv_b_proj.weight": kv_b.reshape(-1, shape.kv_rank),
     }
+
+
+def residual_keys(k: torch.Tensor, basis: torch.Tensor, nope: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of each K/V head's key the latent holds, stacked ((sum of len(nope[g]), hidden)): what the rotary key
+    (`basis`, `RotaryLayout.basis`) leaves of the head, on its dimensions `nope[g]`. k: (G, d, hidden), float64."""
+    left = k - torch.einsum("sgd,sh->gdh", basis, torch.einsum("sgd,gdh->sh", basis, k))
+    return torch.cat([left[g, rows] for g, rows in enumerate(nope)])
 
 
 def shape_for(config: dict, kv_heads: int | None, kv_rank: int | None, rope_dim: int | None):
@@ -304,11 +315,13 @@ def plan_mla(
     ladder: bool = False,
     progress: bool = False,
     statistics: list[LayerStatistics] | None = None,
+    across: bool = True,
 ) -> MlaPlan:
     """The rewrite of `model` (a loaded GQA, MQA or MHA transformers model) at this shape: exact without `kv_rank` and
     `rope_dim` (the source's cache), else fitted on the token ids `ids` (calibration text); `ladder`: rotary pairs
     llama.cpp can turn (`choose_layout`); `statistics`: `layer_statistics` already read (of any shape of this
-    model), else read from `ids`.
+    model), else read from `ids`; `across`: each frequency's pairs turned across the K/V heads first where there are
+    several (`across_heads`; not with `ladder`).
 
     Raises:
         UserError: an architecture or a shape the rewrite does not take, or a smaller cache without text.
@@ -326,15 +339,35 @@ def plan_mla(
     elif statistics is None:
         statistics = layer_statistics(model, ids, shape, progress)
     source = source_frequencies(config)
-    scores = None
-    if statistics is not None:
-        scores = torch.stack([s.scores for s in statistics]) * rotation_weight(source, STAT_WINDOW)
+    scores = mixing = None
+    if statistics is not None and across and not ladder and shape.kv_groups > 1:
+        mixing, scores = _across_heads(model, statistics, shape)
+    elif statistics is not None:
+        scores = torch.stack([s.scores for s in statistics])
+    if scores is not None:
+        scores = scores * rotation_weight(source, STAT_WINDOW)
     layers = config.num_hidden_layers
     layout = choose_layout(scores, shape.kv_groups, shape.head_dim, shape.pairs, layers, ladder)
+    if mixing is not None:
+        layout = dataclasses.replace(layout, mixing=mixing)
     rope = rope_parameters(
         source[layout.pairs], float(config.rope_parameters["rope_theta"]), config.max_position_embeddings
     )
     return MlaPlan(shape, layout, rope, statistics)
+
+
+def _across_heads(model, statistics: list[LayerStatistics], shape: MlaShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer, each frequency's mixing across the K/V heads and its components' scores (`across_heads`)."""
+    mixings, scores = [], []
+    for layer, stats in zip(model.model.layers, statistics, strict=True):
+        attn = layer.self_attn
+        keys, queries = pair_moments(
+            attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), stats.covariance, shape.num_heads, shape.kv_groups
+        )
+        mixing, score = across_heads(keys, queries, shape.kv_groups)
+        mixings.append(mixing)
+        scores.append(score)
+    return torch.stack(mixings), torch.stack(scores)
 
 
 def build_mla(model, plan: MlaPlan):
@@ -350,15 +383,16 @@ def build_mla(model, plan: MlaPlan):
         q, k, v = (state.pop(prefix + f"{p}_proj.weight") for p in "qkv")
         hidden = q.shape[1]
         nope = [layout.dropped(i, g, d) for g in range(G)]
-        key_rows = torch.cat([k.view(G, d, hidden)[g, nope[g]] for g in range(G)])
-        targets = torch.cat([key_rows, v]).double()
+        basis = layout.basis(i, G, d)
+        key_rows = residual_keys(k.double().view(G, d, hidden), basis, nope)
+        targets = torch.cat([key_rows, v.double()])
         covariance = None if plan.statistics is None else plan.statistics[i].covariance
         metric = None
         if covariance is not None:
             metric = target_metric(q, state[prefix + "o_proj.weight"], covariance, shape.num_heads, nope)
         latent = latent_from_covariance(targets, covariance, shape.kv_rank, len(key_rows), metric)
         norm = layer.input_layernorm.weight.detach()
-        rotary = (layout.rows(i, d), nope, plan.nope_dim)
+        rotary = (basis, nope, plan.nope_dim)
         for name, tensor in mla_layer(q, k, v, norm, shape, rotary, latent, eps).items():
             state[prefix + name] = tensor.float()
     mla = DeepseekV3ForCausalLM(target).eval()
@@ -372,10 +406,16 @@ def build_mla(model, plan: MlaPlan):
     return mla
 
 
-def rewrite_as_mla(model, kv_rank: int | None = None, rope_dim: int | None = None, ids: torch.Tensor | None = None):
+def rewrite_as_mla(
+    model,
+    kv_rank: int | None = None,
+    rope_dim: int | None = None,
+    ids: torch.Tensor | None = None,
+    across: bool = True,
+):
     """`model` rewritten as a DeepSeek-V3 dense MLA model (`plan_mla`, then `build_mla`).
 
     Raises:
         UserError: as `plan_mla`.
     """
-    return build_mla(model, plan_mla(model, kv_rank, rope_dim, ids))
+    return build_mla(model, plan_mla(model, kv_rank, rope_dim, ids, across=across))

@@ -47,7 +47,7 @@ def latent_from_covariance(
     energy = torch.einsum("th,hk,tk->t", measured, covariance, measured)
     key_energy, value_energy = energy[:n_keys].sum(), energy[n_keys:].sum()
     balance = torch.ones(n_targets, dtype=targets.dtype)
-    if n_keys and key_energy > 0:
+    if n_keys and key_energy > 1e-12 * value_energy:  # keys all but zero (all rotary) are not scaled up
         balance[:n_keys] = torch.sqrt(value_energy / key_energy)
     weight = balance[:, None] * metric  # (T, T): targets to the space where the error is measured
     weighted = weight @ targets

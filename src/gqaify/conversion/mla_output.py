@@ -37,7 +37,8 @@ class MlaRecord:
     kv_rank: int  # the latent's values per token and layer
     rope_dims: int  # the shared rotary key's
     nope_dims: int  # each query head's key dimensions read from the latent
-    rotary_pairs: list[list[list[int]]]  # per layer, per K/V head of the G-head model, its rotary pairs kept
+    # per layer, per K/V head of the G-head model (turned: per component of the heads' pairs), its rotary pairs kept
+    rotary_pairs: list[list[list[int]]]
     rope_type: str  # DeepSeek-V3's rope_parameters: default (one base's ladder) or longrope (a factor per pair)
     exact: bool  # the G-head model's function, to float precision
     # --kv-cut with neither width given: every split tried, the one kept the closest (`mla_split`)
@@ -45,6 +46,8 @@ class MlaRecord:
     # a smaller cache: whether the layer-by-layer fit was kept (False: it took the model further from its parent on
     # the held-out calibration windows, so the PCA start is written); None: nothing was fitted
     fitted: bool | None = optional()
+    # each frequency's pairs turned across the K/V heads before the rotary key's were chosen (`mla_rotary`)
+    turned: bool = optional(False)
 
     @property
     def cached_per_token(self) -> int:
@@ -55,7 +58,8 @@ class MlaRecord:
         shape = plan.shape
         pairs = plan.layout.per_layer(shape.kv_groups)
         rope = plan.rope["rope_type"]
-        return cls(shape.kv_rank, shape.rope_dim, plan.nope_dim, pairs, rope, plan.exact, splits, fitted)
+        turned = plan.layout.mixing is not None
+        return cls(shape.kv_rank, shape.rope_dim, plan.nope_dim, pairs, rope, plan.exact, splits, fitted, turned)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,13 @@ lose their rotation and join the latent.
                most on it.
     ladder     the pairs 0, c, 2c, ... for every head: one base's ladder from 1, the only frequencies llama.cpp's MLA
                (`deepseek2`) turns (it reads no per-pair factors)
+
+Turned across heads (TransMLA's RoRoPE, `across_heads`): an orthogonal G x G mixing of the G heads' pairs of one
+frequency commutes with the rotation, so in each layer and at each frequency the keys' pairs are first mixed into
+their principal components on calibration text, and the slots carry components instead of heads: one component
+can hold most of what G heads' pairs of a frequency hold. A query head then reads every kept component of its
+frequency, weighted by its own head's share in it, and each head's key keeps, unrotated in the latent, what the
+kept components leave of it.
 """
 
 from __future__ import annotations
@@ -32,31 +39,48 @@ STATIC_ROPE = ("default", "linear", "llama3")
 @dataclass(frozen=True)
 class RotaryLayout:
     """Slot j of the shared rotary key turns at source pair `pairs[j]`'s frequency and carries, in layer l, K/V head
-    `heads[l, j]`'s pair `pairs[j]` (slots of one frequency are distinct heads)."""
+    `heads[l, j]`'s pair `pairs[j]` (slots of one frequency are distinct heads); with `mixing`, component
+    `heads[l, j]` of the heads' pairs `pairs[j]` mixed (see the module docstring)."""
 
     pairs: torch.Tensor  # (F,), source pair per slot: the model's list of frequencies
-    heads: torch.Tensor  # (layers, F), the K/V head each slot carries in each layer
+    heads: torch.Tensor  # (layers, F), the K/V head (or, mixed, the component) each slot carries in each layer
+    # (layers, d/2, G, G), orthogonal: column c of [l, p] is component c's weights on the G heads' pairs p
+    mixing: torch.Tensor | None = None
 
     def kept(self, layer: int, head: int) -> list[int]:
-        """The pairs K/V head `head` keeps rotary in `layer`, sorted."""
+        """The pairs K/V head (or component) `head` keeps rotary in `layer`, sorted."""
         return sorted(self.pairs[self.heads[layer] == head].tolist())
 
     def dropped(self, layer: int, head: int, head_dim: int) -> torch.Tensor:
-        """K/V head `head`'s dimensions whose pairs are not kept in `layer` (they join the latent), in order."""
-        half, kept = head_dim // 2, set(self.kept(layer, head))
+        """K/V head `head`'s dimensions the latent holds in `layer` (all of a pair's whose rotation it does not keep
+        whole), in order."""
+        half = head_dim // 2
+        if self.mixing is None:
+            kept = set(self.kept(layer, head))
+        else:  # what the kept components leave of each head's pair: nothing only where all G are kept
+            kept = set(torch.nonzero(torch.bincount(self.pairs, minlength=half) == self.mixing.shape[-1]).flatten())
+            kept = {int(p) for p in kept}
         pairs = [j for j in range(half) if j not in kept]
         return torch.tensor(pairs + [j + half for j in pairs], dtype=torch.long)
 
-    def rows(self, layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K/V head, dimension of that head) of each rotary dimension in `layer`, in rotate_half order."""
-        heads, pairs = self.heads[layer], self.pairs
-        return torch.cat([heads, heads]), torch.cat([pairs, pairs + head_dim // 2])
+    def basis(self, layer: int, kv_groups: int, head_dim: int) -> torch.Tensor:
+        """(rope_dim, G, d), float64: each rotary dimension of `layer` (rotate_half order) as weights on the G heads'
+        key dimensions; its rows are orthonormal."""
+        F, half = len(self.pairs), head_dim // 2
+        if self.mixing is None:
+            weights = torch.nn.functional.one_hot(self.heads[layer], kv_groups).double()
+        else:
+            weights = self.mixing[layer, self.pairs, :, self.heads[layer]].double()  # (F, G)
+        basis = torch.zeros(2 * F, kv_groups, head_dim, dtype=torch.float64)
+        slots = torch.arange(F)
+        basis[slots, :, self.pairs] = weights
+        basis[slots + F, :, self.pairs + half] = weights
+        return basis
 
     def nope_dim(self, kv_groups: int, head_dim: int) -> int:
-        """A query head's non-rotary key dimensions: the most any K/V head leaves unrotated in any layer (heads
-        that keep more pairs leave the rest of theirs zero)."""
-        counts = torch.stack([(self.heads == g).sum(1) for g in range(kv_groups)])  # (G, layers)
-        return head_dim - 2 * int(counts.min())
+        """A query head's non-rotary key dimensions: the most any K/V head leaves to the latent in any layer (heads
+        that leave fewer leave the rest of theirs zero)."""
+        return max(len(self.dropped(layer, g, head_dim)) for layer in range(len(self.heads)) for g in range(kv_groups))
 
     def per_layer(self, kv_groups: int) -> list[list[list[int]]]:
         """Per layer, per K/V head, its pairs kept (gqaify.json's record)."""
@@ -98,6 +122,35 @@ def choose_layout(
             slots = (listed == pair).nonzero().flatten()
             heads[layer, slots] = scores[layer, :, pair].topk(int(counts[pair])).indices.sort().values
     return RotaryLayout(listed, heads)
+
+
+def across_heads(
+    key_moments: torch.Tensor, query_moments: torch.Tensor, kv_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frequency's principal components across the G heads (TransMLA's RoRoPE): (mixing, (d/2, G, G), column c
+    component c; the components' scores, (G, d/2), as `pair_scores` scores heads). key_moments: (d/2, G, G), the
+    keys' pairs' second moments between heads (a pair's two dimensions summed); query_moments: (H, d/2), each query
+    head's pairs' second moment. A component's score is its root mean square times its queries': each query head's,
+    weighted by its own head's share in the component."""
+    values, vectors = torch.linalg.eigh(key_moments)  # ascending
+    values, mixing = values.flip(-1).clamp_min(0), vectors.flip(-1)
+    H = query_moments.shape[0]
+    queries = query_moments.clamp_min(0).sqrt().view(kv_groups, H // kv_groups, -1).sum(1)  # (G, d/2)
+    reads = torch.einsum("pgc,gp->cp", mixing.abs(), queries)
+    return mixing, values.sqrt().T * reads
+
+
+def pair_moments(
+    q: torch.Tensor, k: torch.Tensor, covariance: torch.Tensor, num_heads: int, kv_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the keys' pairs' second moments between heads, (d/2, G, G); each query head's pairs', (H, d/2)) of inputs
+    with second moment `covariance`. q: (H*d, hidden), k: (G*d, hidden)."""
+    hidden = covariance.shape[0]
+    q, k = q.double().view(num_heads, -1, hidden), k.double().view(kv_groups, -1, hidden)
+    half = k.shape[1] // 2
+    keys = torch.einsum("gjh,hi,fji->jgf", k, covariance, k)
+    queries = torch.einsum("ajh,hi,aji->aj", q, covariance, q)
+    return keys[:half] + keys[half:], queries[:, :half] + queries[:, half:]
 
 
 def source_frequencies(config) -> torch.Tensor:

@@ -47,7 +47,7 @@ def candidate_splits(num_heads: int, kv_groups: int, head_dim: int, budget: int)
 
 
 def choose_split(
-    model, budget: int, ids: torch.Tensor, ladder: bool = False, progress: bool = False
+    model, budget: int, ids: torch.Tensor, ladder: bool = False, progress: bool = False, across: bool = True
 ) -> tuple[MlaPlan, list[SplitTrial]]:
     """The plan of `model` (the G-head model) at `budget` values per token and layer whose split starts closest to it
     on the held-out end of the calibration ids `ids`, and every split tried."""
@@ -60,7 +60,7 @@ def choose_split(
     windows = [w for w in ids[len(ids) - held :].split(STAT_WINDOW) if len(w) > 1]
     plans, trials = [], []
     for rank, rope in tqdm(splits, desc="MLA splits", unit="split", disable=not progress or None):
-        plan = plan_mla(model, rank, rope, ladder=ladder, statistics=statistics)
+        plan = plan_mla(model, rank, rope, ladder=ladder, statistics=statistics, across=across)
         trials.append(SplitTrial(rank, rope, held_out_kl(model, build_mla(model, plan), windows)))
         plans.append(plan)
     best = min(range(len(trials)), key=lambda i: trials[i].kl)
