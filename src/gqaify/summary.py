@@ -31,7 +31,12 @@ def _mla_lines(mla) -> list[str]:
         how = "its PCA start (the layer-by-layer fit took it further from the parent, and was undone)"
     elif not mla.exact and mla.fitted is None:
         how = "its PCA start on the calibration text (not fitted)"
-    return [f"  MLA             latent {mla.kv_rank} + rotary key {mla.rope_dims} values per token and layer, {how}"]
+    lines = [f"  MLA             latent {mla.kv_rank} + rotary key {mla.rope_dims} values per token and layer, {how}"]
+    if mla.starts:
+        tried = ", ".join(f"{trial.start} {trial.kl:.4g}" for trial in mla.starts)
+        kept = "the parent compressed" if mla.from_parent else f"the exact rewrite of {mla.starts[0].start}"
+        lines.append(f"  MLA start       {kept}, the closer on held-out calibration text (KL {tried} nats/token)")
+    return lines
 
 
 def _fit_lines(result) -> list[str]:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import gqaify
+from gqaify.conversion.mla_output import StartTrial
 from gqaify.conversion.mla_split import candidate_splits
+from gqaify.conversion.record import ConversionRecord
 from gqaify.entry.cli import main
 from gqaify.eval.settings import EvalSettings
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
@@ -49,8 +51,8 @@ def test_a_gqa_cut_is_the_conversion_to_the_heads_it_names(parent, tmp_path):
 
 
 def test_an_mla_cut_with_one_width_given_takes_the_rest_for_the_other(parent, tmp_path):
-    """--kv-cut 2 leaves 64 values: --kv-rank 40 leaves 24 for the rotary key (12 of the 4 heads' rotary pairs in
-    every layer)."""
+    """--kv-cut 2 leaves 64 values: --kv-rank 40 leaves 24 for the rotary key (12 rotary pairs in every layer, each
+    frequency's pairs turned across the 4 heads)."""
     out = tmp_path / "mla"
     calib = str(parent.parent / "calib.txt")
     argv = ["--attention", "mla", "--kv-cut", "2", "--kv-rank", "40", *calibrated_on(calib)]
@@ -58,6 +60,7 @@ def test_an_mla_cut_with_one_width_given_takes_the_rest_for_the_other(parent, tm
     mla = json.loads((out / "gqaify.json").read_text())["mla"]
     assert (mla["kv_rank"], mla["rope_dims"]) == (40, 24) and "splits" not in mla
     assert [sum(len(pairs) for pairs in layer) for layer in mla["rotary_pairs"]] == [12] * LAYERS
+    assert mla["turned"] is True  # four K/V heads: each frequency's pairs turned across them
 
 
 def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_every_one_tried(parent, tmp_path):
@@ -77,6 +80,49 @@ def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_
     entry = gqaify.evaluate([str(out)], calib, tmp_path / "report", settings).models[0]
     assert entry.kv_cache_bytes_per_token == 42 * LAYERS * 4 and entry.kv_latent == 42
     assert entry.kv_cache_bytes_analytic == entry.kv_cache_bytes_measured == 32 * 42 * LAYERS * 4
+
+
+def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent, tmp_path, capsys):
+    """--kv-cut 2 on 4 K/V heads: 2 heads make the cache, so two starts are tried, the GQA-2 conversion rewritten
+    exactly and the parent compressed to the same 64 values. Mean-pooling random heads loses much; the parent
+    compressed and fitted loses less, and is kept: the output is that conversion, and the record says both."""
+    out, alone = tmp_path / "cut", tmp_path / "alone"
+    calib = calibrated_on(parent.parent / "calib.txt")
+    assert (
+        main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", "--method", "mean", *calib]) == 0
+    )
+    said = capsys.readouterr().out
+    record = json.loads((out / "gqaify.json").read_text())
+    mla = record["mla"]
+    kls = {trial["start"]: trial["kl"] for trial in mla["starts"]}
+    assert record["kv_heads"] == 2 and list(kls) == ["GQA-2", "parent"] and 0 < kls["parent"] < kls["GQA-2"]
+    assert mla["from_parent"] is True and mla["kv_rank"] + mla["rope_dims"] == 64 and not mla["exact"]
+    assert "from the parent)" in said and "MLA start       the parent compressed" in said
+    read = ConversionRecord.read(out)  # read back typed
+    assert read.mla.starts[1] == StartTrial("parent", kls["parent"]) and read.attention.endswith("from the parent)")
+    argv = ["--kv-heads", str(HEADS), "--attention", "mla", "--kv-cut", "2", "--method", "mean", *calib]
+    assert main(["convert", str(parent), str(alone), *argv, "-q"]) == 0  # the parent's own heads: compressed alone
+    kept, expected = weights(out), weights(alone)
+    assert kept.keys() == expected.keys() and all(torch.equal(kept[k], expected[k]) for k in kept)
+
+
+def test_an_mla_cut_whole_heads_make_keeps_the_exact_rewrite_where_it_is_closer(parent, tmp_path, monkeypatch):
+    """Where the GQA-2 conversion's exact rewrite is the closer start (here the judge is told so: the starts' KLs
+    given in the order they are measured), it is what is written, the same as --kv-heads 2 alone writes, and the
+    record keeps both starts and the splits the parent's start tried."""
+    import gqaify.conversion.mla_output as mla_output
+
+    told = iter([0.25, 0.5])  # the exact rewrite's, then the parent's
+    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(told))
+    calib = calibrated_on(parent.parent / "calib.txt")
+    out, alone = tmp_path / "cut", tmp_path / "alone"
+    assert main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", *calib, "-q"]) == 0
+    assert main(["convert", str(parent), str(alone), "--attention", "mla", "--kv-heads", "2", *calib, "-q"]) == 0
+    mla = json.loads((out / "gqaify.json").read_text())["mla"]
+    assert mla["starts"] == [{"start": "GQA-2", "kl": 0.25}, {"start": "parent", "kl": 0.5}]
+    assert mla["exact"] and "from_parent" not in mla and len(mla["splits"]) > 1
+    kept, expected = weights(out), weights(alone)
+    assert kept.keys() == expected.keys() and all(torch.equal(kept[k], expected[k]) for k in kept)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@
           refused in one line naming the cuts the model allows (and MLA, which takes any)
     mla   the values per token and layer, 2 x source heads x head_dim / X (rounded down), split between the latent
           (`--kv-rank`) and the shared rotary key (`--rope-dims`): the one not given is the rest; neither given, the
-          split is chosen on the calibration text (`conversion/mla_split.py`) and recorded
+          split is chosen on the calibration text (`conversion/mla_split.py`) and recorded. Neither given and whole
+          K/V heads making the cache (`whole_heads`), the G-head model is that GQA conversion, whose exact rewrite
+          is one start; the parent compressed to the cut is the other, and the closer is kept (`mla_output`)
 
 `resolve_cut` turns the request into the settings a conversion runs with (G, and the split where it is fixed), once
 the source's config.json is read; its problems are the request's, raised before anything is written.
@@ -22,6 +24,15 @@ from gqaify.model.geometry import Geometry
 def cut_values(geometry: Geometry, cut: float) -> int:
     """The values per token and layer `--kv-cut cut` leaves of a source's cache (rounded down)."""
     return math.floor(geometry.cached_per_token / cut + 1e-9)
+
+
+def whole_heads(geometry: Geometry, budget: int) -> int | None:
+    """The K/V heads fewer than the source's whose keys and values cache exactly `budget` values (None: no whole
+    number of heads that divides the source's does)."""
+    heads, fits = divmod(budget, 2 * geometry.head_dim)
+    if fits or not 1 <= heads < geometry.num_kv_heads or geometry.num_kv_heads % heads:
+        return None
+    return heads
 
 
 def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings, list[str]]:
@@ -43,8 +54,9 @@ def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings
         if s.kv_heads is not None and s.kv_heads != int(g):
             return s, [f"--kv-heads {s.kv_heads} and --kv-cut {cut:g} disagree (the cut means {int(g)} K/V heads)"]
         return dataclasses.replace(s, kv_heads=int(g)), []
-    kv_heads = s.kv_heads or heads
     budget = cut_values(geometry, cut)
+    split_free = s.kv_rank is None and s.rope_dims is None
+    kv_heads = s.kv_heads or (split_free and whole_heads(geometry, budget)) or heads
     held = 2 * kv_heads * head_dim
     if budget > held:
         return s, [
@@ -96,21 +108,24 @@ def planned_config(s: ConvertSettings, config):
     geometry = Geometry.from_config(spec, config.to_dict())
     s, problems = resolve_cut(s, geometry)
     raise_if_problems(problems)
-    rank, rope = s.kv_rank, s.rope_dims
+    rank, rope, kv_heads = s.kv_rank, s.rope_dims, s.kv_heads
     if s.attention == "mla" and s.kv_cut is not None and rank is None and rope is None:
         H, d, hidden = geometry.num_heads, geometry.head_dim, config.hidden_size
-        splits = candidate_splits(H, s.kv_heads, d, cut_values(geometry, s.kv_cut))
+        budget = cut_values(geometry, s.kv_cut)
+        # a whole-head cut tries the parent compressed too (`mla_output`): its splits are of the source's heads
+        starts = {kv_heads, geometry.num_kv_heads} if whole_heads(geometry, budget) == kv_heads else {kv_heads}
 
         def weights(split: tuple[int, int]) -> int:  # kv_a, kv_b and q_proj, the non-rotary key at its widest
             r, k = split
             return hidden * (r + k) + r * H * 2 * d + hidden * H * (d + k)
 
-        rank, rope = max(splits, key=weights)
-    if s.kv_heads is not None:
-        setattr(config, spec.num_kv_heads_key, s.kv_heads)
+        options = [(g, split) for g in sorted(starts) for split in candidate_splits(H, g, d, budget)]
+        kv_heads, (rank, rope) = max(options, key=lambda option: weights(option[1]))
+    if kv_heads is not None:
+        setattr(config, spec.num_kv_heads_key, kv_heads)
     if s.attention != "mla":
         return config
-    shape, _ = shape_for(config.to_dict(), s.kv_heads, rank, rope)
+    shape, _ = shape_for(config.to_dict(), kv_heads, rank, rope)
     if shape is None:  # the conversion's own checks refuse it before training
         return config
     exact = rank is None and rope is None

@@ -166,9 +166,18 @@ def _uptrained(u: Uptrained) -> str:
 def _mla_line(record: ConversionRecord) -> str:
     mla, g = record.mla, record.output_geometry
     how = "exactly (the same function to float precision)" if mla.exact else "fitted on the calibration text"
-    return (
+    if mla.from_parent:
+        how = "instead from the parent, compressed and fitted on the calibration text,"
+    text = (
         f"- Then rewritten {how} as latent attention: transformers' DeepSeek-V3 class with every layer dense (no "
         f"remote code). Each token caches a latent of {mla.kv_rank} values and one rotary key of {mla.rope_dims} "
         f"that every query head shares, {g.cached_per_token} values per layer where {attention_kind(record.kv_heads)} "
         f"caches {2 * record.kv_heads * g.head_dim}; transformers' cache holds the latent."
     )
+    if mla.starts:
+        tried = ", ".join(f"{trial.start} {trial.kl:.4g}" for trial in mla.starts)
+        text += (
+            " Two starts were tried at this cache and the closer to the parent on held-out calibration text kept "
+            f"(KL per token: {tried})."
+        )
+    return text

@@ -217,6 +217,11 @@ def held_out_kl(reference, model, windows: list[torch.Tensor]) -> float:
     return total / count
 
 
+def held_out(windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The windows the fit judges by and does not fit on (`repair.holdout`; all of them where there is one)."""
+    return [w for w, h in zip(windows, holdout(len(windows)), strict=True) if h] or windows
+
+
 def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e-3, progress: bool = True) -> bool:
     """`mla` (float32) fitted to `parent`, layer by layer, on the token windows `windows` (1-D each); kept only if
     the whole model comes closer to the parent on the held-out windows (its next-token KL), else undone: each
@@ -224,8 +229,7 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
     the fit was kept."""
     mla.train(False)
     parent.train(False)
-    held = holdout(len(windows))
-    check = [w for w, h in zip(windows, held, strict=True) if h] or windows
+    held, check = holdout(len(windows)), held_out(windows)
     unfitted = {name: t.detach().clone() for name, t in mla.state_dict().items()}
     before = held_out_kl(parent, mla, check)
     changed = preconditioned(mla)

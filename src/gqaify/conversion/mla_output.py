@@ -8,6 +8,8 @@ the same cache (the exact rewrite), or smaller (`--kv-rank`, `--rope-dims`), fit
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -18,16 +20,26 @@ import torch
 
 from gqaify.conversion.budget import cut_values
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
-from gqaify.conversion.mla_fit import fit_mla
+from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
 from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
 from gqaify.conversion.mla_split import SplitTrial, choose_split
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
-from gqaify.model.geometry import Geometry, float16_asked, float16_latent_problem
+from gqaify.model.geometry import Geometry, attention_kind, float16_asked, float16_latent_problem
 from gqaify.records import optional
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartTrial:
+    """One start of an MLA model at a cut whole K/V heads make, and how far it was from the parent on the held-out
+    calibration windows (next-token KL, nats per token): "GQA-2" (that conversion rewritten exactly) or "parent"
+    (the parent compressed to the same cache and fitted)."""
+
+    start: str
+    kl: float
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,9 @@ class MlaRecord:
     fitted: bool | None = optional()
     # each frequency's pairs turned across the K/V heads before the rotary key's were chosen (`mla_rotary`)
     turned: bool = optional(False)
+    # a cut whole K/V heads make: both starts tried (`StartTrial`); the closer kept, from the parent where it was
+    starts: list[StartTrial] | None = optional()
+    from_parent: bool = optional(False)
 
     @property
     def cached_per_token(self) -> int:
@@ -55,6 +70,8 @@ class MlaRecord:
 
     @classmethod
     def of(cls, plan: MlaPlan, splits: list[SplitTrial] | None = None, fitted: bool | None = None) -> MlaRecord:
+        """The record of the rewrite `plan` describes (`splits`: the splits tried; `fitted`: whether the fit was
+        kept, None where none ran)."""
         shape = plan.shape
         pairs = plan.layout.per_layer(shape.kv_groups)
         rope = plan.rope["rope_type"]
@@ -109,24 +126,56 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     # the sources' windows interleaved: the split's held-out end (`mla_split`) holds more than the last source
     ids = torch.cat(text.windows(STAT_WINDOW)) if text is not None else None
-    ladder, splits = is_gguf_out(s.out), None
+    windows = None if text is None else [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
+    parent = functools.cache(load_parent)
     budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
     held = source.with_kv_heads(s.kv_heads).cached_per_token  # what the G-head model caches
-    if budget is not None and budget < held and s.kv_rank is None and s.rope_dims is None:
-        plan, splits = choose_split(model, budget, ids, ladder, s.progress)
+    split_free = s.kv_rank is None and s.rope_dims is None
+    if budget is not None and budget < held and split_free:
+        mla, record = _compressed(model, budget, s, ids, windows, parent)
     else:
-        plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=ladder, progress=s.progress)
-    mla = build_mla(model, plan)
+        plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
+        mla, fitted = build_mla(model, plan), None
+        if not plan.exact and (s.repair or s.refine_steps):
+            fitted = fit_mla(mla, parent(), windows, s.refine_steps, s.refine_lr, s.progress)
+        record = MlaRecord.of(plan, fitted=fitted)
     del model
-    fitted = None
-    if not plan.exact and (s.repair or s.refine_steps):
-        windows = [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
-        fitted = fit_mla(mla, load_parent(), windows, s.refine_steps, s.refine_lr, s.progress)
+    if budget == held and split_free and s.kv_heads < source.num_kv_heads and text is not None:
+        mla, record = _closer_start(mla, record, budget, s, ids, windows, parent, source)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
     mla.to(dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
     shards = sorted(folder.glob("model*.safetensors"))
-    return Rewritten(MlaRecord.of(plan, splits, fitted), len(shards), sum(path.stat().st_size for path in shards))
+    return Rewritten(record, len(shards), sum(path.stat().st_size for path in shards))
+
+
+def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object]):
+    """(`model` compressed to `budget` values per token and layer, the split chosen (`mla_split`), then fitted to
+    the parent; its record)."""
+    plan, splits = choose_split(model, budget, ids, is_gguf_out(s.out), s.progress)
+    mla, fitted = build_mla(model, plan), None
+    if s.repair or s.refine_steps:
+        fitted = fit_mla(mla, parent(), windows, s.refine_steps, s.refine_lr, s.progress)
+    return mla, MlaRecord.of(plan, splits, fitted)
+
+
+def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent, source: Geometry):
+    """At a cut whole K/V heads make, the closer to the parent on the held-out calibration windows of two starts:
+    `mla`, the exact rewrite of the G-head conversion, and the parent compressed to the same cache (`_compressed`).
+    The record says both."""
+    if is_gguf_out(s.out) and source.num_kv_heads > 1:
+        return mla, record  # the parent's G rotary blocks repeat their frequencies: llama.cpp could not turn them
+    LOG.info("trying the parent compressed to the same %d values per token and layer", budget)
+    compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent)
+    check = held_out(windows)
+    starts = [
+        StartTrial(attention_kind(s.kv_heads), held_out_kl(parent(), mla, check)),
+        StartTrial("parent", held_out_kl(parent(), compressed, check)),
+    ]
+    LOG.info("held-out KL to the parent: %s", ", ".join(f"{t.start} {t.kl:.4g}" for t in starts))
+    if starts[1].kl < starts[0].kl:
+        return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True)
+    return mla, dataclasses.replace(record, splits=compressed_record.splits, starts=starts)
 
 
 def weight_bytes(s, config: dict) -> int:

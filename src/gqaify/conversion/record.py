@@ -118,11 +118,12 @@ class ConversionRecord(Provenance):
     @property
     def attention(self) -> str:
         """What the converted model's attention is called: "GQA-2", "MQA", "MLA (latent 64 + rotary key 32, from
-        GQA-2)"."""
+        GQA-2)", "MLA (latent 62 + rotary key 66, from the parent)" (the start kept at a whole-head cut)."""
         kind = attention_kind(self.kv_heads)
         if self.mla is None:
             return kind
-        return f"MLA (latent {self.mla.kv_rank} + rotary key {self.mla.rope_dims}, from {kind})"
+        start = "the parent" if self.mla.from_parent else kind
+        return f"MLA (latent {self.mla.kv_rank} + rotary key {self.mla.rope_dims}, from {start})"
 
     @property
     def output_geometry(self) -> Geometry:
