@@ -117,7 +117,8 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     tokenizer and other files kept. A smaller cache is fitted on the calibration `text` (a `CalibrationText`):
     its rotary pairs and latent chosen (with `--kv-cut` alone, its split too: `mla_split`), then brought back to
     the parent (`load_parent()`, of geometry `source`) layer by layer (`mla_fit`, with s.repair and
-    s.refine_steps as a GQA conversion reads them)."""
+    s.refine_steps as a GQA conversion reads them). At a cut whole K/V heads make (`budget.whole_heads`), the
+    G-head model's exact rewrite and the parent compressed are both tried, the closer kept (`_closer_start`)."""
     from transformers import AutoModelForCausalLM
 
     config = json.loads((folder / "config.json").read_text())

@@ -58,8 +58,8 @@ class RotaryLayout:
         if self.mixing is None:
             kept = set(self.kept(layer, head))
         else:  # what the kept components leave of each head's pair: nothing only where all G are kept
-            kept = set(torch.nonzero(torch.bincount(self.pairs, minlength=half) == self.mixing.shape[-1]).flatten())
-            kept = {int(p) for p in kept}
+            counts = torch.bincount(self.pairs, minlength=half).tolist()
+            kept = {pair for pair, count in enumerate(counts) if count == self.mixing.shape[-1]}
         pairs = [j for j in range(half) if j not in kept]
         return torch.tensor(pairs + [j + half for j in pairs], dtype=torch.long)
 
@@ -83,7 +83,7 @@ class RotaryLayout:
         return max(len(self.dropped(layer, g, head_dim)) for layer in range(len(self.heads)) for g in range(kv_groups))
 
     def per_layer(self, kv_groups: int) -> list[list[list[int]]]:
-        """Per layer, per K/V head, its pairs kept (gqaify.json's record)."""
+        """Per layer, per K/V head (or component), its pairs kept (gqaify.json's record)."""
         return [[self.kept(layer, g) for g in range(kv_groups)] for layer in range(len(self.heads))]
 
     @classmethod
