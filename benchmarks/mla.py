@@ -14,8 +14,9 @@ Each row caches the same number of values per token and layer:
                       of what they leave of the keys and the values (balanced K/V, PCA on calibration inputs);
                       "PCA" as it comes, "fitted" then brought back to the parent layer by layer (`fit_mla`: o_proj
                       refitted, 64 Adam steps a layer on the calibration windows)
-    split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`choose_split`: the PCA starts
-                      of six splits judged on held-out calibration windows), then fitted; shown where it differs
+    split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`fit_closest_split`: the PCA
+                      starts of six splits judged on held-out calibration windows, the two closest fitted, the
+                      closer after its fit kept)
     MLA from GQA      the next larger GQA lsq model compressed to the budget the same way, then fitted
 
 Panel: WikiText-2 test, TinyStories validation, tiny-shakespeare's second half and Python's LICENSE.txt, the first
@@ -107,9 +108,9 @@ def measure(
     name: str, work: Path, calib_files: list[str], from_gqa: bool = True, quick: bool = False, across: bool = True
 ) -> list[dict]:
     import gqaify
-    from gqaify.conversion.mla import build_mla, rewrite_as_mla
+    from gqaify.conversion.mla import rewrite_as_mla
     from gqaify.conversion.mla_fit import fit_mla
-    from gqaify.conversion.mla_split import choose_split
+    from gqaify.conversion.mla_split import fit_closest_split
     from gqaify.entry.demo import fetch_default_model
     from gqaify.eval.perplexity import perplexity
     from gqaify.model.loading import load_model
@@ -174,15 +175,12 @@ def measure(
             fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
             score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
         start = time.perf_counter()
-        plan, trials = choose_split(parent, budget, calib, across=across)  # what --kv-cut alone does
-        if quick or plan.shape.rope_dim != rope:
-            mla = build_mla(parent, plan)
-            fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
-            label = (
-                f"MLA from parent, split chosen (latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{turned}), "
-                "fitted"
-            )
-            score(label, budget, mla, time.perf_counter() - start)
+        mla, plan, trials, _ = fit_closest_split(
+            parent, parent, budget, calib, windows, REFINE_STEPS, 1e-3, across=across
+        )  # what --kv-cut alone does
+        split = f"latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{turned}"
+        label = f"MLA from parent, split chosen ({split}), fitted"
+        score(label, budget, mla, time.perf_counter() - start)
         print(json.dumps({"budget": budget, "splits tried": [vars(t) for t in trials]}), flush=True)
         larger = [b for b in gqa_models if b > budget]
         if larger and from_gqa:

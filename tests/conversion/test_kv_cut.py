@@ -64,8 +64,9 @@ def test_an_mla_cut_with_one_width_given_takes_the_rest_for_the_other(parent, tm
 
 
 def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_every_one_tried(parent, tmp_path):
-    """--kv-cut 3 leaves floor(128 / 3) = 42 values; the splits tried are `candidate_splits`', the one kept the one
-    closest to the parent on the held-out calibration windows, and eval counts and measures its cache."""
+    """--kv-cut 3 leaves floor(128 / 3) = 42 values; the splits tried are `candidate_splits`', the two closest to the
+    parent on the held-out calibration windows are fitted, the closer after its fit is kept, and eval counts and
+    measures its cache."""
     out = tmp_path / "mla"
     calib = str(parent.parent / "calib.txt")
     argv = ["--attention", "mla", "--kv-cut", "3", *calibrated_on(calib)]
@@ -73,9 +74,11 @@ def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_
     mla = json.loads((out / "gqaify.json").read_text())["mla"]
     tried = [(s["kv_rank"], s["rope_dims"]) for s in mla["splits"]]
     assert tried == candidate_splits(HEADS, HEADS, HEAD_DIM, 42) == [(34, 8), (26, 16), (18, 24), (10, 32)]
-    best = min(mla["splits"], key=lambda s: s["kl"])
-    assert (mla["kv_rank"], mla["rope_dims"]) == (best["kv_rank"], best["rope_dims"])
     assert all(s["kl"] > 0 for s in mla["splits"])
+    closest = sorted(mla["splits"], key=lambda s: s["kl"])[:2]  # before the fit: these two are fitted
+    assert [s for s in mla["splits"] if "fitted_kl" in s] == sorted(closest, key=mla["splits"].index)
+    kept = min(closest, key=lambda s: s["fitted_kl"])  # after it: the closer kept
+    assert (mla["kv_rank"], mla["rope_dims"]) == (kept["kv_rank"], kept["rope_dims"])
     settings = EvalSettings(seq_len=32, speed=False, progress=False)
     entry = gqaify.evaluate([str(out)], calib, tmp_path / "report", settings).models[0]
     assert entry.kv_cache_bytes_per_token == 42 * LAYERS * 4 and entry.kv_latent == 42

@@ -22,7 +22,7 @@ from gqaify.conversion.budget import cut_values
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
 from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
-from gqaify.conversion.mla_split import SplitTrial, choose_split
+from gqaify.conversion.mla_split import SplitTrial, choose_split, fit_closest_split
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
 from gqaify.model.geometry import Geometry, attention_kind, float16_asked, float16_latent_problem
@@ -151,13 +151,16 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
 
 
 def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object]):
-    """(`model` compressed to `budget` values per token and layer, the split chosen (`mla_split`), then fitted to
-    the parent; its record)."""
-    plan, splits = choose_split(model, budget, ids, is_gguf_out(s.out), s.progress)
-    mla, fitted = build_mla(model, plan), None
+    """(`model` compressed to `budget` values per token and layer, the split chosen and fitted to the parent
+    (`mla_split`); its record)."""
+    ladder = is_gguf_out(s.out)
     if s.repair or s.refine_steps:
-        fitted = fit_mla(mla, parent(), windows, s.refine_steps, s.refine_lr, s.progress)
-    return mla, MlaRecord.of(plan, splits, fitted)
+        mla, plan, splits, fitted = fit_closest_split(
+            model, parent(), budget, ids, windows, s.refine_steps, s.refine_lr, ladder, s.progress
+        )
+        return mla, MlaRecord.of(plan, splits, fitted)
+    plan, splits = choose_split(model, budget, ids, ladder, s.progress)
+    return build_mla(model, plan), MlaRecord.of(plan, splits)
 
 
 def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent, source: Geometry):
