@@ -92,16 +92,17 @@ class MlaShape:
 def mla_layer(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    targets: torch.Tensor,
     input_norm: torch.Tensor,
     shape: MlaShape,
-    rotary: tuple[tuple[torch.Tensor, torch.Tensor], list[torch.Tensor], int],
+    rotary: tuple[torch.Tensor, list[torch.Tensor], int],
     latent: Latent,
     eps: float,
 ) -> dict[str, torch.Tensor]:
     """One layer's MLA tensors (names relative to the attention module) from its GQA projections.
 
-    q: (H*d, hidden), k and v: (G*d, hidden), rows by head, rotate_half layout; `input_norm` the weight of the
+    q: (H*d, hidden), k: (G*d, hidden), rows by head, rotate_half layout; `targets` the latent's target rows,
+    float64 (`residual_keys`, then the G heads' values: what `latent` was built on); `input_norm` the weight of the
     RMSNorm before the layer (it bounds the latent, see the module docstring); `rotary` this layer's rotary key as
     weights on the heads' key dimensions (`RotaryLayout.basis`), each K/V head's dimensions the latent holds
     (`RotaryLayout.dropped`), and the model's non-rotary width (`RotaryLayout.nope_dim`: heads that leave fewer
@@ -109,7 +110,7 @@ def mla_layer(
     """
     H, G, d = shape.num_heads, shape.kv_groups, shape.head_dim
     rep = H // G
-    q, k, v = q.double().view(H, d, -1), k.double().view(G, d, -1), v.double().view(G, d, -1)
+    q, k = q.double().view(H, d, -1), k.double().view(G, d, -1)
     hidden = q.shape[-1]
     basis, nope, width = rotary
 
@@ -122,9 +123,7 @@ def mla_layer(
         q_out[h, width:] = basis[:, g] @ q[h]
     q_out *= scale
 
-    # the latent's targets: what the rotary key leaves of each head's key, then values
     k_rope = torch.einsum("sgd,gdh->sh", basis, k)  # (rope_dim, hidden)
-    targets = torch.cat([residual_keys(k, basis, nope).reshape(-1, hidden), v.reshape(-1, hidden)])
     down = latent.down.double() @ targets  # (R, hidden)
     bound = torch.linalg.matrix_norm(down, ord=2) * math.sqrt(hidden) * input_norm.double().abs().max()
     shrink = math.sqrt(LINEAR_MARGIN * eps * shape.kv_rank) / max(float(bound), 1e-30)
@@ -393,7 +392,7 @@ def build_mla(model, plan: MlaPlan):
         latent = latent_from_covariance(targets, covariance, shape.kv_rank, len(key_rows), metric)
         norm = layer.input_layernorm.weight.detach()
         rotary = (basis, nope, plan.nope_dim)
-        for name, tensor in mla_layer(q, k, v, norm, shape, rotary, latent, eps).items():
+        for name, tensor in mla_layer(q, k, targets, norm, shape, rotary, latent, eps).items():
             state[prefix + name] = tensor.float()
     mla = DeepseekV3ForCausalLM(target).eval()
     missing, unexpected = mla.load_state_dict(state, strict=False)

@@ -81,7 +81,6 @@ def fit_closest_split(
         trials[index] = dataclasses.replace(trials[index], fitted_kl=kl)
         if best is None or kl < best[0]:
             best = (kl, mla, plan, fitted)
-        del mla
     _, mla, plan, fitted = best
     return mla, plan, trials, fitted
 
