@@ -476,6 +476,23 @@ def test_a_fit_that_takes_the_model_further_from_its_parent_is_undone(monkeypatc
     assert mla_fit.held_out_kl(source, mla, windows[7::8]) < kl
 
 
+def test_the_held_out_kl_is_per_token_as_torchs_kl_div_counts_it():
+    """What the fit, the split and the two starts are judged by (and the record says): the mean over every token of
+    the windows of KL(parent || model), here against torch's own kl_div over the windows' tokens, unequal windows
+    included."""
+    from gqaify.conversion import mla_fit
+
+    source = build_model("llama", num_kv_heads=2)
+    ids = torch.randint(0, source.config.vocab_size, (700,), generator=torch.Generator().manual_seed(3))
+    mla = rewrite_as_mla(source, kv_rank=24, rope_dim=8, ids=ids)
+    windows = [ids[:64], ids[64:96], ids[96:200]]
+    with torch.no_grad():
+        logits = [(source(w[None]).logits[0], mla(w[None]).logits[0]) for w in windows]
+    p, q = (torch.cat([pair[i] for pair in logits]).double().log_softmax(-1) for i in (0, 1))
+    expected = torch.nn.functional.kl_div(q, p, log_target=True, reduction="sum").item() / 200
+    assert mla_fit.held_out_kl(source, mla, windows) == pytest.approx(expected, rel=1e-6)
+
+
 def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):
     """An attention shape is one entry of ATTENTION_INFO naming its module: the registry is built from it, the
     command line offers exactly its names, and each module has the four functions the pipeline calls."""

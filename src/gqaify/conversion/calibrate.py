@@ -50,6 +50,7 @@ from gqaify.conversion.source import Source
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.model.archs import ArchSpec
 from gqaify.model.geometry import Geometry
+from gqaify.model.loading import resolve_device
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.text.pins import text_sha256
 
@@ -277,7 +278,7 @@ def calibrate(
     start = time.perf_counter() - text.seconds  # reading the text counts as capture
     if warning := c.size_warning(text.tokens, geometry.hidden_size):
         LOG.warning(warning)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     positions = source.config.get("max_position_embeddings") or c.seq_len
     windows = text.windows(min(c.seq_len, positions))
     metas = source.tensors.metadata()

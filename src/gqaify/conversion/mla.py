@@ -258,8 +258,9 @@ def layer_statistics(
     """Per layer, the statistics of the attention inputs of `model` (the GQA source) on the token ids `ids`."""
     layers = model.model.layers
     hidden = model.config.hidden_size
-    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in layers]
-    scores = [torch.zeros(shape.kv_groups, shape.head_dim // 2, dtype=torch.float64) for _ in layers]
+    device = model.device  # the passes run where the model is; the statistics come back on the CPU
+    sums = [torch.zeros(hidden, hidden, dtype=torch.float64, device=device) for _ in layers]
+    scores = [torch.zeros(shape.kv_groups, shape.head_dim // 2, dtype=torch.float64, device=device) for _ in layers]
     counted = [0]
 
     def hook(index):
@@ -279,13 +280,13 @@ def layer_statistics(
             starts = range(0, len(ids) - 1, block)
             for start in tqdm(starts, desc="MLA statistics", unit="window", disable=not progress or None):
                 window = ids[start : start + block]
-                model(window.unsqueeze(0))
+                model(window.unsqueeze(0).to(device))
                 counted[0] += len(window)
     finally:
         for handle in handles:
             handle.remove()
     n = counted[0]
-    return [LayerStatistics(s / n, c / n) for s, c in zip(sums, scores, strict=True)]
+    return [LayerStatistics((s / n).cpu(), (c / n).cpu()) for s, c in zip(sums, scores, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -360,9 +361,8 @@ def _across_heads(model, statistics: list[LayerStatistics], shape: MlaShape) -> 
     mixings, scores = [], []
     for layer, stats in zip(model.model.layers, statistics, strict=True):
         attn = layer.self_attn
-        keys, queries = pair_moments(
-            attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), stats.covariance, shape.num_heads, shape.kv_groups
-        )
+        q, k = attn.q_proj.weight.detach().cpu(), attn.k_proj.weight.detach().cpu()
+        keys, queries = pair_moments(q, k, stats.covariance, shape.num_heads, shape.kv_groups)
         mixing, score = across_heads(keys, queries, shape.kv_groups)
         mixings.append(mixing)
         scores.append(score)
@@ -370,12 +370,13 @@ def _across_heads(model, statistics: list[LayerStatistics], shape: MlaShape) -> 
 
 
 def build_mla(model, plan: MlaPlan):
-    """The DeepSeek-V3 dense MLA model `plan` describes, in float32, its body `model`'s."""
+    """The DeepSeek-V3 dense MLA model `plan` describes, in float32, its body `model`'s, on `model`'s device (built
+    on the CPU, where the plan's tensors are)."""
     from transformers import DeepseekV3ForCausalLM
 
     shape, layout, G, d = plan.shape, plan.layout, plan.shape.kv_groups, plan.shape.head_dim
     target = mla_config(model.config, shape, plan.rope, plan.nope_dim)
-    state = {name: t.detach().float() for name, t in model.state_dict().items()}
+    state = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
     eps = 1e-6  # DeepSeek-V3's latent norm keeps RMSNorm's default epsilon, whatever rms_norm_eps says
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}.self_attn."
@@ -390,7 +391,7 @@ def build_mla(model, plan: MlaPlan):
         if covariance is not None:
             metric = target_metric(q, state[prefix + "o_proj.weight"], covariance, shape.num_heads, nope)
         latent = latent_from_covariance(targets, covariance, shape.kv_rank, len(key_rows), metric)
-        norm = layer.input_layernorm.weight.detach()
+        norm = layer.input_layernorm.weight.detach().cpu()
         rotary = (basis, nope, plan.nope_dim)
         for name, tensor in mla_layer(q, k, targets, norm, shape, rotary, latent, eps).items():
             state[prefix + name] = tensor.float()
@@ -402,7 +403,7 @@ def build_mla(model, plan: MlaPlan):
     if target.tie_word_embeddings:
         mla.tie_weights()
     mla.generation_config = model.generation_config
-    return mla
+    return mla.to(model.device)
 
 
 def rewrite_as_mla(

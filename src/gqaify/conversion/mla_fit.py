@@ -59,7 +59,7 @@ def preconditioned(model) -> list[nn.Module]:
         rank = attn.kv_lora_rank
         if (ratio := _latent_ratio(proj.weight, rank)) >= 1e-2:
             continue  # a latent at the scale of its neighbours needs nothing
-        scale = torch.ones(proj.weight.shape[0])
+        scale = torch.ones(proj.weight.shape[0], device=proj.weight.device)
         scale[:rank] = ratio
         parametrize.register_parametrization(proj, "weight", RowScale(scale))
         changed.append(proj)
@@ -84,18 +84,21 @@ def _latent_ratio(weight: torch.Tensor, rank: int) -> float:
     return float(latent / rotary) if latent > 0 and rotary > 0 else float("inf")
 
 
-def _causal(length: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+def _positions(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the positions, the causal mask) of a window of hidden states (1, tokens, hidden), on its device."""
+    length, dtype = hidden.shape[1], hidden.dtype
+    mask = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu(1)
+    return torch.arange(length, device=hidden.device)[None], mask[None, None]
 
 
 def _layer(layer, hidden: torch.Tensor, rotary) -> torch.Tensor:
-    positions, mask = torch.arange(hidden.shape[1])[None], _causal(hidden.shape[1], hidden.dtype)
+    positions, mask = _positions(hidden)
     out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary(hidden, positions))
     return out[0] if isinstance(out, tuple) else out
 
 
 def _attention(layer, hidden: torch.Tensor, rotary) -> torch.Tensor:
-    positions, mask = torch.arange(hidden.shape[1])[None], _causal(hidden.shape[1], hidden.dtype)
+    positions, mask = _positions(hidden)
     normed = layer.input_layernorm(hidden)
     return layer.self_attn(normed, position_embeddings=rotary(hidden, positions), attention_mask=mask)[0]
 
@@ -120,7 +123,7 @@ def _refit_o_proj(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary,
     energy = gram.diagonal().mean()
     best, best_error = current, _error(current, captured, targets, held)
     for shrink in _SHRINKS:
-        ridge = shrink * energy * torch.eye(len(gram), dtype=gram.dtype)
+        ridge = shrink * energy * torch.eye(len(gram), dtype=gram.dtype, device=gram.device)
         candidate = torch.linalg.solve(gram + ridge, cross + ridge @ current.T).T
         if (error := _error(candidate, captured, targets, held)) < best_error:
             best, best_error = candidate, error
@@ -146,7 +149,7 @@ def _refit_values(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary,
         for x in parent_in:
             _attention(parent_layer, x, parent_rotary)
         for x in mla_in:
-            positions, mask = torch.arange(x.shape[1])[None], _causal(x.shape[1], x.dtype)
+            positions, mask = _positions(x)
             weights = attn(layer.input_layernorm(x), position_embeddings=rotary(x, positions), attention_mask=mask)[1]
             designs.append(weights[0].double() @ latents[-1])  # (H, tokens, R): A c per head
     finally:
@@ -167,7 +170,7 @@ def _refit_values(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary,
         held_z, held_y = [designs[i][h] for i in check], [targets[i][h] for i in check]
         best, best_error = current, _error(current, held_z, held_y, [True] * len(check))
         for shrink in _SHRINKS:
-            ridge = shrink * energy * torch.eye(R, dtype=gram.dtype)
+            ridge = shrink * energy * torch.eye(R, dtype=gram.dtype, device=gram.device)
             candidate = torch.linalg.solve(gram + ridge, cross + ridge @ current.T).T
             if (e := _error(candidate, held_z, held_y, [True] * len(check))) < best_error:
                 best, best_error = candidate, e
@@ -206,12 +209,14 @@ def _refine(layer, mla_in, parent_out, rotary, held, steps: int, lr: float) -> N
 
 
 def held_out_kl(reference, model, windows: list[torch.Tensor]) -> float:
-    """The mean KL per token of `model`'s next-token distribution to `reference`'s, over the token windows."""
+    """The mean KL per token of `model`'s next-token distribution to `reference`'s, over the token windows (both
+    models on one device, where it runs)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for window in windows:
-            expected = torch.log_softmax(reference(window[None]).logits[0].double(), dim=-1)
-            got = torch.log_softmax(model(window[None]).logits[0].double(), dim=-1)
+            ids = window[None].to(model.device)
+            expected = torch.log_softmax(reference(ids).logits[0].double(), dim=-1)
+            got = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
             total += (expected.exp() * (expected - got)).sum().item()
             count += len(window)
     return total / count
@@ -225,10 +230,11 @@ def held_out(windows: list[torch.Tensor]) -> list[torch.Tensor]:
 def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e-3, progress: bool = True) -> bool:
     """`mla` (float32) fitted to `parent`, layer by layer, on the token windows `windows` (1-D each); kept only if
     the whole model comes closer to the parent on the held-out windows (its next-token KL), else undone: each
-    layer's steps are judged on that layer's output, which does not always add up over the layers. Returns whether
-    the fit was kept."""
+    layer's steps are judged on that layer's output, which does not always add up over the layers. It runs on the
+    device the two models are on. Returns whether the fit was kept."""
     mla.train(False)
     parent.train(False)
+    windows = [w.to(mla.device) for w in windows]  # it runs where the models are
     held, check = holdout(len(windows)), held_out(windows)
     unfitted = {name: t.detach().clone() for name, t in mla.state_dict().items()}
     before = held_out_kl(parent, mla, check)

@@ -26,6 +26,7 @@ from gqaify.conversion.mla_split import SplitTrial, choose_split, fit_closest_sp
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
 from gqaify.model.geometry import Geometry, attention_kind, float16_asked, float16_latent_problem
+from gqaify.model.loading import resolve_device
 from gqaify.records import optional
 from gqaify.sizes import parse_size
 
@@ -123,12 +124,13 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
 
     config = json.loads((folder / "config.json").read_text())
     dtype = _written_dtype(s, config)
+    device = resolve_device("auto")  # where calibration runs: the statistics, the fits and the judging there
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     # the sources' windows interleaved: the split's held-out end (`mla_split`) holds more than the last source
     ids = torch.cat(text.windows(STAT_WINDOW)) if text is not None else None
     windows = None if text is None else [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
-    parent = functools.cache(load_parent)
+    parent = functools.cache(lambda: load_parent().to(device))
     budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
     held = source.with_kv_heads(s.kv_heads).cached_per_token  # what the G-head model caches
     split_free = s.kv_rank is None and s.rope_dims is None
@@ -145,7 +147,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
         mla, record = _closer_start(mla, record, budget, s, ids, windows, parent, source)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
-    mla.to(dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
+    mla.to("cpu", dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
     shards = sorted(folder.glob("model*.safetensors"))
     return Rewritten(record, len(shards), sum(path.stat().st_size for path in shards))
 
