@@ -120,8 +120,8 @@ def corpus_once(gguf: Path, out: Path) -> Path:
     return corpus
 
 
-def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path) -> dict:
-    """gqaify eval of the parent and every model on the panel, with story_endings."""
+def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path, tasks: bool = True) -> dict:
+    """gqaify eval of the parent and every model on the panel, with story_endings (tasks=False: without)."""
     report_dir = out / "final-eval"
     if not (report_dir / "report.json").exists():
         subprocess.run(
@@ -132,8 +132,8 @@ def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path
                 max_tokens=4096,
                 seq_len=1024,
                 speed=False,
-                tasks=["story_endings"],
-                include_path=REPO / "tests" / "tasks",
+                tasks=["story_endings"] if tasks else None,
+                include_path=REPO / "tests" / "tasks" if tasks else None,
                 out=report_dir,
                 quiet=True,
             ),

@@ -4,6 +4,16 @@ copies of its data in ../shared), timed end to end, then judged on the panel aga
     python benchmarks/recipe_goals.py                      # about an hour on two CPU cores
     python benchmarks/recipe_goals.py --judge-only         # judge a run already in the recipe's output_dir
     python benchmarks/recipe_goals.py --recipe smollm2-135m-mla --out runs/bench/recipe-goals-mla   # MLA, MQA's cache
+    python benchmarks/recipe_goals.py --recipe smollm2-135m-mla --tokens 1000000   # then on from its start (a GPU)
+
+On another machine (a GPU lent for minutes): --texts DIR judges on the panel texts `commands.write_texts` wrote here
+(its code and licence come from the running Python's standard library, which differs between machines),
+--parent-text-written keeps the parent's text already at the line's path (copied from here, so both machines train
+on the same text) instead of writing it anew, and --no-tasks leaves out story_endings (lm-eval).
+
+With --tokens N, after the line (or --judge-only: without it) the recipe's converted start (its output_dir's
+`converted`) is trained N tokens with the line's data and the recipe's training settings, into OUT/tokens-N, and that
+run is what is judged: recovery past the recipe's tokens, from the same start.
 
 Every command of the recipe's first line (the parent-written corpus, then the uptraining with its conversion) runs
 as written, each timed. Then one `gqaify eval` puts the parent, the conversion before training and the uptrained
@@ -36,6 +46,12 @@ from recovery_curve import first_half_law
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 GOALS = {"mean_kl": 0.70, "worst_ratio": 3.5, "wikitext": 32.0, "story_endings": 0.66}
+# the keys of a recipe that make its conversion: left out where a run trains a converted start
+CONVERSION_KEYS = (
+    "kv_heads", "kv_cut", "attention", "kv_rank", "rope_dims", "method", "calib_data", "calib_tokens", "calib_mode",
+    "refine_steps",
+)  # fmt: skip
+_ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this gqaify
 
 
 def main() -> None:
@@ -43,6 +59,11 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench/recipe-goals", help="output folder for the report")
     parser.add_argument("--judge-only", action="store_true", help="judge the run already in the recipe's output_dir")
     parser.add_argument("--recipe", default="smollm2-135m-mqa", help="a packaged recipe whose first line runs it")
+    parser.add_argument("--tokens", type=int, help="then train the recipe's converted start this many tokens")
+    parser.add_argument("--override", default="", help="more uptrain options for the --tokens run")
+    parser.add_argument("--texts", type=Path, help="the panel's texts as write_texts wrote them on another machine")
+    parser.add_argument("--parent-text-written", action="store_true", help="keep the parent's text already written")
+    parser.add_argument("--no-tasks", action="store_true", help="judge on the panel's texts alone (no lm-eval)")
     args = parser.parse_args()
     recipe_file = RECIPES / f"{args.recipe}.yaml"
     out = Path(args.out).resolve()
@@ -52,32 +73,65 @@ def main() -> None:
     run_dir = REPO / recipe["output_dir"]
     timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").exists() else {}
     if not args.judge_only:
-        timings = _run_line(line)
+        timings = _run_line(line, skip=("generate",) if args.parent_text_written else ())
         (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    start = run_dir / "converted"
+    if args.tokens is not None:
+        run_dir, out = _continued(line, start, args.tokens, out, args.override), out / f"tokens-{args.tokens}"
+        timings = {**timings, f"uptrain {args.tokens:,} tokens": json.loads((out / "seconds.json").read_text())}
     from gqaify.entry.demo import fetch_default_model
 
     gguf = fetch_default_model()
-    if not args.judge_only:  # a new run: its panel evaluated anew
+    if not args.judge_only or args.tokens is not None:  # a new run: its panel evaluated anew
         shutil.rmtree(out / "final-eval", ignore_errors=True)
-    report = final_eval(gguf, [run_dir / "converted", run_dir / "final"], write_texts(out / "texts"), out)
+    texts = _texts(args.texts) if args.texts else write_texts(out / "texts")
+    report = final_eval(gguf, [start, run_dir / "final"], texts, out, tasks=not args.no_tasks)
     results = {"command": line, "seconds": timings, "report": _summary(report), "curve": _curve(run_dir)}
     (out / "recipe_goals.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "recipe_goals.md").write_text(_table(results))
     print(_table(results))
 
 
-def _run_line(line: str) -> dict:
+def _run_line(line: str, skip: tuple[str, ...] = ()) -> dict:
     """Each command of the recipe's first line (`A && B`, after any `X=... Y=...;` settings) run in bash from the
-    repository root, timed."""
+    repository root, timed; the stages in `skip` (`gqaify STAGE`) left out."""
     settings, _, commands = line.rpartition("; ")
     timings = {}
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this gqaify
     for command in commands.split(" && "):
+        if shlex.split(command)[1] in skip:
+            continue
         started = time.perf_counter()
-        subprocess.run(["bash", "-c", f"{settings}; {command}"], cwd=REPO, check=True, env=env)
+        subprocess.run(["bash", "-c", f"{settings}; {command}"], cwd=REPO, check=True, env=_ENV)
         timings[shlex.split(command)[1]] = round(time.perf_counter() - started, 1)
     timings["total"] = round(sum(timings.values()), 1)
     return timings
+
+
+def _continued(line: str, start: Path, tokens: int, out: Path, override: str = "") -> Path:
+    """The line's `gqaify uptrain`, its recipe without the conversion's keys, training `start` (a converted model)
+    `tokens` tokens into OUT/tokens-N/run (`override`: more options); its seconds in OUT/tokens-N/seconds.json.
+    Returns the run's folder."""
+    settings, _, commands = line.rpartition("; ")
+    command = next(c for c in commands.split(" && ") if shlex.split(c)[1] == "uptrain")
+    recipe_path = REPO / shlex.split(command)[shlex.split(command).index("--recipe") + 1]
+    recipe = yaml.safe_load(recipe_path.read_text())
+    folder = out / f"tokens-{tokens}"
+    folder.mkdir(exist_ok=True)
+    training = folder / "recipe.yaml"
+    kept = {k: v for k, v in recipe.items() if k not in CONVERSION_KEYS}
+    training.write_text(yaml.safe_dump(kept, sort_keys=False))
+    run_dir = folder / "run"
+    extra = f"--recipe {training} --model {start} --max_tokens {tokens} --output_dir {run_dir} --save_every 1000000"
+    extra += f" {override}"
+    started = time.perf_counter()
+    subprocess.run(["bash", "-c", f"{settings}; {command} {extra}"], cwd=REPO, check=True, env=_ENV)
+    (folder / "seconds.json").write_text(json.dumps(round(time.perf_counter() - started, 1)) + "\n")
+    return run_dir
+
+
+def _texts(folder: Path) -> dict[str, Path]:
+    """The panel's texts as `write_texts` wrote them into `folder` (on this machine or another)."""
+    return {path.stem: path for path in folder.glob("*.txt")}
 
 
 def _summary(report: dict) -> list[dict]:
