@@ -5,6 +5,7 @@ text, and the worst text's perplexity ratio.
     python benchmarks/mla.py --models ref-mha-6L        # one model
     python benchmarks/mla.py --no-from-gqa --quick       # what convert does: the split --kv-cut chooses, fitted
     python benchmarks/mla.py --no-turn                   # the rotary key chosen head by head, not turned
+    python benchmarks/mla.py --ladder --quick --no-from-gqa   # the split chosen for a GGUF (llama.cpp's one ladder)
 
 Each row caches the same number of values per token and layer:
     GQA lsq           `gqaify.convert(..., method="lsq", refine_steps=64)` on the calibration mixture (the best GQA)
@@ -16,7 +17,8 @@ Each row caches the same number of values per token and layer:
                       refitted, 64 Adam steps a layer on the calibration windows)
     split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`fit_closest_split`: the PCA
                       starts of six splits judged on held-out calibration windows, the two closest fitted, the
-                      closer after its fit kept)
+                      closer after its fit kept); --ladder: as `--kv-cut` chooses it for OUT.gguf, one ladder of
+                      distinct frequencies (turned: one slot per frequency, its best component), the only rows run
     MLA from GQA      the next larger GQA lsq model compressed to the budget the same way, then fitted
 
 Panel: WikiText-2 test, TinyStories validation, tiny-shakespeare's second half and Python's LICENSE.txt, the first
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument(
         "--no-turn", action="store_true", help="choose the rotary key head by head, its pairs not turned across heads"
     )
+    parser.add_argument("--ladder", action="store_true", help="the split chosen as for a GGUF (and the GQA rows)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     calib = calibration_files(args.calib, args.out / "texts")
@@ -81,7 +84,7 @@ def main() -> None:
     for name in args.models.split(","):
         work = args.out / "mla" / (name if args.calib == "mixture" else f"{name}-{args.calib}")
         results[name] = measure(
-            name, work, calib, from_gqa=not args.no_from_gqa, quick=args.quick, across=not args.no_turn
+            name, work, calib, not args.no_from_gqa, args.quick, across=not args.no_turn, ladder=args.ladder
         )
         (args.out / "mla.json").write_text(json.dumps(results, indent=2))
     table = "\n\n".join(format_table(name, rows) for name, rows in results.items())
@@ -105,8 +108,9 @@ def calibration_windows(files: list[str], tokenizer) -> list[torch.Tensor]:
 
 
 def measure(
-    name: str, work: Path, calib_files: list[str], from_gqa: bool = True, quick: bool = False, across: bool = True
-) -> list[dict]:
+    name: str, work: Path, calib_files: list[str], from_gqa: bool = True, quick: bool = False, across: bool = True,
+    ladder: bool = False,
+) -> list[dict]:  # fmt: skip
     import gqaify
     from gqaify.conversion.mla import rewrite_as_mla
     from gqaify.conversion.mla_fit import fit_mla
@@ -126,6 +130,7 @@ def measure(
     d = getattr(config, "head_dim", None) or config.hidden_size // H
     budgets, pairs = SETUPS[name]
     turned = "" if across or G == 1 else ", head by head"  # --no-turn: the rotary key chosen without turning
+    turned += ", for llama.cpp" if ladder else ""
     rows: list[dict] = []
 
     def score(label: str, budget: int, model, seconds: float) -> None:
@@ -168,15 +173,16 @@ def measure(
         p = pairs[budget]
         rope = 2 * p * G
         start = time.perf_counter()
-        mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib, across=across)
-        label = f"MLA from parent ({p} pairs a head, latent {budget - rope}{turned})"
-        score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
-        if not quick:
-            fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
-            score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
-        start = time.perf_counter()
+        if not ladder:
+            mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib, across=across)
+            label = f"MLA from parent ({p} pairs a head, latent {budget - rope}{turned})"
+            score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
+            if not quick:
+                fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
+                score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
+            start = time.perf_counter()
         mla, plan, trials, _ = fit_closest_split(
-            parent, parent, budget, calib, windows, REFINE_STEPS, 1e-3, across=across
+            parent, parent, budget, calib, windows, REFINE_STEPS, 1e-3, ladder, across=across
         )  # what --kv-cut alone does
         split = f"latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{turned}"
         label = f"MLA from parent, split chosen ({split}), fitted"

@@ -5,6 +5,7 @@ where llama-cpp-python is installed), and the rotary frequencies llama.cpp canno
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 import subprocess
@@ -140,10 +141,98 @@ def test_llama_cpp_rotates_one_ladder_of_frequencies_in_any_order_and_nothing_el
 
 
 def test_an_mla_gguf_of_several_kv_heads_is_refused_at_once_and_writes_nothing(tmp_path, capsys):
+    """At their own cache, several K/V heads repeat their frequencies; smaller, a rotary key of more slots than a
+    head has frequencies would."""
     src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), tmp_path / "src")
     code, err = run_cli(capsys, "convert", src, tmp_path / "out.gguf", "--kv-heads", "2", "--attention", "mla")
     assert code == 2 and "convert with --kv-heads 1" in one_line(err)
+    too_wide = ["--kv-rank", "8", "--rope-dims", "24", "--calib-data", str(tmp_path / "src" / "config.json")]
+    code, err = run_cli(
+        capsys, "convert", src, tmp_path / "out.gguf", "--kv-heads", "2", "--attention", "mla", *too_wide
+    )
+    assert code == 2 and "ask at most --rope-dims 16" in one_line(err)  # head_dim 16: 8 distinct frequencies
     assert [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+@pytest.fixture(scope="module")
+def turned_ladder(tmp_path_factory) -> dict[str, object]:
+    """stories260K (4 K/V heads of 8) at a smaller cache for llama.cpp: each frequency turned across the heads, one
+    slot per frequency of the ladder (`plan_mla(..., ladder=True)`), as a folder and as a GGUF file (f32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gqaify.conversion.mla import build_mla, plan_mla
+
+    source = MODELS / "stories260K"
+    if not source.is_dir():
+        pytest.skip(f"needs {source}")
+    root = tmp_path_factory.mktemp("turned-ladder")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = torch.tensor(
+        tokenizer((MODELS.parent / "text" / "tinystories-train-sample.txt").read_text()[:40_000])["input_ids"]
+    )
+    plan = plan_mla(model, 8, 8, ids[:4096], ladder=True)
+    folder = root / "mla"
+    build_mla(model, plan).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_mla_gguf(folder, root / "mla.gguf", "f32")
+    return {"plan": plan, "folder": folder, "gguf": root / "mla.gguf"}
+
+
+@needs_assets
+def test_a_turned_rotary_key_for_llama_cpp_keeps_one_ladder_of_distinct_frequencies(turned_ladder):
+    """Four K/V heads, a rotary key of 4 slots: every frequency of a head once (never one twice, as four heads'
+    own blocks would), each slot the component that scores most at its frequency in its layer."""
+    plan = turned_ladder["plan"]
+    assert plan.layout.mixing is not None and plan.layout.pairs.tolist() == [0, 1, 2, 3]
+    assert plan.rope["rope_type"] == "default"
+    assert mla_gguf_problem(json.loads((turned_ladder["folder"] / "config.json").read_text())) is None
+
+
+@needs_assets
+def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_for_llama_cpp(tmp_path):
+    """stories260K (4 K/V heads) cut in two for llama.cpp: two heads' exact rewrite would repeat frequencies, so the
+    parent compressed to the same cache is written, its rotary key one slot per frequency."""
+    import gguf
+
+    out = tmp_path / "mla.gguf"
+    text = MODELS.parent / "text" / "tinystories-train-sample.txt"
+    argv = ["convert", MODELS / "stories260K", out, "--kv-cut", "2", "--attention", "mla", "--calib-data", text]
+    assert main([*map(str, argv), "--calib-tokens", "4096", "-q"]) == 0
+    field = gguf.GGUFReader(out).fields[to_gguf.RECORD_KEY]
+    mla = json.loads(bytes(field.parts[field.data[0]]).decode())["mla"]
+    assert mla["from_parent"] and mla["turned"] and mla["kv_rank"] + mla["rope_dims"] == 32
+    for layer in mla["rotary_pairs"]:  # per component, its frequencies: each frequency once over the components
+        kept = [pair for component in layer for pair in component]
+        assert len(kept) == mla["rope_dims"] // 2 == len(set(kept))
+
+
+@pytest.mark.integration
+@needs_assets
+@needs_llama_cpp
+def test_llama_cpp_computes_the_turned_mla_gguf_as_transformers_computes_the_folder(turned_ladder):
+    """The logits of every position, llama.cpp's (its cache in f32) against transformers', within 1e-4 of their
+    scale: a compressed model's near ties make greedy tokens a weaker check than the exact rewrite's."""
+    from llama_cpp import Llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(turned_ladder["folder"])
+    model = AutoModelForCausalLM.from_pretrained(turned_ladder["folder"], dtype=torch.float32).eval()
+    f32 = 0  # GGML_TYPE_F32: llama.cpp's default cache, f16, rounds the latent to 1e-3
+    llm = Llama(
+        str(turned_ladder["gguf"]), n_ctx=256, n_threads=1, verbose=False, logits_all=True, type_k=f32, type_v=f32
+    )
+    try:
+        for prompt in ["Once upon a time", "The little dog ran to the park and saw a big red ball"]:
+            ids = tokenizer(prompt)["input_ids"]
+            llm.reset()
+            llm.eval(ids)
+            got = torch.tensor(np.array(llm.scores[: len(ids)]))
+            with torch.no_grad():
+                expected = model(torch.tensor([ids])).logits[0]
+            assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), prompt
+    finally:
+        llm.close()
 
 
 def test_writing_an_mla_folder_llama_cpp_cannot_rotate_raises_and_writes_nothing(tmp_path):

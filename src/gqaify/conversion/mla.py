@@ -321,7 +321,7 @@ def plan_mla(
     `rope_dim` (the source's cache), else fitted on the token ids `ids` (calibration text); `ladder`: rotary pairs
     llama.cpp can turn (`choose_layout`); `statistics`: `layer_statistics` already read (of any shape of this
     model), else read from `ids`; `across`: each frequency's pairs turned across the K/V heads first where there are
-    several (`across_heads`; not with `ladder`).
+    several (`across_heads`; with `ladder`, one slot per frequency).
 
     Raises:
         UserError: an architecture or a shape the rewrite does not take, or a smaller cache without text.
@@ -340,14 +340,15 @@ def plan_mla(
         statistics = layer_statistics(model, ids, shape, progress)
     source = source_frequencies(config)
     scores = mixing = None
-    if statistics is not None and across and not ladder and shape.kv_groups > 1:
+    if statistics is not None and across and shape.kv_groups > 1:
         mixing, scores = _across_heads(model, statistics, shape)
     elif statistics is not None:
         scores = torch.stack([s.scores for s in statistics])
     if scores is not None:
         scores = scores * rotation_weight(source, STAT_WINDOW)
     layers = config.num_hidden_layers
-    layout = choose_layout(scores, shape.kv_groups, shape.head_dim, shape.pairs, layers, ladder)
+    turned = mixing is not None
+    layout = choose_layout(scores, shape.kv_groups, shape.head_dim, shape.pairs, layers, ladder, turned)
     if mixing is not None:
         layout = dataclasses.replace(layout, mixing=mixing)
     rope = rope_parameters(

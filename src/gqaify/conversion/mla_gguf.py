@@ -71,7 +71,8 @@ def mla_gguf_problem(config: dict) -> str | None:
     if len(set(frequencies.tolist())) < len(frequencies):
         return (
             "this MLA model's rotary key repeats its frequencies (its K/V heads kept the same pairs), and llama.cpp's "
-            f"deepseek2 rotates with one ladder of distinct ones; convert with --kv-heads 1, {_AS_FOLDER}"
+            f"deepseek2 rotates with one ladder of distinct ones; convert with --kv-heads 1, or to a smaller cache "
+            f"(--kv-cut: its rotary key turned, one slot per frequency), {_AS_FOLDER}"
         )
     return (
         "this MLA model's rotary frequencies (the pairs --rope-dims kept) are no ladder base^(-2m/rope_dims) from 1, "

@@ -96,18 +96,26 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     problems = []
     if (problem := mla_problem(config)) is not None:
         problems.append(problem)
-    if out_is_gguf and s.kv_heads is not None and s.kv_heads > 1:  # the rest only the rewrite tells (`mla_gguf`)
+    several = s.kv_heads is not None and s.kv_heads > 1
+    if out_is_gguf and several and not s.smaller_mla:  # the rest only the rewrite tells (`mla_gguf`)
         problems.append(
-            f"an MLA conversion of {s.kv_heads} K/V heads gives each its own block of the rotary key, whose "
-            "frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads 1, or "
-            "name OUT without .gguf (a folder that transformers serves)"
+            f"an MLA conversion of {s.kv_heads} K/V heads at their own cache gives each its own block of the rotary "
+            "key, whose frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads "
+            "1, or ask a smaller cache (--kv-cut), or name OUT without .gguf (a folder that transformers serves)"
+        )
+    shape, shape_problems = shape_for(config, s.kv_heads, s.kv_rank, s.rope_dims)
+    if out_is_gguf and several and shape is not None and s.rope_dims is not None and s.rope_dims > shape.head_dim:
+        problems.append(
+            f"--rope-dims {s.rope_dims} from {s.kv_heads} K/V heads would repeat rotary frequencies in a GGUF "
+            f"(llama.cpp's deepseek2 turns one ladder of distinct ones, {shape.head_dim // 2} pairs); ask at most "
+            f"--rope-dims {shape.head_dim}, or name OUT without .gguf"
         )
     if s.smaller_mla and not s.calib_data:
         problems.append(
             "--kv-cut, --kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
             "(text other than your eval text)"
         )
-    problems += shape_for(config, s.kv_heads, s.kv_rank, s.rope_dims)[1]
+    problems += shape_problems
     if said := float16_asked(s.dtype, config, "the source's"):
         problems.append(float16_latent_problem(said, "use --dtype bfloat16 or float32"))
     return problems
@@ -168,11 +176,11 @@ def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object
 def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent, source: Geometry):
     """At a cut whole K/V heads make, the closer to the parent on the held-out calibration windows of two starts:
     `mla`, the exact rewrite of the G-head conversion, and the parent compressed to the same cache (`_compressed`).
-    The record says both."""
-    if is_gguf_out(s.out) and source.num_kv_heads > 1:
-        return mla, record  # the parent's G rotary blocks repeat their frequencies: llama.cpp could not turn them
+    The record says both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is the one."""
     LOG.info("trying the parent compressed to the same %d values per token and layer", budget)
     compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent)
+    if is_gguf_out(s.out) and s.kv_heads > 1:
+        return compressed, dataclasses.replace(compressed_record, from_parent=True)
     check = held_out(windows)
     starts = [
         StartTrial(attention_kind(s.kv_heads), held_out_kl(parent(), mla, check)),

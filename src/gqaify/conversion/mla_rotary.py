@@ -14,7 +14,8 @@ lose their rotation and join the latent.
                in how often it is listed), then in each layer each listed frequency given to the heads that score
                most on it.
     ladder     the pairs 0, c, 2c, ... for every head: one base's ladder from 1, the only frequencies llama.cpp's MLA
-               (`deepseek2`) turns (it reads no per-pair factors)
+               (`deepseek2`) turns (it reads no per-pair factors); turned (below), one slot per frequency of the
+               ladder, each carrying that frequency's best component in each layer, so no frequency repeats
 
 Turned across heads (TransMLA's RoRoPE, `across_heads`): an orthogonal G x G mixing of the G heads' pairs of one
 frequency commutes with the rotation, so in each layer and at each frequency the keys' pairs are first mixed into
@@ -95,20 +96,35 @@ class RotaryLayout:
 
 
 def choose_layout(
-    scores: torch.Tensor | None, kv_groups: int, head_dim: int, pairs: int, layers: int, ladder: bool = False
+    scores: torch.Tensor | None,
+    kv_groups: int,
+    head_dim: int,
+    pairs: int,
+    layers: int,
+    ladder: bool = False,
+    turned: bool = False,
 ) -> RotaryLayout:
     """The layout keeping `pairs` x G (head, pair) choices: every pair where that is all of them, else the ones that
     score most (`scores`, (layers, G, d/2), weighed by `rotation_weight`; see the module docstring); with `ladder`,
-    the spacing c whose pairs 0, c, 2c, ... score most, in every head."""
+    the spacing c whose pairs 0, c, 2c, ... score most, in every head, or (`turned`: `scores` per component) one
+    slot per pair of the ladder, each the pair's best component in each layer."""
     half, G = head_dim // 2, kv_groups
-    if pairs == half:
+    if pairs == half and not (ladder and turned):
         return RotaryLayout.same_in_every_layer(torch.arange(half).expand(G, half), layers)
     if scores is None:
         raise ValueError("choosing fewer rotary pairs than a head has needs their scores")
     if ladder:
-        spacings = range(1, (half - 1) // max(pairs - 1, 1) + 1)
-        total = scores.sum((0, 1))
-        chosen = max((torch.arange(pairs) * c for c in spacings), key=lambda kept: total[kept].sum())
+        slots = pairs * G if turned else pairs
+        if slots > half:
+            raise UserError(
+                f"llama.cpp's deepseek2 turns one ladder of distinct frequencies: a rotary key of {2 * slots} values "
+                f"from {G} K/V heads repeats some of the {half} a head has; ask at most --rope-dims {2 * half}"
+            )
+        spacings = range(1, (half - 1) // max(slots - 1, 1) + 1)
+        total = scores.amax(1).sum(0) if turned else scores.sum((0, 1))
+        chosen = max((torch.arange(slots) * c for c in spacings), key=lambda kept: total[kept].sum())
+        if turned:
+            return RotaryLayout(chosen, scores[:, :, chosen].argmax(1))
         return RotaryLayout.same_in_every_layer(chosen.expand(G, pairs), layers)
     ranked = scores.sort(dim=1, descending=True).values.sum(0)  # (G, half): the n-th best head's score, over layers
     counts = torch.zeros(half, dtype=torch.long)

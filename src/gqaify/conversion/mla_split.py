@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, MlaShape, build_mla, layer_statistics, plan_mla
 from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
+from gqaify.errors import UserError
 from gqaify.records import optional
 
 ROPE_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)  # of the cache's values, the rotary key's in the splits tried
@@ -40,12 +41,15 @@ class SplitTrial:
     fitted_kl: float | None = optional()  # one of the `FITTED` closest: the KL after its fit, on the fit's held-out
 
 
-def candidate_splits(num_heads: int, kv_groups: int, head_dim: int, budget: int) -> list[tuple[int, int]]:
+def candidate_splits(
+    num_heads: int, kv_groups: int, head_dim: int, budget: int, ladder: bool = False
+) -> list[tuple[int, int]]:
     """(kv_rank, rope_dims) pairs that cache `budget` values: the rotary key near each of `ROPE_SHARES` of them, in
-    whole pairs of each of the G K/V heads, every latent no wider than what it could hold."""
-    splits = []
-    for share in ROPE_SHARES:
-        pairs = max(1, min(head_dim // 2, round(share * budget / (2 * kv_groups))))
+    whole pairs of each of the G K/V heads, every latent no wider than what it could hold; with `ladder`, a rotary
+    key of one slot per frequency at most (llama.cpp's: G x pairs no more than a head's d/2)."""
+    splits, most = [], head_dim // 2 // (kv_groups if ladder else 1)
+    for share in ROPE_SHARES if most else ():
+        pairs = max(1, min(most, round(share * budget / (2 * kv_groups))))
         rope = 2 * pairs * kv_groups
         rank = budget - rope
         fits = 1 <= rank <= MlaShape(num_heads, kv_groups, head_dim, pairs, 1).full_rank
@@ -93,7 +97,12 @@ def ranked_splits(
     config = model.config
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // H
-    splits = candidate_splits(H, G, d, budget)
+    splits = candidate_splits(H, G, d, budget, ladder)
+    if not splits:
+        raise UserError(
+            f"no split of {budget} values per token and layer gives llama.cpp's deepseek2 one slot per rotary "
+            f"frequency from {G} K/V heads of {d // 2} pairs; convert with fewer --kv-heads, or name OUT without .gguf"
+        )
     held = min(2 * STAT_WINDOW, len(ids) // 4)
     statistics = layer_statistics(model, ids[: len(ids) - held], MlaShape.exact(H, G, d), progress)
     windows = [w for w in ids[len(ids) - held :].split(STAT_WINDOW) if len(w) > 1]
