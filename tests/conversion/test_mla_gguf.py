@@ -101,15 +101,18 @@ def test_llama_cpp_decodes_the_mla_gguf_as_transformers_decodes_the_folder(mla_m
 @pytest.mark.integration
 @needs_assets
 @needs_llama_cpp
-def test_llama_cpp_caches_the_latent_and_the_rotary_key_per_token(mla_mqa):
-    """(kv_rank + rope_dims) values per token and layer in f16, no values apart: as llama.cpp reports allocating it."""
+@pytest.mark.parametrize("made", ["mla_mqa", "turned_ladder"])
+def test_llama_cpp_caches_the_latent_and_the_rotary_key_per_token(made, request):
+    """(kv_rank + rope_dims) values per token and layer in f16, no values apart: as llama.cpp reports allocating it;
+    8 + 8 for MQA's exact rewrite and for 4 K/V heads compressed to a latent of 8 and a turned rotary key of 8."""
+    gguf_file = request.getfixturevalue(made)["f32" if made == "mla_mqa" else "gguf"]
     cells = 32768
     code = (
         "import sys; from llama_cpp import Llama; "
         "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(mla_mqa["f32"]), str(cells)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, str(gguf_file), str(cells)], capture_output=True, text=True, check=True
     )
     found = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells.*V \(\w+\): +([\d.]+) MiB", done.stderr)
     assert found is not None and int(found[2]) == cells, done.stderr[-2000:]
