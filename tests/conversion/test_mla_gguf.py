@@ -193,17 +193,26 @@ def test_a_turned_rotary_key_for_llama_cpp_keeps_one_ladder_of_distinct_frequenc
 
 
 @needs_assets
-def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_for_llama_cpp(tmp_path):
+def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_for_llama_cpp(
+    tmp_path, monkeypatch, caplog
+):
     """stories260K (4 K/V heads) cut in two for llama.cpp: two heads' exact rewrite would repeat frequencies, so the
-    parent compressed to the same cache is written, its rotary key one slot per frequency."""
+    parent compressed to the same cache is written, its rotary key one slot per frequency, even where the GQA-2
+    model is the closer (here the judge is told so), which a warning then names with the command that writes it."""
     import gguf
 
+    import gqaify.conversion.mla_output as mla_output
+
+    told = iter([0.25, 0.5])  # the GQA-2 model's, then the parent's
+    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(told))
     out = tmp_path / "mla.gguf"
     text = MODELS.parent / "text" / "tinystories-train-sample.txt"
     argv = ["convert", MODELS / "stories260K", out, "--kv-cut", "2", "--attention", "mla", "--calib-data", text]
     assert main([*map(str, argv), "--calib-tokens", "4096", "-q"]) == 0
+    assert "--attention gqa --kv-heads 2 writes that model" in caplog.text
     field = gguf.GGUFReader(out).fields[to_gguf.RECORD_KEY]
     mla = json.loads(bytes(field.parts[field.data[0]]).decode())["mla"]
+    assert mla["starts"] == [{"start": "GQA-2", "kl": 0.25}, {"start": "parent", "kl": 0.5}]
     assert mla["from_parent"] and mla["turned"] and mla["kv_rank"] + mla["rope_dims"] == 32
     for layer in mla["rotary_pairs"]:  # per component, its frequencies: each frequency once over the components
         kept = [pair for component in layer for pair in component]

@@ -176,17 +176,25 @@ def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object
 def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent, source: Geometry):
     """At a cut whole K/V heads make, the closer to the parent on the held-out calibration windows of two starts:
     `mla`, the exact rewrite of the G-head conversion, and the parent compressed to the same cache (`_compressed`).
-    The record says both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is the one."""
+    The record says both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is written,
+    with a warning where the G-head model (which llama.cpp serves as GQA) was closer."""
     LOG.info("trying the parent compressed to the same %d values per token and layer", budget)
     compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent)
-    if is_gguf_out(s.out) and s.kv_heads > 1:
-        return compressed, dataclasses.replace(compressed_record, from_parent=True)
     check = held_out(windows)
     starts = [
         StartTrial(attention_kind(s.kv_heads), held_out_kl(parent(), mla, check)),
         StartTrial("parent", held_out_kl(parent(), compressed, check)),
     ]
     LOG.info("held-out KL to the parent: %s", ", ".join(f"{t.start} {t.kl:.4g}" for t in starts))
+    if is_gguf_out(s.out) and s.kv_heads > 1:
+        if starts[0].kl < starts[1].kl:
+            LOG.warning(
+                "for llama.cpp, the %s model at this cache was closer to the parent than MLA on held-out calibration "
+                "text (KL %.4g against %.4g nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
+                "K/V heads' rotary keys outgrow; --attention gqa --kv-heads %d writes that model",
+                starts[0].start, starts[0].kl, starts[1].kl, s.kv_heads, s.kv_heads,
+            )  # fmt: skip
+        return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True)
     if starts[1].kl < starts[0].kl:
         return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True)
     return mla, dataclasses.replace(record, splits=compressed_record.splits, starts=starts)
