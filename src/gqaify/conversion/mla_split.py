@@ -99,10 +99,13 @@ def ranked_splits(
     d = getattr(config, "head_dim", None) or config.hidden_size // H
     splits = candidate_splits(H, G, d, budget, ladder)
     if not splits:
-        raise UserError(
-            f"no split of {budget} values per token and layer gives llama.cpp's deepseek2 one slot per rotary "
-            f"frequency from {G} K/V heads of {d // 2} pairs; convert with fewer --kv-heads, or name OUT without .gguf"
+        why = (
+            f"gives llama.cpp's deepseek2 one slot per rotary frequency from {G} K/V heads of {d // 2} pairs; convert "
+            "with fewer --kv-heads, or name OUT without .gguf"
+            if ladder
+            else f"leaves a latent beside one rotary pair of each of {G} K/V heads; ask a smaller --kv-cut"
         )
+        raise UserError(f"no split of {budget} values per token and layer {why}")
     held = min(2 * STAT_WINDOW, len(ids) // 4)
     statistics = layer_statistics(model, ids[: len(ids) - held], MlaShape.exact(H, G, d), progress)
     windows = [w for w in ids[len(ids) - held :].split(STAT_WINDOW) if len(w) > 1]
