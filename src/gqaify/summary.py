@@ -7,13 +7,20 @@ def format_summary(result) -> str:
     """A few lines saying what a conversion did."""
     kind = result.attention
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
+    mla = result.record.mla
+    if mla is not None and mla.from_parent:  # the G-head conversion was a start tried and not kept: its lines go
+        heads = f"{result.source_kv_heads}, the parent's, compressed into the latent ({result.num_heads} query heads)"
+        fitted = []
+    else:
+        heads = f"{result.source_kv_heads} -> {result.kv_heads} ({result.num_heads} query heads; groups "
+        heads += f"{_groups(result.groups)})"
+        fitted = _fit_lines(result)
     return "\n".join(
         [
             f"converted {result.model_type} to {kind} with --method {result.method} in {result.seconds:.2f} s",
-            f"  K/V heads       {result.source_kv_heads} -> {result.kv_heads} "
-            f"({result.num_heads} query heads; groups {_groups(result.groups)})",
+            f"  K/V heads       {heads}",
             f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
-            *_fit_lines(result),
+            *fitted,
             *_mla_lines(result.record.mla),
             f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
             f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
