@@ -194,7 +194,7 @@ def test_a_turned_rotary_key_for_llama_cpp_keeps_one_ladder_of_distinct_frequenc
 
 @needs_assets
 def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_for_llama_cpp(
-    tmp_path, monkeypatch, caplog
+    tmp_path, monkeypatch, caplog, capsys
 ):
     """stories260K (4 K/V heads) cut in two for llama.cpp: two heads' exact rewrite would repeat frequencies, so the
     parent compressed to the same cache is written, its rotary key one slot per frequency, even where the GQA-2
@@ -208,8 +208,9 @@ def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_f
     out = tmp_path / "mla.gguf"
     text = MODELS.parent / "text" / "tinystories-train-sample.txt"
     argv = ["convert", MODELS / "stories260K", out, "--kv-cut", "2", "--attention", "mla", "--calib-data", text]
-    assert main([*map(str, argv), "--calib-tokens", "4096", "-q"]) == 0
+    assert main([*map(str, argv), "--calib-tokens", "4096"]) == 0
     assert "--attention gqa --kv-heads 2 writes that model" in caplog.text
+    assert "the parent compressed, as llama.cpp needs, though GQA-2 was closer" in capsys.readouterr().out
     field = gguf.GGUFReader(out).fields[to_gguf.RECORD_KEY]
     mla = json.loads(bytes(field.parts[field.data[0]]).decode())["mla"]
     assert mla["starts"] == [{"start": "GQA-2", "kl": 0.25}, {"start": "parent", "kl": 0.5}]
