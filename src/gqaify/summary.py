@@ -8,16 +8,17 @@ def format_summary(result) -> str:
     kind = result.attention
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
     mla = result.record.mla
+    method = f" with --method {result.method}"
     if mla is not None and mla.from_parent:  # the G-head conversion was a start tried and not kept: its lines go
         heads = f"{result.source_kv_heads}, the parent's, compressed into the latent ({result.num_heads} query heads)"
-        fitted = []
+        method, fitted = "", []
     else:
         heads = f"{result.source_kv_heads} -> {result.kv_heads} ({result.num_heads} query heads; groups "
         heads += f"{_groups(result.groups)})"
         fitted = _fit_lines(result)
     return "\n".join(
         [
-            f"converted {result.model_type} to {kind} with --method {result.method} in {result.seconds:.2f} s",
+            f"converted {result.model_type} to {kind}{method} in {result.seconds:.2f} s",
             f"  K/V heads       {heads}",
             f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
             *fitted,

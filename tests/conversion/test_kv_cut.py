@@ -102,6 +102,7 @@ def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent
     assert mla["from_parent"] is True and mla["kv_rank"] + mla["rope_dims"] == 64 and not mla["exact"]
     assert "from the parent)" in said and "MLA start       the parent compressed" in said
     assert "K/V heads       4, the parent's, compressed into the latent" in said and "fit error" not in said
+    assert "from the parent) in " in said  # the unkept GQA-2 conversion's --method is not the written model's
     read = ConversionRecord.read(out)  # read back typed
     assert read.mla.starts[1] == StartTrial("parent", kls["parent"]) and read.attention.endswith("from the parent)")
     argv = ["--kv-heads", str(HEADS), "--attention", "mla", "--kv-cut", "2", "--method", "mean", *calib]
