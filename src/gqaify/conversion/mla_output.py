@@ -152,7 +152,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
         record = MlaRecord.of(plan, fitted=fitted)
     del model
     if budget == held and split_free and s.kv_heads < source.num_kv_heads and text is not None:
-        mla, record = _closer_start(mla, record, budget, s, ids, windows, parent, source)
+        mla, record = _closer_start(mla, record, budget, s, ids, windows, parent)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
     mla.to("cpu", dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
@@ -173,7 +173,7 @@ def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object
     return build_mla(model, plan), MlaRecord.of(plan, splits)
 
 
-def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent, source: Geometry):
+def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent):
     """At a cut whole K/V heads make, the closer to the parent on the held-out calibration windows of two starts:
     `mla`, the exact rewrite of the G-head conversion, and the parent compressed to the same cache (`_compressed`).
     The record says both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is written,
@@ -186,16 +186,15 @@ def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent, 
         StartTrial("parent", held_out_kl(parent(), compressed, check)),
     ]
     LOG.info("held-out KL to the parent: %s", ", ".join(f"{t.start} {t.kl:.4g}" for t in starts))
-    if is_gguf_out(s.out) and s.kv_heads > 1:
-        if starts[0].kl < starts[1].kl:
-            LOG.warning(
-                "for llama.cpp, the %s model at this cache was closer to the parent than MLA on held-out calibration "
-                "text (KL %.4g against %.4g nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
-                "K/V heads' rotary keys outgrow; --attention gqa --kv-heads %d writes that model",
-                starts[0].start, starts[0].kl, starts[1].kl, s.kv_heads, s.kv_heads,
-            )  # fmt: skip
-        return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True)
-    if starts[1].kl < starts[0].kl:
+    for_llama_cpp = is_gguf_out(s.out) and s.kv_heads > 1  # the G heads' rotary blocks would repeat frequencies
+    if for_llama_cpp and starts[0].kl < starts[1].kl:
+        LOG.warning(
+            "for llama.cpp, the %s model at this cache was closer to the parent than MLA on held-out calibration "
+            "text (KL %.4g against %.4g nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
+            "K/V heads' rotary keys outgrow; --attention gqa --kv-heads %d writes that model",
+            starts[0].start, starts[0].kl, starts[1].kl, s.kv_heads, s.kv_heads,
+        )  # fmt: skip
+    if for_llama_cpp or starts[1].kl < starts[0].kl:
         return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True)
     return mla, dataclasses.replace(record, splits=compressed_record.splits, starts=starts)
 
