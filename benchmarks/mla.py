@@ -129,8 +129,8 @@ def measure(
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // H
     budgets, pairs = SETUPS[name]
-    turned = "" if across or G == 1 else ", head by head"  # --no-turn: the rotary key chosen without turning
-    turned += ", for llama.cpp" if ladder else ""
+    how = "" if across or G == 1 else ", head by head"  # --no-turn: the rotary key chosen without turning
+    how += ", for llama.cpp" if ladder else ""  # --ladder: one slot per frequency
     rows: list[dict] = []
 
     def score(label: str, budget: int, model, seconds: float) -> None:
@@ -175,7 +175,7 @@ def measure(
         start = time.perf_counter()
         if not ladder:
             mla = rewrite_as_mla(parent, kv_rank=budget - rope, rope_dim=rope, ids=calib, across=across)
-            label = f"MLA from parent ({p} pairs a head, latent {budget - rope}{turned})"
+            label = f"MLA from parent ({p} pairs a head, latent {budget - rope}{how})"
             score(f"{label}, PCA", budget, mla, time.perf_counter() - start)
             if not quick:
                 fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
@@ -184,7 +184,7 @@ def measure(
         mla, plan, trials, _ = fit_closest_split(
             parent, parent, budget, calib, windows, REFINE_STEPS, 1e-3, ladder, across=across
         )  # what --kv-cut alone does
-        split = f"latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{turned}"
+        split = f"latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{how}"
         label = f"MLA from parent, split chosen ({split}), fitted"
         score(label, budget, mla, time.perf_counter() - start)
         print(json.dumps({"budget": budget, "splits tried": [vars(t) for t in trials]}), flush=True)
@@ -197,7 +197,7 @@ def measure(
             start = time.perf_counter()
             mla = rewrite_as_mla(gqa, kv_rank=budget - rope, rope_dim=rope, ids=calib, across=across)
             fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
-            label = f"MLA from GQA-{g} lsq ({p_g} pairs a head, latent {budget - rope}{turned}), fitted"
+            label = f"MLA from GQA-{g} lsq ({p_g} pairs a head, latent {budget - rope}{how}), fitted"
             score(label, budget, mla, time.perf_counter() - start)
     return rows
 

@@ -92,17 +92,23 @@ def main() -> None:
     print(_table(results))
 
 
+def _line(line: str) -> tuple[str, dict[str, str]]:
+    """The recipe's first line split: (its `X=... Y=...` settings, each command by its stage, `gqaify STAGE ...`)."""
+    settings, _, commands = line.rpartition("; ")
+    return settings, {shlex.split(command)[1]: command for command in commands.split(" && ")}
+
+
 def _run_line(line: str, skip: tuple[str, ...] = ()) -> dict:
     """Each command of the recipe's first line (`A && B`, after any `X=... Y=...;` settings) run in bash from the
     repository root, timed; the stages in `skip` (`gqaify STAGE`) left out."""
-    settings, _, commands = line.rpartition("; ")
+    settings, commands = _line(line)
     timings = {}
-    for command in commands.split(" && "):
-        if shlex.split(command)[1] in skip:
+    for stage, command in commands.items():
+        if stage in skip:
             continue
         started = time.perf_counter()
         subprocess.run(["bash", "-c", f"{settings}; {command}"], cwd=REPO, check=True, env=_ENV)
-        timings[shlex.split(command)[1]] = round(time.perf_counter() - started, 1)
+        timings[stage] = round(time.perf_counter() - started, 1)
     timings["total"] = round(sum(timings.values()), 1)
     return timings
 
@@ -111,10 +117,10 @@ def _continued(line: str, start: Path, tokens: int, out: Path, override: str = "
     """The line's `gqaify uptrain`, its recipe without the conversion's keys, training `start` (a converted model)
     `tokens` tokens into OUT/tokens-N/run (`override`: more options); its seconds in OUT/tokens-N/seconds.json.
     Returns the run's folder."""
-    settings, _, commands = line.rpartition("; ")
-    command = next(c for c in commands.split(" && ") if shlex.split(c)[1] == "uptrain")
-    recipe_path = REPO / shlex.split(command)[shlex.split(command).index("--recipe") + 1]
-    recipe = yaml.safe_load(recipe_path.read_text())
+    settings, commands = _line(line)
+    command = commands["uptrain"]
+    words = shlex.split(command)
+    recipe = yaml.safe_load((REPO / words[words.index("--recipe") + 1]).read_text())
     folder = out / f"tokens-{tokens}"
     folder.mkdir(exist_ok=True)
     training = folder / "recipe.yaml"
