@@ -175,6 +175,28 @@ def test_fsdp2_on_two_processes_agrees_with_one_process(tiny, stored_corpus, tmp
 
 
 @pytest.mark.integration
+def test_an_fsdp_wrap_class_the_model_lacks_is_refused(tiny, tmp_path):
+    """A config naming a decoder layer class the model does not have (a Llama config's LlamaDecoderLayer for
+    another architecture): refused in one line naming the model's own class and the fix (accelerate's own error
+    was a traceback and an internal error), nothing written."""
+    config = tmp_path / "fsdp-mistral.yaml"
+    wrap = "  fsdp_transformer_layer_cls_to_wrap: MistralDecoderLayer\n"
+    config.write_text(FSDP.read_text().replace("fsdp_config:\n", "fsdp_config:\n" + wrap))
+    out = tmp_path / "run"
+    launch = [*accelerate_launch("gqaify.uptrain", config), *args(tiny, out, "--grad_accum", "1")]
+    env = {**CPU_PROCESSES, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(launch, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0 and "internal error" not in done.stderr
+    refusal = (
+        "gqaify: error: the accelerate config's fsdp_transformer_layer_cls_to_wrap names MistralDecoderLayer, which "
+        "LlamaForCausalLM does not have (its decoder layer: LlamaDecoderLayer); remove the key (FSDP then wraps the "
+        "model's own decoder layer) or name that class"
+    )
+    assert refusal in done.stderr.splitlines(), done.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.integration
 def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
     """FSDP1 needs a device: on CPU processes the launch is refused in one line (accelerate's own error was a
     traceback), nothing written. Each process says it, in one write with its newline (`command.say`): with stderr

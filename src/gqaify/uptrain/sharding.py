@@ -61,6 +61,22 @@ def shard_on_cpus(accelerator) -> bool:
     return True
 
 
+def wrap_problem(accelerator, model: torch.nn.Module) -> str | None:
+    """Why FSDP cannot wrap `model` as the launch's config asks: its fsdp_transformer_layer_cls_to_wrap names a
+    class the model does not have (accelerate's own error is a traceback). None where it can, or without FSDP."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None) or []
+    have = {type(m).__name__ for m in model.modules()}
+    if missing := [name for name in names if name not in have]:
+        layers = ", ".join(getattr(model, "_no_split_modules", None) or ()) or "none named"
+        return (
+            f"the accelerate config's fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
+            f"{type(model).__name__} does not have (its decoder layer: {layers}); remove the key (FSDP then wraps "
+            "the model's own decoder layer) or name that class"
+        )
+    return None
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of the classes `model` names as never split (`_no_split_modules`): its decoder layers, the units
     the teacher is sharded in and the memory plan counts gathered."""

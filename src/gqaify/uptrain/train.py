@@ -64,7 +64,7 @@ from gqaify.uptrain.run_folder import (
     save_final,
 )
 from gqaify.uptrain.settings import UptrainSettings
-from gqaify.uptrain.sharding import shard_on_cpus
+from gqaify.uptrain.sharding import shard_on_cpus, wrap_problem
 from gqaify.uptrain.state import Launched, LoopState, RunData, RunState
 from gqaify.uptrain.student import load_teacher, optimizer_and_schedule, student_loss, trainable_student
 
@@ -186,6 +186,8 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     trust = s.trust_remote_code
     model, _ = load_model(model_path, torch.float32, "cpu", option="model", trust_remote_code=trust)
     saved_dtype = load_config(model_path, option="model", trust_remote_code=trust).dtype or torch.float32
+    if problem := wrap_problem(accelerator, model):
+        raise UserError(problem)
     model, params = trainable_student(model, s)
     optimizer, scheduler = optimizer_and_schedule(s, params, run.steps, accelerator)
     del params  # FSDP swaps its shards into the optimizer: no reference here may keep the whole weights alive
