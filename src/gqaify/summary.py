@@ -43,9 +43,10 @@ def _mla_lines(mla) -> list[str]:
     if mla.starts:
         tried = ", ".join(f"{trial.start} {trial.kl:.4g}" for trial in mla.starts)
         kept = "the parent compressed" if mla.from_parent else f"the exact rewrite of {mla.starts[0].start}"
-        why = "the closer on held-out calibration text"
+        on = mla.judge_text
+        why = f"the closer on {on}"
         if mla.from_parent and mla.starts[0].kl < mla.starts[1].kl:  # a GGUF: llama.cpp cannot turn the G heads
-            why = f"as llama.cpp needs, though {mla.starts[0].start} was closer on held-out calibration text"
+            why = f"as llama.cpp needs, though {mla.starts[0].start} was closer on {on}"
         lines.append(f"  MLA start       {kept}, {why} (KL {tried} nats/token)")
     return lines
 

@@ -100,7 +100,9 @@ def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent
     kls = {trial["start"]: trial["kl"] for trial in mla["starts"]}
     assert record["kv_heads"] == 2 and list(kls) == ["GQA-2", "parent"] and 0 < kls["parent"] < kls["GQA-2"]
     assert mla["from_parent"] is True and mla["kv_rank"] + mla["rope_dims"] == 64 and not mla["exact"]
+    assert mla["judged_on"] == 2048  # the calibration text's next 2,048 tokens (below)
     assert "from the parent)" in said and "MLA start       the parent compressed" in said
+    assert "the closer on 2,048 tokens of calibration text no fit read" in said
     assert "K/V heads       4, the parent's, compressed into the latent" in said and "fit error" not in said
     assert "from the parent) in " in said  # the unkept GQA-2 conversion's --method is not the written model's
     read = ConversionRecord.read(out)  # read back typed
@@ -128,6 +130,32 @@ def test_an_mla_cut_whole_heads_make_keeps_the_exact_rewrite_where_it_is_closer(
     assert mla["exact"] and "from_parent" not in mla and len(mla["splits"]) > 1
     kept, expected = weights(out), weights(alone)
     assert kept.keys() == expected.keys() and all(torch.equal(kept[k], expected[k]) for k in kept)
+
+
+@pytest.mark.parametrize(("tokens", "unseen"), [(2048, 2048), (4096, 2432), (6528, 0)])
+def test_the_two_starts_are_judged_on_calibration_text_no_fit_read(parent, tmp_path, monkeypatch, tokens, unseen):
+    """Both starts read every calibration window (GQA's fit its second moments, MLA's its covariance), so the judge
+    reads the text past them: the tokens after the first --calib-tokens of the source, as many again (what the
+    tokenizer makes of the text, read here directly), or what is left of it; where nothing is left, the fits'
+    held-out windows, and the record and the summary say which."""
+    from transformers import AutoTokenizer
+
+    import gqaify.conversion.mla_output as mla_output
+
+    judged = []
+    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: judged.append(windows) or 0.5)
+    calib = ["--calib-data", str(parent.parent / "calib.txt"), "--calib-seq-len", "64", "--calib-tokens", str(tokens)]
+    out = tmp_path / "cut"
+    assert main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", *calib, "-q"]) == 0
+    mla = json.loads((out / "gqaify.json").read_text())["mla"]
+    ids = AutoTokenizer.from_pretrained(parent)(CORPUS * 8).input_ids
+    assert len(ids) == 6528  # the calibration text holds this many tokens
+    starts = judged[-2:]  # the two starts' judge (the fit's own judging comes before)
+    assert starts[0] == starts[1] or all(torch.equal(a, b) for a, b in zip(*starts, strict=True))
+    if unseen:
+        assert mla["judged_on"] == unseen and torch.cat(starts[0]).tolist() == ids[tokens : tokens + unseen]
+    else:
+        assert "judged_on" not in mla and sum(len(w) for w in starts[0]) < tokens  # the held-out windows
 
 
 @pytest.mark.parametrize(

@@ -113,6 +113,21 @@ def read_calibration(calibration: Calibration, tokenizer) -> CalibrationText:
     return CalibrationText(parts, sources, time.perf_counter() - start)
 
 
+def read_beyond(calibration: Calibration, text: CalibrationText, tokenizer, tokens: int) -> CalibrationText | None:
+    """Up to `tokens` more of the calibration sources, in their shares, each past what `text`
+    (`read_calibration(calibration)`) read of it: text that no statistic or fit on `text` has read. None where no
+    source holds 2 tokens more."""
+    more = read_calibration(replace(calibration, tokens=calibration.tokens + tokens), tokenizer)
+    beyond = [
+        (part[len(read) :], source)
+        for part, read, source in zip(more.parts, text.parts, more.sources, strict=True)
+        if len(part) - len(read) >= 2
+    ]
+    if not beyond:
+        return None
+    return CalibrationText([part for part, _ in beyond], [source for _, source in beyond], more.seconds)
+
+
 def short_sources(text: CalibrationText) -> list[str]:
     """A warning for each source that held fewer tokens than its share (said once the text is not refused)."""
     return [

@@ -177,7 +177,7 @@ def _mla_line(record: ConversionRecord) -> str:
     if mla.starts:
         tried = ", ".join(f"{trial.start} {trial.kl:.4g}" for trial in mla.starts)
         text += (
-            " Two starts were tried at this cache and the closer to the parent on held-out calibration text kept "
+            f" Two starts were tried at this cache and the closer to the parent on {mla.judge_text} kept "
             f"(KL per token: {tried})."
         )
     return text

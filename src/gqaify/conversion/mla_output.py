@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gqaify.conversion.budget import cut_values
+from gqaify.conversion.calibrate import read_beyond
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
 from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
@@ -33,11 +34,14 @@ from gqaify.sizes import parse_size
 LOG = logging.getLogger(__name__)
 
 
+JUDGE_TOKENS = 16_384  # at most, of calibration text past what the conversion read, judge the two starts
+
+
 @dataclass(frozen=True)
 class StartTrial:
-    """One start of an MLA model at a cut whole K/V heads make, and how far it was from the parent on the held-out
-    calibration windows (next-token KL, nats per token): "GQA-2" (that conversion rewritten exactly) or "parent"
-    (the parent compressed to the same cache and fitted)."""
+    """One start of an MLA model at a cut whole K/V heads make, and how far it was from the parent on calibration
+    text no fit read (`MlaRecord.judged_on`; next-token KL, nats per token): "GQA-2" (that conversion rewritten
+    exactly) or "parent" (the parent compressed to the same cache and fitted)."""
 
     start: str
     kl: float
@@ -64,10 +68,20 @@ class MlaRecord:
     # a cut whole K/V heads make: both starts tried (`StartTrial`); the closer kept, from the parent where it was
     starts: list[StartTrial] | None = optional()
     from_parent: bool = optional(False)
+    # the tokens of calibration text past what the conversion read that the starts were judged on (None: the fits'
+    # held-out windows, where the sources held no more)
+    judged_on: int | None = optional()
 
     @property
     def cached_per_token(self) -> int:
         return self.kv_rank + self.rope_dims
+
+    @property
+    def judge_text(self) -> str:
+        """What the two starts were judged on, for the summary and the card."""
+        if self.judged_on is None:
+            return "held-out calibration text"
+        return f"{self.judged_on:,} tokens of calibration text no fit read"
 
     @classmethod
     def of(cls, plan: MlaPlan, splits: list[SplitTrial] | None = None, fitted: bool | None = None) -> MlaRecord:
@@ -152,7 +166,8 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
         record = MlaRecord.of(plan, fitted=fitted)
     del model
     if budget == held and split_free and s.kv_heads < source.num_kv_heads and text is not None:
-        mla, record = _closer_start(mla, record, budget, s, ids, windows, parent)
+        unseen = _unseen_windows(s, text, folder)
+        mla, record = _closer_start(mla, record, budget, s, ids, windows, unseen, parent)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
     mla.to("cpu", dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
@@ -173,30 +188,47 @@ def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object
     return build_mla(model, plan), MlaRecord.of(plan, splits)
 
 
-def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, parent):
-    """At a cut whole K/V heads make, the closer to the parent on the held-out calibration windows of two starts:
-    `mla`, the exact rewrite of the G-head conversion, and the parent compressed to the same cache (`_compressed`).
-    The record says both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is written,
-    with a warning where the G-head model (which llama.cpp serves as GQA) was closer."""
+def _unseen_windows(s, text, folder: Path) -> list[torch.Tensor] | None:
+    """Windows of the calibration sources past what the conversion read (`calibrate.read_beyond`: as many tokens
+    again, at most `JUDGE_TOKENS`), which no statistic or fit of either start has read; None where the sources
+    hold no more. Both starts read every calibration window somewhere (GQA's fit its second moments, MLA's its
+    covariance), so the fits' held-out windows favour whichever leans on its statistics more: on SmolLM2 at MQA's
+    cache they put MQA's rewrite closer (0.369 against 0.457 nats/token), where unseen text and the panel put the
+    parent's start closer."""
+    from gqaify.model.loading import load_tokenizer
+
+    tokens = min(text.tokens, JUDGE_TOKENS)
+    beyond = read_beyond(s.calibration(), text, load_tokenizer(str(folder)), tokens)
+    return None if beyond is None else [w for w in beyond.windows(s.calib_seq_len) if len(w) > 1]
+
+
+def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, parent):
+    """At a cut whole K/V heads make, the closer to the parent of two starts: `mla`, the exact rewrite of the G-head
+    conversion, and the parent compressed to the same cache (`_compressed`), judged on the `unseen` windows of
+    calibration text (`_unseen_windows`), or where there are none on the fits' held-out `windows`. The record says
+    both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is written, with a warning
+    where the G-head model (which llama.cpp serves as GQA) was closer."""
     LOG.info("trying the parent compressed to the same %d values per token and layer", budget)
     compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent)
-    check = held_out(windows)
+    check = unseen or held_out(windows)
+    judged_on = None if unseen is None else sum(len(w) for w in unseen)
     starts = [
         StartTrial(attention_kind(s.kv_heads), held_out_kl(parent(), mla, check)),
         StartTrial("parent", held_out_kl(parent(), compressed, check)),
     ]
-    LOG.info("held-out KL to the parent: %s", ", ".join(f"{t.start} {t.kl:.4g}" for t in starts))
+    on = "the fits' held-out windows" if judged_on is None else f"{judged_on:,} unseen calibration tokens"
+    LOG.info("KL to the parent on %s: %s", on, ", ".join(f"{t.start} {t.kl:.4g}" for t in starts))
     for_llama_cpp = is_gguf_out(s.out) and s.kv_heads > 1  # the G heads' rotary blocks would repeat frequencies
     if for_llama_cpp and starts[0].kl < starts[1].kl:
         LOG.warning(
-            "for llama.cpp, the %s model at this cache was closer to the parent than MLA on held-out calibration "
-            "text (KL %.4g against %.4g nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
+            "for llama.cpp, the %s model at this cache was closer to the parent than MLA on calibration text no "
+            "fit read (KL %.4g against %.4g nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
             "K/V heads' rotary keys outgrow; --attention gqa --kv-heads %d writes that model",
             starts[0].start, starts[0].kl, starts[1].kl, s.kv_heads, s.kv_heads,
         )  # fmt: skip
     if for_llama_cpp or starts[1].kl < starts[0].kl:
-        return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True)
-    return mla, dataclasses.replace(record, splits=compressed_record.splits, starts=starts)
+        return compressed, dataclasses.replace(compressed_record, starts=starts, from_parent=True, judged_on=judged_on)
+    return mla, dataclasses.replace(record, splits=compressed_record.splits, starts=starts, judged_on=judged_on)
 
 
 def weight_bytes(s, config: dict) -> int:
