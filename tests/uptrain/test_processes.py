@@ -175,6 +175,30 @@ def test_fsdp2_on_two_processes_agrees_with_one_process(tiny, stored_corpus, tmp
 
 
 @pytest.mark.integration
+def test_fsdp2_trains_an_mla_latent_as_one_process_does(tiny, tmp_path):
+    """An MLA rewrite's latent down-projection trains in an optimizer group of its own, its lr and gradients scaled
+    to its latent rows (`student.scale_gradients`): sharded over 2 processes (FSDP2), the group keeps its factor,
+    and the run gives one process's losses and weights, its latent rows moved."""
+    from gqaify.entry.cli import main
+
+    mla = tmp_path / "mla"
+    assert main(["convert", str(tiny["parent"]), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    one, two = tmp_path / "one", tmp_path / "two"
+    model = ["--model", str(mla), "--lr", "1e-3"]
+    uptrain(parse([*args(tiny, one), *model]))
+    done = run_fsdp([*args(tiny, two, "--grad_accum", "1"), *model], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((two / "run.json").read_text())["distributed_type"] == "FSDP"
+    assert losses(two) == pytest.approx(losses(one), rel=1e-4) and len(losses(two)) == len(losses(one))
+    start, a, b = (load_file(m / "model.safetensors") for m in (mla, one / "final", two / "final"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+    rank = json.loads((mla / "config.json").read_text())["kv_lora_rank"]
+    down = [name for name in a if "kv_a_proj_with_mqa" in name]
+    assert down and all(not torch.equal(a[name][:rank], start[name][:rank]) for name in down)
+
+
+@pytest.mark.integration
 def test_an_fsdp_wrap_class_the_model_lacks_is_refused(tiny, tmp_path):
     """A config naming a decoder layer class the model does not have (a Llama config's LlamaDecoderLayer for
     another architecture): refused in one line naming the model's own class and the fix (accelerate's own error

@@ -1,0 +1,134 @@
+"""How uptraining should train an MLA rewrite: the `smollm2-135m-mla` recipe's converted start (its output_dir's
+`converted`, which `recipe_goals.py --recipe smollm2-135m-mla` leaves) trained the same tokens in several ways with
+the recipe's data and settings, each then judged on recipe_goals' five-text panel against the parent:
+
+    held          the latent's down-projection (`kv_a_proj_with_mqa`) kept as converted, everything else trained
+    trained       that down-projection trained too, at its latent rows' scale of the learning rate and gradient
+                  (`mla_fit.latent_lr_scales`, `student.scale_gradients`)
+    balanced      held, from the start with kv_b_proj's columns at the query projection's RMS and the latent
+                  norm's weight rescaled inversely (`mla_latent.rescale_up_projections`: the same function)
+    pca           held, from the start with kv_b_proj's columns at 1/sqrt(rows), an orthonormal column's RMS
+    ..., lr X     the same at learning rate X (the recipe's otherwise)
+
+    python benchmarks/mla_latent.py                    # 24,576 tokens each, about 12 minutes an arm on 2 CPU cores
+    python benchmarks/mla_latent.py --arms "balanced,balanced, lr 3e-4" --tokens 98304   # the recipe's tokens
+
+Writes OUT/mla_latent.json and .md (every arm trained so far in OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from panel_recovery import final_eval
+from recipe_goals import _ENV, CONVERSION_KEYS, REPO, _line, _texts
+
+ARMS = ("held", "trained", "balanced", "pca")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="smollm2-135m-mla", help="a packaged MLA recipe whose start was converted")
+    parser.add_argument("--arms", default="held,trained", help="comma-separated arms (see above)")
+    parser.add_argument("--tokens", type=int, default=24576, help="tokens each arm trains")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "mla-latent")
+    parser.add_argument("--texts", type=Path, help="the panel's texts as write_texts wrote them (else written here)")
+    args = parser.parse_args()
+    from commands import write_texts
+    from gqaify.entry.demo import fetch_default_model
+
+    recipe_file = REPO / "recipes" / f"{args.recipe}.yaml"
+    recipe = yaml.safe_load(recipe_file.read_text())
+    converted = REPO / recipe["output_dir"] / "converted"
+    args.out.mkdir(parents=True, exist_ok=True)
+    training = args.out / "recipe.yaml"
+    training.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if k not in CONVERSION_KEYS}, sort_keys=False))
+    settings, commands = _line(recipe_file.read_text().splitlines()[0].removeprefix("# "))
+    for arm in args.arms.split(","):
+        folder = args.out / _folder(arm)
+        if (folder / "final").is_dir():
+            continue
+        how, _, lr = arm.partition(", lr ")
+        start = converted if how in ("held", "trained") else _rescaled(converted, how, args.out)
+        child = f"{sys.executable} {Path(__file__).resolve()} --child {'trained' if how == 'trained' else 'held'}"
+        extra = f"--recipe {training} --model {start} --max_tokens {args.tokens} --output_dir {folder}"
+        extra += " --save_every 1000000 --eval_points 2" + (f" --lr {lr}" if lr else "")
+        command = commands["uptrain"].replace("gqaify uptrain", child, 1)
+        subprocess.run(["bash", "-c", f"{settings}; {command} {extra}"], cwd=REPO, check=True, env=_ENV)
+    arms = [json.loads(path.read_text())["arm"] for path in sorted(args.out.glob("*/arm.json"))]
+    texts = _texts(args.texts) if args.texts else write_texts(args.out / "texts")
+    models = [converted, *(args.out / _folder(arm) / "final" for arm in arms)]
+    report = final_eval(fetch_default_model(), models, texts, args.out / "-".join(map(_folder, arms)), False)
+    rows = []
+    for name, model in zip(("parent", "converted", *arms), report["models"], strict=True):
+        panel = model["panel"] or {}
+        kls = {t["text"]: t.get("kl_to_parent") for t in model["texts"]}
+        row = {"model": name, "mean_kl": panel.get("mean_kl_to_parent"), "worst": panel.get("worst_ratio_to_parent")}
+        rows.append(row | {"worst_text": panel.get("worst_text"), "kl": kls})
+    results = {"recipe": args.recipe, "tokens": args.tokens, "rows": rows}
+    (args.out / "mla_latent.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = [f"{args.recipe}'s converted start, {args.tokens:,} tokens each", "", "| arm | mean KL | worst × parent |"]
+    lines += ["|---|---|---|"] + [
+        f"| {r['model']} | {r['mean_kl']:.3f} | {r['worst']:.2f}× ({r['worst_text']}) |" for r in rows[1:]
+    ]
+    (args.out / "mla_latent.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _folder(arm: str) -> str:
+    return arm.replace(", lr ", "-lr")
+
+
+def _rescaled(converted: Path, how: str, out: Path) -> Path:
+    """The converted start with kv_b_proj's columns rescaled (`balanced`: to the query's RMS; `pca`: to an
+    orthonormal column's), the same function, saved once into OUT/start-HOW."""
+    import torch
+
+    from gqaify.conversion.mla_latent import rescale_up_projections
+    from gqaify.model.loading import load_model
+
+    folder = out / f"start-{how}"
+    if not (folder / "model.safetensors").exists():
+        shutil.copytree(converted, folder, dirs_exist_ok=True)
+        model, _ = load_model(str(converted), dtype=torch.float32)
+        rows = model.model.layers[0].self_attn.kv_b_proj.weight.shape[0]
+        rescale_up_projections(model, None if how == "balanced" else rows**-0.5)
+        model.save_pretrained(folder)
+    return folder
+
+
+def _uptrain(latent: str, argv: list[str]) -> int:
+    """`gqaify uptrain ARGV` in this process, the MLA latent's down-projection `held` or `trained` (at its scale)."""
+    from gqaify.entry.cli import main as cli
+    from gqaify.uptrain import student, train
+
+    if latent == "held":
+        select = student._select_trainable
+
+        def without_latent(model, trainable):
+            params = select(model, trainable)
+            for module in model.modules():
+                if (proj := getattr(module, "kv_a_proj_with_mqa", None)) is not None:
+                    proj.weight.requires_grad_(False)
+            return [p for p in params if p.requires_grad]
+
+        student._select_trainable = without_latent
+        train.latent_lr_scales = lambda model: {}
+    output_dir = Path(argv[argv.index("--output_dir") + 1])
+    code = cli(["uptrain", *argv])
+    arm = output_dir.name.replace("-lr", ", lr ")
+    (output_dir / "arm.json").write_text(json.dumps({"arm": arm, "argv": argv}) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:  # one arm's uptrain: --child held|trained, then uptrain's arguments
+        sys.exit(_uptrain(sys.argv[2], sys.argv[3:]))
+    main()
