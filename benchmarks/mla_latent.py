@@ -1,19 +1,19 @@
 """How uptraining should train an MLA rewrite: the `smollm2-135m-mla` recipe's converted start (its output_dir's
 `converted`, which `recipe_goals.py --recipe smollm2-135m-mla` leaves) trained the same tokens in several ways with
-the recipe's data and settings, each then judged on recipe_goals' five-text panel against the parent:
+the recipe's data and settings (the latent's down-projection held as converted, as uptraining holds it), each then
+judged on recipe_goals' five-text panel against the parent:
 
-    held          the latent's down-projection (`kv_a_proj_with_mqa`) kept as converted, everything else trained
-    trained       that down-projection trained too, at its latent rows' scale of the learning rate and gradient
-                  (`mla_fit.latent_lr_scales`, `student.scale_gradients`)
-    balanced      held, from the start with kv_b_proj's columns at the query projection's RMS and the latent
-                  norm's weight rescaled inversely (`mla_latent.rescale_up_projections`: the same function)
-    pca           held, from the start with kv_b_proj's columns at 1/sqrt(rows), an orthonormal column's RMS
+    held          the start as converted
+    balanced      the start with kv_b_proj's columns at the query projection's RMS and the latent norm's weight
+                  rescaled inversely (`mla_latent.rescale_up_projections`: the same function)
+    pca           the start with kv_b_proj's columns at 1/sqrt(rows), an orthonormal column's RMS
     ..., lr X     the same at learning rate X (the recipe's otherwise)
 
     python benchmarks/mla_latent.py                    # 24,576 tokens each, about 12 minutes an arm on 2 CPU cores
     python benchmarks/mla_latent.py --arms "balanced,balanced, lr 3e-4" --tokens 98304   # the recipe's tokens
 
-Writes OUT/mla_latent.json and .md (every arm trained so far in OUT).
+Writes OUT/mla_latent.json and .md (every arm trained so far in OUT). Training the down-projection too, at its
+latent rows' scale, was an arm at commit 9dbe761 (`--arms held,trained`), where uptraining could.
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ import yaml
 from panel_recovery import final_eval
 from recipe_goals import _ENV, CONVERSION_KEYS, REPO, _line, _texts
 
-ARMS = ("held", "trained", "balanced", "pca")
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="smollm2-135m-mla", help="a packaged MLA recipe whose start was converted")
-    parser.add_argument("--arms", default="held,trained", help="comma-separated arms (see above)")
+    parser.add_argument("--arms", default="held,balanced", help="comma-separated arms (see above)")
     parser.add_argument("--tokens", type=int, default=24576, help="tokens each arm trains")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "mla-latent")
     parser.add_argument("--texts", type=Path, help="the panel's texts as write_texts wrote them (else written here)")
@@ -56,8 +54,8 @@ def main() -> None:
         if (folder / "final").is_dir():
             continue
         how, _, lr = arm.partition(", lr ")
-        start = converted if how in ("held", "trained") else _rescaled(converted, how, args.out)
-        child = f"{sys.executable} {Path(__file__).resolve()} --child {'trained' if how == 'trained' else 'held'}"
+        start = converted if how == "held" else _rescaled(converted, how, args.out)
+        child = f"{sys.executable} {Path(__file__).resolve()} --child"
         extra = f"--recipe {training} --model {start} --max_tokens {args.tokens} --output_dir {folder}"
         extra += " --save_every 1000000 --eval_points 2" + (f" --lr {lr}" if lr else "")
         command = commands["uptrain"].replace("gqaify uptrain", child, 1)
@@ -104,23 +102,10 @@ def _rescaled(converted: Path, how: str, out: Path) -> Path:
     return folder
 
 
-def _uptrain(latent: str, argv: list[str]) -> int:
-    """`gqaify uptrain ARGV` in this process, the MLA latent's down-projection `held` or `trained` (at its scale)."""
+def _uptrain(argv: list[str]) -> int:
+    """`gqaify uptrain ARGV` in this process, then the arm's name beside its run (OUTPUT_DIR/arm.json)."""
     from gqaify.entry.cli import main as cli
-    from gqaify.uptrain import student, train
 
-    if latent == "held":
-        select = student._select_trainable
-
-        def without_latent(model, trainable):
-            params = select(model, trainable)
-            for module in model.modules():
-                if (proj := getattr(module, "kv_a_proj_with_mqa", None)) is not None:
-                    proj.weight.requires_grad_(False)
-            return [p for p in params if p.requires_grad]
-
-        student._select_trainable = without_latent
-        train.latent_lr_scales = lambda model: {}
     output_dir = Path(argv[argv.index("--output_dir") + 1])
     code = cli(["uptrain", *argv])
     arm = output_dir.name.replace("-lr", ", lr ")
@@ -129,6 +114,6 @@ def _uptrain(latent: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:  # one arm's uptrain: --child held|trained, then uptrain's arguments
-        sys.exit(_uptrain(sys.argv[2], sys.argv[3:]))
+    if sys.argv[1:2] == ["--child"]:  # one arm's uptrain: --child, then uptrain's arguments
+        sys.exit(_uptrain([a for a in sys.argv[2:] if a not in ("held", "trained")]))
     main()

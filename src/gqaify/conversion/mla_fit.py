@@ -13,8 +13,7 @@ and is brought to the parent decoder layer's output on the parent's stream, as `
 The latent's rows of `kv_a_proj_with_mqa` are held below its norm's epsilon (`mla.py`), tens of millions of times
 smaller than the rotary rows beside them; Adam moves every weight by about its learning rate, which would throw them
 out of that range at once. So they train here through `RowScale`, a parametrization that lets Adam see them at the
-rotary rows' scale (`preconditioned`), and uptraining trains their tensor at a learning rate scaled down by as much
-(`latent_lr_scales`).
+rotary rows' scale (`preconditioned`); uptraining holds them as converted (`latent_projections`).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from gqaify.model.geometry import latent_below_epsilon
 
 LOG = logging.getLogger(__name__)
 
-TINY_LATENT = 1e-2  # latent rows this much smaller than the rotary rows beside them: the rewrite's, held small
 _SHRINKS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried for o_proj, relative to its inputs' mean energy
 
 
@@ -59,7 +57,7 @@ def preconditioned(model) -> list[nn.Module]:
         if proj is None or parametrize.is_parametrized(proj, "weight"):
             continue
         rank = attn.kv_lora_rank
-        if (ratio := _latent_ratio(proj.weight, rank)) >= TINY_LATENT:
+        if (ratio := _latent_ratio(proj.weight, rank)) >= 1e-2:
             continue  # a latent at the scale of its neighbours needs nothing
         scale = torch.ones(proj.weight.shape[0], device=proj.weight.device)
         scale[:rank] = ratio
@@ -68,22 +66,14 @@ def preconditioned(model) -> list[nn.Module]:
     return changed
 
 
-def latent_lr_scales(model) -> dict[int, float]:
-    """The factor of the learning rate each MLA down-projection of `model` trains at, by the id of its weight, where
-    the model is gqaify's MLA rewrite (`latent_below_epsilon`; {} for any other model): its latent rows' RMS over its
-    rotary rows' (`_latent_ratio`). AdamW moves each weight by about its learning rate, which would throw a latent
-    row of 1e-8 out of the range where the norm is linear at the first step; at this factor each latent row moves by
-    as much of itself as the rotary rows would at the full rate, so the latent trains and stays in that range, and
-    the rotary rows beside it in the same tensor all but hold. It reads the weights, so `model` is on a real device,
-    wrapped or not (LoRA)."""
+def latent_projections(model) -> list[str]:
+    """The parameter names of `model`'s MLA down-projections when it is gqaify's MLA rewrite (read from the config,
+    `latent_below_epsilon`, so a model on the meta device answers too): uptraining holds them, since AdamW moves
+    each weight by about its learning rate, which would throw a latent row of 1e-8 out of the range where the norm
+    is linear at the first step."""
     if not latent_below_epsilon(model.config):
-        return {}
-    scales = {}
-    for module in model.modules():
-        proj = getattr(module, "kv_a_proj_with_mqa", None)
-        if isinstance(proj, nn.Linear) and (ratio := _latent_ratio(proj.weight, module.kv_lora_rank)) < TINY_LATENT:
-            scales[id(proj.weight)] = ratio
-    return scales
+        return []
+    return [f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(model.config.num_hidden_layers)]
 
 
 def _latent_ratio(weight: torch.Tensor, rank: int) -> float:

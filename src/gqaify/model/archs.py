@@ -444,15 +444,11 @@ def _layers_pattern(attention: str) -> str:
 
 # The classes gqaify writes but does not convert from (an attention shape's output): where they train.
 # DeepSeek-V3's latent attention as `--attention mla` writes it (no query low-rank): kv_a_proj_with_mqa holds the
-# latent's down-projection, whose latent rows are held below its norm's epsilon; uptraining trains it at a learning
-# rate scaled to them (`conversion/mla_fit.latent_lr_scales`), but an adapter beside it would be at the scale of
-# the rest, so LoRA adapts the query, the latent's up-projections (kv_b_proj) and o_proj; kv-only trains both
-# projections of the latent.
+# latent's down-projection, which uptraining keeps as converted (`conversion/mla_fit.latent_projections`), so LoRA
+# adapts the query, the latent's up-projections (kv_b_proj) and o_proj, and kv-only trains kv_b_proj.
 WRITTEN: dict[str, TrainedAttention] = {
     "deepseek_v3": TrainedAttention(
-        _layers_pattern(f"model.layers.{LAYER}.self_attn"),
-        ("q_proj", "kv_b_proj", "o_proj"),
-        ("kv_a_proj_with_mqa", "kv_b_proj"),
+        _layers_pattern(f"model.layers.{LAYER}.self_attn"), ("q_proj", "kv_b_proj", "o_proj"), ("kv_b_proj",)
     ),
 }
 

@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from gqaify.conversion.mla_fit import latent_projections
 from gqaify.errors import UserError
 from gqaify.model.archs import trained_attention
 from gqaify.model.loading import load_model
@@ -75,6 +76,9 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
                 )
             pattern = rf"{trained.pattern}\.({'|'.join(re.escape(k) for k in trained.kv)})\."
         names = {n for n in names if re.match(pattern, n)}
+    if held := latent_projections(model):
+        LOG.info("the MLA latent's down-projections stay as converted (%d layers): see mla_fit", len(held))
+        names -= set(held)
     for name, param in model.named_parameters():
         param.requires_grad_(name in names)
     return [p for n, p in model.named_parameters() if n in names]
@@ -88,25 +92,13 @@ DECAY = {
 }
 
 
-def optimizer_and_schedule(
-    s: UptrainSettings, params: list[torch.nn.Parameter], steps: int, accelerator, scales: dict[int, float]
-):
+def optimizer_and_schedule(s: UptrainSettings, params: list[torch.nn.Parameter], steps: int, accelerator):
     """AdamW over `params` (matrices decay; norms and biases do not) and its warm-up + decay schedule
-    (`lr_factor`); a parameter in `scales` (by id: an MLA rewrite's latent down-projections,
-    `mla_fit.latent_lr_scales`) in a group of its own, whose lr and gradients are that factor of the rest's
-    (`scale_gradients`)."""
+    (`lr_factor`)."""
     from accelerate.utils import DistributedType
 
-    decay = [p for p in params if p.ndim >= 2 and id(p) not in scales]
+    decay = [p for p in params if p.ndim >= 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": [p for p in params if p.ndim < 2]}]
-    scaled = [p for p in params if id(p) in scales]
-    groups += [
-        {"params": [p], "weight_decay": s.weight_decay, "lr": s.lr * scales[id(p)], "grad_scale": scales[id(p)]}
-        for p in scaled
-    ]
-    if scaled:
-        LOG.info("the MLA latent's down-projections train at %.2g to %.2g of lr (their latent rows' scale)",
-                 min(scales[id(p)] for p in scaled), max(scales[id(p)] for p in scaled))  # fmt: skip
     # torch's fused AdamW (one kernel for all tensors: 7x faster than the default on this CPU); not with FSDP,
     # whose sharded parameters accelerate swaps into the optimizer after prepare.
     fused = accelerator.distributed_type != DistributedType.FSDP
@@ -114,18 +106,6 @@ def optimizer_and_schedule(
     warmup = min(math.ceil(s.warmup * steps) if s.warmup < 1 else int(s.warmup), steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, steps, s.schedule))
     return optimizer, schedule
-
-
-def scale_gradients(optimizer) -> None:
-    """The gradients of each parameter group with a `grad_scale` multiplied by it, before clipping and the step. With
-    the group's lr scaled alike, AdamW steps the weight as it would step the weight divided by the factor at the full
-    lr (the view `mla_fit.RowScale` gives the layer fit), and the clipping norm sees the gradient at that scale: a
-    latent row of 1e-8 has a raw gradient near 1e6, which would shrink every other gradient under AdamW's epsilon."""
-    for group in optimizer.param_groups:
-        if (factor := group.get("grad_scale")) is not None:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(factor)
 
 
 def lr_factor(step: int, warmup: int, steps: int, schedule: str) -> float:

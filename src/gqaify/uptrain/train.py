@@ -32,7 +32,6 @@ import torch
 from tqdm.auto import tqdm
 
 from gqaify.command import raise_as_said
-from gqaify.conversion.mla_fit import latent_lr_scales
 from gqaify.errors import UserError
 from gqaify.model.loading import load_config, load_model
 from gqaify.records import RunRecord
@@ -67,13 +66,7 @@ from gqaify.uptrain.run_folder import (
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import shard_on_cpus, wrap_problem
 from gqaify.uptrain.state import Launched, LoopState, RunData, RunState
-from gqaify.uptrain.student import (
-    load_teacher,
-    optimizer_and_schedule,
-    scale_gradients,
-    student_loss,
-    trainable_student,
-)
+from gqaify.uptrain.student import load_teacher, optimizer_and_schedule, student_loss, trainable_student
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
@@ -196,7 +189,7 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     if problem := wrap_problem(accelerator, model):
         raise UserError(problem)
     model, params = trainable_student(model, s)
-    optimizer, scheduler = optimizer_and_schedule(s, params, run.steps, accelerator, latent_lr_scales(model))
+    optimizer, scheduler = optimizer_and_schedule(s, params, run.steps, accelerator)
     del params  # FSDP swaps its shards into the optimizer: no reference here may keep the whole weights alive
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
@@ -309,7 +302,6 @@ def _step(run: RunState, loop: LoopState, batches: Iterator[dict], watch: Watch)
             step_loss += torch.stack([loss.detach(), lm_loss])
             window += 1
             if accelerator.sync_gradients:
-                scale_gradients(optimizer)
                 if s.max_grad_norm > 0:  # the prepared model's parameters: FSDP replaces the originals
                     accelerator.clip_grad_norm_(model.parameters(), s.max_grad_norm)
                 lr = scheduler.get_last_lr()[0]  # the step's: the schedule moves on after it
