@@ -85,20 +85,3 @@ def target_metric(
         heads = range(g * rep, (g + 1) * rep)
         blocks.append(root(sum(o[:, h].T @ o[:, h] for h in heads)))
     return torch.block_diag(*blocks)
-
-
-def rescale_up_projections(model, rms: float | None = None) -> None:
-    """Each MLA layer of `model` (DeepSeek-V3 as gqaify writes it) with the columns of its latent's up-projection
-    (kv_b_proj) rescaled to `rms` (None: the RMS of the layer's query projection), and its latent norm's weight by
-    the inverse: the same function (the norm's weight multiplies each latent value before kv_b_proj reads it), to
-    float rounding. AdamW moves each weight by about its learning rate, so a weight's scale sets how fast it
-    trains: as the fit leaves it, kv_b_proj's entries are about 20 times smaller than the query's on SmolLM2, and
-    trained 20 times as fast."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            up, norm = attn.kv_b_proj.weight, attn.kv_a_layernorm.weight
-            target = attn.q_proj.weight.float().pow(2).mean().sqrt() if rms is None else torch.tensor(rms)
-            factor = target.to(up.device) / up.float().pow(2).mean(dim=0).sqrt().clamp_min(1e-30)
-            up.copy_(up.float() * factor)
-            norm.copy_(norm.float() / factor)
