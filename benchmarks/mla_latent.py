@@ -23,7 +23,6 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
@@ -61,11 +60,11 @@ def main() -> None:
             continue
         how, _, lr = arm.partition(":")
         start = converted if how == "held" else _rescaled(converted, how, args.out)
-        child = f"{sys.executable} {Path(__file__).resolve()} --child"
         extra = f"--recipe {training} --model {start} --max_tokens {args.tokens} --output_dir {folder}"
         extra += " --save_every 1000000 --eval_points 2" + (f" --lr {lr}" if lr else "")
-        command = commands["uptrain"].replace("gqaify uptrain", child, 1)
-        subprocess.run(["bash", "-c", f"{settings}; {command} {extra}"], cwd=REPO, check=True, env=_ENV)
+        bash = f"{settings}; {commands['uptrain']} {extra}"
+        subprocess.run(["bash", "-c", bash], cwd=REPO, check=True, env=_ENV)
+        (folder / "arm.json").write_text(json.dumps({"arm": arm}) + "\n")
     arms = [json.loads(path.read_text())["arm"] for path in sorted(args.out.glob("*/arm.json"))]
     logged = {arm: _logged(args.out / _folder(arm)) for arm in arms}
     if args.no_panel:
@@ -128,18 +127,5 @@ def _rescaled(converted: Path, how: str, out: Path) -> Path:
     return folder
 
 
-def _uptrain(argv: list[str]) -> int:
-    """`gqaify uptrain ARGV` in this process, then the arm's name beside its run (OUTPUT_DIR/arm.json)."""
-    from gqaify.entry.cli import main as cli
-
-    output_dir = Path(argv[argv.index("--output_dir") + 1])
-    code = cli(["uptrain", *argv])
-    arm = output_dir.name.replace("-lr", ":")
-    (output_dir / "arm.json").write_text(json.dumps({"arm": arm, "argv": argv}) + "\n")
-    return code
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:  # one arm's uptrain: --child, then uptrain's arguments
-        sys.exit(_uptrain(sys.argv[2:]))
     main()
