@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import yaml
 
 from panel_recovery import final_eval
-from recipe_goals import _ENV, CONVERSION_KEYS, REPO, _line, _texts
+from recipe_goals import REPO, _continued, _texts
 
 STARTS = ("held", "balanced", "pca")  # the arms' starts: as converted, or kv_b_proj rescaled (`_rescaled`)
 
@@ -48,25 +47,19 @@ def main() -> None:
     from gqaify.entry.demo import fetch_default_model
 
     recipe_file = REPO / "recipes" / f"{args.recipe}.yaml"
-    recipe = yaml.safe_load(recipe_file.read_text())
-    converted = REPO / recipe["output_dir"] / "converted"
-    args.out.mkdir(parents=True, exist_ok=True)
-    training = args.out / "recipe.yaml"
-    training.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if k not in CONVERSION_KEYS}, sort_keys=False))
-    settings, commands = _line(recipe_file.read_text().splitlines()[0].removeprefix("# "))
+    converted = REPO / yaml.safe_load(recipe_file.read_text())["output_dir"] / "converted"
+    line = recipe_file.read_text().splitlines()[0].removeprefix("# ")
     for arm in args.arms.split(","):
         folder = args.out / _folder(arm)
-        if (folder / "final").is_dir():
+        if (_run(folder, args.tokens) / "final").is_dir():
             continue
         how, _, lr = arm.partition(":")
         start = converted if how == "held" else _rescaled(converted, how, args.out)
-        extra = f"--recipe {training} --model {start} --max_tokens {args.tokens} --output_dir {folder}"
-        extra += " --save_every 1000000 --eval_points 2" + (f" --lr {lr}" if lr else "")
-        bash = f"{settings}; {commands['uptrain']} {extra}"
-        subprocess.run(["bash", "-c", bash], cwd=REPO, check=True, env=_ENV)
+        folder.mkdir(parents=True, exist_ok=True)
+        _continued(line, start, args.tokens, folder, "--eval_points 2" + (f" --lr {lr}" if lr else ""))
         (folder / "arm.json").write_text(json.dumps({"arm": arm}) + "\n")
     arms = [json.loads(path.read_text())["arm"] for path in sorted(args.out.glob("*/arm.json"))]
-    logged = {arm: _logged(args.out / _folder(arm)) for arm in arms}
+    logged = {arm: _logged(_run(args.out / _folder(arm), args.tokens)) for arm in arms}
     if args.no_panel:
         results = {"recipe": args.recipe, "tokens": args.tokens, "logged": logged}
         (args.out / "mla_latent.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -76,7 +69,7 @@ def main() -> None:
         print("\n".join(lines))
         return
     texts = _texts(args.texts) if args.texts else write_texts(args.out / "texts")
-    models = [converted, *(args.out / _folder(arm) / "final" for arm in arms)]
+    models = [converted, *(_run(args.out / _folder(arm), args.tokens) / "final" for arm in arms)]
     report = final_eval(fetch_default_model(), models, texts, args.out / "-".join(map(_folder, arms)), False)
     rows = []
     for name, model in zip(("parent", "converted", *arms), report["models"], strict=True):
@@ -96,6 +89,11 @@ def main() -> None:
 
 def _folder(arm: str) -> str:
     return arm.replace(":", "-lr")
+
+
+def _run(folder: Path, tokens: int) -> Path:
+    """Where `recipe_goals._continued` trains an arm of `tokens` tokens in its folder."""
+    return folder / f"tokens-{tokens}" / "run"
 
 
 def _logged(run: Path) -> dict[int, float]:
