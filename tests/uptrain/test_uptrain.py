@@ -1100,17 +1100,16 @@ def _uptrain_with(patch: str, argv: list[str]) -> subprocess.CompletedProcess:
 _FULL_ON_SECOND_SAVE = """
 import errno
 from pathlib import Path
-import accelerate
-save_state = accelerate.Accelerator.save_state
+from gqaify.uptrain import run_folder
+save_state = run_folder.save_training_state
 saves = []
-def save_on_a_filling_disk(self, output_dir=None, **kwargs):
-    saves.append(output_dir)
+def save_on_a_filling_disk(folder, *args, **kwargs):
+    saves.append(folder)
     if len(saves) == 2:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "model.safetensors").write_bytes(b"part of a checkpoint")
+        (Path(folder) / "model.safetensors").write_bytes(b"part of a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
-    return save_state(self, output_dir, **kwargs)
-accelerate.Accelerator.save_state = save_on_a_filling_disk
+    return save_state(folder, *args, **kwargs)
+run_folder.save_training_state = save_on_a_filling_disk
 """
 
 

@@ -4,7 +4,8 @@ that failed leaves there (`left_after_failure`).
     output_dir/
         run.json               the settings that define the run and the SHA-256 of its data's tokens (a rerun
                                must match both to resume), and how far it went (`records.RunRecord`)
-        checkpoints/step-N/    accelerate state: model, optimizer, scheduler, RNG, data position (progress.json)
+        checkpoints/step-N/    model, optimizer, schedule, random generators and data position, as safetensors and
+                               JSON (`checkpoint_files`: nothing is read back with pickle)
         final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
 
 Everything here is written to a hidden name and renamed into place when complete (`whole.written_whole`), so
@@ -18,8 +19,9 @@ import contextlib
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.command import Left
@@ -33,9 +35,13 @@ from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
 from gqaify.text.pins import local_path
+from gqaify.uptrain.checkpoint_files import load_training_state, save_training_state
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.metrics import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
+
+if TYPE_CHECKING:
+    from gqaify.uptrain.state import LoopState
 
 CHECKPOINTS = "checkpoints"
 CONVERTED = "converted"  # the model converted by a run given a source and kv_heads
@@ -48,7 +54,7 @@ WRITTEN_FILE = "gqaify-files.json"  # in a checkpoint: every file its save wrote
 
 @dataclass
 class Progress:
-    """Where the run is; saved in every checkpoint (accelerate's register_for_checkpointing)."""
+    """Where the run is; saved in every checkpoint as progress.json (`save_checkpoint`)."""
 
     step: int = 0  # optimizer steps done
     tokens: int = 0  # training tokens consumed, all processes
@@ -333,9 +339,44 @@ def checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints under `root` (renamed out of `.step-N.tmp`), oldest first by their recorded step."""
     found = []
     for path in root.glob("step-*"):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            found.append((json.loads((path / PROGRESS_FILE).read_text())["step"], path))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            step = json.loads((path / PROGRESS_FILE).read_text())["step"]
+            if isinstance(step, int):
+                found.append((step, path))
     return [path for _, path in sorted(found)]
+
+
+def load_checkpoint(folder: Path, accelerator, loop: LoopState) -> None:
+    """The loop as checkpoint `folder` holds it (`checkpoint_files`), its `Progress` included.
+
+    Raises:
+        UserError: the checkpoint is an earlier gqaify's (pickles, never loaded) or damaged.
+    """
+    load_training_state(folder, accelerator, loop.model, loop.optimizer, loop.scheduler)
+    loop.progress.load_state_dict(read_progress(folder))
+
+
+def read_progress(folder: Path) -> dict:
+    """progress.json of the checkpoint `folder`, every field of `Progress` with its type.
+
+    Raises:
+        UserError: it is missing or damaged.
+    """
+    try:
+        found = json.loads((folder / PROGRESS_FILE).read_text())
+        types = {f.name: f.type for f in fields(Progress)}
+        if not isinstance(found, dict) or set(found) != set(types):
+            raise ValueError(f"fields {sorted(found) if isinstance(found, dict) else found!r}")
+        for name, value in found.items():
+            number = (int, float) if types[name] == "float" else int
+            if isinstance(value, bool) or not isinstance(value, number) or value < 0:
+                raise ValueError(f"{name} {value!r}")
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"checkpoint {folder}'s {PROGRESS_FILE} is damaged ({exc}); move the checkpoint out of its checkpoints/ "
+            "folder to resume from the one before it"
+        ) from None
+    return found
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -343,15 +384,19 @@ def latest_checkpoint(root: Path) -> Path | None:
     return (checkpoints(root) or [None])[-1]
 
 
-def save_checkpoint(accelerator, root: Path, progress: Progress, keep: int) -> None:
-    """accelerate's save_state into a hidden folder, renamed into place when every process has written."""
-    main = accelerator.is_main_process
+def save_checkpoint(accelerator, root: Path, loop: LoopState, keep: int) -> None:
+    """The loop's state (`checkpoint_files`: safetensors and JSON, no pickle) into a hidden folder, renamed into
+    place when every process has written."""
+    main, progress = accelerator.is_main_process, loop.progress
     with written_whole(root / f"step-{progress.step:07d}", main_process=main) as partial:
+        if main:
+            partial.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(partial))
+        save_training_state(partial, accelerator, loop.model, loop.optimizer, loop.scheduler)
         accelerator.wait_for_everyone()
         if main:
             write_json(partial / PROGRESS_FILE, progress.state_dict())
+            readable_as_umask_allows(partial)  # safetensors writes its files 0600: as every output is
             written = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
             write_json(partial / WRITTEN_FILE, {"files": [*written, WRITTEN_FILE]})
     if main:
@@ -414,8 +459,10 @@ def save_final(
         if alias in state and name in state:
             state[alias] = state[name]
     with written_whole(out / FINAL) as partial:
-        unwrapped.config.dtype = dtype
         unwrapped.save_pretrained(partial, state_dict=state)
+        # save_pretrained names the dtype of the parameters trained (float32) in config.json; the weights are `dtype`
+        unwrapped.config.dtype = dtype
+        unwrapped.config.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         readable_as_umask_allows(partial)  # safetensors writes its files 0600: final/ is read as every output is
         uptrain = Uptraining(

@@ -134,6 +134,11 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward")
+    fused_loss: bool = setting(
+        True,
+        "apply the output head and the loss a chunk of tokens at a time, never the whole batch's logits (where the "
+        "model returns its head's output untouched, and not under FSDP)",
+    )
     trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
         "all",
         "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
@@ -351,6 +356,7 @@ RESUMABLE_CHANGES = frozenset(
         "progress",
         "dist_timeout",
         "shard_teacher",
+        "fused_loss",  # the same loss, computed chunk by chunk
         "push_to_hub",
         "eval_tasks",
         "eval_num_fewshot",

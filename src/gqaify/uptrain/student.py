@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import weakref
 
 import torch
 
@@ -16,6 +17,7 @@ from gqaify.errors import UserError
 from gqaify.model.archs import trained_attention
 from gqaify.model.loading import load_model
 from gqaify.uptrain.distill import distillation_kl, stored_kl
+from gqaify.uptrain.head_loss import IGNORE, Teacher, fused_loss, head_skipped, returns_head_output
 from gqaify.uptrain.lora import with_adapters
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import sharded_teacher
@@ -25,10 +27,15 @@ LOG = logging.getLogger(__name__)
 
 def student_loss(model, teacher, batch: dict, s: UptrainSettings, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to train on, the LM loss alone): transformers' LM loss over every next token, mixed with the
-    KL to the parent: the teacher's, or from the top-k stored with the data (distill_from_data)."""
+    KL to the parent: the teacher's, or from the top-k stored with the data (distill_from_data). Where the models
+    allow (`fused`), the head is applied with the loss a chunk of tokens at a time (`head_loss`): the same loss,
+    without the whole batch's logits."""
     ids = batch["input_ids"]
+    distills = s.distill_weight > 0 and (teacher is not None or s.distill_from_data)
+    if fused(model, teacher if distills and not s.distill_from_data else None, s, accelerator):
+        return _fused_student_loss(model, teacher, batch, s, accelerator, distills)
     out = model(input_ids=ids, labels=ids, use_cache=False)
-    if s.distill_weight == 0 or (teacher is None and not s.distill_from_data):
+    if not distills:
         return out.loss, out.loss.detach()
     if s.distill_from_data:
         kl = stored_kl(out.logits, batch["top_ids"], batch["top_logprobs"])
@@ -39,13 +46,62 @@ def student_loss(model, teacher, batch: dict, s: UptrainSettings, accelerator) -
     return (1 - s.distill_weight) * out.loss + s.distill_weight * kl, out.loss.detach()
 
 
+def _fused_student_loss(model, teacher, batch: dict, s: UptrainSettings, accelerator, distills: bool):
+    """`student_loss` from the models' last hidden states, the head applied chunk by chunk (`head_loss.fused_loss`)."""
+    ids = batch["input_ids"]
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)  # each position's next token
+    with head_skipped(_unwrapped(model)) as head:
+        hidden = model(input_ids=ids, use_cache=False).logits
+    parent = None
+    if distills and s.distill_from_data:
+        k = batch["top_ids"].shape[-1]
+        parent = Teacher(top_ids=batch["top_ids"].reshape(-1, k), top_logprobs=batch["top_logprobs"].reshape(-1, k))
+    elif distills:
+        with torch.no_grad(), accelerator.autocast(), head_skipped(_unwrapped(teacher)) as teacher_head:
+            parent_hidden = teacher(input_ids=ids, use_cache=False).logits
+        parent = Teacher(hidden=parent_hidden.reshape(-1, parent_hidden.shape[-1]), weight=teacher_head.weight)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(getattr(accelerator, "mixed_precision", "no")))
+    return fused_loss(
+        hidden, head.weight, labels, parent, s.distill_weight if distills else 0.0, s.temperature, compute
+    )
+
+
+_FUSABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> `returns_head_output`, asked once
+
+
+def fused(model, teacher, s: UptrainSettings, accelerator) -> bool:
+    """Whether the step fuses the head with the loss: fused_loss is on, the launch does not shard with FSDP (whose
+    gathered head weights live inside the model's own forward pass), and the student and a live teacher each return
+    their head's output untouched (`head_loss.returns_head_output`)."""
+    from accelerate.utils import DistributedType
+
+    if not s.fused_loss or getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
+        return False
+    for m in (model, teacher):  # the student asked by `trainable_student`; a teacher, which no wrapper casts, here
+        if m is not None:
+            m = _unwrapped(m)
+            if m not in _FUSABLE:
+                _FUSABLE[m] = returns_head_output(m)
+            if not _FUSABLE[m]:
+                return False
+    return True
+
+
+def _unwrapped(model):
+    """The transformers model inside DDP's wrapper (`module`), or `model`."""
+    return getattr(model, "module", model)
+
+
 def trainable_student(model, s: UptrainSettings) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
     """(`model` set up to train as `s` says: train mode, gradient checkpointing, LoRA adapters or the parameters
     that train (`_trainable`); the parameters that train). The memory plan sets up its student here too."""
     model.train()
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _trainable(model, s)
+    model, params = _trainable(model, s)
+    if s.fused_loss:  # asked here, before accelerate wraps its forward (mixed precision's casts make new tensors)
+        _FUSABLE[model] = returns_head_output(model)
+    return model, params
 
 
 def _trainable(model, s: UptrainSettings) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:

@@ -60,6 +60,7 @@ from gqaify.uptrain.run_folder import (
     claimed_by_launch,
     latest_checkpoint,
     left_after_failure,
+    load_checkpoint,
     save_checkpoint,
     save_final,
 )
@@ -194,15 +195,14 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     # The scheduler is stepped once per optimizer step, not prepared: accelerate would step it once per
     # process, which makes the schedule depend on the number of processes.
     model, optimizer, loader = accelerator.prepare(model, optimizer, data.loader)
-    progress = Progress()
-    accelerator.register_for_checkpointing(progress, scheduler)
+    teacher = load_teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
+    loop = LoopState(model, teacher, loader, optimizer, scheduler, Progress())
+    progress = loop.progress
     latest = latest_checkpoint(out / CHECKPOINTS)
     if latest is not None:
-        accelerator.load_state(str(latest))
+        load_checkpoint(latest, accelerator, loop)
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {run.steps})")
-    teacher = load_teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
-    loop = LoopState(model, teacher, loader, optimizer, scheduler, progress)
     evaluate = evaluator(run, loop, data.texts, inputs.harness, inputs.tokenizer)
 
     if accelerator.is_main_process:
@@ -340,7 +340,7 @@ def _after_step(run: RunState, loop: LoopState, step: Step, watch: Watch, evalua
     if evaluate and (progress.step in watch.evaluations or s.eval_every and progress.step % s.eval_every == 0):
         evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
     if s.checkpoint_due(progress.step, run.steps, seconds_since=step.since_saved):
-        save_checkpoint(accelerator, run.out / CHECKPOINTS, progress, s.save_total_limit)
+        save_checkpoint(accelerator, run.out / CHECKPOINTS, loop, s.save_total_limit)
         watch.saved = time.perf_counter()
     watch.resumed = time.perf_counter()
 

@@ -1,0 +1,194 @@
+"""What a checkpoint holds, in files that hold data and nothing else: safetensors and JSON.
+
+    checkpoints/step-N/
+        model.safetensors          every weight (tied ones once: `state.json` names their aliases)
+        optimizer.safetensors      the optimizer's tensors (AdamW's moments and step counts), by parameter name
+        state.json                 the optimizer's parameter groups, the schedule, the loss scaler
+        rng-R.json                 process R's random generators (Python, NumPy, torch, the accelerator's)
+        progress.json              where the run stands (`run_folder.Progress`)
+
+accelerate's own `save_state` stores the schedule, the run's progress and the random generators as pickles, and
+its `load_state` reads them back with `weights_only=False`: a run folder someone sent, or one on a shared disk,
+could then run code when resumed. Nothing here is read with pickle: a checkpoint is as safe to resume as a
+safetensors model is to load.
+
+The model and the optimizer go through torch's distributed state-dict API (`torch.distributed.checkpoint.
+state_dict`), whole (`full_state_dict`): the same files whether the run had one process, DDP or FSDP2, and the
+same code reads them back under any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gqaify.errors import UserError
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+FORMAT = 1  # state.json's "format": what this module writes and reads
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-{rank}.json"
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, **kwargs)
+
+
+def save_training_state(folder: Path, accelerator, model, optimizer, scheduler) -> None:
+    """Write the model, optimizer, schedule, loss scaler and every process's random generators into `folder`.
+    Call it in every process (FSDP gathers the shards from all of them); the main process writes the shared
+    files, each process its own `rng-R.json`."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    weights = get_model_state_dict(model, options=_options())
+    optim = get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=_options())
+    if accelerator.is_main_process:
+        weights, aliases = _once(weights)
+        save_file({k: v.contiguous() for k, v in weights.items()}, folder / MODEL_FILE)
+        tensors, settings = _flat_optimizer(optim)
+        save_file(tensors, folder / OPTIMIZER_FILE)
+        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+        state = {
+            "format": FORMAT,
+            "aliases": aliases,
+            "optimizer": settings,
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler,
+        }
+        (folder / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+    (folder / rng_file(accelerator.process_index)).write_text(json.dumps(_rng_state()) + "\n")
+
+
+def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) -> None:
+    """Read back what `save_training_state` wrote into the prepared model, optimizer and schedule, and this process's
+    random generators.
+
+    Raises:
+        UserError: the checkpoint is not in this format (an earlier gqaify's accelerate pickles, which are never
+            loaded) or is damaged; nothing of the run is changed.
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _read_state(folder)
+    try:
+        weights = load_file(folder / MODEL_FILE)
+        tensors = load_file(folder / OPTIMIZER_FILE)
+        rng = json.loads((folder / rng_file(accelerator.process_index)).read_text())
+    except (OSError, ValueError) as exc:
+        raise _damaged(folder, exc) from None
+    for alias, name in state["aliases"].items():
+        weights[alias] = weights[name]
+    set_model_state_dict(model, weights, options=_options())
+    set_optimizer_state_dict(
+        model, _torch_optimizer(optimizer), _nested_optimizer(tensors, state["optimizer"]), options=_options()
+    )
+    scheduler.load_state_dict(state["scheduler"])
+    if accelerator.scaler is not None and state["scaler"] is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    _set_rng_state(rng)
+
+
+def _read_state(folder: Path) -> dict:
+    """state.json of the checkpoint `folder`, checked for this format.
+
+    Raises:
+        UserError: there is none (a checkpoint of an earlier gqaify: accelerate's pickles), or it is damaged.
+    """
+    file = folder / STATE_FILE
+    if not file.is_file():
+        raise UserError(
+            f"checkpoint {folder} was written by an earlier gqaify as pickles, which can run code when read and are "
+            "never loaded; resume it with the gqaify that wrote it if you trust its origin, or start a new output_dir"
+        )
+    try:
+        state = json.loads(file.read_text())
+        if state.get("format") != FORMAT or not isinstance(state.get("aliases"), dict):
+            raise ValueError(f"format {state.get('format')!r}, expected {FORMAT}")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise _damaged(folder, exc) from None
+    return state
+
+
+def _damaged(folder: Path, exc: Exception) -> UserError:
+    return UserError(
+        f"checkpoint {folder} is damaged ({exc}); move it out of its checkpoints/ folder to resume from the one "
+        "before it"
+    )
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper (`AcceleratedOptimizer.optimizer`), or `optimizer`."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _once(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(`weights` with each tensor stored once, the names left out mapped to the name kept): safetensors refuses
+    two names for one storage (tied embeddings)."""
+    kept, aliases, seen = {}, {}, {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            kept[name] = tensor
+    return kept, aliases
+
+
+def _flat_optimizer(optim: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the tensors of an optimizer's full state dict, named `PARAM/KEY`; the rest, for JSON: its parameter groups
+    and any value of the state that is not a tensor)."""
+    tensors, other = {}, {}
+    for param, values in optim["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{param}/{key}"] = value.detach().contiguous()
+            else:
+                other.setdefault(param, {})[key] = value
+    return tensors, {"param_groups": optim["param_groups"], "other": other}
+
+
+def _nested_optimizer(tensors: dict[str, torch.Tensor], settings: dict) -> dict:
+    """The full optimizer state dict `_flat_optimizer` flattened."""
+    state: dict[str, dict] = {param: dict(values) for param, values in settings["other"].items()}
+    for name, tensor in tensors.items():
+        param, _, key = name.rpartition("/")
+        state.setdefault(param, {})[key] = tensor
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in settings["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state() -> dict:
+    """This process's random generators as JSON values (torch's states as lists of bytes)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])

@@ -1,0 +1,85 @@
+"""A checkpoint holds data only (safetensors and JSON) and is read back without pickle: a run folder someone sent
+runs no code when resumed, and a resumed run still ends as the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from gqaify.entry.cli import main
+from gqaify.uptrain import parse
+from gqaify.uptrain import run as uptrain
+from helpers import one_line, uptrain_args
+
+
+class _RunsCode:
+    """A pickle whose loading runs a shell command (as a hostile `custom_checkpoint_0.pkl` would)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def _checkpoints(out):
+    return sorted((out / "checkpoints").glob("step-*"))
+
+
+def test_a_resumed_run_reads_no_pickle_and_ends_as_the_uninterrupted_one(tiny, tmp_path, monkeypatch):
+    """Every file of a checkpoint is JSON or safetensors; a run resumed from its middle checkpoint, with a pickle
+    that runs a command planted where accelerate kept its custom state, ends with the uninterrupted run's weights
+    and losses, and the command never ran (nothing is unpickled: pickle.load and torch.load are made to fail)."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    settings = ("--save_every", "10", "--save_total_limit", "3")  # 20 steps
+    uptrain(parse(uptrain_args(tiny, whole, *settings)))
+    uptrain(parse(uptrain_args(tiny, cut, *settings)))
+    middle, last = _checkpoints(cut)
+    assert {p.suffix for c in (middle, last) for p in c.iterdir()} == {".json", ".safetensors"}
+    shutil.rmtree(cut / "final")
+    shutil.rmtree(last)
+    marker = tmp_path / "ran"
+    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"):
+        (middle / name).write_bytes(pickle.dumps(_RunsCode(f"touch {marker}")))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a checkpoint was read with pickle")
+
+    monkeypatch.setattr(pickle, "load", refused)
+    monkeypatch.setattr(torch, "load", refused)
+    uptrain(parse(uptrain_args(tiny, cut, *settings)))
+    assert not marker.exists()
+    a, b = load_file(whole / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    wholes = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows if "loss" in r] == [r["loss"] for r in wholes if "loss" in r]
+
+
+def test_a_checkpoint_of_accelerates_pickles_is_refused_not_loaded(tiny, tmp_path, capsys):
+    """A checkpoint in the format earlier gqaify wrote (accelerate's pickles, no state.json) is refused in one
+    line, exit 2, and the folder is left as it was; a damaged progress.json names the file."""
+    out = tmp_path / "run"
+    settings = ("--save_every", "10", "--save_total_limit", "3")
+    uptrain(parse(uptrain_args(tiny, out, *settings)))
+    shutil.rmtree(out / "final")
+    last = _checkpoints(out)[-1]
+    (last / "state.json").unlink()
+    capsys.readouterr()
+    code = main(["uptrain", *uptrain_args(tiny, out, *settings)])
+    err = capsys.readouterr().err
+    assert code == 2 and one_line(err), err
+    assert f"checkpoint {last} was written by an earlier gqaify as pickles" in err and "never loaded" in err
+    assert not (out / "final").exists()
+    shutil.rmtree(last)
+    middle = _checkpoints(out)[-1]
+    progress = json.loads((middle / "progress.json").read_text())
+    (middle / "progress.json").write_text(json.dumps({**progress, "tokens": "ten"}))
+    assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and f"checkpoint {middle}'s progress.json is damaged (tokens 'ten')" in err, err
