@@ -55,7 +55,7 @@ CODE = "python-packages-code.txt"
 TRAINING_KEYS = ("distill_weight", "temperature", "trainable", "warmup", "schedule")  # the recipe's, kept
 # --tiny: the same pipeline at a budget a 2-core CPU runs in a few minutes
 TINY = dict(
-    tokens=4096, calib_tokens=512, refine_steps=2, micro_batch_size=2, seq_len=128, eval_tokens=256, eval_seq_len=256,
+    tokens=4096, calib_tokens=2048, refine_steps=2, micro_batch_size=2, seq_len=128, eval_tokens=256, eval_seq_len=256,
     points=3,
 )  # fmt: skip
 

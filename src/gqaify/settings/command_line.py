@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 from typing import Literal
 
@@ -174,7 +175,19 @@ def add_field_option(parser, f: dataclasses.Field, hint) -> None:
 
 
 def _typed(hint) -> dict:
-    """argparse's `type` (and `choices`, for a Literal) of an option's values."""
+    """argparse's `type` (and `choices`, for a Literal) of an option's values; for a number or a word (`int |
+    Literal["auto"]`), the word as itself and anything else as the number."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        words = [a for a in typing.get_args(hint) if typing.get_origin(a) is Literal]
+        kinds = [a for a in typing.get_args(hint) if typing.get_origin(a) is not Literal]
+        if len(words) == 1 and len(kinds) == 1:
+            choices, kind = {str(c): c for c in typing.get_args(words[0])}, kinds[0]
+
+            def word_or_number(text: str):
+                return choices[text] if text in choices else kind(text)
+
+            word_or_number.__name__ = f"{kind.__name__} or {' or '.join(choices)}"  # argparse's "invalid X value"
+            return {"type": word_or_number}
     if typing.get_origin(hint) is not Literal:
         return {"type": hint}
     choices = typing.get_args(hint)

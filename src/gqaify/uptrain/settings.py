@@ -57,6 +57,13 @@ CHECKPOINT_SECONDS = 600  # ...and after every 10 minutes without one, whichever
 CONVERSION_FIELDS = frozenset(f.name for cls in (MethodSettings, ShapeSettings) for f in dataclasses.fields(cls))
 
 
+def _batch_problem(value, name: str) -> str | None:
+    """micro_batch_size: a positive whole number, or auto (`batch_size.with_batch_chosen`)."""
+    if value == "auto" or (isinstance(value, int) and value >= 1):
+        return None
+    return f"{name} {value!r} must be a positive integer or auto"
+
+
 def _peft_problem(trainable: str, name: str) -> str | None:
     if trainable != "lora" or importlib.util.find_spec("peft") is not None:
         return None
@@ -121,7 +128,12 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     pretraining_tokens: int | None = setting(
         None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
     )
-    micro_batch_size: int = setting(4, "blocks per forward pass, per process", check=POSITIVE)
+    micro_batch_size: int | Literal["auto"] = setting(
+        4,
+        "blocks per forward pass, per process; auto: the largest the memory plan fits in the device's memory with a "
+        "margin, chosen when the run begins and kept when it resumes",
+        check=_batch_problem,
+    )
     grad_accum: int = setting(1, "micro-batches per optimizer step", check=POSITIVE)
     # -- the optimizer
     lr: float = setting(3e-4, "peak learning rate (AdamW)", check=Range(0, low_open=True))
@@ -294,12 +306,14 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         """A budget smaller than one optimizer step of `processes` processes (it trains nothing: refused before
         anything is planned, loaded or read), or more eval_points than the run's steps (one evaluation per step at
         most). Unknown or broken budgets are other problems."""
+        if self.micro_batch_size == "auto":  # chosen from the budget when the run begins: a step at least
+            return None
         try:
             budget = self.budget()
         except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
             return None
         step = self.tokens_per_step_per_process * processes
-        if budget <= 0:
+        if budget <= 0 or step <= 0:  # a batch or length below 1 is its field's own problem
             return None
         if budget < step:
             return (

@@ -36,6 +36,7 @@ from gqaify.errors import UserError
 from gqaify.model.loading import load_config, load_model
 from gqaify.records import RunRecord
 from gqaify.settings import recorded
+from gqaify.uptrain.batch_size import with_batch_chosen
 from gqaify.uptrain.checks import Inputs, check_inputs
 from gqaify.uptrain.curve import PLOT_FILE, Forecast, draw_curve, eval_steps, read_forecast
 from gqaify.uptrain.data import training_loader
@@ -97,7 +98,7 @@ def run(settings: UptrainSettings) -> UptrainResult:
             removed, and the message says what is left.
         Interrupted: Ctrl-C or SIGTERM; its message says what is on disk and how to go on.
     """
-    s = settings
+    s = with_batch_chosen(settings)  # micro_batch_size auto: chosen (or kept from the run it resumes) first
     inputs = check_inputs(s)
     out = Path(s.output_dir)
     accelerator = make_accelerator(s, out)
@@ -387,6 +388,8 @@ def make_accelerator(s: UptrainSettings, out: Path):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=s.dist_timeout))],
     )
     shard_on_cpus(accelerator)
+    if accelerator.device.type == "cuda":  # TF32 for the float32 matrix products left (a run without bf16 above all)
+        torch.set_float32_matmul_precision("high")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise UserError(
