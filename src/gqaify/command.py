@@ -43,8 +43,9 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
     with _sigterm_as_interrupt(process_exit) as ignore_sigterm:
         try:
             command()
+            sys.stdout.flush()  # within the try: a reader gone before the last buffered line is found here
         except SystemExit as exc:  # a settings parser: --help, or a usage error reported on one line
-            return int(exc.code or 0)
+            return flushed(int(exc.code or 0))
         except (UserError, ResourceError) as exc:
             if peer_lost(exc):  # a stage that said what its peer's stop left (uptrain's checkpoints)
                 ignore_sigterm()
@@ -53,7 +54,7 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
             return _stopped(as_interrupt(exc))
         except BrokenPipeError:  # `gqaify recipes | head`: the reader has what it wanted
-            return _reader_gone()
+            return reader_gone()
         except Exception as exc:
             if peer_lost(exc):
                 ignore_sigterm()
@@ -118,7 +119,17 @@ def quiet_transformers() -> None:
     gguf_reader.tqdm = transformers_logging.tqdm
 
 
-def _reader_gone() -> int:
+def flushed(code: int) -> int:
+    """`code`, once what is buffered for standard output is written; `reader_gone`'s status where its reader left
+    (`gqaify --help | true`)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return reader_gone()
+    return code
+
+
+def reader_gone() -> int:
     """The status of a command whose standard output was closed by its reader (`| head`), as a shell reports a
     process SIGPIPE stopped (128 + 13), with nothing said: stdout is pointed at /dev/null, so that the exit's
     flush of what is still buffered cannot fail again."""

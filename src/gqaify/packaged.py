@@ -17,6 +17,7 @@ in ../shared/assets as overrides.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,20 +144,54 @@ def recipe_by_name(name: str) -> Path | None:
     )
 
 
+def launch_config(name: str) -> Path:
+    """The accelerate config `--plan NAME` names: a path, or a packaged one such as accelerate/fsdp.
+
+    Raises:
+        UserError: neither a file nor packaged; a device.
+    """
+    path = Path(name).expanduser()  # os.path's tests: no error on a name the file system refuses
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise UserError(f"--plan {name} is a device, not an accelerate config; give the config file's path")
+    found = path if os.path.isfile(path) else find(name)
+    if found is None:
+        raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
+    return found
+
+
 def first_line(path: Path) -> str:
     """A recipe's first line without its comment mark: the command that runs it."""
     with open(path) as f:
         return f.readline().lstrip("# ").strip()
 
 
+def anywhere(path: Path) -> str:
+    """The command that runs a recipe from any folder, a wheel's install or a checkout: the commands its comment
+    gives by name (its lines `#   gqaify ...`, joined by &&); else its first line with each packaged file it names
+    as the checkout does (`recipes/accelerate/fsdp.yaml`) given by its installed path. (A recipe's first line runs it
+    offline from a checkout, with ../shared's copies of its data: a wheel's user has neither.)"""
+    with open(path) as f:
+        comment = [line for line in f if line.startswith("#")]
+    named = [line.removeprefix("#").strip() for line in comment if line.startswith("#   gqaify ")]
+    if named:
+        return " && ".join(named)
+    words = first_line(path).split(" ")
+    return " ".join(str(found) if (found := _packaged(w)) else w for w in words)
+
+
+def _packaged(word: str) -> Path | None:
+    """The installed file a checkout-relative word names (`recipes/NAME.yaml`), or None."""
+    return find(word) if word.startswith("recipes/") and word.endswith(".yaml") else None
+
+
 def listing() -> str:
     """The packaged files, as the registries list them: each name with what it is, and under it the command that
-    runs it (a recipe, found by name from any folder) or its path (an accelerate config: accelerate reads a file)."""
+    runs it from any folder (a recipe: `anywhere`) or its path (an accelerate config: accelerate reads a file)."""
     entries = (*RECIPE_REGISTRY, *LAUNCH_REGISTRY)
     width = max(len(e.name) for e in entries)
     lines = []
     for e in entries:
-        shown = first_line(e.file) if isinstance(e, Recipe) else str(e.file)
+        shown = anywhere(e.file) if isinstance(e, Recipe) else str(e.file)
         lines += [f"{e.name.ljust(width)}  {e.description}", f"{' ' * width}  {shown}"]
     return "\n".join(lines)
 

@@ -166,6 +166,7 @@ def test_the_two_starts_are_judged_on_calibration_text_no_fit_read(parent, tmp_p
             "no whole number of the source's 4 K/V heads caches 1/3 of them; GQA cuts this model by 1, 2, 4",
         ),
         (["--kv-cut", "4", "--kv-heads", "2"], "--kv-heads 2 and --kv-cut 4 disagree (the cut means 1 K/V heads)"),
+        (["--kv-cut", "1.0000000001"], "--kv-cut 1.0000000001: no whole number of the source's 4 K/V heads"),
         ([], "say how small the cache becomes: --kv-heads G (1 = MQA) or --kv-cut X"),
         (["--kv-cut", "0.5"], "--kv-cut"),
         (["--kv-cut", "3", "--attention", "mla"], "add --calib-data"),

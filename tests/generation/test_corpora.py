@@ -112,6 +112,14 @@ ATTACKS = {
         lambda f: edit_record(f, lambda r: r.update(pixels=3)),  # this version's record, with a field it never wrote
         "holds a corpus whose record is damaged",
     ),
+    "record-cut-short": (  # not JSON: it was read as a folder of plain text without a word
+        lambda f: (f / "gqaify.json").write_text((f / "gqaify.json").read_text()[:40]),
+        "gqaify.json is damaged",
+    ),
+    "record-vocab-negative": (  # it was blamed on "another tokenizer's" ids
+        lambda f: edit_record(f, lambda r: r.update(vocab_size=-1)),
+        "says vocab_size -1, which no tokenizer has: it is damaged",
+    ),
     "record-of-a-later-gqaify": (
         lambda f: edit_record(f, lambda r: r.update(version="99.0", pixels=3)),  # a field this gqaify does not know
         "holds a corpus written by gqaify 99.0, whose record this gqaify",

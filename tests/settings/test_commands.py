@@ -107,3 +107,32 @@ def test_each_commands_synopsis_names_every_option(capsys, command):
     shown |= {f"--{flag[5:]}" for flag in shown if flag.startswith("--no-")} | {f"--no-{f[2:]}" for f in shown}
     positional_twins = {"--src", "--out", "--model", "--models", "--progress", "--no-progress", "--quiet"}  # SRC, -q
     assert sorted(listed - shown - positional_twins) == []
+
+
+def test_out_after_the_options_is_the_positional_it_is(tmp_path, capsys):
+    """`gqaify convert SRC --kv-heads 2 OUT` was "unknown option OUT (did you mean --out?)": a positional after the
+    options is taken where it is unambiguous, as every CLI's users expect; a second OUT is still one too many."""
+    from gqaify.testing import build_model, save_with_tokenizer
+
+    src = save_with_tokenizer(
+        build_model("llama", num_kv_heads=4, num_attention_heads=4, vocab_size=320), tmp_path / "src"
+    )
+    assert main(["convert", str(src), "--kv-heads", "2", str(tmp_path / "out"), "-q"]) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert main(["convert", str(src), "--kv-heads", "2", str(tmp_path / "a"), str(tmp_path / "b"), "-q"]) == 2
+    assert "unknown option" in capsys.readouterr().err and not (tmp_path / "a").exists()
+
+
+def test_help_says_each_default_once_and_titles_its_groups_in_words(capsys):
+    """--help printed "(default f16 ...) (default: None)" and a group titled "... (`ATTENTION_INFO`) and, for MLA, its
+    cache's widths: a conversion's,:"; `gqaify --help` described GQA/MQA only."""
+    for command in commands():
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        text = " ".join(out.split())
+        assert "(default: None)" not in text, command
+        assert not re.search(r"\(default[^()]*\) \(default: ", text), command
+        titles = re.findall(r"\n(\S[^\n]*):\n", out)
+        assert all("`" not in t and not t.endswith(",") for t in titles), (command, titles)
+    assert main(["--help"]) == 0
+    assert "latent attention (MLA)" in " ".join(capsys.readouterr().out.split())

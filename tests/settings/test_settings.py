@@ -674,3 +674,21 @@ def test_words_after_double_dash_are_positionals_not_unknown_options(capsys, tmp
 
     err = one_line_refusal(capsys, "convert", tmp_path / "src", "--", "--out", "--kv-heads", "1")
     assert "unexpected argument --kv-heads after '--'" in err and "then '--' and all the positionals" in err
+
+
+def test_an_accelerate_config_and_a_command_line_option_in_a_settings_file_are_named(tmp_path, capsys):
+    """`gqaify convert --config recipes/accelerate/fsdp.yaml` listed unknown keys with "did you mean kv_rank?"; a
+    recipe holding `plan:` was "unknown key 'plan' (did you mean parent?)"."""
+    from gqaify.entry.cli import main
+    from helpers import REPO
+
+    fsdp = REPO / "recipes" / "accelerate" / "fsdp.yaml"
+    assert main(["convert", "--config", str(fsdp)]) == 2
+    err = capsys.readouterr().err
+    assert "is an accelerate config (distributed_type, compute_environment), not gqaify settings" in err, err
+    assert "did you mean" not in err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: m\nplan: accelerate/cpu\n")
+    assert main(["uptrain", "--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "plan is a command-line option (--plan), not a setting" in err, err

@@ -72,7 +72,7 @@ def test_a_mean_conversion_loads_only_torch(tmp_path):
 
 # The layers of the package, lowest first: a module imports only from layers below its own (or its own package).
 LAYERS = [
-    {"_version", "errors", "sizes", "shipped", "logs", "records"},
+    {"_version", "errors", "sizes", "shipped", "logs", "records", "progress"},
     {"model", "output", "figures", "packaged"},
     {"settings", "command"},  # command: exit statuses and what an error leaves (`output.whole` says a full disk)
     {"summary", "text", "testing"},

@@ -255,3 +255,57 @@ def test_a_truncated_model_given_to_eval_is_one_line_before_any_model_is_loaded(
     err = one_line_refusal(capsys, "eval", *models, "--data", tiny["eval"], "--out", out, "--seq-len", "16")
     assert f"MODEL {cut}: corrupt shard {shard}" in err and "re-download" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--constraints"], ["--help"], ["--version"], ["convert", "--help"], ["uptrain", "--help"], ["recipes"]],
+    ids=lambda argv: " ".join(argv),
+)
+def test_a_closed_pipe_ends_every_command_quietly(argv):
+    """`gqaify --constraints | true` ended in a BrokenPipeError traceback: output written after its reader has gone
+    (here: a pipe whose reading end is closed before the command starts, so every write fails) ends the command
+    with nothing on stderr: status 141 as a shell reports SIGPIPE, or 0 where the writer itself let the failed write
+    go (argparse's --help and --version do)."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gqaify.entry.cli", *argv], stdout=write, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode in (0, 141), (done.returncode, done.stderr)
+
+
+def test_a_number_that_is_not_finite_is_called_so(tmp_path, capsys):
+    """`--target-kl inf` was "must be a positive number, got inf": inf is above every low bound, so the line says it
+    must be finite."""
+    from gqaify.entry.cli import main
+
+    for value in ("inf", "1e400"):
+        argv = ["uptrain", "--model", "m", "--output_dir", str(tmp_path / "r"), "--data", "d", "--max_tokens", "64"]
+        assert main([*argv, "--target_kl", value]) == 2
+        err = capsys.readouterr().err
+        assert one_line_refusal_text(err) and "target_kl must be a positive number, and finite, got inf" in err, err
+
+
+def one_line_refusal_text(err: str) -> bool:
+    lines = err.strip().splitlines()
+    return len(lines) == 1 and lines[0].startswith("gqaify")
+
+
+def test_a_model_folder_given_as_text_is_named_a_model(tmp_path, capsys):
+    """`--data s-mla` (a model folder) was read as JSON lines: "Couldn't cast array of type int64 to null"."""
+    from gqaify.entry.cli import main
+    from gqaify.testing import build_model, save_with_tokenizer
+
+    model = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=320), tmp_path / "model")
+    assert main(["eval", str(model), "--data", str(model), "--out", str(tmp_path / "r"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert one_line_refusal_text(err) and f"--data {model} is a model folder (config.json and its weights)" in err
+    assert not (tmp_path / "r").exists()

@@ -65,7 +65,11 @@ def test_auto_is_recorded_in_run_json_and_kept_when_the_run_resumes(tiny, tmp_pa
 
 
 def test_a_micro_batch_that_is_no_number_or_auto_and_a_plan_of_auto_are_refused(tiny, tmp_path, capsys):
-    for value, said in (("many", "invalid int or auto value: 'many'"), ("0", "micro_batch_size 0 must be a positive")):
+    refusals = (
+        ("many", "invalid int or auto value: 'many'"),
+        ("0", "micro_batch_size must be a positive integer or auto"),
+    )
+    for value, said in refusals:
         code = main(["uptrain", *uptrain_args(tiny, tmp_path / "run", "--micro_batch_size", value)])
         err = capsys.readouterr().err
         assert code == 2 and one_line(err) and said in err, err
@@ -74,3 +78,14 @@ def test_a_micro_batch_that_is_no_number_or_auto_and_a_plan_of_auto_are_refused(
     err = capsys.readouterr().err
     assert one_line(err) and "--plan needs a micro_batch_size: auto is chosen on the device" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_of_fp8_or_of_a_device_is_refused_by_what_it_is(tiny, tmp_path, capsys):
+    """`--plan` accepted `mixed_precision: fp8` and called /dev/zero "no such accelerate config"."""
+    config = tmp_path / "fp8.yaml"
+    config.write_text("distributed_type: 'NO'\nnum_processes: 1\nmixed_precision: fp8\n")
+    for plan_file, said in ((config, "gqaify plans mixed_precision no, bf16 or fp16, not fp8"),
+                            ("/dev/zero", "--plan /dev/zero is a device, not an accelerate config")):  # fmt: skip
+        assert main(["uptrain", *uptrain_args(tiny, tmp_path / "run", "--plan", str(plan_file))]) == 2
+        err = capsys.readouterr().err
+        assert one_line(err) and said in err, err

@@ -83,3 +83,15 @@ def test_a_checkpoint_of_accelerates_pickles_is_refused_not_loaded(tiny, tmp_pat
     assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
     err = capsys.readouterr().err
     assert one_line(err) and f"checkpoint {middle}'s progress.json is damaged (tokens 'ten')" in err, err
+
+
+def test_checkpoints_are_readable_as_every_output_is(tiny, tmp_path):
+    """Checkpoints' model.safetensors were written 0600 (safetensors' own mode) where every other output is 0644
+    under umask 022: every file of a checkpoint has the mode the user's umask gives."""
+    out = tmp_path / "run"
+    uptrain(parse(uptrain_args(tiny, out, "--save_every", "10")))
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for c in _checkpoints(out) for p in c.iterdir()}
+    assert {"model.safetensors", "optimizer.safetensors", "state.json"} <= set(modes)
+    assert set(modes.values()) == {0o666 & ~umask}, modes

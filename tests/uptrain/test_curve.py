@@ -219,3 +219,18 @@ def test_the_recovery_plots_title_names_the_attention_a_converting_run_trains(op
 
     options = {"distill_weight": 0.0, **options}
     assert curve_title(UptrainSettings(model="runs/parent", trainable="lora", **options)) == title
+
+
+@pytest.mark.parametrize("target", [1e300, 1e-300])
+def test_a_far_target_draws_without_a_warning(tmp_path, target):
+    """`--target-kl 1e300` sent four matplotlib "overflow encountered in exp" warnings to the terminal, -q or not:
+    a target more than a thousand times off the measured KL is left off the plot, and the trend stops within it."""
+    import warnings
+
+    from gqaify.uptrain.curve import plot_curve
+
+    found = forecast(law(3.0, 0.3, TOKENS), target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_curve(found, None, tmp_path / "recovery.png", "far")
+    assert Image.open(tmp_path / "recovery.png").size[0] > 0

@@ -1046,7 +1046,7 @@ def test_a_tiny_mixture_weight_costs_only_the_blocks_the_budget_reads(tiny, tmp_
 
 def test_checkpoint_rotation_removes_only_what_gqaify_wrote(tiny, tmp_path):
     """A file of the user's put inside checkpoints/step-N/ used to be deleted with the checkpoint it sat in."""
-    from gqaify.uptrain.run_folder import WRITTEN_FILE, checkpoints, rotate
+    from gqaify.uptrain.checkpoint_files import WRITTEN_FILE, checkpoints, rotate
 
     out = tmp_path / "run"
     uptrain(parse(args(tiny, out, "--save_every", "5", "--save_total_limit", "3")))
@@ -1100,8 +1100,8 @@ def _uptrain_with(patch: str, argv: list[str]) -> subprocess.CompletedProcess:
 _FULL_ON_SECOND_SAVE = """
 import errno
 from pathlib import Path
-from gqaify.uptrain import run_folder
-save_state = run_folder.save_training_state
+from gqaify.uptrain import checkpoint_files
+save_state = checkpoint_files.save_training_state
 saves = []
 def save_on_a_filling_disk(folder, *args, **kwargs):
     saves.append(folder)
@@ -1109,7 +1109,7 @@ def save_on_a_filling_disk(folder, *args, **kwargs):
         (Path(folder) / "model.safetensors").write_bytes(b"part of a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
     return save_state(folder, *args, **kwargs)
-run_folder.save_training_state = save_on_a_filling_disk
+checkpoint_files.save_training_state = save_on_a_filling_disk
 """
 
 

@@ -47,8 +47,9 @@ def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings
         g = heads / cut
         if not g.is_integer() or heads % int(g):
             shown = ", ".join(f"{a:g}" for a in allowed)
+            said = f"{cut:g}" if float(f"{cut:g}") == cut else repr(cut)  # 1.0000000001 is not 1
             return s, [
-                f"--kv-cut {cut:g}: no whole number of the source's {heads} K/V heads caches 1/{cut:g} of them; GQA "
+                f"--kv-cut {said}: no whole number of the source's {heads} K/V heads caches 1/{said} of them; GQA "
                 f"cuts this model by {shown}, or pass --attention mla, whose latent takes any cut"
             ]
         if s.kv_heads is not None and s.kv_heads != int(g):

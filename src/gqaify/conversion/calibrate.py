@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 import gqaify.conversion.layer_by_layer as layer_by_layer
 from gqaify.conversion.checkpoint import nonfinite_problem
@@ -51,6 +50,7 @@ from gqaify.errors import UserError, raise_if_problems
 from gqaify.model.archs import ArchSpec
 from gqaify.model.geometry import Geometry
 from gqaify.model.loading import resolve_device
+from gqaify.progress import progress_bar
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.text.pins import text_sha256
 
@@ -309,7 +309,7 @@ def calibrate(
 
     folder.mkdir()
     fits, orders = [], [] if request.grouping == "similarity" else None
-    bar = tqdm(range(geometry.num_layers), desc="calibrating", unit="layer", disable=not progress or None)
+    bar = progress_bar(range(geometry.num_layers), desc="calibrating", unit="layer", shown=progress)
     for layer in bar:
         state.layer = layer
         weights = source.tensors.load([name for name in metas if spec.layer_of(name) == layer])

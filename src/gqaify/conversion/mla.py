@@ -34,7 +34,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from gqaify.conversion.mla_latent import Latent, latent_from_covariance, target_metric
 from gqaify.conversion.mla_rotary import (
@@ -49,6 +48,7 @@ from gqaify.conversion.mla_rotary import (
     source_frequencies,
 )
 from gqaify.errors import UserError, raise_if_problems
+from gqaify.progress import progress_bar
 
 STAT_WINDOW = 512  # calibration tokens a forward pass of the statistics reads, and the distances pairs are judged over
 LINEAR_MARGIN = 1e-6  # mean(c^2) / eps at most, for any input: the latent norm's relative error is half of it
@@ -278,7 +278,7 @@ def layer_statistics(
     try:
         with torch.no_grad():
             starts = range(0, len(ids) - 1, block)
-            for start in tqdm(starts, desc="MLA statistics", unit="window", disable=not progress or None):
+            for start in progress_bar(starts, desc="MLA statistics", unit="window", shown=progress):
                 window = ids[start : start + block]
                 model(window.unsqueeze(0).to(device))
                 counted[0] += len(window)

@@ -23,10 +23,10 @@ import logging
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from tqdm.auto import tqdm
 
 from gqaify.conversion.repair import holdout
 from gqaify.model.geometry import latent_below_epsilon
+from gqaify.progress import progress_bar
 
 LOG = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
         parent_in = [parent.model.embed_tokens(w[None]).float() for w in windows]
     rotary, parent_rotary = mla.model.rotary_emb, parent.model.rotary_emb
     layers = list(zip(mla.model.layers, parent.model.layers, strict=True))
-    for layer, parent_layer in tqdm(layers, desc="fitting MLA layers", disable=not progress or None):
+    for layer, parent_layer in progress_bar(layers, desc="fitting MLA layers", shown=progress):
         with torch.no_grad():
             parent_out = [_layer(parent_layer, x, parent_rotary) for x in parent_in]
         _refit_values(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held)

@@ -19,11 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, MlaShape, build_mla, layer_statistics, plan_mla
 from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
 from gqaify.errors import UserError
+from gqaify.progress import progress_bar
 from gqaify.records import optional
 
 ROPE_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)  # of the cache's values, the rotary key's in the splits tried
@@ -110,7 +110,7 @@ def ranked_splits(
     statistics = layer_statistics(model, ids[: len(ids) - held], MlaShape.exact(H, G, d), progress)
     windows = [w for w in ids[len(ids) - held :].split(STAT_WINDOW) if len(w) > 1]
     plans, trials = [], []
-    for rank, rope in tqdm(splits, desc="MLA splits", unit="split", disable=not progress or None):
+    for rank, rope in progress_bar(splits, desc="MLA splits", unit="split", shown=progress):
         plan = plan_mla(model, rank, rope, ladder=ladder, statistics=statistics, across=across)
         trials.append(SplitTrial(rank, rope, held_out_kl(model, build_mla(model, plan), windows)))
         plans.append(plan)

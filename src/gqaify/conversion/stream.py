@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from gqaify.conversion.calibrate import CalibratedLayers
 from gqaify.conversion.checkpoint import ShardWriter, TensorMeta, nonfinite_problem, sha256_file
@@ -24,6 +23,7 @@ from gqaify.conversion.source import Source
 from gqaify.errors import UserError
 from gqaify.model.archs import ArchSpec
 from gqaify.model.geometry import Geometry
+from gqaify.progress import progress_bar
 
 LOG = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def stream_tensors(
     """
     pending_layers: dict[int, dict[str, torch.Tensor]] = {}
     total = sum(meta.nbytes for meta in plan.tensors.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress or None) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="converting", shown=progress) as bar:
         for item in source.tensors.iter_tensors():
             hasher.reading(item.file)
             layer = plan.layer_of.get(item.name)

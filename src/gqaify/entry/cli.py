@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.command import quiet_transformers, run_command
+from gqaify.command import flushed, quiet_transformers, reader_gone, run_command
 from gqaify.entry.stages import STAGES
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
@@ -20,7 +20,10 @@ from gqaify.settings.registry import StageEntry, resolve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="gqaify", description="Convert MHA checkpoints to GQA/MQA, uptrain, and evaluate.")
+    parser = OneLineParser(
+        prog="gqaify",
+        description="Convert MHA checkpoints to GQA, MQA or latent attention (MLA), uptrain, and evaluate.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     parser.add_argument("-V", "--version", action="version", version=f"gqaify {__version__}")
     parser.add_argument(
@@ -89,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "recipes" and args.action == "cp" and not args.name:
             parser.error("gqaify recipes cp needs the NAME of a recipe (gqaify recipes lists them)")
-    except SystemExit as exc:  # --help, or a usage error already reported on one line
-        return int(exc.code or 0)
+    except SystemExit as exc:  # --help, --version, --constraints, or a usage error already reported on one line
+        return flushed(int(exc.code or 0))
+    except BrokenPipeError:  # `gqaify --help | true`: the reader left before the text was written
+        return reader_gone()
     args.rest, args.prog = rest, f"gqaify {args.command}"
     return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=argv is None)
 

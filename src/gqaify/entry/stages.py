@@ -10,7 +10,7 @@ from gqaify.settings.registry import StageEntry
 STAGES = (
     StageEntry(
         "convert",
-        "rewrite a checkpoint's K/V heads from H to G",
+        "rewrite a checkpoint's K/V heads from H to G, or as latent attention (MLA)",
         "gqaify.conversion.settings:CONVERT",
         "gqaify.conversion.entry:command_line",
     ),

@@ -25,9 +25,9 @@ from itertools import groupby
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from gqaify.eval.results import Perplexity
+from gqaify.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def perplexity(
     device = next(model.parameters()).device
     windows = sliding_windows(len(ids), seq_len, stride)
     nll_sum, kl_sum, scored = 0.0, 0.0, 0
-    with tqdm(total=sum(w.scored for w in windows), unit="tok", desc=desc, disable=not progress or None) as bar:
+    with progress_bar(total=sum(w.scored for w in windows), unit="tok", desc=desc, shown=progress) as bar:
         for (length, n_scored), same_shape in groupby(windows, key=lambda w: (w.length, w.scored)):
             same_shape = list(same_shape)
             for i in range(0, len(same_shape), batch_size):

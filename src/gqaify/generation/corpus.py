@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from gqaify.errors import UserError, as_interrupt, problems_in, raise_if_problems
 from gqaify.generation.processes import Processes
@@ -46,6 +45,7 @@ from gqaify.model.loading import device_problem, resolve_device
 from gqaify.output.claims import claimed
 from gqaify.output.destination import destination_problems, name_problem, resolve_out, space_problem
 from gqaify.output.whole import write_text_whole
+from gqaify.progress import progress_bar
 from gqaify.records import CorpusRecord
 from gqaify.text.corpus_format import SHARDS, corpus_full_disk, shard_index, shard_name
 from gqaify.text.pins import local_path, located_all
@@ -186,12 +186,12 @@ def _sample_into(
     --score-data), in rounds of one per process, until shards 0..n-1
     hold `s.tokens`; the main process then removes any shard past n (a last round's, or a killed run's). Returns
     (shards, samples, tokens) in OUT: what one process sampling from shard 0 would have written."""
-    bar = tqdm(
+    bar = progress_bar(
         total=s.tokens,
         initial=min(contiguous_shards(known)[1], s.tokens),
         unit="tok",
         desc="generate",
-        disable=not (s.progress and processes.main) or None,
+        shown=s.progress and processes.main,
     )
     try:
         while (enough := shards_enough(known, s.tokens)) is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from typing import Literal
@@ -61,7 +62,8 @@ def parse_command(
         values, is_record = read_settings_file(stage, config, stages)
         parser.set_defaults(**values)
         record = values if is_record else None
-    namespace, unused = parser.parse_known_args(argv)
+    # intermixed: a positional after the options is one too (`convert SRC --kv-heads 2 OUT`, as every CLI takes it)
+    namespace, unused = parser.parse_known_intermixed_args(argv)
     if unused:
         after_dashes = argv[argv.index("--") + 1 :] if "--" in argv else []
         if surplus := [a for a in unused if a in after_dashes]:  # `convert SRC -- --out --kv-heads 1`: no option
@@ -101,7 +103,7 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     )
     hints = _hints(stage.settings)
     for owner, fields in _by_declaring_class(stage.settings):
-        group = parser if owner is stage.settings else parser.add_argument_group(owner.__doc__.splitlines()[0])
+        group = parser if owner is stage.settings else parser.add_argument_group(_group_title(owner.__doc__))
         for f in fields:
             add_field_option(group, f, hints[f.name])
     for p in stage.positionals:
@@ -207,5 +209,20 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
+def _group_title(doc: str) -> str:
+    """A group of options' title: its class docstring's opening clause (up to the first colon or full stop), its
+    `code` references left out: "The attention shape a conversion writes and, for MLA, its cache's widths"."""
+    words = " ".join(doc.split())
+    clause = re.split(r"[:.](?:\s|$)", words, maxsplit=1)[0]
+    return re.sub(r"\s*\(`[^)]*`\)", "", clause)
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written (it holds example commands); each option's default after its help."""
+    """The description as written (it holds example commands); each option's default after its help, where it has
+    one its help does not already give."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default" in text:  # "(default: None)" says nothing; twice says it twice
+            return text
+        return super()._get_help_string(action)

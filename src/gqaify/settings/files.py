@@ -265,6 +265,16 @@ def _check_keys(
         raise UserError(f"{where} {what}, not {stage.command}'s; {fix}")
     if stage.foreign_file is not None and (said := stage.foreign_file(values, where)):
         raise UserError(said)
+    if {"distributed_type", "compute_environment"} & set(unknown):  # accelerate's own file, given to gqaify
+        raise UserError(
+            f"{where} is an accelerate config (distributed_type, compute_environment), not gqaify settings: give it "
+            f"to `accelerate launch --config_file {shlex.quote(str(path))} -m gqaify.uptrain`, or to uptrain's --plan"
+        )
+    options = {o.flag.lstrip("-").replace("-", "_"): o.flag for o in stage.options}
+    if said := [key for key in unknown if key in options]:  # `plan:` in a recipe
+        raise UserError(
+            f"{where}: {said[0]} is a command-line option ({options[said[0]]}), not a setting; give it there"
+        )
     problems = [f"unknown key {shown(key)}{nearest(stage, str(key))}" for key in unknown[:5]]
     more = [f"and {len(unknown) - 5} more unknown keys"] if len(unknown) > 5 else []
     raise UserError(f"{where}: " + "; ".join(problems + more))

@@ -38,7 +38,10 @@ class Range:
         finite = isinstance(value, int) or math.isfinite(value)  # an int too large for a float is finite too
         if finite and above_low and below_high:
             return None
-        return ctx.requirement(field, value, f"must be {self.says or self.words(ctx)}", self.fix)
+        must = self.says or self.words(ctx)
+        if not finite:  # inf is above every low bound: "must be a positive number" would not say what is wrong
+            must = f"{must}, and finite"
+        return ctx.requirement(field, value, f"must be {must}", self.fix)
 
     def words(self, ctx: Context) -> str:
         """ "at least 2", "between 1 and --seq-len 2048", "in (0, 1]", "0 or more and below --length 256"."""
@@ -83,6 +86,19 @@ class Finite:
 
     def problem(self, field: str, value, ctx: Context) -> str | None:
         return None if math.isfinite(value) else f"{ctx.said(field, value)} is not a finite number; {self.fix}"
+
+
+@dataclass(frozen=True)
+class CountOr:
+    """A whole number of 1 or more, or one `word` that asks gqaify to choose it: "--micro-batch-size 0 must be a
+    positive integer or auto"."""
+
+    word: str
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        if value == self.word or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return None
+        return ctx.requirement(field, value, f"must be a positive integer or {self.word}", None)
 
 
 @dataclass(frozen=True)

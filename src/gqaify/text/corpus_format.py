@@ -17,6 +17,7 @@ files, they would pass by these checks.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -80,7 +81,12 @@ def refuse_unreadable_corpus(folder: Path, error: Exception, damaged: str, later
     Raises:
         UserError: the corpus, what keeps its record from being read, and the fix.
     """
-    header = read_provenance(folder) if (folder / PROVENANCE_FILE).is_file() else None
+    file = folder / PROVENANCE_FILE
+    header = read_provenance(folder) if file.is_file() else None
+    if header is None and file.is_file() and not _is_json(file):  # cut short: no header to say whose it is
+        raise UserError(
+            f"{folder}'s {PROVENANCE_FILE} is damaged ({error}): a record gqaify wrote, cut short; {damaged}"
+        )
     if header is None or header.kind != CORPUS:
         return
     if header.version in (None, __version__):
@@ -89,6 +95,14 @@ def refuse_unreadable_corpus(folder: Path, error: Exception, damaged: str, later
         f"{folder} holds a corpus written by gqaify {header.version}, whose record this gqaify ({__version__}) "
         f"cannot read ({error}); {later}"
     )
+
+
+def _is_json(file: Path) -> bool:
+    try:
+        json.loads(file.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def nested_corpus_problem(folder: Path, option: str) -> str | None:
@@ -207,6 +221,9 @@ def count_problem(record: CorpusRecord, where: str) -> str | None:
         value = record.settings.get(key, least) if key else getattr(record, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             return f"{where} says {name} {shown(value)}, which is no count of a corpus: it is damaged"
+    vocab = record.vocab_size  # None: a record written before it was kept; -1 was blamed on "another tokenizer's" ids
+    if vocab is not None and (isinstance(vocab, bool) or vocab < 1):
+        return f"{where} says vocab_size {shown(vocab)}, which no tokenizer has: it is damaged"
     batch = record.settings.get("batch_size", 1)
     if record.samples != record.shards * batch:
         return (

@@ -315,6 +315,11 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None, what: str = "-
 
 
 def _local_files(path: Path, option: str) -> tuple[str, list[Path]]:
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors*")):
+        raise UserError(
+            f"{option} {path} is a model folder (config.json and its weights), not text; give a text file, a folder "
+            "of text files, or a corpus gqaify generate wrote"
+        )
     # a folder's data files; gqaify.json is the record gqaify writes beside a corpus (`gqaify generate`), not data
     data_files = (p for p in path.rglob("*") if p.suffix in _BUILDERS and p.name != PROVENANCE_FILE)
     files = sorted(data_files) if path.is_dir() else [path]

@@ -1,11 +1,13 @@
-"""What a checkpoint holds, in files that hold data and nothing else: safetensors and JSON.
+"""A run's checkpoints: what each holds, in files that hold data and nothing else (safetensors and JSON), how one is
+written whole and read back, and which are kept.
 
     checkpoints/step-N/
         model.safetensors          every weight (tied ones once: `state.json` names their aliases)
         optimizer.safetensors      the optimizer's tensors (AdamW's moments and step counts), by parameter name
         state.json                 the optimizer's parameter groups, the schedule, the loss scaler
         rng-R.json                 process R's random generators (Python, NumPy, torch, the accelerator's)
-        progress.json              where the run stands (`run_folder.Progress`)
+        progress.json              where the run stands (`Progress`)
+        gqaify-files.json          every file the save wrote (`rotate` removes only those)
 
 accelerate's own `save_state` stores the schedule, the run's progress and the random generators as pickles, and
 its `load_state` reads them back with `weights_only=False`: a run folder someone sent, or one on a shared disk,
@@ -19,14 +21,21 @@ same code reads them back under any of them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import random
+import shutil
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from gqaify.errors import UserError
+from gqaify.output.whole import readable_as_umask_allows, written_whole
+
+LOG = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -192,3 +201,130 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+PROGRESS_FILE = "progress.json"
+WRITTEN_FILE = "gqaify-files.json"  # in a checkpoint: every file its save wrote (`rotate` removes only those)
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint as progress.json (`save_checkpoint`)."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # training tokens consumed, all processes
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
+    seconds: float = 0.0  # training wall-clock, evaluations and checkpoints left out (the curve's x against time)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root` (renamed out of `.step-N.tmp`), oldest first by their recorded step."""
+    found = []
+    for path in root.glob("step-*"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            step = json.loads((path / PROGRESS_FILE).read_text())["step"]
+            if isinstance(step, int):
+                found.append((step, path))
+    return [path for _, path in sorted(found)]
+
+
+def load_checkpoint(folder: Path, accelerator, loop) -> None:
+    """The loop (`state.LoopState`: its model, optimizer, schedule and `Progress`) as checkpoint `folder` holds it.
+
+    Raises:
+        UserError: the checkpoint is an earlier gqaify's (pickles, never loaded) or damaged.
+    """
+    load_training_state(folder, accelerator, loop.model, loop.optimizer, loop.scheduler)
+    loop.progress.load_state_dict(read_progress(folder))
+
+
+def read_progress(folder: Path) -> dict:
+    """progress.json of the checkpoint `folder`, every field of `Progress` with its type.
+
+    Raises:
+        UserError: it is missing or damaged.
+    """
+    try:
+        found = json.loads((folder / PROGRESS_FILE).read_text())
+        types = {f.name: f.type for f in fields(Progress)}
+        if not isinstance(found, dict) or set(found) != set(types):
+            raise ValueError(f"fields {sorted(found) if isinstance(found, dict) else found!r}")
+        for name, value in found.items():
+            number = (int, float) if types[name] == "float" else int
+            if isinstance(value, bool) or not isinstance(value, number) or value < 0:
+                raise ValueError(f"{name} {value!r}")
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"checkpoint {folder}'s {PROGRESS_FILE} is damaged ({exc}); move the checkpoint out of its checkpoints/ "
+            "folder to resume from the one before it"
+        ) from None
+    return found
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the most steps, or None."""
+    return (checkpoints(root) or [None])[-1]
+
+
+def save_checkpoint(accelerator, root: Path, loop, keep: int) -> None:
+    """The loop's state (`state.LoopState`) into a hidden folder (`save_training_state`: safetensors and JSON, no
+    pickle), renamed into place when every process has written."""
+    main, progress = accelerator.is_main_process, loop.progress
+    with written_whole(root / f"step-{progress.step:07d}", main_process=main) as partial:
+        if main:
+            partial.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        save_training_state(partial, accelerator, loop.model, loop.optimizer, loop.scheduler)
+        accelerator.wait_for_everyone()
+        if main:
+            write_json(partial / PROGRESS_FILE, progress.state_dict())
+            readable_as_umask_allows(partial)  # safetensors writes its files 0600: as every output is
+            written = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+            write_json(partial / WRITTEN_FILE, {"files": [*written, WRITTEN_FILE]})
+    if main:
+        rotate(root, keep)
+    accelerator.wait_for_everyone()
+
+
+def rotate(root: Path, keep: int) -> None:
+    """Remove all but the `keep` latest checkpoints: each whole where it holds only what gqaify wrote there
+    (`WRITTEN_FILE` lists it), else only those files, the rest left with a warning (a checkpoint written before
+    the list existed is removed whole)."""
+    for old in checkpoints(root)[:-keep]:
+        listed = old / WRITTEN_FILE
+        if not listed.is_file():
+            shutil.rmtree(old)
+            continue
+        try:
+            ours = set(json.loads(listed.read_text())["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            LOG.warning("kept %s: its %s cannot be read, so what gqaify wrote there is not known", old, WRITTEN_FILE)
+            continue
+        present = {p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file() or p.is_symlink()}
+        if present <= ours:
+            shutil.rmtree(old)
+            continue
+        for name in sorted(ours & present):
+            (old / name).unlink()
+        for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # emptied by the above; a folder holding the user's files stays
+        LOG.warning(
+            "kept %s: it holds files gqaify did not write (%s); its checkpoint files were removed",
+            old,
+            ", ".join(sorted(present - ours)[:3]),
+        )
+
+
+def write_json(path: Path, value: dict) -> None:
+    """`value` as the JSON file `path`, written whole."""
+    with written_whole(path) as partial:
+        partial.write_text(json.dumps(value, indent=2, default=str) + "\n")

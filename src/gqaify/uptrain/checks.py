@@ -19,8 +19,8 @@ from gqaify.model.loading import check_weights, load_config, load_tokenizer, unt
 from gqaify.model.locations import exists
 from gqaify.output.destination import name_problem, resolve_out, writable_problem
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_provenance
-from gqaify.text.corpus_format import corpus_record
-from gqaify.text.loading import named_texts
+from gqaify.text.corpus_format import corpus_record, count_problem
+from gqaify.text.loading import NamedText, named_texts
 from gqaify.text.pins import local_path
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import fsdp_problem
@@ -70,6 +70,7 @@ def check_inputs(s: UptrainSettings) -> Inputs:
     raise_if_problems(
         problems,
         _output_dir_problem(s.output_dir) if s.output_dir else None,
+        _inside_a_model_problem(s) if s.output_dir else None,
         unread,
         _trainable_problem(s, model),
         _untrusted_problem(s, model),
@@ -192,6 +193,9 @@ def _vocab_problem(s: UptrainSettings, corpus: CorpusRecord | None, config) -> s
     vocab = getattr(config, "vocab_size", None)
     if corpus is None or corpus.vocab_size is None or vocab is None or corpus.vocab_size == vocab:
         return None
+    folder = Path(NamedText.parse(s.data[0]).source)
+    if damaged := count_problem(corpus, f"data {folder}: its record {folder / PROVENANCE_FILE}"):
+        return f"{damaged}; write the corpus again (gqaify generate)"  # a vocabulary of -1 is no other tokenizer's
     return (
         f"data {s.data[0]} was written by {corpus.parent}, whose vocabulary has {corpus.vocab_size:,} tokens, and the "
         f"model {s.model} has {vocab:,}: its stored ids are another tokenizer's; generate the corpus from the model's "
@@ -235,6 +239,25 @@ def _record_problem(model: str) -> str | None:
             f"model {model}: {exc} (it was written by gqaify {header.version}, this is gqaify {__version__}); "
             "upgrade gqaify (pip install -U gqaify), or convert the model again with this one"
         )
+    return None
+
+
+def _inside_a_model_problem(s: UptrainSettings) -> str | None:
+    """output_dir at or inside a model folder the run reads (its model, teacher or parent), at any depth: the run would
+    write its checkpoints and final/ into the user's model, as convert refuses to. (A model inside output_dir, the
+    run's own converted/, is the other way round, and allowed.)"""
+    out = resolve_out(s.output_dir).resolve()
+    for option in ("model", "distill_from", "parent"):
+        value = getattr(s, option)
+        folder = Path(value).expanduser() if value else None
+        if folder is None or not os.path.isdir(folder):  # os.path: no error on a name the file system refuses
+            continue
+        folder = folder.resolve()
+        if out == folder or folder in out.parents:
+            return (
+                f"output_dir {s.output_dir} is inside {option} {value}, which the run reads and never writes; choose "
+                "an output_dir outside it"
+            )
     return None
 
 

@@ -305,6 +305,15 @@ def draw_curve(out: Path, target_kl: float, parent_perplexities: dict[str, float
     return found
 
 
+# How far past the measured KL a target is still drawn, as a factor either way: a target further off (`--target-kl
+# 1e300`) would stretch the log axis until the points are one line, and overflow matplotlib's transforms.
+TARGET_DRAWN_WITHIN = 1e3
+
+
+def _on_the_plot(target: float, kls: list[float]) -> bool:
+    return min(kls) / TARGET_DRAWN_WITHIN <= target <= max(kls) * TARGET_DRAWN_WITHIN
+
+
 def plot_curve(found: Forecast, parent_perplexities: dict[str, float] | None, path: Path, title: str) -> None:
     """recovery.png: mean KL against tokens (with the fitted line, its extrapolation and the target) and against
     seconds, and each text's perplexity ratio to the parent (or perplexity, where a text has no parent's) against
@@ -319,10 +328,11 @@ def plot_curve(found: Forecast, parent_perplexities: dict[str, float] | None, pa
             by_seconds.plot([s for _, s, _ in kl], [k for _, _, k in kl], marker="o", label="mean KL")
         if found.law is not None:
             end = max(found.tokens_seen + (found.tokens_to_target or 0), found.tokens_seen) * 1.05
+            end = min(end, found.tokens_seen * TARGET_DRAWN_WITHIN)  # a far target's line stops within the plot
             first = math.log(min(p.tokens for p in points if p.tokens > 0))
             xs = [math.exp(first + i / 40 * (math.log(end) - first)) for i in range(41)]  # even in log(tokens)
             by_tokens.plot(xs, [found.law.at(x) for x in xs], "--", color="gray", label="trend (extrapolated)")
-        if kl:
+        if kl and _on_the_plot(found.target_kl, [k for _, _, k in kl]):  # a far target would squash the points
             by_tokens.axhline(found.target_kl, color="black", linestyle=":", label=f"target {found.target_kl:g}")
         for ax, label, xs in (
             (by_tokens, "training tokens", [p.tokens for p in points]),

@@ -96,10 +96,7 @@ class _StoredKL(torch.autograd.Function):
         ctx.chunk = chunk
         total = torch.zeros((), dtype=_dtype(student), device=student.device)
         for s, i, lp in _chunks(student, chunk, ids, logprobs):
-            log_q = F.log_softmax(s.to(_dtype(s)), dim=-1)  # (chunk, vocab)
-            p, rest, log_q_rest = _coarsened(log_q, i, lp)
-            kept = (p * (lp - log_q.gather(-1, i))).sum()
-            total += kept + torch.where(rest > 0, rest * (rest.log() - log_q_rest), 0.0).sum()
+            total += stored_kl_sum(F.log_softmax(s.to(_dtype(s)), dim=-1), i, lp)
         return total / _tokens(student)
 
     @staticmethod
@@ -109,15 +106,27 @@ class _StoredKL(torch.autograd.Function):
         out = torch.empty_like(student).reshape(-1, student.shape[-1])  # (tokens, vocab)
         begin = 0
         for s, i, lp in _chunks(student, ctx.chunk, ids, logprobs):
-            log_q = F.log_softmax(s.to(_dtype(s)), dim=-1)
-            p, rest, log_q_rest = _coarsened(log_q, i, lp)
-            q = log_q.exp()
-            # off the k tokens: q - rest * q / q_rest; on them: q - p
-            off = torch.where(rest > 0, rest * torch.exp(-log_q_rest), 0.0)
-            g = (q * (1 - off.unsqueeze(-1))).scatter_(-1, i, q.gather(-1, i) - p)
+            g = stored_kl_gradient(F.log_softmax(s.to(_dtype(s)), dim=-1), i, lp)
             out[begin : begin + len(s)] = (g * scale).to(out.dtype)
             begin += len(s)
         return out.view(student.shape), None, None, None
+
+
+def stored_kl_sum(log_q: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Σ over a chunk's tokens of the KL between the parent's stored top-k and the student (`log_q`: its log-softmax,
+    (chunk, vocab)) seen through the k + 1 outcomes (`stored_kl`)."""
+    p, rest, log_q_rest = _coarsened(log_q, ids, logprobs)
+    kept = (p * (logprobs.to(log_q.dtype) - log_q.gather(-1, ids))).sum()
+    return kept + torch.where(rest > 0, rest * (rest.log() - log_q_rest), 0.0).sum()
+
+
+def stored_kl_gradient(log_q: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """The gradient of `stored_kl_sum` with respect to the chunk's logits, q - p̃ (`stored_kl`), (chunk, vocab)."""
+    p, rest, log_q_rest = _coarsened(log_q, ids, logprobs)
+    q = log_q.exp()
+    # off the k tokens: q - rest * q / q_rest; on them: q - p
+    off = torch.where(rest > 0, rest * torch.exp(-log_q_rest), 0.0)
+    return (q * (1 - off.unsqueeze(-1))).scatter_(-1, ids, q.gather(-1, ids) - p)
 
 
 def _coarsened(log_q: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gqaify.uptrain.distill import _coarsened
+from gqaify.uptrain.distill import stored_kl_gradient, stored_kl_sum
 
 # Vocabulary-wide values per chunk, by device type: a chunk is this many over the vocabulary's size in tokens. On a
 # CPU 2^24 (64 MiB of float32 per intermediate: 341 tokens of SmolLM2's 49,152-word vocabulary), which keeps a
@@ -229,12 +229,7 @@ def _lm_gradient(log_q: torch.Tensor, target: torch.Tensor, kept: torch.Tensor, 
 
 def _stored_chunk(log_q, teacher: Teacher, rows, scale, grad, sums) -> None:
     """The chunk's KL to the parent's stored top-k added to sums[1], its gradient q - p̃ (times `scale`) to `grad`
-    (as `distill._StoredKL`: the stored log-probabilities are at temperature 1)."""
+    (`distill.stored_kl`'s, whose stored log-probabilities are at temperature 1)."""
     ids, logprobs = teacher.top_ids[rows], teacher.top_logprobs[rows]
-    p, rest, log_q_rest = _coarsened(log_q, ids, logprobs)
-    kept = (p * (logprobs.to(log_q.dtype) - log_q.gather(-1, ids))).sum()
-    sums[1] += kept + torch.where(rest > 0, rest * (rest.log() - log_q_rest), 0.0).sum()
-    q = log_q.exp()
-    off = torch.where(rest > 0, rest * torch.exp(-log_q_rest), 0.0)
-    g = (q * (1 - off.unsqueeze(-1))).scatter_(-1, ids, q.gather(-1, ids) - p)
-    grad += g.mul_(scale)
+    sums[1] += stored_kl_sum(log_q, ids, logprobs)
+    grad += stored_kl_gradient(log_q, ids, logprobs).mul_(scale)

@@ -80,7 +80,12 @@ class Launch:
                 f"--plan {path}: num_processes must be a positive whole number, got {processes!r}; set it to the "
                 "number of processes the launch starts"
             )
-        return cls(processes, fsdp and processes > 1, str(config.get("mixed_precision") or "no"))
+        precision = str(config.get("mixed_precision") or "no")
+        if precision not in ("no", "bf16", "fp16"):  # accelerate's fp8 runs through other libraries' kernels
+            raise UserError(
+                f"--plan {path}: gqaify plans mixed_precision no, bf16 or fp16, not {precision}; set one of them"
+            )
+        return cls(processes, fsdp and processes > 1, precision)
 
 
 def _fsdp_version(config: dict, path: Path) -> int:

@@ -16,12 +16,12 @@ was found.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.command import Left
@@ -35,39 +35,15 @@ from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
 from gqaify.text.pins import local_path
-from gqaify.uptrain.checkpoint_files import load_training_state, save_training_state
+from gqaify.uptrain.checkpoint_files import PROGRESS_FILE, Progress, checkpoints, latest_checkpoint, write_json
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.metrics import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
-
-if TYPE_CHECKING:
-    from gqaify.uptrain.state import LoopState
 
 CHECKPOINTS = "checkpoints"
 CONVERTED = "converted"  # the model converted by a run given a source and kv_heads
 FINAL = "final"
 LOG = logging.getLogger(__name__)
-
-PROGRESS_FILE = "progress.json"
-WRITTEN_FILE = "gqaify-files.json"  # in a checkpoint: every file its save wrote (`rotate` removes only those)
-
-
-@dataclass
-class Progress:
-    """Where the run is; saved in every checkpoint as progress.json (`save_checkpoint`)."""
-
-    step: int = 0  # optimizer steps done
-    tokens: int = 0  # training tokens consumed, all processes
-    epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
-    seconds: float = 0.0  # training wall-clock, evaluations and checkpoints left out (the curve's x against time)
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
 
 
 def what_is_left(out: Path, steps: int) -> str:
@@ -109,6 +85,8 @@ def _located(values: dict) -> dict:
         return local_path(value) if text.source == value else f"{text.name}={local_path(text.source)}"
 
     changed = {k: found(values[k]) for k in PATH_SETTINGS if k in values}
+    if isinstance(values.get("output_dir"), str):  # where the run is, even before it exists: absolute
+        changed["output_dir"] = str(Path(found(values["output_dir"])).expanduser().absolute())
     changed |= {k: [text_found(v) for v in values[k]] for k in PATH_LIST_SETTINGS if isinstance(values.get(k), list)}
     return {**values, **changed}
 
@@ -176,7 +154,9 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
         run = read_run_record(out)
         # a setting added since: it trained at its default; a text since made a list of texts: a list of one
         had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run.settings}))
-        differs = [k for k in identity if had.get(k) != identity[k]]
+        _check_recorded(out, had)
+        # a run's identity is its settings, not where its folder is: a run moved or copied resumes where it is
+        differs = [k for k in identity if k != "output_dir" and had.get(k) != identity[k]]
         recorded = run.data_sha256 if run.data_sha256 is not None else data_sha256  # an earlier run.json: not said
         if (differs or recorded != data_sha256) and not run.started and not checkpoints(out / CHECKPOINTS):
             # a run that was stopped before it trained (killed while converting): nothing of it to keep
@@ -197,7 +177,8 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
             k = differs[0]
             raise UserError(
                 f"output_dir {out} holds another run's checkpoints (it had {k}={had.get(k)!r}, now "
-                f"{identity[k]!r}); use a new output_dir, or delete this one to start over"
+                f"{identity[k]!r}); rerun with {k} as it had to go on with that run, or use a new output_dir (this "
+                "one is left as it is)"
             )
         if recorded != data_sha256:
             raise UserError(
@@ -209,6 +190,23 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     if out.exists() and any(p.name != CLAIM_INSIDE for p in out.iterdir()):  # this run's own claim aside
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
     return _new_run(out, identity, accelerator, data_sha256)
+
+
+def _check_recorded(out: Path, had: dict) -> None:
+    """Refuse a run.json whose settings are not what any run records: a value of the wrong type (a damaged record,
+    which would otherwise be compared, and called another run's).
+
+    Raises:
+        UserError: the setting and what is wrong with it; the folder is left as it is.
+    """
+    names = {f.name for f in dataclasses.fields(UptrainSettings)}
+    try:
+        UptrainSettings(**{k: v for k, v in had.items() if k in names})
+    except UserError as exc:
+        raise UserError(
+            f"output_dir {out}'s {RUN_FILE} is damaged ({exc}): the run cannot resume from it; use a new output_dir "
+            "(this one is left as it is)"
+        ) from None
 
 
 def _new_run(out: Path, identity: dict, accelerator, data_sha256: str) -> RunRecord:
@@ -335,105 +333,6 @@ def left_after_failure(found: Found, steps: int, started: bool, main_process: bo
     return Left(left, left, f"{left}, once space is freed", disk)
 
 
-def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints under `root` (renamed out of `.step-N.tmp`), oldest first by their recorded step."""
-    found = []
-    for path in root.glob("step-*"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            step = json.loads((path / PROGRESS_FILE).read_text())["step"]
-            if isinstance(step, int):
-                found.append((step, path))
-    return [path for _, path in sorted(found)]
-
-
-def load_checkpoint(folder: Path, accelerator, loop: LoopState) -> None:
-    """The loop as checkpoint `folder` holds it (`checkpoint_files`), its `Progress` included.
-
-    Raises:
-        UserError: the checkpoint is an earlier gqaify's (pickles, never loaded) or damaged.
-    """
-    load_training_state(folder, accelerator, loop.model, loop.optimizer, loop.scheduler)
-    loop.progress.load_state_dict(read_progress(folder))
-
-
-def read_progress(folder: Path) -> dict:
-    """progress.json of the checkpoint `folder`, every field of `Progress` with its type.
-
-    Raises:
-        UserError: it is missing or damaged.
-    """
-    try:
-        found = json.loads((folder / PROGRESS_FILE).read_text())
-        types = {f.name: f.type for f in fields(Progress)}
-        if not isinstance(found, dict) or set(found) != set(types):
-            raise ValueError(f"fields {sorted(found) if isinstance(found, dict) else found!r}")
-        for name, value in found.items():
-            number = (int, float) if types[name] == "float" else int
-            if isinstance(value, bool) or not isinstance(value, number) or value < 0:
-                raise ValueError(f"{name} {value!r}")
-    except (OSError, ValueError) as exc:
-        raise UserError(
-            f"checkpoint {folder}'s {PROGRESS_FILE} is damaged ({exc}); move the checkpoint out of its checkpoints/ "
-            "folder to resume from the one before it"
-        ) from None
-    return found
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the most steps, or None."""
-    return (checkpoints(root) or [None])[-1]
-
-
-def save_checkpoint(accelerator, root: Path, loop: LoopState, keep: int) -> None:
-    """The loop's state (`checkpoint_files`: safetensors and JSON, no pickle) into a hidden folder, renamed into
-    place when every process has written."""
-    main, progress = accelerator.is_main_process, loop.progress
-    with written_whole(root / f"step-{progress.step:07d}", main_process=main) as partial:
-        if main:
-            partial.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        save_training_state(partial, accelerator, loop.model, loop.optimizer, loop.scheduler)
-        accelerator.wait_for_everyone()
-        if main:
-            write_json(partial / PROGRESS_FILE, progress.state_dict())
-            readable_as_umask_allows(partial)  # safetensors writes its files 0600: as every output is
-            written = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
-            write_json(partial / WRITTEN_FILE, {"files": [*written, WRITTEN_FILE]})
-    if main:
-        rotate(root, keep)
-    accelerator.wait_for_everyone()
-
-
-def rotate(root: Path, keep: int) -> None:
-    """Remove all but the `keep` latest checkpoints: each whole where it holds only what gqaify wrote there
-    (`WRITTEN_FILE` lists it), else only those files, the rest left with a warning (a checkpoint written before
-    the list existed is removed whole)."""
-    for old in checkpoints(root)[:-keep]:
-        listed = old / WRITTEN_FILE
-        if not listed.is_file():
-            shutil.rmtree(old)
-            continue
-        try:
-            ours = set(json.loads(listed.read_text())["files"])
-        except (OSError, ValueError, KeyError, TypeError):
-            LOG.warning("kept %s: its %s cannot be read, so what gqaify wrote there is not known", old, WRITTEN_FILE)
-            continue
-        present = {p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file() or p.is_symlink()}
-        if present <= ours:
-            shutil.rmtree(old)
-            continue
-        for name in sorted(ours & present):
-            (old / name).unlink()
-        for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # emptied by the above; a folder holding the user's files stays
-        LOG.warning(
-            "kept %s: it holds files gqaify did not write (%s); its checkpoint files were removed",
-            old,
-            ", ".join(sorted(present - ours)[:3]),
-        )
-
-
 @dataclass(frozen=True)
 class Trained:
     """The model a run trains, as it was read: its folder (whose gqaify.json carries over to final/) and the dtype
@@ -511,9 +410,3 @@ def _save_card(folder: Path, record: ConversionRecord, out: Path, s, progress: P
         plot=plot,
     )
     model_card(record, uptrained).save(folder / "README.md")
-
-
-def write_json(path: Path, value: dict) -> None:
-    """`value` as the JSON file `path`, written whole."""
-    with written_whole(path) as partial:
-        partial.write_text(json.dumps(value, indent=2, default=str) + "\n")

@@ -21,10 +21,10 @@ from typing import Literal
 from gqaify.conversion.settings import ConvertSettings, MethodSettings, ShapeSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
-from gqaify.model.locations import exists
-from gqaify.packaged import find, recipe_by_name
+from gqaify.packaged import launch_config, recipe_by_name
 from gqaify.settings import (
     QUIET,
+    CountOr,
     Excludes,
     Limit,
     Needs,
@@ -55,13 +55,6 @@ CHECKPOINTS_PER_RUN = 10  # a checkpoint every tenth of the run at least...
 CHECKPOINT_SECONDS = 600  # ...and after every 10 minutes without one, whichever comes first
 # The fields of the conversion: checked only when there is one to run (kv_heads or kv_cut set)
 CONVERSION_FIELDS = frozenset(f.name for cls in (MethodSettings, ShapeSettings) for f in dataclasses.fields(cls))
-
-
-def _batch_problem(value, name: str) -> str | None:
-    """micro_batch_size: a positive whole number, or auto (`batch_size.with_batch_chosen`)."""
-    if value == "auto" or (isinstance(value, int) and value >= 1):
-        return None
-    return f"{name} {value!r} must be a positive integer or auto"
 
 
 def _peft_problem(trainable: str, name: str) -> str | None:
@@ -128,11 +121,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     pretraining_tokens: int | None = setting(
         None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
     )
-    micro_batch_size: int | Literal["auto"] = setting(
-        4,
-        "blocks per forward pass, per process; auto: the largest the memory plan fits in the device's memory with a "
-        "margin, chosen when the run begins and kept when it resumes",
-        check=_batch_problem,
+    micro_batch_size: int | Literal["auto"] = setting(  # auto: `batch_size.with_batch_chosen`
+        4, "blocks per forward pass, per process; auto: the most the device's memory fits", check=CountOr("auto")
     )
     grad_accum: int = setting(1, "micro-batches per optimizer step", check=POSITIVE)
     # -- the optimizer
@@ -146,11 +136,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         None, "autocast dtype (default: what accelerate launch was given, e.g. its config file; else no)"
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward")
-    fused_loss: bool = setting(
-        True,
-        "apply the output head and the loss a chunk of tokens at a time, never the whole batch's logits (where the "
-        "model returns its head's output untouched, and not under FSDP)",
-    )
+    fused_loss: bool = setting(True, "the head applied with the loss a chunk of tokens at a time (not under FSDP)")
     trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
         "all",
         "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
@@ -246,6 +232,11 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         converts = self.converts
         checked = self.calibrated_on_data() if converts else self
         problems = UPTRAIN.declared_problems(checked, leave_out=frozenset() if converts else CONVERSION_FIELDS)
+        if not converts and self.attention != "gqa":  # it would be recorded as a shape the model does not have
+            problems.append(
+                f"attention {self.attention} shapes a conversion, and this run converts nothing (no kv_heads or "
+                "kv_cut); add kv_heads (or kv_cut) to convert the model first, or drop attention to train it as it is"
+            )
         if self.max_tokens is None and self.budget_fraction is None:
             problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
         elif problem := self.step_problem(processes=1):
@@ -432,8 +423,8 @@ def _accelerate_config(values: dict, where: str) -> str | None:
 UPTRAIN = Stage(
     command="uptrain",
     settings=UptrainSettings,
-    description="Uptrain a converted GQA/MQA model to recover its parent's quality. Settings come from --recipe "
-    "(a YAML file of the fields below) and are overridden by --field value.\n\n"
+    description="Uptrain a converted GQA, MQA or MLA model to recover its parent's quality. Settings come from "
+    "--recipe (a YAML file of the fields below) and are overridden by --field value.\n\n"
     "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a packaged recipe: gqaify recipes lists them)\n"
     "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"
     "  accelerate launch -m gqaify.uptrain --recipe recipes/smollm2-135m-mqa.yaml   (several processes)\n"
@@ -482,21 +473,9 @@ def parse_command_line(
             packaged (said before the values' problems).
     """
     settings, options = parse_command(UPTRAIN, argv, prog, stages)
-    plan = None if options[PLAN.flag] is None else accelerate_config(options[PLAN.flag])
+    plan = None if options[PLAN.flag] is None else launch_config(options[PLAN.flag])
     raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
     return settings, plan
-
-
-def accelerate_config(name: str) -> Path:
-    """The accelerate config `--plan NAME` names: a path, or a packaged one such as accelerate/fsdp.
-
-    Raises:
-        UserError: neither a file nor packaged.
-    """
-    path = Path(name) if exists(name) and Path(name).is_file() else find(name)
-    if path is None:
-        raise UserError(f"--plan {name}: no such accelerate config; give its path, or one gqaify recipes lists")
-    return path
 
 
 def load_recipe(path: str | Path, stages: tuple[Stage, ...] | None = None) -> dict:

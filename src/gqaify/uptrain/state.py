@@ -14,8 +14,9 @@ import torch
 
 from gqaify.eval.results import EvalText
 from gqaify.records import RunRecord
+from gqaify.uptrain.checkpoint_files import Progress
 from gqaify.uptrain.checks import Inputs
-from gqaify.uptrain.run_folder import Progress, save_run
+from gqaify.uptrain.run_folder import save_run
 from gqaify.uptrain.settings import UptrainSettings
 
 

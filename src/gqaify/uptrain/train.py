@@ -29,14 +29,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from gqaify.command import raise_as_said
 from gqaify.errors import UserError
 from gqaify.model.loading import load_config, load_model
+from gqaify.progress import progress_bar
 from gqaify.records import RunRecord
 from gqaify.settings import recorded
 from gqaify.uptrain.batch_size import with_batch_chosen
+from gqaify.uptrain.checkpoint_files import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
 from gqaify.uptrain.checks import Inputs, check_inputs
 from gqaify.uptrain.curve import PLOT_FILE, Forecast, draw_curve, eval_steps, read_forecast
 from gqaify.uptrain.data import training_loader
@@ -55,14 +56,10 @@ from gqaify.uptrain.run_folder import (
     CHECKPOINTS,
     FINAL,
     Found,
-    Progress,
     Trained,
     claim_output_dir,
     claimed_by_launch,
-    latest_checkpoint,
     left_after_failure,
-    load_checkpoint,
-    save_checkpoint,
     save_final,
 )
 from gqaify.uptrain.settings import UptrainSettings
@@ -245,7 +242,7 @@ class Watch:
     (`Progress.seconds` counts training alone: the clock restarts after an evaluation or a checkpoint), and the last
     checkpoint (or the start: a default run writes one at least every few minutes)."""
 
-    bar: tqdm
+    bar: object  # the tqdm bar (`progress.progress_bar`)
     evaluations: set[int]
     started: float
     tokens_at_start: int
@@ -262,12 +259,12 @@ def _train(run: RunState, loop: LoopState, evaluate) -> None:
     """
     s, accelerator, progress = run.s, run.accelerator, loop.progress
     now = time.perf_counter()
-    bar = tqdm(
+    bar = progress_bar(
         total=run.steps,
         initial=progress.step,
         unit="step",
         desc="uptrain",
-        disable=not (s.progress and accelerator.is_main_process) or None,
+        shown=s.progress and accelerator.is_main_process,
     )
     watch = Watch(bar, set(eval_steps(run.steps, s.evaluations())), now, progress.tokens, now, now)
     batches = _micro_batches(accelerator, loop)
