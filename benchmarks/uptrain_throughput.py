@@ -1,4 +1,5 @@
-"""Training throughput and MFU of `gqaify uptrain` on a GPU, under `accelerate launch` with one of our configs.
+"""Training throughput, MFU and peak memory of `gqaify uptrain`, on a GPU under `accelerate launch` with one of our
+configs, or on the CPU (`--cpu`: one process, `recipes/accelerate/cpu.yaml`).
 
 Runs `recipes/smollm2-135m-mqa.yaml` (SmolLM2-135M-Instruct -> MQA, trained on WikiText-2 validation) for a
 fixed number of steps with evaluation and checkpoints off, once per batch shape, and reads the steady-state
@@ -12,6 +13,11 @@ width, T the sequence length); with distillation the teacher's forward pass adds
     python benchmarks/uptrain_throughput.py                                        # single-gpu.yaml (bf16)
     python benchmarks/uptrain_throughput.py --config recipes/accelerate/fsdp.yaml --processes 1
     python benchmarks/uptrain_throughput.py --shapes 4x256,32x1024 --steps 30 --peak-tflops 989
+    python benchmarks/uptrain_throughput.py --cpu --shapes 4x256 --steps 8          # MFU only with --peak-tflops
+    python benchmarks/uptrain_throughput.py --override "--no_fused_loss"             # the plain loss, to compare
+
+Peak memory: on a GPU the most `nvidia-smi` saw the run's processes hold (polled every half second, CUDA context
+included); on the CPU the largest resident memory of the run's processes (psutil, polled alike).
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def run(shape: str, args, gguf: Path, out: Path) -> dict:
         extra=args.override.split(),
     )
     print("==", " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True)
+    peak = _run_watching_memory(command, args.cpu)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"time"' in line]
     tokens_per_s = (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["time"] - rows[0]["time"])
     distilled = read_run(run_dir).settings["distill_weight"] > 0
@@ -86,8 +92,43 @@ def run(shape: str, args, gguf: Path, out: Path) -> dict:
         "shape": shape,
         "tokens_per_s": round(tokens_per_s),
         "flops_per_token": flops,
-        "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
+        "mfu": None if args.peak_tflops is None else tokens_per_s * flops / (args.peak_tflops * 1e12),
+        "peak_gib": peak / 2**30,
     }
+
+
+def _run_watching_memory(command: list[str], cpu: bool) -> int:
+    """Run `command` to its end (raising if it fails) and return the most bytes its processes held at once, polled."""
+    import time
+
+    import psutil
+
+    process = subprocess.Popen(command)
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, _cpu_bytes(psutil.Process(process.pid)) if cpu else _gpu_bytes())
+        time.sleep(0.5)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
+    return peak
+
+
+def _cpu_bytes(parent) -> int:
+    import psutil
+
+    try:
+        return sum(p.memory_info().rss for p in [parent, *parent.children(recursive=True)])
+    except psutil.Error:  # ended between the poll and the read
+        return 0
+
+
+def _gpu_bytes() -> int:
+    found = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    )
+    return sum(int(line) for line in found.stdout.split() if line.isdigit()) * 2**20
 
 
 def main() -> None:
@@ -99,19 +140,23 @@ def main() -> None:
     parser.add_argument("--override", default="", help="more recipe overrides, e.g. '--distill_weight 0'")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: from its name)")
     parser.add_argument("--out", help="folder for the runs (default: a temporary folder)")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU, one process (recipes/accelerate/cpu.yaml)")
     args = parser.parse_args()
 
     import torch
 
     from gqaify.entry.demo import fetch_default_model
 
-    if not torch.cuda.is_available():
-        raise SystemExit("error: this benchmark needs a CUDA GPU")
-    name = torch.cuda.get_device_name()
-    if args.peak_tflops is None:
-        args.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if name.startswith(k)), None)
+    if args.cpu:
+        args.config, args.processes, name = str(REPO / "recipes" / "accelerate" / "cpu.yaml"), 1, "CPU"
+    elif not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA GPU here; pass --cpu to measure on the CPU")
+    else:
+        name = torch.cuda.get_device_name()
         if args.peak_tflops is None:
-            raise SystemExit(f"error: no peak known for {name}; pass --peak-tflops")
+            args.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if name.startswith(k)), None)
+            if args.peak_tflops is None:
+                raise SystemExit(f"error: no peak known for {name}; pass --peak-tflops")
     gguf = fetch_default_model()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gqaify-uptrain-speed-"))
     rows = [run(shape, args, gguf, out) for shape in args.shapes.split(",")]
@@ -120,9 +165,11 @@ def main() -> None:
         f"\n{name}, {Path(args.config).name}, {args.processes} process(es), {args.steps} steps, peak "
         f"{args.peak_tflops} TFLOP/s {args.override}\n"
     )
-    print("| micro-batch x seq_len | tokens/s | GFLOP per token | MFU |\n|---|---|---|---|")
+    print("| micro-batch x seq_len | tokens/s | GFLOP per token | MFU | peak memory |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['tokens_per_s']:,} | {r['flops_per_token'] / 1e9:.2f} | {100 * r['mfu']:.1f}% |")
+        mfu = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        gflop = r["flops_per_token"] / 1e9
+        print(f"| {r['shape']} | {r['tokens_per_s']:,} | {gflop:.2f} | {mfu} | {r['peak_gib']:.2f} GiB |")
 
 
 if __name__ == "__main__":

@@ -660,9 +660,40 @@ core.convert = slow_lsq
     said = err.strip().splitlines()[-1]
     assert said == (
         f"gqaify: stopped by SIGTERM; this run of the demo completed, and kept, {mean}; the step it was "
-        "on left nothing; gqaify demo runs every step again"
+        "on left nothing; gqaify demo keeps them and runs the rest"
     )
     assert sorted(p.name for p in work.iterdir()) == ["model-mqa-mean"] and (mean / "gqaify.json").is_file()
+
+
+def test_the_demo_keeps_a_conversion_an_earlier_run_finished(source, tmp_path, capsys):
+    """Stopped and run again, the demo redid the conversion it had finished: one with the same source and settings
+    is kept (and said to be), any other is made again."""
+    from gqaify.conversion.core import convert
+    from gqaify.entry.demo import _kept
+
+    out = tmp_path / "mean"
+    convert(source, out, kv_heads=1, method="mean", progress=False)
+    assert _kept(out, str(source), {"kv_heads": 1, "method": "mean"})
+    assert f"kept {out}: this conversion, finished by an earlier run of the demo" in capsys.readouterr().out
+    assert not _kept(out, str(source), {"kv_heads": 1, "method": "lsq"})
+    assert not _kept(out, str(tmp_path / "another"), {"kv_heads": 1, "method": "mean"})
+    assert not _kept(tmp_path / "none", str(source), {"kv_heads": 1, "method": "mean"})
+
+
+def test_an_offline_demo_without_local_text_fails_before_any_work(hub_unreachable, tmp_path, monkeypatch, capsys):
+    """Offline with no ../shared, the demo fetched SmolLM2 and converted for a minute before the hub's text failed:
+    every input is read first, and the refusal comes before anything is fetched or written."""
+    from gqaify.entry import demo
+
+    monkeypatch.setattr(demo, "demo_text", lambda: (demo.HUB_WIKITEXT, "WikiText-2 from the hub"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was fetched before the text was checked")
+
+    monkeypatch.setattr(demo, "fetch_default_model", never)
+    code, err = run_cli(capsys, "demo", "--workdir", tmp_path / "demo")
+    assert code == 2 and one_line(err) and "Salesforce/wikitext" in err, err
+    assert not (tmp_path / "demo").exists()
 
 
 # -- bad input that used to be a traceback or accepted ----------------------------------------------------------

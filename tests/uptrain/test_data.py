@@ -201,3 +201,27 @@ def test_a_named_pipe_is_refused_not_opened(capsys, tmp_path, model):
     err = one_line_refusal(capsys, "eval", model, "--data", tmp_path / "pipe.txt", "--out", out, "--seq-len", "32")
     assert f"--data {tmp_path / 'pipe.txt'} is not a regular file or folder" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "fix"),
+    [
+        ("--score-data", "--score-text-column"),  # generate's: it named --text-column, which generate does not have
+        ("--calib-data", "--calib-text-column"),
+        ("--data", "--text-column"),
+        ("data", "text_column"),
+        ("eval_data", "text_column"),
+    ],
+)
+def test_a_missing_column_names_the_option_that_picks_it(tmp_path, option, fix):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "some text"}) + "\n")
+    with pytest.raises(UserError, match=rf"{option} .* has no column 'text'; pass {fix} with one of \['body'\]"):
+        load_text(str(tmp_path / "d.jsonl"), option=option)
+
+
+def test_a_source_of_code_is_read_by_its_content_column_where_text_is_not_named(tmp_path):
+    """The Stack's and CodeParrot's files keep their text in `content`: a mixture's sources share one text_column, so
+    such a source in a mixture of `text` sources is read by `content`; a column asked by name is still that one."""
+    (tmp_path / "code.jsonl").write_text(json.dumps({"content": "def f():\n    return 1\n", "path": "f.py"}) + "\n")
+    assert load_text(str(tmp_path / "code.jsonl")).text == "def f():\n    return 1\n"
+    assert load_text(str(tmp_path / "code.jsonl"), text_column="path").text == "f.py"

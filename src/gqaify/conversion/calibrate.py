@@ -73,7 +73,8 @@ class CalibrationText:
 
     @property
     def sha256(self) -> str:
-        """What calib_sha256 pins (`options.mixture_sha256`): one source's text's own SHA-256 (a text file's)."""
+        """What calib_sha256 pins (`conversion.settings.mixture_sha256`): one source's text's own SHA-256 (a text
+        file's)."""
         return mixture_sha256(self.sources)
 
     def windows(self, length: int) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ stream  take tensors in source order: copy unchanged ones through as bytes; hold
 commit  config.json, side files, the model card and the record go into the sink's folder, which the sink
         makes OUT only when everything is there (`sinks`: renamed into place, or written as one GGUF file)
 warn    a method that read no calibration text and changed the heads it replaced: one line on what that costs a
-        trained model, and the conversion that avoids it (`options.uncalibrated_warning`)
+        trained model, and the conversion that avoids it (`conversion.settings.uncalibrated_warning`)
 """
 
 from __future__ import annotations

@@ -99,7 +99,9 @@ class ConversionRecord(Provenance):
     fit_error: list[dict] | None = optional(unless_none="calibration")  # per layer (`calibrate.LayerFit.record`)
     mla: MlaRecord | None = optional()  # --attention mla: the latent layer the G-head model was rewritten as
     uptrain: Uptraining | None = optional()  # in an uptrained model's final/: how it was uptrained
-    files: list[str] | None = optional()  # in a folder: every file gqaify wrote there (`outputs.write_provenance`)
+    files: list[str] | None = (
+        optional()
+    )  # in a folder: every file gqaify wrote there (`output.destination.write_provenance`)
 
     @classmethod
     def read(cls, folder: Path) -> ConversionRecord | None:

@@ -122,7 +122,7 @@ def _gguf_architecture(model_type: str | None) -> GgufArchitecture | None:
 def write_gguf(
     folder: Path, out: Path, out_type: str = "f16", tokenizer_gguf: Path | None = None, record: str | None = None
 ) -> None:
-    """Write the converted checkpoint in `folder` as the GGUF file `out` (`core._convert_to_gguf` gives it a temporary
+    """Write the converted checkpoint in `folder` as the GGUF file `out` (`sinks.GgufSink.finish` gives it a temporary
     name, renamed into place when whole).
 
     Args:

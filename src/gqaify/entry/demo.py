@@ -121,7 +121,7 @@ def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None)
         done = [] if stop is None else _completed(Path(workdir), started)
         if not done:
             raise
-        left = str(stop) or "the step it was on left nothing; gqaify demo runs every step again"
+        left = str(stop) or "the step it was on left nothing; gqaify demo keeps them and runs the rest"
         raise stop.with_message(f"this run of the demo completed, and kept, {', '.join(done)}; {left}") from None
 
 
@@ -144,31 +144,23 @@ def _run_steps(workdir: Path, model: str | None) -> None:
     from gqaify.model.kvcache import measured_kv_cache_bytes
     from gqaify.summary import format_summary, format_uptrain_summary
 
-    source = model or str(fetch_default_model())
-    stem = "smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa"
     data, origin = demo_text()
     calib_data, calib_split = calibration_text(data)
+    _check_texts(data, calib_data, calib_split)  # every input before the minutes of work: the hub's text too
+    source = model or str(fetch_default_model())
+    stem = "smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa"
     mean, best = workdir / f"{stem}-mean", workdir / f"{stem}-lsq"
     print(f"converting {source} -> {mean} (MQA, mean-pooled: the GQA paper's conversion)")
-    print(format_summary(convert(source, mean, kv_heads=1, method="mean", force=True)))
+    asked = {"kv_heads": 1, "method": "mean"}
+    if not _kept(mean, source, asked):
+        print(format_summary(convert(source, mean, force=True, **asked)))
     print(
         f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
         f"{' '.join(calib_data)})"
     )
-    print(
-        format_summary(
-            convert(
-                source,
-                best,
-                kv_heads=1,
-                method="lsq",
-                calib_data=calib_data,
-                calib_tokens=DEMO_CALIB_TOKENS,
-                calib_split=calib_split,
-                force=True,
-            )
-        )
-    )
+    asked = {"kv_heads": 1, "method": "lsq", "calib_tokens": DEMO_CALIB_TOKENS, "calib_split": calib_split}
+    if not _kept(best, source, asked, calib_data):
+        print(format_summary(convert(source, best, force=True, calib_data=calib_data, **asked)))
 
     loaded = AutoModelForCausalLM.from_pretrained(best)
     tokenizer = AutoTokenizer.from_pretrained(best)
@@ -203,6 +195,41 @@ def _run_steps(workdir: Path, model: str | None) -> None:
         f"{before:,.2f} before uptraining, {result.eval_perplexity:,.2f} after {result.tokens:,} tokens"
     )
     print("the full comparison: python benchmarks/methods.py (README, Methods)")
+
+
+def _check_texts(data: str, calib_data: list[str], calib_split: str) -> None:
+    """Read the start of each text the demo uses (the hub's, where ../shared is not beside it).
+
+    Raises:
+        UserError: one cannot be read (offline, with no local copy): said before anything is fetched or converted.
+    """
+    from gqaify.text.loading import NamedText, load_text
+
+    split = "test" if data == HUB_WIKITEXT else "train"
+    load_text(data, split, option="the demo's text", max_chars=1000)
+    for text in calib_data:
+        load_text(NamedText.parse(text).source, calib_split, option="the demo's calibration text", max_chars=1000)
+
+
+def _kept(out: Path, source: str, asked: dict, calib_data: list[str] | None = None) -> bool:
+    """Whether `out` holds the conversion of `source` an earlier run of the demo finished with the settings `asked`
+    (a stopped demo run again keeps it, and says so)."""
+    from gqaify.conversion.record import ConversionRecord
+    from gqaify.text.pins import located
+
+    try:
+        record = ConversionRecord.read(out)
+    except (OSError, ValueError):
+        return False
+    if record is None or record.uptrain is not None:
+        return False
+    settings = record.settings
+    same = settings.get("src") in (source, str(Path(source).expanduser().resolve()))
+    same = same and all(settings.get(k) == v for k, v in asked.items())
+    same = same and (calib_data is None or settings.get("calib_data") == [located(t) for t in calib_data])
+    if same:
+        print(f"kept {out}: this conversion, finished by an earlier run of the demo")
+    return same
 
 
 def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):

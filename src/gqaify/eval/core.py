@@ -5,8 +5,8 @@ ratio to the parent, what fits in a memory budget), prefill and decode speed, ag
 diagnostics, and when asked, lm-evaluation-harness task scores and greedy continuations of prompts, all on
 the one loaded model. Everything is checked before the first model runs (--out and its free space, the positions
 each model has for --seq-len and --generate, the tasks' datasets), every problem in one message. The report is
-written at the end as one folder that appears whole (`outputs.staged`), so bad input, a failure, a stop or a full
-disk leaves no partial report; --force replaces only a folder gqaify wrote.
+written at the end as one folder that appears whole (`output.destination.staged`), so bad input, a failure, a stop or
+a full disk leaves no partial report; --force replaces only a folder gqaify wrote.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def _float16_problem(s: EvalSettings, name: str, config) -> str | None:
 
 def _out_problems(s: EvalSettings) -> list[str]:
     """--out: not what the evaluation reads (a model, a text, --include-path), a folder that can be created (or,
-    with --force, replaced: a report gqaify wrote, `outputs.replace_problem`), with room for the report."""
+    with --force, replaced: a report gqaify wrote, `output.destination.replace_problem`), with room for the report."""
     out = s.out
     if not out or not out.strip():
         return []  # required: a problem already

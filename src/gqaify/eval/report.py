@@ -1,5 +1,5 @@
 """The eval report: `report.json` (`Report.write`; `Report.read` reads it back typed), `report.md` (a table), PNG
-plots and `gqaify.json` (what wrote them), written as one folder that appears whole (`outputs.staged`), as a
+plots and `gqaify.json` (what wrote them), written as one folder that appears whole (`output.destination.staged`), as a
 conversion's OUT does."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A file or folder written whole or not at all: under a hidden name beside its place, renamed into place when
 complete (`written_whole`, `write_text_whole`, `file_into_place`); a full disk said in one line (`is_full_disk`).
-A command's OUT is this with OUT's own rules (`outputs.staged`)."""
+A command's OUT is this with OUT's own rules (`output.destination.staged`)."""
 
 from __future__ import annotations
 

@@ -147,6 +147,11 @@ class TextData:
     rows: int
 
 
+# The column a source of code names its text by, read where the text column asked is the default ("text") and the
+# source has none of that name (the Stack's and CodeParrot's files: a mixture's sources share one text_column).
+CODE_COLUMN = "content"
+
+
 def load_rows(
     data: str,
     split: str = "test",
@@ -210,8 +215,15 @@ def load_rows(
         problem = f"{type(exc).__name__}: {exc}"
         raise UserError(f"{option} {data} could not be loaded ({problem}); check the name or path") from exc
     columns = dataset.column_names  # None for some streamed sets: then a missing column shows on first read
+    if columns is not None and text_column == "text" and "text" not in columns and CODE_COLUMN in columns:
+        dataset, columns = (
+            dataset.rename_column(CODE_COLUMN, "text"),
+            [c if c != CODE_COLUMN else "text" for c in columns],
+        )
     if columns is not None and text_column is not None and text_column not in columns:
-        raise UserError(f"{option} {data} has no column {text_column!r}; pass --text-column with one of {columns}")
+        raise UserError(
+            f"{option} {data} has no column {text_column!r}; pass {_column_option(option)} with one of {columns}"
+        )
     if exists(path) and not corpus and not streaming and set(STORED) <= set(columns):
         fix = "write it again with gqaify generate --top-logprobs K"
         raise_if_problems(stored_problem(dataset.data.table, f"{option} {data}", fix, vocab_size=vocab_size))
@@ -249,6 +261,15 @@ def _unreachable(data: str, option: str, why: str) -> UserError:
         f"network (or HF_ENDPOINT, HF_HUB_OFFLINE), or give a local file; a dataset loaded once is kept in "
         f"datasets' cache"
     )
+
+
+def _column_option(option: str) -> str:
+    """The option that names the column of the text `option` gives: --text-column for --data, --calib-text-column for
+    --calib-data, --score-text-column for generate's --score-data; a recipe's key for uptrain's keys (its eval_data
+    is read by text_column too)."""
+    if option.startswith("--"):
+        return f"--{option[2:].removesuffix('data')}text-column"
+    return "calib_text_column" if option == "calib_data" else "text_column"
 
 
 def load_text(
