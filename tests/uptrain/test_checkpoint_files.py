@@ -95,3 +95,16 @@ def test_checkpoints_are_readable_as_every_output_is(tiny, tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for c in _checkpoints(out) for p in c.iterdir()}
     assert {"model.safetensors", "optimizer.safetensors", "state.json"} <= set(modes)
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_a_checkpoint_whose_files_hold_the_wrong_things_is_called_damaged(tiny, tmp_path, capsys):
+    """A random generators' file that parses but lacks its fields was a KeyError traceback ("internal error")."""
+    out = tmp_path / "run"
+    uptrain(parse(uptrain_args(tiny, out, "--save_every", "10", "--save_total_limit", "3")))
+    shutil.rmtree(out / "final")
+    last = _checkpoints(out)[-1]
+    (last / "rng-0.json").write_text(json.dumps({"python": []}))
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "10", "--save_total_limit", "3")]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and f"checkpoint {last} is damaged (" in err and "resume from the one before it" in err, err

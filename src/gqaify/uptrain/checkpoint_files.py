@@ -97,16 +97,19 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         rng = json.loads((folder / rng_file(accelerator.process_index)).read_text())
     except (OSError, ValueError) as exc:
         raise _damaged(folder, exc) from None
-    for alias, name in state["aliases"].items():
-        weights[alias] = weights[name]
-    set_model_state_dict(model, weights, options=_options())
-    set_optimizer_state_dict(
-        model, _torch_optimizer(optimizer), _nested_optimizer(tensors, state["optimizer"]), options=_options()
-    )
-    scheduler.load_state_dict(state["scheduler"])
-    if accelerator.scaler is not None and state["scaler"] is not None:
-        accelerator.scaler.load_state_dict(state["scaler"])
-    _set_rng_state(rng)
+    try:  # a file that parses but holds the wrong things is damage too, not an internal error
+        for alias, name in state["aliases"].items():
+            weights[alias] = weights[name]
+        set_model_state_dict(model, weights, options=_options())
+        set_optimizer_state_dict(
+            model, _torch_optimizer(optimizer), _nested_optimizer(tensors, state["optimizer"]), options=_options()
+        )
+        scheduler.load_state_dict(state["scheduler"])
+        if accelerator.scaler is not None and state["scaler"] is not None:
+            accelerator.scaler.load_state_dict(state["scaler"])
+        _set_rng_state(rng)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise _damaged(folder, f"{type(exc).__name__}: {exc}") from None
 
 
 def _read_state(folder: Path) -> dict:
@@ -130,7 +133,7 @@ def _read_state(folder: Path) -> dict:
     return state
 
 
-def _damaged(folder: Path, exc: Exception) -> UserError:
+def _damaged(folder: Path, exc: Exception | str) -> UserError:
     return UserError(
         f"checkpoint {folder} is damaged ({exc}); move it out of its checkpoints/ folder to resume from the one "
         "before it"
