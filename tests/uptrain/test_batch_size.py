@@ -89,3 +89,19 @@ def test_a_plan_of_fp8_or_of_a_device_is_refused_by_what_it_is(tiny, tmp_path, c
         assert main(["uptrain", *uptrain_args(tiny, tmp_path / "run", "--plan", str(plan_file))]) == 2
         err = capsys.readouterr().err
         assert one_line(err) and said in err, err
+
+
+def test_a_plan_under_an_fsdp_config_naming_a_class_the_model_lacks_says_so(tiny, tmp_path, capsys):
+    """The launch stopped on every rank in accelerate's traceback and torch's ChildFailedError; `--plan` says why
+    before any process starts."""
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(
+        "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
+        "  fsdp_transformer_layer_cls_to_wrap: NoSuchDecoderLayer\n"
+    )
+    assert main(["uptrain", *uptrain_args(tiny, tmp_path / "run", "--plan", str(config))]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "fsdp_transformer_layer_cls_to_wrap names NoSuchDecoderLayer, which" in err, err
+    assert "its decoder layer: LlamaDecoderLayer" in err
+    config.write_text(config.read_text().replace("NoSuchDecoderLayer", "LlamaDecoderLayer"))
+    assert main(["uptrain", *uptrain_args(tiny, tmp_path / "run", "--plan", str(config))]) == 0

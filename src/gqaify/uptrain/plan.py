@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.uptrain.sharding import decoder_layers
+from gqaify.uptrain.sharding import decoder_layers, missing_wrap_problem
 
 GIB = 2**30
 PLANNED = ("NO", "FSDP")  # with every MULTI_* type (DDP on GPUs, CPUs or other devices)
@@ -51,6 +51,7 @@ class Launch:
     processes: int
     sharded: bool
     mixed_precision: str  # "no", "bf16" or "fp16"
+    wrap: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap's classes (none: the model's decoder layer)
 
     @classmethod
     def read(cls, path: Path) -> Launch:
@@ -85,7 +86,9 @@ class Launch:
             raise UserError(
                 f"--plan {path}: gqaify plans mixed_precision no, bf16 or fp16, not {precision}; set one of them"
             )
-        return cls(processes, fsdp and processes > 1, precision)
+        wrap = (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap") if fsdp else None
+        names = [w.strip() for w in wrap.split(",")] if isinstance(wrap, str) else list(wrap or [])
+        return cls(processes, fsdp and processes > 1, precision, tuple(n for n in names if n))
 
 
 def _fsdp_version(config: dict, path: Path) -> int:
@@ -166,6 +169,8 @@ def plan(s, launch: Launch) -> MemoryPlan:
     with torch.device("meta"):
         student = _trainable_model(student_config, s)
         teacher = _model(teacher_config, teacher_config.dtype or torch.float32) if teacher_config else None
+    if problem := missing_wrap_problem(launch.wrap, student):  # the launch would stop in a traceback on every rank
+        raise UserError(f"--plan: {problem}")
     params = list(student.parameters())  # a tied weight once
     trained = [p for p in params if p.requires_grad]
     grads = _bytes(trained, n, torch.float32)

@@ -65,7 +65,13 @@ def wrap_problem(accelerator, model: torch.nn.Module) -> str | None:
     """Why FSDP cannot wrap `model` as the launch's config asks: its fsdp_transformer_layer_cls_to_wrap names a
     class the model does not have (accelerate's own error is a traceback). None where it can, or without FSDP."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    names = getattr(plugin, "transformer_cls_names_to_wrap", None) or []
+    return missing_wrap_problem(getattr(plugin, "transformer_cls_names_to_wrap", None) or [], model)
+
+
+def missing_wrap_problem(names, model: torch.nn.Module) -> str | None:
+    """Why FSDP cannot wrap `model` in the classes `names` (an accelerate config's fsdp_transformer_layer_cls_to_wrap):
+    one the model does not have, named with the model's own decoder layer; None where it can. The run asks it of the
+    launch's plugin (`wrap_problem`), `--plan` of the config file, before any process starts."""
     have = {type(m).__name__ for m in model.modules()}
     if missing := [name for name in names if name not in have]:
         layers = ", ".join(getattr(model, "_no_split_modules", None) or ()) or "none named"
