@@ -234,3 +234,11 @@ def test_a_far_target_draws_without_a_warning(tmp_path, target):
         warnings.simplefilter("error")
         plot_curve(found, None, tmp_path / "recovery.png", "far")
     assert Image.open(tmp_path / "recovery.png").size[0] > 0
+
+
+def test_a_forecast_is_said_to_two_significant_figures():
+    """Forecasts from six points were printed to seven figures ("about 312,336 more tokens"); the record keeps the
+    exact figure, the sentence says what is known."""
+    found = forecast(law(3.0, 0.3, TOKENS), 0.05)
+    expected = round(found.tokens_to_target, 2 - len(str(found.tokens_to_target)))
+    assert f"about {expected:,} more tokens" in found.sentence() and expected != found.tokens_to_target

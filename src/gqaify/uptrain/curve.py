@@ -190,11 +190,12 @@ class Forecast:
         high = (
             f"more than {REACH:,}x the tokens seen"
             if self.tokens_to_target_high is None
-            else (f"{self.tokens_to_target_high:,}")
+            else f"{significant(self.tokens_to_target_high):,}"
         )
+        about, low = significant(self.tokens_to_target), significant(self.tokens_to_target_low)
         return (
-            f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens; about {self.tokens_to_target:,} more "
-            f"tokens to reach {target} (range {self.tokens_to_target_low:,} to {high}; an extrapolation of {trend})"
+            f"mean KL {self.mean_kl:.3f} after {self.tokens_seen:,} tokens; about {about:,} more tokens to reach "
+            f"{target} (range {low:,} to {high}; an extrapolation of {trend})"
         )
 
 
@@ -303,6 +304,12 @@ def draw_curve(out: Path, target_kl: float, parent_perplexities: dict[str, float
     if any(p.tokens > 0 for p in points):  # a curve needs a point after the start
         plot_curve(found, parent_perplexities, out / PLOT_FILE, title)
     return found
+
+
+def significant(tokens: int, digits: int = 2) -> int:
+    """`tokens` to `digits` significant figures: a forecast from a few points is not known to seven (312,336 is
+    said 310,000)."""
+    return int(round(tokens, digits - len(str(abs(int(tokens)))))) if tokens else 0
 
 
 # How far past the measured KL a target is still drawn, as a factor either way: a target further off (`--target-kl
