@@ -28,7 +28,7 @@ import yaml
 
 from commands import REPO, TEXT, convert, mixture, uptrain, write_texts
 from gqaify.records import read_run
-from panel_recovery import final_eval
+from panel_recovery import final_eval, panel_table
 
 RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
 TRAINING_KEYS = (
@@ -102,25 +102,8 @@ def main() -> None:
 
 def write_results(out: Path, report: dict, args) -> None:
     names = ["parent"] + [f"{arm}, {stage}" for arm in ARMS for stage in ("converted", f"{args.tokens:,} tokens")]
-    texts = [t["name"] for t in report["data"]]
-    lines = [
-        f"calibration {args.calib_tokens:,} tokens, {args.refine_steps} refinement steps; training {args.tokens:,}",
-        "",
-        "| model | " + " | ".join(texts) + " | mean KL | worst × parent |",
-        "|---" * (len(texts) + 3) + "|",
-    ]
-    for name, model in zip(names, report["models"], strict=True):
-        cells = [
-            f"{t['perplexity']:.2f}" + ("" if t["ratio_to_parent"] is None else f" ({t['ratio_to_parent']:.2f}×)")
-            for t in model["texts"]
-        ]
-        scores = model["panel"]
-        cells += [
-            "—" if scores is None else f"{scores['mean_kl_to_parent']:.3f}",
-            "—" if scores is None else f"{scores['worst_ratio_to_parent']:.2f}× ({scores['worst_text']})",
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    budget = f"calibration {args.calib_tokens:,} tokens, {args.refine_steps} refinement steps; training {args.tokens:,}"
+    table = f"{budget}\n\n{panel_table(names, report, tasks=False)}"
     (out / "code_mixture.md").write_text(table + "\n")
     (out / "code_mixture.json").write_text(json.dumps({"names": names, "report": report}, indent=2))
     print(table)

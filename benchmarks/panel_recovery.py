@@ -144,28 +144,33 @@ def final_eval(gguf: Path, models: list[Path], texts: dict[str, Path], out: Path
 
 def write_results(out: Path, report: dict, tokens: int) -> None:
     names = ["parent"] + [f"{v}, {stage}" for v in VARIANTS for stage in ("no training", f"{tokens:,} tokens")]
+    table = panel_table(names, report)
+    (out / "panel_recovery.md").write_text(table + "\n")
+    (out / "panel_recovery.json").write_text(json.dumps({"names": names, "report": report}, indent=2))
+    print(table)
+
+
+def panel_table(names: list[str], report: dict, tasks: bool = True) -> str:
+    """The panel's markdown table of an eval report: a row per model (`names`), each text's perplexity and ratio to
+    the parent, the mean KL, the worst ratio and (with `tasks`) story_endings."""
     texts = [t["name"] for t in report["data"]]
-    lines = [
-        "| model | " + " | ".join(texts) + " | mean KL | worst × parent | story_endings |",
-        "|---" * (len(texts) + 4) + "|",
-    ]
+    heads = ["mean KL", "worst × parent", *(["story_endings"] if tasks else [])]
+    lines = ["| model | " + " | ".join([*texts, *heads]) + " |", "|---" * (len(texts) + len(heads) + 1) + "|"]
     for name, model in zip(names, report["models"], strict=True):
         cells = [
             f"{t['perplexity']:.2f}" + ("" if t["ratio_to_parent"] is None else f" ({t['ratio_to_parent']:.2f}×)")
             for t in model["texts"]
         ]
         scores = model["panel"]
-        acc = next((t for t in model.get("tasks") or [] if t["metric"] == "acc_norm"), None)
         cells += [
             "—" if scores is None else f"{scores['mean_kl_to_parent']:.3f}",
             "—" if scores is None else f"{scores['worst_ratio_to_parent']:.2f}× ({scores['worst_text']})",
-            "—" if acc is None else f"{acc['value']:.3f} ± {acc['stderr']:.3f}",
         ]
+        if tasks:
+            acc = next((t for t in model.get("tasks") or [] if t["metric"] == "acc_norm"), None)
+            cells.append("—" if acc is None else f"{acc['value']:.3f} ± {acc['stderr']:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (out / "panel_recovery.md").write_text(table + "\n")
-    (out / "panel_recovery.json").write_text(json.dumps({"names": names, "report": report}, indent=2))
-    print(table)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
