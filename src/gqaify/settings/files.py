@@ -265,7 +265,7 @@ def _check_keys(
         raise UserError(f"{where} {what}, not {stage.command}'s; {fix}")
     if stage.foreign_file is not None and (said := stage.foreign_file(values, where)):
         raise UserError(said)
-    if {"distributed_type", "compute_environment"} & set(unknown):  # accelerate's own file, given to gqaify
+    if is_accelerate_config(values):  # accelerate's own file, given to gqaify (uptrain's foreign_file says it first)
         raise UserError(
             f"{where} is an accelerate config (distributed_type, compute_environment), not gqaify settings: give it "
             f"to `accelerate launch --config_file {shlex.quote(str(path))} -m gqaify.uptrain`, or to uptrain's --plan"
@@ -278,6 +278,12 @@ def _check_keys(
     problems = [f"unknown key {shown(key)}{nearest(stage, str(key))}" for key in unknown[:5]]
     more = [f"and {len(unknown) - 5} more unknown keys"] if len(unknown) > 5 else []
     raise UserError(f"{where}: " + "; ".join(problems + more))
+
+
+def is_accelerate_config(values: dict) -> bool:
+    """Whether a settings file's `values` are an accelerate config: accelerate writes compute_environment and
+    distributed_type into every config it makes, and no gqaify command has either."""
+    return {"compute_environment", "distributed_type"} <= set(values)
 
 
 def _owner(stage: Stage, keys: list, stages: tuple[Stage, ...]) -> Stage | None:

@@ -216,10 +216,8 @@ def load_rows(
         raise UserError(f"{option} {data} could not be loaded ({problem}); check the name or path") from exc
     columns = dataset.column_names  # None for some streamed sets: then a missing column shows on first read
     if columns is not None and text_column == "text" and "text" not in columns and CODE_COLUMN in columns:
-        dataset, columns = (
-            dataset.rename_column(CODE_COLUMN, "text"),
-            [c if c != CODE_COLUMN else "text" for c in columns],
-        )
+        dataset = dataset.rename_column(CODE_COLUMN, "text")
+        columns = dataset.column_names
     if columns is not None and text_column is not None and text_column not in columns:
         raise UserError(
             f"{option} {data} has no column {text_column!r}; pass {_column_option(option)} with one of {columns}"

@@ -37,6 +37,7 @@ from gqaify.settings import (
     read_config,
     setting,
 )
+from gqaify.settings.files import is_accelerate_config
 from gqaify.settings.groups import Hub, Progress, Seed, TrustRemoteCode
 from gqaify.text.loading import named_texts_problem
 
@@ -409,9 +410,8 @@ PLAN = Option(
 
 
 def _accelerate_config(values: dict, where: str) -> str | None:
-    """The refusal of an accelerate config given as a recipe (accelerate writes compute_environment and
-    distributed_type into every config it makes), or None."""
-    if not {"compute_environment", "distributed_type"} <= set(values):
+    """The refusal of an accelerate config given as a recipe (`settings.files.is_accelerate_config`), or None."""
+    if not is_accelerate_config(values):
         return None
     path = shlex.quote(where.split(" ", 1)[-1])
     return (
