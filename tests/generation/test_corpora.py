@@ -120,6 +120,14 @@ ATTACKS = {
         lambda f: edit_record(f, lambda r: r.update(vocab_size=-1)),
         "says vocab_size -1, which no tokenizer has: it is damaged",
     ),
+    "record-tokens-float": (  # it blamed changed shards and suggested writing into the non-empty OUT
+        lambda f: edit_record(f, lambda r: r.update(tokens=1e30)),
+        "tokens 1e+30 is not a whole number); write it again (gqaify generate)",
+    ),
+    "record-tokens-past-its-shards": (
+        lambda f: edit_record(f, lambda r: r.update(tokens=10**30)),
+        "says tokens 1,000,000,000,000,000,000,000,000,000,000, more than its 16 samples of at most 12 tokens",
+    ),
     "record-of-a-later-gqaify": (
         lambda f: edit_record(f, lambda r: r.update(version="99.0", pixels=3)),  # a field this gqaify does not know
         "holds a corpus written by gqaify 99.0, whose record this gqaify",

@@ -192,7 +192,8 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
     if tokens != record.tokens:
         return [
             f"{where} holds {tokens:,} tokens, its record {record.tokens:,}; the shards were changed "
-            f"since gqaify generate wrote them: write the corpus again ({rerun}) into an empty OUT"
+            f"since gqaify generate wrote them: write the corpus again into an empty OUT (gqaify generate --config "
+            f"{record_file} --out NEW)"
         ]
     return []
 
@@ -205,6 +206,7 @@ _COUNTS = {
     "tokens": 0,
     "settings.tokens": 1,
     "settings.batch_size": 1,
+    "settings.length": 1,
     "settings.top_logprobs": 0,
 }
 
@@ -229,6 +231,12 @@ def count_problem(record: CorpusRecord, where: str) -> str | None:
         return (
             f"{where} says {record.shards:,} shards of {batch:,} samples (settings.batch_size), but "
             f"{record.samples:,} samples: it is damaged"
+        )
+    length = record.settings.get("length")  # None: a record written before it was kept
+    if length is not None and record.tokens > record.samples * length:
+        return (
+            f"{where} says tokens {record.tokens:,}, more than its {record.samples:,} samples of at most {length:,} "
+            "tokens (settings.length) hold: it is damaged"
         )
     return None
 
