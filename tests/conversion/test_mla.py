@@ -339,6 +339,18 @@ def test_what_an_mla_conversion_cannot_be_is_one_line_and_writes_nothing(parent,
     assert sorted(tmp_path.iterdir()) == [] and tree_hashes(parent) == before
 
 
+@pytest.mark.parametrize("argv", [["--kv-heads", "1"], ["--kv-heads", "1", "--attention", "mla", "--kv-cut", "2"]])
+def test_an_mla_output_converted_again_is_refused_for_what_it_is_and_names_its_parent(parent, tmp_path, capsys, argv):
+    """Converting an MLA output again blamed the rope_type (longrope) gqaify itself wrote, a missing --calib-data and
+    the architecture at once; the one reason is that no shape converts latent attention: convert its parent."""
+    mla = tmp_path / "mla"
+    assert main(["convert", str(parent), str(mla), "--kv-heads", "2", "--attention", "mla", "-q"]) == 0
+    code, err = run_cli(capsys, "convert", mla, tmp_path / "again", *argv)
+    assert code == 2 and one_line(err)
+    assert "gqaify does not convert 'deepseek_v3'" in err and f"conversion of {parent}: convert that instead" in err
+    assert "longrope" not in err and "--calib-data" not in err and not (tmp_path / "again").exists()
+
+
 def test_a_float16_source_is_refused_unless_another_dtype_is_named(tmp_path, capsys):
     """float16 cannot hold the latent (about 1e-8): a source stored in it would have made a model of zeros."""
     src = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320).half(), tmp_path / "half")

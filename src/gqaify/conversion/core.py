@@ -183,10 +183,22 @@ class _Plan:
     size: int  # the bytes the conversion writes, at most
 
 
+def _converted_from(source: Source) -> str:
+    """Where a source gqaify itself converted (an MLA output, which no shape converts again) came from: "; it is
+    gqaify's conversion of P: convert P instead", or "" for any other source."""
+    try:
+        record = ConversionRecord.read(source.directory) if source.kind == "local" else None
+    except ValueError:  # a damaged record: the source is refused for its architecture all the same
+        record = None
+    return "" if record is None else f"; it is gqaify's conversion of {record.source.name}: convert that instead"
+
+
 def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink | GgufSink) -> _Plan:
     """Every problem the opened source shows (config.json, overlap with OUT, what the sink and the method cannot
     take, the calibration text), raised at once; else the plan of the output."""
     checked = config_problems(source.config, s.kv_heads, request.calibration)
+    if checked.spec is None:  # a model gqaify does not convert: nothing else is checked against it
+        raise_if_problems([f"{checked.problems[0]}{_converted_from(source)}", *checked.problems[1:]])
     raise_if_problems(
         checked.problems,
         overlap_problems(source, request.out),
