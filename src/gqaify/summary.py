@@ -41,7 +41,7 @@ def _mla_lines(mla) -> list[str]:
         how = "its PCA start on the calibration text (not fitted)"
     lines = [f"  MLA             latent {mla.kv_rank} + rotary key {mla.rope_dims} values per token and layer, {how}"]
     if mla.starts:
-        tried = ", ".join(f"{trial.start} {trial.kl:.4g}" for trial in mla.starts)
+        tried = mla.starts_tried
         kept = "the parent compressed" if mla.from_parent else f"the exact rewrite of {mla.starts[0].start}"
         on = mla.judge_text
         why = f"the closer on {on}"

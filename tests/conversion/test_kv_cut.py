@@ -103,6 +103,9 @@ def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent
     assert mla["judged_on"] == 2048  # the calibration text's next 2,048 tokens (below)
     assert "from the parent)" in said and "MLA start       the parent compressed" in said
     assert "the closer on 2,048 tokens of calibration text no fit read" in said
+    # both KLs to the same decimals (the summary printed 2.9 beside 0.9828), as the card says them too
+    tried = f"GQA-2 {kls['GQA-2']:.3f}, parent {kls['parent']:.3f}"
+    assert f"(KL {tried} nats/token)" in said and f"(KL per token: {tried})" in (out / "README.md").read_text()
     assert "K/V heads       4, the parent's, compressed into the latent" in said and "fit error" not in said
     assert "from the parent) in " in said  # the unkept GQA-2 conversion's --method is not the written model's
     read = ConversionRecord.read(out)  # read back typed

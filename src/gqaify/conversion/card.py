@@ -175,7 +175,7 @@ def _mla_line(record: ConversionRecord) -> str:
         f"caches {2 * record.kv_heads * g.head_dim}; transformers' cache holds the latent."
     )
     if mla.starts:
-        tried = ", ".join(f"{trial.start} {trial.kl:.4g}" for trial in mla.starts)
+        tried = mla.starts_tried
         text += (
             f" Two starts were tried at this cache and the closer to the parent on {mla.judge_text} kept "
             f"(KL per token: {tried})."

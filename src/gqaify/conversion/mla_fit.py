@@ -262,12 +262,12 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
         mla.load_state_dict(unfitted)
         LOG.warning(
             "the layer-by-layer fit took the MLA model further from its parent on the held-out calibration windows "
-            "(KL %.4g -> %.4g nats/token): it is kept as the PCA made it",
+            "(KL %.3f -> %.3f nats/token): it is kept as the PCA made it",
             before,
             after,
         )
         return False
     LOG.info(
-        "fitted %d MLA layers on %d calibration windows: KL %.4g -> %.4g", len(layers), len(windows), before, after
+        "fitted %d MLA layers on %d calibration windows: KL %.3f -> %.3f", len(layers), len(windows), before, after
     )
     return True

@@ -46,6 +46,12 @@ class StartTrial:
     start: str
     kl: float
 
+    @staticmethod
+    def listed(starts: list[StartTrial]) -> str:
+        """The starts and their KLs as the log, the summary and the card list them (`MlaRecord.starts_tried`):
+        "GQA-2 2.900, parent 0.983", every KL to the same decimals, so that they read as the comparison they are."""
+        return ", ".join(f"{trial.start} {trial.kl:.3f}" for trial in starts)
+
 
 @dataclass(frozen=True)
 class MlaRecord:
@@ -75,6 +81,11 @@ class MlaRecord:
     @property
     def cached_per_token(self) -> int:
         return self.kv_rank + self.rope_dims
+
+    @property
+    def starts_tried(self) -> str:
+        """The starts tried and their KLs (`StartTrial.listed`; "" where none was)."""
+        return StartTrial.listed(self.starts or [])
 
     @property
     def judge_text(self) -> str:
@@ -217,12 +228,12 @@ def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, 
         StartTrial("parent", held_out_kl(parent(), compressed, check)),
     ]
     on = "the fits' held-out windows" if judged_on is None else f"{judged_on:,} unseen calibration tokens"
-    LOG.info("KL to the parent on %s: %s", on, ", ".join(f"{t.start} {t.kl:.4g}" for t in starts))
+    LOG.info("KL to the parent on %s: %s", on, StartTrial.listed(starts))
     for_llama_cpp = is_gguf_out(s.out) and s.kv_heads > 1  # the G heads' rotary blocks would repeat frequencies
     if for_llama_cpp and starts[0].kl < starts[1].kl:
         LOG.warning(
             "for llama.cpp, the %s model at this cache was closer to the parent than MLA on calibration text no "
-            "fit read (KL %.4g against %.4g nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
+            "fit read (KL %.3f against %.3f nats/token): llama.cpp's MLA turns one slot per frequency, which %d "
             "K/V heads' rotary keys outgrow; --attention gqa --kv-heads %d writes that model",
             starts[0].start, starts[0].kl, starts[1].kl, s.kv_heads, s.kv_heads,
         )  # fmt: skip
