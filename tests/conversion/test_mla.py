@@ -318,6 +318,8 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
     assert entry.kv_cache_bytes_per_token == (16 + 16) * layers * 4 and entry.kv_latent == 32
     assert entry.kv_cache_bytes_analytic == entry.kv_cache_bytes_measured == 32 * (16 + 16) * layers * 4
     assert entry.attention == "MLA 32"
+    # the kv heads column held "MLA 32", a count of values: latent attention has no K/V heads, and says what it caches
+    assert f"| {out.name} | none (MLA: 32 values) |" in (tmp_path / "report" / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,23 @@ def test_models_of_one_folder_name_are_told_apart_in_every_table(two_runs):
     assert panel.split() == ["text", "tokens", "parent", "up1/final", "up2/final"]
 
 
+def test_the_report_says_only_what_it_measured_and_names_models_as_the_panel_does(two_runs):
+    """With --no-speed, report.md explained a decode measurement and kept empty speed columns; its tables named
+    models by full path where the panel's names them by their shortest distinct ending; the KV bytes measured
+    (a window's) stood beside bytes per token without saying of how many tokens; a .txt was described with a split
+    and a column it does not have."""
+    assert two_runs["code"] == 0
+    md = (two_runs["out"] / "report.md").read_text()
+    assert "decode" not in md.lower() and "prefill" not in md and "Speed was not measured (--no-speed)." in md
+    rows = [line.split(" | ")[0] for line in md.splitlines() if line.startswith("| ") and "KV" not in line]
+    assert rows[:3] == rows[3:6] == ["| parent", "| up1/final", "| up2/final"]  # the main table, then the second
+    printed = [line.split()[0] for line in two_runs["printed"].splitlines()[2:5]]
+    assert printed == ["parent", "up1/final", "up2/final"] and "decode" not in two_runs["printed"]
+    assert "| KV bytes of a 32-token window, measured = analytic |" in md
+    prose = two_runs["report"]["data"][0]
+    assert f"(a text file of {prose['characters']:,} characters)" in md and "column `text`" not in md
+
+
 def test_seq_len_defaults_to_the_models_positions(tiny, tmp_path):
     """The default used to be 2,048 whatever the models, refused for a model of fewer positions."""
     out = tmp_path / "r"

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from gqaify import convert, evaluate
 from gqaify.eval.continuations import DEFAULT_PROMPTS
 from gqaify.eval.perplexity import perplexity
-from gqaify.eval.report import PLOT_TASKS, md_cell
+from gqaify.eval.plots import PLOT_TASKS
+from gqaify.eval.report import md_cell
 from gqaify.eval.settings import EVAL, EvalSettings
 from gqaify.eval.tasks import TaskRequest, harness_model
 from gqaify.model.loading import load_model

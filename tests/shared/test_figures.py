@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gqaify.eval.report import PLOT_SIZE, plot_panel
+from gqaify.eval.plots import PLOT_SIZE, plot_panel
 from helpers import REPO
 
 
@@ -83,7 +83,7 @@ def test_matplotlibs_warnings_stay_out_of_the_terminal_and_go_to_the_log(tmp_pat
     code = (
         "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], str(Path(sys.argv[1]).parent)]; "
         "from test_figures import panel_report; "
-        "from gqaify.eval.report import plot_panel; plot_panel(panel_report(['wiki'], '模型'), Path(sys.argv[2]))"
+        "from gqaify.eval.plots import plot_panel; plot_panel(panel_report(['wiki'], '模型'), Path(sys.argv[2]))"
     )
     done = subprocess.run(
         [sys.executable, "-W", "always", "-c", code, str(REPO / "tests" / "shared"), str(tmp_path / "panel.png")],

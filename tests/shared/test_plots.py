@@ -14,7 +14,7 @@ import pytest
 from matplotlib.colors import to_rgba
 
 from gqaify.entry.cli import main
-from gqaify.eval.report import plot_diagnostics, plot_panel, plot_perplexity_vs_kv, plot_tasks_vs_kv
+from gqaify.eval.plots import plot_diagnostics, plot_panel, plot_perplexity_vs_kv, plot_tasks_vs_kv
 from gqaify.eval.results import TaskScore
 from gqaify.figures import plain_number, round_ticks
 from gqaify.uptrain.curve import CurvePoint, forecast, plot_curve
@@ -289,3 +289,28 @@ def test_the_panel_of_the_parent_alone_says_so(drawn, tmp_path):
     """With the parent alone the panel said "no converted model shares the parent's tokenizer"."""
     plot_panel(eval_report(1), tmp_path / "panel.png")
     assert [t.get_text() for t in drawn[-1].axes[0].texts] == ["the parent alone: no model beside it"]
+
+
+def test_a_model_drawn_where_another_is_shows_around_it_and_says_so(drawn, tmp_path):
+    """An exact MLA rewrite evaluated beside the GQA model it rewrites lies on that model's point and line: drawn
+    alike over it, one of them was hidden while the legend named both. The later one is a ring around the point
+    (wider than the point) and a dotted line of hollow markers over the line, and its legend entry says whose."""
+    report = eval_report(4)
+    twin = report.models[3]
+    twin.model, twin.attention = "runs/mla", "MLA 96"
+    first = report.models[1]
+    twin.perplexity, twin.kv_cache_bytes_per_token = first.perplexity, first.kv_cache_bytes_per_token
+    twin.diagnostics = SimpleNamespace(**vars(first.diagnostics))
+    plot_perplexity_vs_kv(report, tmp_path / "kv.png")
+    plot_diagnostics(report, tmp_path / "diagnostics.png")
+    kv, diagnostics = (fig.axes[0] for fig in drawn)
+    handles, labels = kv.get_legend_handles_labels()
+    assert labels[3] == "mla (MLA 96), at m1's point" and labels[2] == "m2 (G=2)"  # m2 elsewhere: drawn as before
+    ring, dot = handles[3], handles[1]
+    assert len(ring.get_facecolor()) == 0 and ring.get_sizes()[0] > 2 * dot.get_sizes()[0]
+    assert list(ring.get_offsets()[0]) == list(dot.get_offsets()[0])
+    lines = {line.get_label(): line for line in diagnostics.get_lines()}
+    over, under = lines["mla (KL 0.100), the same as m1"], lines["m1 (KL 0.100)"]
+    assert list(over.get_ydata()) == list(under.get_ydata()) and over.get_linestyle() == ":"
+    assert over.get_markerfacecolor() == "none" and over.get_markersize() > under.get_markersize()
+    assert lines["m2 (KL 0.100)"].get_linestyle() == "-"

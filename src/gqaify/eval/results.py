@@ -14,6 +14,7 @@ from gqaify._version import __version__
 from gqaify.errors import UserError
 from gqaify.records import TOOL, as_json, from_json
 from gqaify.summary import printable
+from gqaify.text.loading import is_text_file
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +97,14 @@ class TextInfo:
     text_column: str
     rows: int
     characters: int
+
+    @property
+    def described(self) -> str:
+        """Where the text was read, as report.md says it: a text file by its length (read whole: no split, no
+        column); a dataset by its split, column and rows."""
+        if is_text_file(self.source):
+            return f"a text file of {self.characters:,} characters"
+        return f"{self.split}, column `{self.text_column}`, {self.rows:,} rows"
 
 
 @dataclass
@@ -309,6 +318,12 @@ def _finite(value):
     if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
+
+
+def labels_of(report: Report) -> list[str]:
+    """How the report's tables and plots name each of its models (`model_labels`): up1/final and up2/final, not
+    final twice."""
+    return model_labels([m.model for m in report.models])
 
 
 def model_labels(names: list[str]) -> list[str]:

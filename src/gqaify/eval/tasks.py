@@ -226,6 +226,11 @@ def scores_of(results: dict) -> list[TaskScore]:
     return scores
 
 
+def headlines(models: list) -> list[dict[str, TaskScore]]:
+    """Each of `models`' (`results.ModelReport`) headline score per task (`headline`), in their order."""
+    return [headline(m.tasks or []) for m in models]
+
+
 def headline(scores: list[TaskScore]) -> dict[str, TaskScore]:
     """One score per task for plots and logs: acc_norm where the task has it, else acc, else its first metric."""
     by_task: dict[str, list[TaskScore]] = {}

@@ -32,6 +32,11 @@ SILENT = logging.CRITICAL + 1  # a logger's level that lets nothing through
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+def is_text_file(source: str) -> bool:
+    """Whether `source` names a plain-text file, read whole as one document (no split, no column to speak of)."""
+    return _BUILDERS.get(Path(source).suffix.lower()) == "text"
+
+
 @dataclass(frozen=True)
 class NamedText:
     """One text of a panel or a mixture: `NAME=SOURCE`, or SOURCE alone (named by its file's stem or the hub
