@@ -314,3 +314,29 @@ def test_a_model_drawn_where_another_is_shows_around_it_and_says_so(drawn, tmp_p
     assert list(over.get_ydata()) == list(under.get_ydata()) and over.get_linestyle() == ":"
     assert over.get_markerfacecolor() == "none" and over.get_markersize() > under.get_markersize()
     assert lines["m2 (KL 0.100)"].get_linestyle() == "-"
+
+
+def test_the_recovery_plot_draws_the_forecast_as_the_range_its_sentence_gives(drawn, tmp_path):
+    """The text gave a range ("about N more tokens (range L to H)") and the plot one dashed line: the band is the
+    line's SPREAD standard errors either side, drawn on to the range's far end."""
+    import math
+
+    from gqaify.uptrain.curve import SPREAD
+
+    wobble = [1.0, 1.08, 0.93, 1.05, 0.96, 1.04, 0.97]  # a power law, measured with some noise
+    tokens = [0, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000]
+    points = [
+        CurvePoint(t, t / 100, 2.0 * max(t, 1_000) ** -0.3 * w, 1.5, {"wiki": 12.0}) for t, w in zip(tokens, wobble)
+    ]
+    found = forecast(points, 0.04)
+    assert found.status == "on track" and found.tokens_to_target_low < found.tokens_to_target_high
+    plot_curve(found, {"wiki": 10.0}, tmp_path / "recovery.png", "a run")
+    by_tokens = drawn[-1].axes[0]
+    [band] = [c for c in by_tokens.collections if c.get_label() == "forecast range"]
+    xs = [x for x, _ in band.get_paths()[0].vertices]
+    law = found.law
+    for x, y in band.get_paths()[0].vertices[1:-1]:  # the edges: the line times e^(± SPREAD s.e.) at each x
+        edges = [law.at(x) * math.exp(side * SPREAD * law.log_kl_se(x)) for side in (-1, 1)]
+        assert min(abs(y - e) / e for e in edges) < 1e-9
+    assert max(xs) >= found.tokens_seen + found.tokens_to_target_high  # on to where the range ends
+    assert "forecast range" in by_tokens.get_legend_handles_labels()[1]

@@ -333,12 +333,14 @@ def plot_curve(found: Forecast, parent_perplexities: dict[str, float] | None, pa
         if kl:
             by_tokens.plot([t for t, _, _ in kl], [k for _, _, k in kl], marker="o", label="mean KL")
             by_seconds.plot([s for _, s, _ in kl], [k for _, _, k in kl], marker="o", label="mean KL")
-        if found.law is not None:
-            end = max(found.tokens_seen + (found.tokens_to_target or 0), found.tokens_seen) * 1.05
-            end = min(end, found.tokens_seen * TARGET_DRAWN_WITHIN)  # a far target's line stops within the plot
+        if (law := found.law) is not None:
+            further = found.tokens_to_target_high or found.tokens_to_target or 0  # the range's far end, where known
+            end = min(found.tokens_seen + further, found.tokens_seen * TARGET_DRAWN_WITHIN) * 1.05  # within the plot
             first = math.log(min(p.tokens for p in points if p.tokens > 0))
             xs = [math.exp(first + i / 40 * (math.log(end) - first)) for i in range(41)]  # even in log(tokens)
-            by_tokens.plot(xs, [found.law.at(x) for x in xs], "--", color="gray", label="trend (extrapolated)")
+            by_tokens.plot(xs, [law.at(x) for x in xs], "--", color="gray", label="trend (extrapolated)")
+            edges = [[law.at(x) * math.exp(side * min(SPREAD * law.log_kl_se(x), 50)) for x in xs] for side in (-1, 1)]
+            by_tokens.fill_between(xs, *edges, color="gray", alpha=0.15, linewidth=0, label="forecast range")
         if kl and _on_the_plot(found.target_kl, [k for _, _, k in kl]):  # a far target would squash the points
             by_tokens.axhline(found.target_kl, color="black", linestyle=":", label=f"target {found.target_kl:g}")
         for ax, label, xs in (
