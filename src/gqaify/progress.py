@@ -1,5 +1,6 @@
-"""The progress bar every long step shows (`progress_bar`): tqdm's, drawn where standard error is a terminal, and
-none where it is not (a log, a pipe) or the command was asked for none (`--no-progress`, `-q`).
+"""The progress bar every long step shows (`progress_bar`): tqdm's, drawn where standard error is a terminal; where
+it is not (a log, a pipe), a line of the bar's figures at most once a `LOG_EVERY`, and none for work done sooner;
+nothing where the command was asked for none (`--no-progress`, `-q`).
 
 A terminal that reports no size (a pseudo-terminal nobody sized: `script`, `ssh -T`, some IDEs and CI consoles)
 made tqdm draw nothing at all for the minutes of a fit: it takes 0 rows as no room for a bar. Such a terminal is
@@ -14,13 +15,42 @@ import sys
 from tqdm.auto import tqdm
 
 UNSIZED = (80, 24)  # the columns and rows of a terminal that reports no size
+LOG_EVERY = 60.0  # seconds: in a log, a line of the bar's figures at most this often, the first after this long
 
 
 def progress_bar(iterable=None, *, shown: bool, **kwargs) -> tqdm:
-    """A tqdm bar over `iterable` (or updated by hand, with total=), drawn where `shown` and standard error is a
-    terminal; `kwargs` are tqdm's (desc, unit, total, initial...)."""
+    """A tqdm bar over `iterable` (or updated by hand, with total=), where `shown`: drawn on a terminal, written as
+    lines to a log (`_Lines`); `kwargs` are tqdm's (desc, unit, total, initial...)."""
+    if not shown:
+        return tqdm(iterable, disable=True, **kwargs)
+    if not _on_a_terminal():  # tqdm's figures alone (ncols=0), each its own line, the last when the work ends
+        lines = _Lines(sys.stderr)
+        return tqdm(iterable, file=lines, ncols=0, mininterval=LOG_EVERY, delay=LOG_EVERY, miniters=1, **kwargs)
     columns, rows = _size()
-    return tqdm(iterable, disable=not shown or None, ncols=columns, nrows=rows, **kwargs)
+    return tqdm(iterable, ncols=columns, nrows=rows, **kwargs)
+
+
+class _Lines:
+    """Where a bar writes in a log: each status tqdm draws ("\\rcalibrating:  40%| 12/30 [01:00<01:30, ...]"), one
+    line of its own, rather than one line of carriage returns that a log shows whole at the end."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        if line := text.strip("\r\n").rstrip():
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _on_a_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (ValueError, AttributeError):  # closed, or no standard error at all
+        return False
 
 
 def _size() -> tuple[int | None, int | None]:
