@@ -326,7 +326,8 @@ def test_the_recovery_plot_draws_the_forecast_as_the_range_its_sentence_gives(dr
     wobble = [1.0, 1.08, 0.93, 1.05, 0.96, 1.04, 0.97]  # a power law, measured with some noise
     tokens = [0, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000]
     points = [
-        CurvePoint(t, t / 100, 2.0 * max(t, 1_000) ** -0.3 * w, 1.5, {"wiki": 12.0}) for t, w in zip(tokens, wobble)
+        CurvePoint(t, t / 100, 2.0 * max(t, 1_000) ** -0.3 * w, 1.5, {"wiki": 12.0})
+        for t, w in zip(tokens, wobble, strict=True)
     ]
     found = forecast(points, 0.04)
     assert found.status == "on track" and found.tokens_to_target_low < found.tokens_to_target_high
