@@ -135,6 +135,46 @@ def test_an_mla_cut_whole_heads_make_keeps_the_exact_rewrite_where_it_is_closer(
     assert kept.keys() == expected.keys() and all(torch.equal(kept[k], expected[k]) for k in kept)
 
 
+@pytest.mark.parametrize(
+    ("told", "kept"),
+    [
+        ({"prose": (0.5, 0.2), "verse": (0.3, 0.4)}, "exact"),  # the parent's closer as a whole, further on verse
+        ({"prose": (0.5, 0.2), "verse": (0.3, 0.25)}, "parent"),  # closer on each source
+    ],
+)
+def test_the_parent_start_is_kept_only_where_it_is_closer_on_every_calibration_source(
+    parent, tmp_path, monkeypatch, capsys, told, kept
+):
+    """Judged on unseen calibration text of three mixed sources, SmolLM2's parent start was the closer and was kept,
+    yet was further than MQA on three of four kinds of text of a larger panel. The starts are judged source by
+    source: where they disagree, the exact rewrite of the G-head model is kept (the KLs are told here, per source, in
+    the order the judge measures them: the exact rewrite's, then the parent's, each source in --calib-data order)."""
+    import gqaify.conversion.mla_output as mla_output
+
+    (tmp_path / "prose.txt").write_text(CORPUS * 8)
+    (tmp_path / "verse.txt").write_text(" ".join(reversed(CORPUS.split())) * 8)
+    order = iter([told[name][start] for start in (0, 1) for name in ("prose", "verse")])
+    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(order))
+    calib = ["--calib-data", str(tmp_path / "prose.txt"), str(tmp_path / "verse.txt"), "--calib-seq-len", "64"]
+    calib += ["--calib-tokens", "2048"]
+    out, alone = tmp_path / "cut", tmp_path / "alone"
+    assert main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", *calib]) == 0
+    said = capsys.readouterr().out
+    mla = ConversionRecord.read(out).mla
+    assert [start.by_source for start in mla.starts] == [{n: kls[i] for n, kls in told.items()} for i in (0, 1)]
+    assert mla.starts[1].kl < mla.starts[0].kl  # the parent's start closer as a whole either way
+    if kept == "exact":
+        assert not mla.from_parent and mla.further_on == ["verse"]
+        assert "MLA start       the exact rewrite of GQA-2, as the parent's start, closer on" in said
+        assert "as a whole, was further on verse (KL" in said
+        assert "was further on verse, so the exact rewrite was kept" in (out / "README.md").read_text()
+        assert main(["convert", str(parent), str(alone), "--attention", "mla", "--kv-heads", "2", *calib, "-q"]) == 0
+        written, expected = weights(out), weights(alone)
+        assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in written)
+    else:
+        assert mla.from_parent and mla.further_on == [] and "MLA start       the parent compressed, the closer" in said
+
+
 @pytest.mark.parametrize(("tokens", "unseen"), [(2048, 2048), (4096, 2432), (6528, 0)])
 def test_the_two_starts_are_judged_on_calibration_text_no_fit_read(parent, tmp_path, monkeypatch, tokens, unseen):
     """Both starts read every calibration window (GQA's fit its second moments, MLA's its covariance), so the judge

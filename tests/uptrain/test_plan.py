@@ -187,3 +187,22 @@ def test_a_batch_the_run_refuses_is_refused_before_planning(tiny, tmp_path, caps
     assert main(argv) == 2
     assert said in one_line(capsys.readouterr().err) and time.monotonic() - start < 10
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU is told")
+def test_a_plan_of_several_gpu_processes_says_what_stops_them_on_a_machine_without_a_gpu(tiny, tmp_path, monkeypatch):
+    """Launched on a CPU machine without ACCELERATE_USE_CPU, each process refused and torch's launcher printed its
+    ChildFailedError traceback after gqaify's line; the plan made here says so first, and how to launch here."""
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    settings = parse(args(tiny, tmp_path / "run"))
+    multi = plan(settings, Launch.read(find("accelerate/multi-gpu"))).table()
+    assert multi.splitlines()[-1] == (
+        "note: this machine has no GPU: launched here, the 8 processes would join no group; launch with "
+        "ACCELERATE_USE_CPU=1 (or plan here what a GPU machine will run)"
+    )
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    assert "note:" not in plan(settings, Launch.read(find("accelerate/multi-gpu"))).table()
+    on_cpus = tmp_path / "cpus.yaml"
+    on_cpus.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\n")
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    assert "note:" not in plan(settings, Launch.read(on_cpus)).table()

@@ -331,7 +331,7 @@ def _detail_lines(report: Report) -> list[str]:
         errors = diag.attention_relative_error if diag else []
         same = "=" if m.kv_cache_bytes_measured == m.kv_cache_bytes_analytic else "≠"
         cells = [
-            md_cell(label),
+            printable(label),  # as the main table names it
             f"{m.word_perplexity:,.2f}",
             f"{m.bits_per_byte:.4f}",
             f"{m.kv_cache_bytes_measured:,} {same} {m.kv_cache_bytes_analytic:,}",

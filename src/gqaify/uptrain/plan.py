@@ -52,6 +52,7 @@ class Launch:
     sharded: bool
     mixed_precision: str  # "no", "bf16" or "fp16"
     wrap: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap's classes (none: the model's decoder layer)
+    on_cpus: bool = False  # several processes, launched on CPUs (MULTI_CPU, or use_cpu: true)
 
     @classmethod
     def read(cls, path: Path) -> Launch:
@@ -88,7 +89,21 @@ class Launch:
             )
         wrap = (config.get("fsdp_config") or {}).get("fsdp_transformer_layer_cls_to_wrap") if fsdp else None
         names = [w.strip() for w in wrap.split(",")] if isinstance(wrap, str) else list(wrap or [])
-        return cls(processes, fsdp and processes > 1, precision, tuple(n for n in names if n))
+        on_cpus = processes > 1 and (kind == "MULTI_CPU" or config.get("use_cpu") is True)
+        return cls(processes, fsdp and processes > 1, precision, tuple(n for n in names if n), on_cpus)
+
+    def here_problem(self) -> str | None:
+        """What stops this launch on this machine before it trains (None: nothing seen): several processes on a
+        machine with no GPU, which join no group without ACCELERATE_USE_CPU (each refuses, and torch's launcher
+        then prints its ChildFailedError traceback of the processes that stopped)."""
+        from accelerate.utils import parse_flag_from_env
+
+        if self.processes < 2 or self.on_cpus or parse_flag_from_env("ACCELERATE_USE_CPU") or torch.cuda.is_available():
+            return None
+        return (
+            f"this machine has no GPU: launched here, the {self.processes} processes would join no group; launch "
+            "with ACCELERATE_USE_CPU=1 (or plan here what a GPU machine will run)"
+        )
 
 
 def _fsdp_version(config: dict, path: Path) -> int:
@@ -153,6 +168,8 @@ class MemoryPlan:
             "  (total: the held memory and the larger of the two peaks, each of which includes the gradients it "
             "holds; without the CUDA context, allocator slack or libraries: leave 10-20% free)"
         )
+        if problem := launch.here_problem():
+            lines.append(f"note: {problem}")
         return "\n".join(lines)
 
 
