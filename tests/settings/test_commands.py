@@ -58,7 +58,7 @@ def _documented_command_lines() -> list[tuple[str, str, str]]:
     """(file, command, line) for every `gqaify COMMAND ...` line in a code block of README and docs/, its
     continuation lines joined (a synopsis spread over indented lines)."""
     found = []
-    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         for block in re.findall(r"```[^\n]*\n(.*?)```", path.read_text(), flags=re.S):
             lines = block.splitlines()
             for i, line in enumerate(lines):

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ASSETS, REPO, needs_assets
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SNIPPETS = {
     f"{page.stem}-{i}": code
     for page in PAGES
@@ -63,11 +63,12 @@ def _figures(text: str) -> list[str]:
 
 
 def test_every_figure_readme_quotes_has_its_benchmark_row():
-    """README quotes measured figures (rounded); each is a number of docs/benchmarks.md, where the command that
+    """README quotes measured figures (rounded); each is a number of the benchmark pages, where the command that
     measures it stands. The suite's own timings (its Tests section) and the Python version are not benchmarks."""
     readme = (REPO / "README.md").read_text()
     readme = readme.split("## Tests")[0].replace("Python 3.10", "")
-    benchmarks = (REPO / "docs" / "benchmarks.md").read_text()
+    pages = [REPO / "docs" / "benchmarks.md", *sorted((REPO / "docs" / "benchmarks").glob("*.md"))]
+    benchmarks = "\n".join(page.read_text() for page in pages)
     measured = [float(n.replace(",", "")) for n in _figures(benchmarks)]
     measured += [float(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.,])", benchmarks)]
 

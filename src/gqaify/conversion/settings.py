@@ -65,7 +65,7 @@ METHOD_INFO: dict[str, MethodInfo] = {
 }
 
 # What a method that reads no calibration text costs a trained model, and what the calibrated default conversion
-# keeps, measured (docs/benchmarks.md, `python benchmarks/methods.py`: WikiText-2 test perplexity straight after
+# keeps, measured (docs/benchmarks/conversion.md, `python benchmarks/methods.py`: WikiText-2 test perplexity straight after
 # conversion): said after every such conversion that changed the heads it replaced (`uncalibrated_warning`).
 # Mean-pooling stays the default, the GQA paper's conversion, which needs nothing but the checkpoint; a calibrated
 # default would need text the user may not have.

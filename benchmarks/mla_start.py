@@ -1,0 +1,93 @@
+"""Which start `gqaify convert --kv-cut 3 --attention mla` keeps on SmolLM2-135M-Instruct (MQA's cache: a cut whole
+K/V heads make), and how far what it writes is from the parent beside MQA `lsq` on the five-text panel, with no
+training.
+
+    python benchmarks/mla_start.py                       # both settings below
+    python benchmarks/mla_start.py --settings short      # one of them
+
+At a cut whole heads make, `--kv-cut` tries two starts, MQA's conversion rewritten exactly and the parent
+compressed to the same 128 values per token and layer, and judges them on calibration text no fit read, source by
+source: the parent's start is kept only where it is closer on every source. Each setting converts SmolLM2 twice
+with the same calibration (the benchmarks' mixture, `commands.mixture`: WikiText-2 validation, tiny-shakespeare's
+first half, the TinyStories sample, in equal shares; windows of 512), MQA `lsq` and MLA `--kv-cut 3`, and scores
+both on the panel (`commands.PANEL`: WikiText-2 test, tiny-shakespeare's second half, TinyStories validation,
+standard-library code, Python's licence; the first 4,096 tokens of each, windows of 512), none of it calibration
+text:
+
+    short   8,192 calibration tokens, 32 refinement steps per layer
+    long    16,384 calibration tokens, 64 refinement steps per layer
+
+Writes OUT/mla_start.json (OUT: --out, default benchmarks/results): per setting, the start kept, both starts' KL
+on each calibration source, and each model's KL and perplexity ratio to the parent on each panel text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from commands import REPO, convert, evaluate, mixture, panel, write_texts
+
+SETTINGS = {"short": (8_192, 32), "long": (16_384, 64)}  # calibration tokens, refinement steps per layer
+WINDOW, PANEL_TOKENS = 512, 4_096
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="which of: " + ", ".join(SETTINGS))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    from gqaify.entry.demo import fetch_default_model
+
+    source = str(fetch_default_model())
+    texts = write_texts(args.out / "texts")
+    calib = [str(path) for path in mixture(texts).values()]
+    found = {}
+    results = args.out / "mla_start.json"
+    for name in args.settings.split(","):
+        tokens, steps = SETTINGS[name]
+        work = args.out / "mla_start" / name
+        common = dict(method="lsq", calib_data=calib, calib_tokens=tokens, refine_steps=steps, calib_seq_len=WINDOW)
+        seconds = {}
+        for label, shape in (("mqa", dict(kv_heads=1)), ("mla", dict(kv_cut=3, attention="mla"))):
+            if not (work / label / "gqaify.json").is_file():
+                started = time.perf_counter()
+                subprocess.run(convert(source, work / label, **shape, **common, quiet=True), check=True)
+                seconds[label] = round(time.perf_counter() - started, 1)
+        report = work / "eval"
+        if not (report / "report.json").is_file():
+            subprocess.run(
+                evaluate(
+                    [source, work / "mqa", work / "mla"], data=panel(texts), split="train", max_tokens=PANEL_TOKENS,
+                    seq_len=WINDOW, speed=False, out=report, quiet=True,
+                ),
+                check=True,
+            )  # fmt: skip
+        mla = json.loads((work / "mla" / "gqaify.json").read_text())["mla"]
+        models = json.loads((report / "report.json").read_text())["models"][1:]
+        found[name] = {
+            "calib_tokens": tokens,
+            "refine_steps": steps,
+            "kept": "parent" if mla.get("from_parent") else "MQA",
+            "starts": mla["starts"],
+            "seconds": seconds,
+            "panel": {
+                label: {
+                    "mean_kl": model["panel"]["mean_kl_to_parent"],
+                    "worst_ratio": model["panel"]["worst_ratio_to_parent"],
+                    "kl": {t["text"]: t["kl_to_parent"] for t in model["texts"]},
+                    "ratio": {t["text"]: t["ratio_to_parent"] for t in model["texts"]},
+                }
+                for label, model in zip(("mqa", "mla"), models, strict=True)
+            },
+        }
+        results.write_text(json.dumps(found, indent=2) + "\n")
+        print(json.dumps({name: found[name]}, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
