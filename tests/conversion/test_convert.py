@@ -86,6 +86,24 @@ def test_provenance_and_model_card(mha_llama, tmp_path):
     assert "8 → 2" in card and "`mean`" in card
 
 
+def test_the_card_cites_the_paper_a_method_comes_from_and_every_reference_is_known(mha_llama, tmp_path):
+    """Methods and shapes carry their papers as data; the card cites a method's (mean-pooling: the GQA paper) and
+    says none for gqaify's own."""
+    from gqaify.conversion.settings import ATTENTION_INFO, METHOD_INFO, PAPERS
+
+    _, src = mha_llama
+    gqaify.convert(src, tmp_path / "mean", kv_heads=2, progress=False)
+    card = (tmp_path / "mean" / "README.md").read_text()
+    assert "(mean-pool every K/V-indexed tensor over each group (the GQA paper); after Ainslie et al." in card
+    assert "Checkpoints (2023), arXiv:2305.13245)" in card
+    gqaify.convert(src, tmp_path / "norm", kv_heads=2, method="norm-mean", progress=False)
+    assert "arXiv" not in (tmp_path / "norm" / "README.md").read_text()  # gqaify's own
+    cited = [info.reference for info in METHOD_INFO.values() if info.reference]
+    cited += [paper for info in ATTENTION_INFO.values() for paper in info.references]
+    assert cited and set(cited) <= set(PAPERS)
+    assert all(key.count(".") == 1 and len(key) == 10 for key in PAPERS)  # arXiv ids: YYMM.NNNNN
+
+
 def test_model_card_is_one_the_hub_parses_with_base_model_and_licence(mha_llama, tmp_path):
     """A source in the Hugging Face cache has a hub id (base_model); its card's licence is copied to ours."""
     from huggingface_hub import ModelCard

@@ -293,6 +293,7 @@ def test_convert_writes_a_plain_deepseek_v3_checkpoint_with_the_gqa_conversions_
         "exact": True,
     }
     assert record["settings"]["attention"] == "mla" and "mla" in (mla / "README.md").read_text()
+    assert "The latent layer is DeepSeek-V2's (DeepSeek-AI, DeepSeek-V2:" in (mla / "README.md").read_text()
 
 
 def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_path):

@@ -254,9 +254,9 @@ def _large_allocations_mapped(function: Callable) -> Callable:
     The walk allocates and frees tensors of a few MB to a few hundred MB, layer after layer. glibc raises its
     mmap threshold each time a mapped block is freed (up to 32 MB), so later tensors below it come from the
     heap, whose pages stay with the process when they are freed (what that costs, and why 4 MB:
-    docs/benchmarks/conversion.md, calibration memory). glibc can neither report its threshold nor be given its adjustment
-    back once it is set, so on leaving the threshold is set to 32 MB, where its own adjustment would have taken
-    it after the walk's frees. Other C libraries are left alone.
+    docs/benchmarks/conversion.md, calibration memory). glibc can neither report its threshold nor be given its
+    adjustment back once it is set, so on leaving the threshold is set to 32 MB, where its own adjustment would
+    have taken it after the walk's frees. Other C libraries are left alone.
     """
 
     @functools.wraps(function)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import METHOD_INFO
+from gqaify.conversion.settings import METHOD_INFO, cited
 from gqaify.model.geometry import attention_kind
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
@@ -83,7 +83,8 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
         "",
         f"- Attention: {g.num_heads} query heads; K/V heads {g.num_kv_heads} → {kv_heads} (KV cache "
         f"{g.cached_per_token / record.output_geometry.cached_per_token:g}× smaller).",
-        f"- Method: `{record.method}` ({METHOD_INFO[record.method].summary}){_grouping(record)}; query head i "
+        f"- Method: `{record.method}` ({METHOD_INFO[record.method].summary}{_from_paper(record.method)})"
+        f"{_grouping(record)}; query head i "
         f"reads K/V head i // {g.num_heads // kv_heads} (contiguous groups, as transformers' `repeat_kv`).",
         f"- {_rewritten(record)}; everything else is copied from the source unchanged. `gqaify.json` records the "
         "groups, calibration, per-layer fit error and source hashes.",
@@ -174,6 +175,7 @@ def _mla_line(record: ConversionRecord) -> str:
         f"that every query head shares, {g.cached_per_token} values per layer where {attention_kind(record.kv_heads)} "
         f"caches {2 * record.kv_heads * g.head_dim}; transformers' cache holds the latent."
     )
+    text += f" The latent layer is DeepSeek-V2's ({cited('2405.04434')})."
     if mla.starts:
         tried = mla.starts_tried
         text += (
@@ -184,3 +186,9 @@ def _mla_line(record: ConversionRecord) -> str:
             f"closer as a whole, was further on {', '.join(mla.further_on)}, so the exact rewrite was kept."
         )
     return text
+
+
+def _from_paper(method: str) -> str:
+    """ "; after <the paper, arXiv id>" for a method from a paper (`MethodInfo.reference`), "" for gqaify's own."""
+    reference = METHOD_INFO[method].reference
+    return "" if reference is None else f"; after {cited(reference)}"
