@@ -89,7 +89,8 @@ def test_provenance_and_model_card(mha_llama, tmp_path):
 def test_the_card_cites_the_paper_a_method_comes_from_and_every_reference_is_known(mha_llama, tmp_path):
     """Methods and shapes carry their papers as data; the card cites a method's (mean-pooling: the GQA paper) and
     says none for gqaify's own."""
-    from gqaify.conversion.settings import ATTENTION_INFO, METHOD_INFO, PAPERS
+    from gqaify.conversion.papers import PAPERS
+    from gqaify.conversion.settings import ATTENTION_INFO, METHOD_INFO
 
     _, src = mha_llama
     gqaify.convert(src, tmp_path / "mean", kv_heads=2, progress=False)

@@ -14,8 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gqaify.conversion.papers import cited
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import METHOD_INFO, cited
+from gqaify.conversion.settings import METHOD_INFO
 from gqaify.model.geometry import attention_kind
 
 LICENCE_KEYS = ("license", "license_name", "license_link")

