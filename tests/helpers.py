@@ -114,6 +114,14 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
+def one_line_error(done) -> str:
+    """The one line of a refusal by a process run to its end (a `subprocess.CompletedProcess`): exit 2, one line."""
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
 def one_line_refusal(capsys, *argv, within: float = QUICK) -> str:
     """Run the CLI; it must exit 2 with one line on stderr, within `within` seconds."""
     start = time.monotonic()

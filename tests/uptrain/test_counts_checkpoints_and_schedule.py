@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -16,17 +15,10 @@ from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.metrics import read_metrics
 from gqaify.uptrain.student import lr_factor
-from helpers import run_uptrain
+from helpers import one_line_error, run_uptrain
 from helpers import uptrain_args as args
 
 SPIN = 300  # seconds: a refusal takes a few; the loop without end that it replaced never returned
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    return lines[0]
 
 
 def default_checkpoints(argv: list[str]) -> list[str]:

@@ -1,0 +1,116 @@
+"""Uptraining's settings: the recipes (each loads, names its command, runs from a checkout), the accelerate configs,
+the command line over a recipe, and what a conversion inside uptraining calibrates on."""
+
+from __future__ import annotations
+
+import pytest
+
+from gqaify.settings import text_lists
+from gqaify.text.loading import named_texts
+from gqaify.uptrain import UptrainSettings, parse
+from gqaify.uptrain.settings import load_recipe
+from helpers import (
+    REPO,
+    needs_assets,
+    run_uptrain,
+)
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
+
+
+# -- settings and recipes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_recipe_loads_and_names_its_command(recipe):
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith("# ") and "gqaify" in first and str(recipe.relative_to(REPO)) in first
+    values = text_lists(UptrainSettings, load_recipe(recipe))  # a recipe's one text is a list of one
+    settings = parse(["--recipe", str(recipe)])
+    assert all(getattr(settings, key) == value for key, value in values.items() if not isinstance(value, float))
+
+
+@needs_assets
+def test_the_smollm2_recipes_first_line_runs_it_offline_from_a_checkout():
+    """The first line is every step (the parent-written corpus, then the conversion and training) with the local
+    copies of the data in ../shared; the recipe itself names its data as a user has it: hub datasets, and the
+    corpus the first step writes."""
+    import shlex
+
+    recipe = REPO / "recipes" / "smollm2-135m-mqa.yaml"
+    line = recipe.read_text().splitlines()[0].removeprefix("# ")
+    assignments, _, commands = line.rpartition("; ")
+    variables = dict(a.split("=", 1) for a in shlex.split(assignments))
+    generate, train = (shlex.split(c) for c in commands.split(" && "))
+    assert generate[:2] == ["gqaify", "generate"] and train[:2] == ["gqaify", "uptrain"]
+
+    def expanded(word: str) -> str:
+        for name, value in variables.items():
+            word = word.replace(f"${name}", value)
+        return word
+
+    corpus = expanded(generate[3])
+    settings = parse([expanded(w) for w in train[2:]])
+    assert settings.model == settings.distill_from == expanded(generate[2]) and settings.kv_heads == 1
+    for source in [t.source for t in named_texts([*settings.data, *settings.eval_data])]:
+        assert source == corpus or (REPO / source).is_file(), source  # every text is here, or the first step's
+    assert corpus in [t.source for t in named_texts(settings.data)]
+    assert not {t.source for t in named_texts(settings.data)} & {t.source for t in named_texts(settings.eval_data)}
+    packaged = parse(["--recipe", str(recipe)])
+    for source in [t.source for t in named_texts([*packaged.data, *packaged.eval_data])]:
+        assert source == corpus or ("/" in source and not source.startswith(".")), source  # hub names, the corpus
+    assert packaged.calib_data is None and packaged.calibrated_on_data().calib_data == packaged.data
+
+
+def test_recipes_and_accelerate_configs_are_packaged():
+    names = {r.name for r in RECIPES}
+    assert {"smollm2-135m-mqa.yaml", "ref-mha-6L-gqa2.yaml", "llama2-7b-gqa8.yaml"} <= names
+    assert {c.stem for c in ACCELERATE_CONFIGS} == {"cpu", "single-gpu", "multi-gpu", "fsdp"}
+
+
+@pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=[c.name for c in ACCELERATE_CONFIGS])
+def test_accelerate_configs_load(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(config))
+    assert loaded.compute_environment.value == "LOCAL_MACHINE"
+    if config.stem == "fsdp":
+        assert loaded.distributed_type.value == "FSDP" and loaded.fsdp_config["fsdp_version"] == 2
+
+
+def test_command_line_overrides_the_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: 4096\nlr: 3.0e-4\nlog_to: [csv]\n")
+    settings = parse(["--recipe", str(recipe), "--lr", "1e-3", "--trainable", "attention"])
+    assert (settings.lr, settings.trainable, settings.max_tokens, settings.log_to) == (1e-3, "attention", 4096, ["csv"])
+
+
+@pytest.mark.integration
+def test_help_lists_every_field_with_its_default():
+    import dataclasses
+
+    done = run_uptrain(["--help"])
+    assert done.returncode == 0
+    for field in dataclasses.fields(UptrainSettings):
+        assert f"--{field.name}" in done.stdout
+    assert "(default: 256)" in done.stdout  # seq_len
+
+
+def test_budget_fraction_of_pretraining_tokens():
+    s = UptrainSettings(model="m", output_dir="o", data="d", budget_fraction=0.05, pretraining_tokens=2_000_000)
+    assert s.budget() == 100_000
+
+
+def test_a_calibrated_conversion_is_fitted_on_the_training_data_unless_told_otherwise(tmp_path):
+    """With kv_heads and a calibrated method, calib_data (and its weights) default to the training mixture."""
+    argv = ["--model", "m", "--output_dir", str(tmp_path / "o"), "--kv_heads", "1", "--method", "lsq"]
+    mixture = ["--data", "a=a.txt", "b=b.txt", "--data_weights", "2", "1", "--max_tokens", "4096"]
+    settings = parse([*argv, *mixture])
+    conversion = settings.conversion(tmp_path / "c")
+    assert conversion.calib_data == ["a=a.txt", "b=b.txt"] and conversion.calib_weights == [2.0, 1.0]
+    assert settings.calib_data is None  # the recorded settings keep what was asked
+    own = parse([*argv, *mixture, "--calib_data", "c.txt"]).conversion(tmp_path / "c")
+    assert own.calib_data == ["c.txt"] and own.calib_weights is None
+    plain = parse([*argv[:-2], "--method", "mean", *mixture]).conversion(tmp_path / "c")
+    assert plain.calib_data is None  # mean-pooling reads no text
