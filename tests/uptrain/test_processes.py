@@ -1,5 +1,5 @@
 """Uptraining across processes and kills: SIGKILL and resume, two processes against one, FSDP2, a rank stopped
-mid-run (the loop's exactness where it is hardest; split from test_uptrain.py so that the two run side by side)."""
+mid-run (the loop's exactness where it is hardest; a file of its own so that it runs beside the others)."""
 
 from __future__ import annotations
 

@@ -231,7 +231,15 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
     """`mla` (float32) fitted to `parent`, layer by layer, on the token windows `windows` (1-D each); kept only if
     the whole model comes closer to the parent on the held-out windows (its next-token KL), else undone: each
     layer's steps are judged on that layer's output, which does not always add up over the layers. It runs on the
-    device the two models are on. Returns whether the fit was kept."""
+    device the two models are on. Returns whether the fit was kept (`fit_and_judge` says its KL too)."""
+    return fit_and_judge(mla, parent, windows, steps, lr, progress)[0]
+
+
+def fit_and_judge(
+    mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e-3, progress: bool = True
+) -> tuple[bool, float]:
+    """`fit_mla`: whether the fit was kept, and the KL to the parent on the held-out windows (`held_out`) of the
+    model as it leaves it, fitted or as it was, which a caller comparing fits need not measure again."""
     mla.train(False)
     parent.train(False)
     windows = [w.to(mla.device) for w in windows]  # it runs where the models are
@@ -266,8 +274,8 @@ def fit_mla(mla, parent, windows: list[torch.Tensor], steps: int, lr: float = 1e
             before,
             after,
         )
-        return False
+        return False, before
     LOG.info(
         "fitted %d MLA layers on %d calibration windows: KL %.3f -> %.3f", len(layers), len(windows), before, after
     )
-    return True
+    return True, after

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, MlaShape, build_mla, layer_statistics, plan_mla
-from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
+from gqaify.conversion.mla_fit import fit_and_judge, held_out_kl
 from gqaify.errors import UserError
 from gqaify.progress import progress_bar
 from gqaify.records import optional
@@ -76,11 +76,10 @@ def fit_closest_split(
     on the windows the fit holds out. Returns (the MLA model, its plan, every split tried, whether its fit was
     kept)."""
     plans, trials = ranked_splits(model, budget, ids, ladder, progress, across)
-    check, best = held_out(windows), None
+    best = None
     for plan in plans[:FITTED]:
         mla = build_mla(model, plan)
-        fitted = fit_mla(mla, parent, windows, steps, lr, progress)
-        kl = held_out_kl(parent, mla, check)
+        fitted, kl = fit_and_judge(mla, parent, windows, steps, lr, progress)  # on the windows the fit holds out
         index = [(t.kv_rank, t.rope_dims) for t in trials].index((plan.shape.kv_rank, plan.shape.rope_dim))
         trials[index] = dataclasses.replace(trials[index], fitted_kl=kl)
         if best is None or kl < best[0]:
