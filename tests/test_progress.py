@@ -68,8 +68,10 @@ def _log_of(monkeypatch, seconds_per_step: float, steps: int, shown: bool = True
     monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
     log = io.StringIO()  # no terminal
     monkeypatch.setattr(sys, "stderr", log)
-    for _ in progress_bar(range(steps), shown=shown, desc="fitting MLA layers", unit="layer"):
+    bar = progress_bar(range(steps), shown=shown, desc="fitting MLA layers", unit="layer")
+    for step in bar:
         clock[0] += seconds_per_step
+        bar.set_postfix(out=f"{step / 100:.3f}")  # redraws at once on a terminal; in a log, at the bar's pace
     return log.getvalue().splitlines(keepends=True)
 
 
@@ -82,7 +84,7 @@ def test_in_a_log_a_bar_is_a_line_a_minute_and_its_end(monkeypatch):
     lines = _log_of(monkeypatch, 25.0, 10)  # 250 s: lines past 60 s, then a minute apart, then the end
     assert [line.split()[4] for line in lines] == ["3/10", "6/10", "9/10", "10/10"], lines
     assert all(line.startswith("fitting MLA layers: ") and line.endswith("\n") and "\r" not in line for line in lines)
-    assert lines[-1] == "fitting MLA layers: 100% 10/10 [04:10<00:00, 25.00s/layer]\n"
+    assert lines[-1] == "fitting MLA layers: 100% 10/10 [04:10<00:00, 25.00s/layer, out=0.090]\n"
 
 
 def test_in_a_log_work_done_within_a_minute_or_asked_quiet_writes_nothing(monkeypatch):

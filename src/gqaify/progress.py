@@ -25,9 +25,27 @@ def progress_bar(iterable=None, *, shown: bool, **kwargs) -> tqdm:
         return tqdm(iterable, disable=True, **kwargs)
     if not _on_a_terminal():  # tqdm's figures alone (ncols=0), each its own line, the last when the work ends
         lines = _Lines(sys.stderr)
-        return tqdm(iterable, file=lines, ncols=0, mininterval=LOG_EVERY, delay=LOG_EVERY, miniters=1, **kwargs)
+        return _LogBar(iterable, file=lines, ncols=0, mininterval=LOG_EVERY, delay=LOG_EVERY, miniters=1, **kwargs)
     columns, rows = _size()
     return tqdm(iterable, ncols=columns, nrows=rows, **kwargs)
+
+
+def announce(text: str, *, shown: bool) -> None:
+    """Say `text` on standard error before long work begins, where progress is `shown` (a terminal or a log alike):
+    what the work will be, for the bars that follow to count down."""
+    if shown:
+        print(text, file=sys.stderr, flush=True)
+
+
+class _LogBar(tqdm):
+    """A bar written to a log: tqdm's, but a new postfix or description (`set_postfix`, which redraws at once on a
+    terminal) shows at the bar's next line, at its own pace."""
+
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+    def set_description(self, desc=None, refresh=True):
+        super().set_description(desc, refresh=False)
 
 
 class _Lines:

@@ -94,10 +94,18 @@ def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent
     assert (
         main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", "--method", "mean", *calib]) == 0
     )
-    said = capsys.readouterr().out
+    said, told = capsys.readouterr()
     record = json.loads((out / "gqaify.json").read_text())
     mla = record["mla"]
     kls = {trial["start"]: trial["kl"] for trial in mla["starts"]}
+    # said before the conversion began (the fits are most of its time; MLA fits went minutes without a word)
+    splits = len(mla["splits"])
+    assert told.splitlines()[0] == (
+        f"MLA at 64 values per token and layer, after the G-head conversion: {splits} splits of the parent's cache "
+        "judged, the 2 closest each fitted layer by layer (2 layers, 0 refinement steps each, on 32 windows), then "
+        "that start and GQA-2's exact rewrite judged on up to 2,048 unseen calibration tokens. The fits take several "
+        "times the G-head conversion's time; each shows its bar."
+    )
     assert record["kv_heads"] == 2 and list(kls) == ["GQA-2", "parent"] and 0 < kls["parent"] < kls["GQA-2"]
     assert mla["from_parent"] is True and mla["kv_rank"] + mla["rope_dims"] == 64 and not mla["exact"]
     assert mla["judged_on"] == 2048  # the calibration text's next 2,048 tokens (below)

@@ -525,6 +525,7 @@ def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_c
             assert [len(inspect.signature(f).parameters) for f in (module.problems, module.rewrite)] == [3, 5]
             assert len(inspect.signature(module.write_gguf).parameters) == 5
             assert len(inspect.signature(module.weight_bytes).parameters) == 2
+            assert len(inspect.signature(module.cost_note).parameters) == 2
     assert main(["convert", "--help"]) == 0
     offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)
     assert offered.split(",") == list(ATTENTION_INFO)

@@ -66,6 +66,7 @@ from gqaify.model.kvcache import kv_cache_bytes_per_token
 from gqaify.model.loading import load_model
 from gqaify.output.destination import space_problem
 from gqaify.output.leftovers import remove_leftovers
+from gqaify.progress import announce
 from gqaify.settings import recorded
 from gqaify.text.pins import located_all
 
@@ -139,6 +140,8 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         remove_leftovers(sink.out)
         raise_if_problems(space_problem(sink.out, plan.size))
         ctx = _context(s, source, plan)  # one, for the fit and the stream: its random generator runs through both
+        if note := SHAPES[s.attention].cost_note(s, plan.geometry):
+            announce(note, shown=s.progress)
         with SourceHasher() as hasher, sink.folder(plan.size) as folder:
             calibrated = _fit(s, source, plan, ctx, folder)
             converter = LayerConverter(METHODS[s.method], s.kv_heads, ctx, calibrated)

@@ -7,6 +7,7 @@ A shape's module (its entry's `module`) defines four functions, looked up when c
     rewrite(folder, settings, text, load_parent, source_geometry) -> Rewritten   the G-head folder made this shape
     write_gguf(folder, out, out_type, tokenizer_gguf, record)   the folder as llama.cpp loads it
     weight_bytes(settings, config) -> int   the weights the rewrite writes, at most (the disk plan's)
+    cost_note(settings, source_geometry) -> str | None   what the rewrite will do, said before a long one begins
 
 GQA is the stream's own output: no problems of its own, no rewrite, `to_gguf.write_gguf`, the stream's plan.
 """
@@ -41,6 +42,11 @@ class Shape:
 
     def write_gguf(self, *args) -> None:
         return (to_gguf if self.module is None else self.module).write_gguf(*args)
+
+    def cost_note(self, s, source_geometry) -> str | None:
+        """What this shape's rewrite will do, said before a conversion begins where it is long (None: nothing to
+        say; GQA's stream is the conversion)."""
+        return None if self.module is None else self.module.cost_note(s, source_geometry)
 
     def weight_bytes(self, s, config: dict) -> int:
         """The bytes of the weights this shape's rewrite writes, at most (0: it writes none; the stream's plan
