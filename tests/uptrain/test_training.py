@@ -632,3 +632,29 @@ def test_a_run_recorded_when_data_was_one_text_resumes(tiny, tmp_path):
     record["settings"]["eval_data"] = None
     (out / "run.json").write_text(json.dumps(record))
     assert uptrain(settings).steps == 10  # finished: read back, not refused
+
+
+@pytest.mark.integration  # torch.compile builds its kernels: tens of seconds on a CPU
+def test_compiled_layers_train_as_the_plain_ones_and_save_the_same_checkpoint(tiny, tmp_path):
+    """compile: each decoder layer, the student's and the teacher's, compiled in place: the same losses to float
+    precision, and a final model of the same tensors (no `_orig_mod.` names a wrapped model would save)."""
+    teacher = ("--distill_from", str(tiny["parent"]), "--distill_weight", "0.5", "--save_every", "0")
+    plain, compiled = tmp_path / "plain", tmp_path / "compiled"
+    assert run_uptrain(args(tiny, plain, *teacher)).returncode == 0
+    done = run_uptrain(args(tiny, compiled, *teacher, "--compile"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(compiled) == pytest.approx(losses(plain), rel=1e-4, abs=1e-5) and len(losses(plain)) > 3
+    ours, theirs = (load_file(out / "final" / "model.safetensors") for out in (compiled, plain))
+    assert ours.keys() == theirs.keys()
+
+
+def test_compile_finds_every_decoder_layer_and_refuses_a_model_that_names_none():
+    from gqaify.uptrain.student import compile_layers
+
+    model = build_model("llama", num_kv_heads=2, vocab_size=320)
+    assert compile_layers(model) == model.config.num_hidden_layers
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)  # compiled on first call
+    assert model.lm_head._compiled_call_impl is None and model.model.embed_tokens._compiled_call_impl is None
+    model._no_split_modules = None
+    with pytest.raises(UserError, match="names no decoder layer class"):
+        compile_layers(model)

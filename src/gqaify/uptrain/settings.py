@@ -138,6 +138,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward")
     fused_loss: bool = setting(True, "the head applied with the loss a chunk of tokens at a time (not under FSDP)")
+    compile: bool = setting(False, "torch.compile each decoder layer, the student's and the teacher's (docs/gpu.md)")
     trainable: Literal["all", "attention", "kv-only", "lora"] = setting(
         "all",
         "which weights train (lora: low-rank adapters on the attention projections, merged at the end)",
@@ -363,6 +364,7 @@ RESUMABLE_CHANGES = frozenset(
         "dist_timeout",
         "shard_teacher",
         "fused_loss",  # the same loss, computed chunk by chunk
+        "compile",  # the same layers, compiled
         "push_to_hub",
         "eval_tasks",
         "eval_num_fewshot",

@@ -191,3 +191,23 @@ def load_teacher(s: UptrainSettings, accelerator, vocab_size: int):
             f"{vocab_size}; distil from the model's parent"
         )
     return sharded_teacher(teacher, accelerator) if s.shard_teacher else teacher
+
+
+def compile_layers(model) -> int:
+    """Each decoder layer of `model` compiled in place (`nn.Module.compile`: its state dict, and so checkpoints,
+    unchanged), the layers found by the class names transformers declares for them (`_no_split_modules`); the
+    number compiled.
+
+    Raises:
+        UserError: the model declares no such class, or none of its modules is of one.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserError(
+            f"compile: {type(model).__name__} names no decoder layer class (_no_split_modules) gqaify can compile; "
+            "set compile: false"
+        )
+    for layer in layers:
+        layer.compile()
+    return len(layers)

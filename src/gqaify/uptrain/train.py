@@ -65,7 +65,13 @@ from gqaify.uptrain.run_folder import (
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import shard_on_cpus, wrap_problem
 from gqaify.uptrain.state import Launched, LoopState, RunData, RunState
-from gqaify.uptrain.student import load_teacher, optimizer_and_schedule, student_loss, trainable_student
+from gqaify.uptrain.student import (
+    compile_layers,
+    load_teacher,
+    optimizer_and_schedule,
+    student_loss,
+    trainable_student,
+)
 
 LOG = logging.getLogger(__name__)
 # accelerate warns on every checkpoint that tied weights (lm_head = embed_tokens) are stored once: expected.
@@ -194,6 +200,10 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     # process, which makes the schedule depend on the number of processes.
     model, optimizer, loader = accelerator.prepare(model, optimizer, data.loader)
     teacher = load_teacher(s, accelerator, accelerator.unwrap_model(model).config.vocab_size)
+    if s.compile:  # the layers as prepared (wrapped where FSDP shards them), then each compiled where it is
+        compile_layers(accelerator.unwrap_model(model))
+        if teacher is not None:
+            compile_layers(teacher)
     loop = LoopState(model, teacher, loader, optimizer, scheduler, Progress())
     progress = loop.progress
     latest = latest_checkpoint(out / CHECKPOINTS)
