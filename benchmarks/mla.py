@@ -112,9 +112,9 @@ def measure(
     ladder: bool = False,
 ) -> list[dict]:  # fmt: skip
     import gqaify
-    from gqaify.conversion.mla import rewrite_as_mla
-    from gqaify.conversion.mla_fit import fit_mla
-    from gqaify.conversion.mla_split import fit_closest_split
+    from gqaify.conversion.mla.fit import fit_mla
+    from gqaify.conversion.mla.layer import rewrite_as_mla
+    from gqaify.conversion.mla.split import fit_closest_split
     from gqaify.entry.demo import fetch_default_model
     from gqaify.eval.perplexity import perplexity
     from gqaify.model.loading import load_model

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gqaify
-from gqaify.conversion.mla_output import StartTrial
-from gqaify.conversion.mla_split import candidate_splits
+from gqaify.conversion.mla.output import StartTrial
+from gqaify.conversion.mla.split import candidate_splits
 from gqaify.conversion.record import ConversionRecord
 from gqaify.entry.cli import main
 from gqaify.eval.settings import EvalSettings
@@ -128,7 +128,7 @@ def test_an_mla_cut_whole_heads_make_keeps_the_exact_rewrite_where_it_is_closer(
     """Where the GQA-2 conversion's exact rewrite is the closer start (here the judge is told so: the starts' KLs
     given in the order they are measured), it is what is written, the same as --kv-heads 2 alone writes, and the
     record keeps both starts and the splits the parent's start tried."""
-    import gqaify.conversion.mla_output as mla_output
+    import gqaify.conversion.mla.output as mla_output
 
     told = iter([0.25, 0.5])  # the exact rewrite's, then the parent's
     monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(told))
@@ -157,7 +157,7 @@ def test_the_parent_start_is_kept_only_where_it_is_closer_on_every_calibration_s
     yet was further than MQA on three of four kinds of text of a larger panel. The starts are judged source by
     source: where they disagree, the exact rewrite of the G-head model is kept (the KLs are told here, per source, in
     the order the judge measures them: the exact rewrite's, then the parent's, each source in --calib-data order)."""
-    import gqaify.conversion.mla_output as mla_output
+    import gqaify.conversion.mla.output as mla_output
 
     (tmp_path / "prose.txt").write_text(CORPUS * 8)
     (tmp_path / "verse.txt").write_text(" ".join(reversed(CORPUS.split())) * 8)
@@ -191,7 +191,7 @@ def test_the_two_starts_are_judged_on_calibration_text_no_fit_read(parent, tmp_p
     held-out windows, and the record and the summary say which."""
     from transformers import AutoTokenizer
 
-    import gqaify.conversion.mla_output as mla_output
+    import gqaify.conversion.mla.output as mla_output
 
     judged = []
     monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: judged.append(windows) or 0.5)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gqaify
-from gqaify.conversion.mla import MlaShape, build_mla, plan_mla, rewrite_as_mla
-from gqaify.conversion.mla_latent import latent_from_covariance
+from gqaify.conversion.mla.latent import latent_from_covariance
+from gqaify.conversion.mla.layer import MlaShape, build_mla, plan_mla, rewrite_as_mla
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.eval.settings import EvalSettings
@@ -171,7 +171,7 @@ def test_the_listed_frequencies_are_the_best_of_every_list_a_brute_force_tries()
     list of 4 frequencies of 5, none listed more often than there are heads."""
     import itertools
 
-    from gqaify.conversion.mla_rotary import choose_layout
+    from gqaify.conversion.mla.rotary import choose_layout
 
     scores = torch.rand(3, 2, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)  # (layers, G, d/2)
     layers, G, half = scores.shape
@@ -470,7 +470,7 @@ def test_a_fit_that_takes_the_model_further_from_its_parent_is_undone(monkeypatc
     """Each layer's fit is judged on that layer's output, which does not always add up over the layers: the whole
     fit is kept only if the model's next-token KL to the parent falls on the held-out windows. A step that wrecks
     o_proj is undone to the last bit; the same fit without it is kept."""
-    from gqaify.conversion import mla_fit
+    from gqaify.conversion.mla import fit as mla_fit
 
     source = build_model("llama", num_kv_heads=2)
     ids = torch.randint(0, source.config.vocab_size, (1200,), generator=torch.Generator().manual_seed(7))
@@ -495,7 +495,7 @@ def test_the_held_out_kl_is_per_token_as_torchs_kl_div_counts_it():
     """What the fit, the split and the two starts are judged by (and the record says): the mean over every token of
     the windows of KL(parent || model), here against torch's own kl_div over the windows' tokens, unequal windows
     included."""
-    from gqaify.conversion import mla_fit
+    from gqaify.conversion.mla import fit as mla_fit
 
     source = build_model("llama", num_kv_heads=2)
     ids = torch.randint(0, source.config.vocab_size, (700,), generator=torch.Generator().manual_seed(3))

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from gqaify.conversion import to_gguf
-from gqaify.conversion.mla import rewrite_as_mla, rope_parameters
-from gqaify.conversion.mla_gguf import mla_gguf_problem, write_mla_gguf
+from gqaify.conversion.mla.gguf import mla_gguf_problem, write_mla_gguf
+from gqaify.conversion.mla.layer import rewrite_as_mla, rope_parameters
 from gqaify.entry.cli import main
 from gqaify.errors import UserError
 from gqaify.testing import build_model, save, save_with_tokenizer
@@ -163,7 +163,7 @@ def turned_ladder(tmp_path_factory) -> dict[str, object]:
     slot per frequency of the ladder (`plan_mla(..., ladder=True)`), as a folder and as a GGUF file (f32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gqaify.conversion.mla import build_mla, plan_mla
+    from gqaify.conversion.mla.layer import build_mla, plan_mla
 
     source = MODELS / "stories260K"
     if not source.is_dir():
@@ -201,7 +201,7 @@ def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_f
     model is the closer (here the judge is told so), which a warning then names with the command that writes it."""
     import gguf
 
-    import gqaify.conversion.mla_output as mla_output
+    import gqaify.conversion.mla.output as mla_output
 
     told = iter([0.25, 0.5])  # the GQA-2 model's, then the parent's
     monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(told))

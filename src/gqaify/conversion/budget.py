@@ -4,9 +4,9 @@
           refused in one line naming the cuts the model allows (and MLA, which takes any)
     mla   the values per token and layer, 2 x source heads x head_dim / X (rounded down), split between the latent
           (`--kv-rank`) and the shared rotary key (`--rope-dims`): the one not given is the rest; neither given, the
-          split is chosen on the calibration text (`conversion/mla_split.py`) and recorded. Neither given and whole
+          split is chosen on the calibration text (`conversion/mla/split.py`) and recorded. Neither given and whole
           K/V heads making the cache (`whole_heads`), the G-head model is that GQA conversion, whose exact rewrite
-          is one start; the parent compressed to the cut is the other, and the closer is kept (`mla_output`)
+          is one start; the parent compressed to the cut is the other, and the closer is kept (`mla.output`)
 
 `resolve_cut` turns the request into the settings a conversion runs with (G, and the split where it is fixed), once
 the source's config.json is read; its problems are the request's, raised before anything is written.
@@ -93,13 +93,13 @@ def planned_config(s: ConvertSettings, config):
     """The config (a transformers config, changed in place) of the model the conversion `s` writes from a source of
     `config`, for a memory plan: its K/V heads, or its MLA shape. What calibration chooses is counted at its widest,
     so that a plan never counts short: an MLA split `--kv-cut` chooses, the widest candidate
-    (`mla_split.candidate_splits`); a smaller cache's non-rotary key, chosen per layer, the source's head_dim.
+    (`mla.split.candidate_splits`); a smaller cache's non-rotary key, chosen per layer, the source's head_dim.
 
     Raises:
         UserError: a cut the conversion refuses.
     """
-    from gqaify.conversion.mla import mla_config, shape_for
-    from gqaify.conversion.mla_split import candidate_splits
+    from gqaify.conversion.mla.layer import mla_config, shape_for
+    from gqaify.conversion.mla.split import candidate_splits
     from gqaify.errors import raise_if_problems
     from gqaify.model.archs import ARCHITECTURES
 
@@ -113,7 +113,7 @@ def planned_config(s: ConvertSettings, config):
     if s.attention == "mla" and s.kv_cut is not None and rank is None and rope is None:
         H, d, hidden = geometry.num_heads, geometry.head_dim, config.hidden_size
         budget = cut_values(geometry, s.kv_cut)
-        # a whole-head cut tries the parent compressed too (`mla_output`): its splits are of the source's heads
+        # a whole-head cut tries the parent compressed too (`mla.output`): its splits are of the source's heads
         starts = {kv_heads, geometry.num_kv_heads} if whole_heads(geometry, budget) == kv_heads else {kv_heads}
 
         def weights(split: tuple[int, int]) -> int:  # kv_a, kv_b and q_proj, the non-rotary key at its widest

@@ -50,7 +50,7 @@ from gqaify.conversion.checks import (
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.mla_output import Rewritten
+from gqaify.conversion.mla.output import Rewritten
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
 from gqaify.conversion.settings import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
 from gqaify.conversion.shapes import SHAPES

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqaify.conversion.mla_output import MlaRecord
+from gqaify.conversion.mla.output import MlaRecord
 from gqaify.conversion.settings import CalibrationRecord
 from gqaify.conversion.source import Source
 from gqaify.model.archs import ArchSpec

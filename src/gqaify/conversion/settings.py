@@ -101,7 +101,7 @@ ATTENTION_INFO: dict[str, ShapeInfo] = {
     "mla": ShapeInfo(
         "DeepSeek-V3's latent attention, rewritten from the G-head model: exact at its cache size, smaller with "
         "kv_rank and rope_dims",
-        "gqaify.conversion.mla_output",
+        "gqaify.conversion.mla",
         ("2405.04434", "2502.07864", "2502.14837"),
     ),
 }

@@ -115,7 +115,7 @@ class ArchSpec:
     embed_width_key: str | None = None
     # GGUF output (OUT.gguf): only for the types whose output is tested in llama.cpp (tests/conversion/test_gguf.py)
     gguf: GgufArchitecture | None = None
-    mla: bool = False  # `--attention mla` rewrites its layer as DeepSeek-V3's dense MLA one (conversion/mla.py)
+    mla: bool = False  # `--attention mla` rewrites its layer as DeepSeek-V3's dense MLA one (conversion/mla/layer.py)
 
     def __post_init__(self) -> None:
         separate = (self.q_proj, self.k_proj, self.v_proj)
@@ -444,7 +444,7 @@ def _layers_pattern(attention: str) -> str:
 
 # The classes gqaify writes but does not convert from (an attention shape's output): where they train.
 # DeepSeek-V3's latent attention as `--attention mla` writes it (no query low-rank): kv_a_proj_with_mqa holds the
-# latent's down-projection, which uptraining keeps as converted (`conversion/mla_fit.latent_projections`), so LoRA
+# latent's down-projection, which uptraining keeps as converted (`conversion.mla.fit.latent_projections`), so LoRA
 # adapts the query, the latent's up-projections (kv_b_proj) and o_proj, and kv-only trains kv_b_proj.
 WRITTEN: dict[str, TrainedAttention] = {
     "deepseek_v3": TrainedAttention(

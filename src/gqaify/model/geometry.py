@@ -85,7 +85,8 @@ def _reader(config):
 def latent_below_epsilon(config) -> bool:
     """Whether `config` (a transformers config, or config.json's dict) is gqaify's MLA rewrite: DeepSeek-V3 with every
     layer dense and no query low-rank, whose latent is held below its norm's epsilon (about 1e-8,
-    `conversion/mla.py`) so that the norm is linear; float16, whose smallest normal value is 6e-5, cannot hold it."""
+    `conversion/mla/layer.py`) so that the norm is linear; float16, whose smallest normal value is 6e-5, cannot
+    hold it."""
     get = _reader(config)
     dense = (get("first_k_dense_replace", 0) or 0) >= (get("num_hidden_layers", 0) or 0)
     return get("model_type") == "deepseek_v3" and get("q_lora_rank", 0) is None and dense

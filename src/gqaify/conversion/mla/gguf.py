@@ -1,4 +1,4 @@
-"""An MLA conversion (`mla.py`: DeepSeek-V3, every layer dense, no query low-rank) as one GGUF file that llama.cpp
+"""An MLA conversion (`mla/layer.py`: DeepSeek-V3, every layer dense, no query low-rank) as one GGUF file that llama.cpp
 serves as its `deepseek2` architecture, caching the latent and the shared rotary key per token (absorbed MLA).
 
     folder (Hugging Face names)                          OUT.gguf (llama.cpp's)
@@ -82,7 +82,7 @@ def mla_gguf_problem(config: dict) -> str | None:
 
 def _pair_frequencies(config: dict) -> torch.Tensor | None:
     """The rotary frequency of each pair of the shared key (rope_dims / 2) as transformers computes them; None where
-    they are not the fixed list `mla.rope_parameters` writes (the default ladder, or longrope's factor per pair)."""
+    they are not the fixed list `rotary.rope_parameters` writes (the default ladder, or longrope's factor per pair)."""
     dim = config["qk_rope_head_dim"]
     rope = config.get("rope_parameters") or {}
     ladder = rope.get("rope_theta", 10000.0) ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)

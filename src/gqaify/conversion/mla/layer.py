@@ -12,7 +12,7 @@ A layer with G K/V heads of d dimensions, keeping rope_dim / 2 (K/V head, rotary
     rotary key   one key of rope_dim values every query head shares, in transformers' rotate_half layout, at one
                  list of frequencies for the model (`longrope`'s per-pair factors give any list: `rope_parameters`);
                  each dimension carries one K/V head's pair at its frequency, the head may change from layer to
-                 layer (`mla_rotary.RotaryLayout`); a query head's rotary query is its own head's pairs in their
+                 layer (`mla.rotary.RotaryLayout`); a query head's rotary query is its own head's pairs in their
                  places, zeros elsewhere. Turned (a smaller cache, `across`): each dimension carries a mix of the
                  heads' pairs of its frequency, and a query head reads it by its own head's share in the mix
     latent       the values of the G heads, and what the rotary key leaves of each head's key (unrotated);
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.conversion.mla_latent import Latent, latent_from_covariance, target_metric
-from gqaify.conversion.mla_rotary import (
+from gqaify.conversion.mla.latent import Latent, latent_from_covariance, target_metric
+from gqaify.conversion.mla.rotary import (
     STATIC_ROPE,
     RotaryLayout,
     across_heads,

@@ -1,5 +1,5 @@
 """The latent of an MLA layer: what its down-projection keeps of the G heads' non-rotary keys and values, and how
-each head reads them back (`conversion/mla.py`).
+each head reads them back (`conversion/mla/layer.py`).
 
 Exact where the latent is as wide as its targets. Narrower, it is the leading principal components of the target
 activations on calibration text, in the metric the layer is judged by: a key's error by what its queries read of

@@ -20,10 +20,10 @@ import torch
 
 from gqaify.conversion.budget import cut_values
 from gqaify.conversion.calibrate import read_beyond
-from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
-from gqaify.conversion.mla_fit import fit_mla, held_out, held_out_kl
-from gqaify.conversion.mla_gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
-from gqaify.conversion.mla_split import FITTED, SplitTrial, candidate_splits, choose_split, fit_closest_split
+from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kl
+from gqaify.conversion.mla.gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
+from gqaify.conversion.mla.layer import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
+from gqaify.conversion.mla.split import FITTED, SplitTrial, candidate_splits, choose_split, fit_closest_split
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
 from gqaify.model.geometry import Geometry, attention_kind, float16_asked, float16_latent_problem
@@ -66,12 +66,12 @@ class MlaRecord:
     rotary_pairs: list[list[list[int]]]
     rope_type: str  # DeepSeek-V3's rope_parameters: default (one base's ladder) or longrope (a factor per pair)
     exact: bool  # the G-head model's function, to float precision
-    # --kv-cut with neither width given: every split tried, the one kept the closest (`mla_split`)
+    # --kv-cut with neither width given: every split tried, the one kept the closest (`mla.split`)
     splits: list[SplitTrial] | None = optional()
     # a smaller cache: whether the layer-by-layer fit was kept (False: it took the model further from its parent on
     # the held-out calibration windows, so the PCA start is written); None: nothing was fitted
     fitted: bool | None = optional()
-    # each frequency's pairs turned across the K/V heads before the rotary key's were chosen (`mla_rotary`)
+    # each frequency's pairs turned across the K/V heads before the rotary key's were chosen (`mla.rotary`)
     turned: bool = optional(False)
     # a cut whole K/V heads make: both starts tried (`StartTrial`); the closer kept, from the parent where it was
     starts: list[StartTrial] | None = optional()
@@ -133,7 +133,7 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     if (problem := mla_problem(config)) is not None:
         problems.append(problem)
     several = s.kv_heads is not None and s.kv_heads > 1
-    if out_is_gguf and several and not s.smaller_mla:  # the rest only the rewrite tells (`mla_gguf`)
+    if out_is_gguf and several and not s.smaller_mla:  # the rest only the rewrite tells (`mla.gguf`)
         problems.append(
             f"an MLA conversion of {s.kv_heads} K/V heads at their own cache gives each its own block of the rotary "
             "key, whose frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads "
@@ -192,8 +192,8 @@ def cost_note(s, source: Geometry) -> str | None:
 def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Geometry) -> Rewritten:
     """The G-head checkpoint in `folder` rewritten as MLA in place: its weights and config.json replaced, its
     tokenizer and other files kept. A smaller cache is fitted on the calibration `text` (a `CalibrationText`):
-    its rotary pairs and latent chosen (with `--kv-cut` alone, its split too: `mla_split`), then brought back to
-    the parent (`load_parent()`, of geometry `source`) layer by layer (`mla_fit`, with s.repair and
+    its rotary pairs and latent chosen (with `--kv-cut` alone, its split too: `mla.split`), then brought back to
+    the parent (`load_parent()`, of geometry `source`) layer by layer (`mla.fit`, with s.repair and
     s.refine_steps as a GQA conversion reads them). At a cut whole K/V heads make (`budget.whole_heads`), the
     G-head model's exact rewrite and the parent compressed are both tried, the closer kept (`_closer_start`)."""
     from transformers import AutoModelForCausalLM
@@ -203,7 +203,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     device = resolve_device("auto")  # where calibration runs: the statistics, the fits and the judging there
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
-    # the sources' windows interleaved: the split's held-out end (`mla_split`) holds more than the last source
+    # the sources' windows interleaved: the split's held-out end (`mla.split`) holds more than the last source
     ids = torch.cat(text.windows(STAT_WINDOW)) if text is not None else None
     windows = None if text is None else [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
     parent = functools.cache(lambda: load_parent().to(device))
@@ -231,7 +231,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
 
 def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object]):
     """(`model` compressed to `budget` values per token and layer, the split chosen and fitted to the parent
-    (`mla_split`); its record)."""
+    (`mla.split`); its record)."""
     ladder = is_gguf_out(s.out)
     if s.repair or s.refine_steps:
         mla, plan, splits, fitted = fit_closest_split(

@@ -6,7 +6,7 @@ statistics (no fitting) and the one closest to the G-head model on held-out cali
                  of every K/V head (`candidate_splits`), the latent the rest
     judged by    the mean KL per token of the built model's next-token distribution to the G-head model's, on the
                  last windows of the calibration text, which the statistics do not read
-    fitted       the two closest, each fitted to the parent (`mla_fit`); the closer after its fit is kept, judged on
+    fitted       the two closest, each fitted to the parent (`mla.fit`); the closer after its fit is kept, judged on
                  the windows the fit holds out (SmolLM2 at 256 values: the closest start, rotary key 66, fitted to
                  0.285 nats/token on the panel, the second, 96, to 0.213)
     recorded     every split tried with its KL, and the fitted ones' KL after the fit (`SplitTrial`, in gqaify.json's
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gqaify.conversion.mla import STAT_WINDOW, MlaPlan, MlaShape, build_mla, layer_statistics, plan_mla
-from gqaify.conversion.mla_fit import fit_and_judge, held_out_kl
+from gqaify.conversion.mla.fit import fit_and_judge, held_out_kl
+from gqaify.conversion.mla.layer import STAT_WINDOW, MlaPlan, MlaShape, build_mla, layer_statistics, plan_mla
 from gqaify.errors import UserError
 from gqaify.progress import progress_bar
 from gqaify.records import optional
@@ -71,7 +71,7 @@ def fit_closest_split(
     model, parent, budget: int, ids: torch.Tensor, windows: list[torch.Tensor], steps: int, lr: float,
     ladder: bool = False, progress: bool = False, across: bool = True,
 ) -> tuple[object, MlaPlan, list[SplitTrial], bool]:  # fmt: skip
-    """`model` at `budget` values, fitted to `parent` (`mla_fit.fit_mla` on the calibration `windows`): the
+    """`model` at `budget` values, fitted to `parent` (`mla.fit.fit_mla` on the calibration `windows`): the
     `FITTED` splits that start closest (`ranked_splits`) each fitted, the one closest after its fit kept, judged
     on the windows the fit holds out. Returns (the MLA model, its plan, every split tried, whether its fit was
     kept)."""

@@ -10,7 +10,7 @@ and is brought to the parent decoder layer's output on the parent's stream, as `
     refine     Adam steps on the attention's projections minimising the whole layer's squared error against the
                parent layer's output, one window a step; kept only where the held-out windows say it helped
 
-The latent's rows of `kv_a_proj_with_mqa` are held below its norm's epsilon (`mla.py`), tens of millions of times
+The latent's rows of `kv_a_proj_with_mqa` are held below its norm's epsilon (`mla/layer.py`), tens of millions of times
 smaller than the rotary rows beside them; Adam moves every weight by about its learning rate, which would throw them
 out of that range at once. So they train here through `RowScale`, a parametrization that lets Adam see them at the
 rotary rows' scale (`preconditioned`); uptraining holds them as converted (`latent_projections`).
