@@ -1,15 +1,9 @@
 """The attention shapes a conversion writes, one per `ATTENTION_INFO` entry: what checks a request for it, rewrites
 the G-head folder the stream wrote into it, and writes it as one GGUF file.
 
-A shape's module (its entry's `module`) defines four functions, looked up when called:
-
-    problems(settings, config, out_is_gguf) -> list[str]   what the request cannot be, before anything is written
-    rewrite(folder, settings, text, load_parent, source_geometry) -> Rewritten   the G-head folder made this shape
-    write_gguf(folder, out, out_type, tokenizer_gguf, record)   the folder as llama.cpp loads it
-    weight_bytes(settings, config) -> int   the weights the rewrite writes, at most (the disk plan's)
-    cost_note(settings, source_geometry) -> str | None   what the rewrite will do, said before a long one begins
-
-GQA is the stream's own output: no problems of its own, no rewrite, `to_gguf.write_gguf`, the stream's plan.
+A shape is one folder: a package (its entry's `module`, e.g. `gqaify.conversion.mla`) that is a `ShapeModule`,
+the five functions the pipeline calls. GQA is the stream's own output: no problems of its own, no rewrite,
+`to_gguf.write_gguf`, the stream's plan, nothing to announce.
 """
 
 from __future__ import annotations
@@ -17,10 +11,36 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import gqaify.conversion.to_gguf as to_gguf
 from gqaify.conversion.settings import ATTENTION_INFO, ShapeInfo
+
+if TYPE_CHECKING:
+    from gqaify.model.geometry import Geometry
+
+
+@runtime_checkable
+class ShapeModule(Protocol):
+    """What a shape's package defines: the contract between the conversion pipeline and a shape."""
+
+    def problems(self, settings, config: dict, out_is_gguf: bool) -> list[str]:
+        """What a request for this shape cannot be, from the settings and the source's config.json, before
+        anything is read or written."""
+
+    def rewrite(self, folder: Path, settings, text, load_parent: Callable[[], object], source: Geometry):
+        """The G-head folder the stream wrote, made this shape in place (its weights and config.json); returns what
+        the summary counts (a record, the shards written, their bytes)."""
+
+    def write_gguf(self, folder: Path, out: Path, out_type: str, tokenizer_gguf, record) -> None:
+        """The rewritten folder as one GGUF file llama.cpp loads."""
+
+    def weight_bytes(self, settings, config: dict) -> int:
+        """The bytes of the weights the rewrite writes, at most (the disk plan counts them)."""
+
+    def cost_note(self, settings, source: Geometry) -> str | None:
+        """What the rewrite will do, said before a long one begins (None: nothing to say)."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +49,14 @@ class Shape:
     info: ShapeInfo
 
     @property
-    def module(self) -> ModuleType | None:
-        return None if self.info.module is None else importlib.import_module(self.info.module)
+    def module(self) -> ShapeModule | None:
+        """The shape's package (None: GQA, the stream's own output)."""
+        if self.info.module is None:
+            return None
+        module = importlib.import_module(self.info.module)
+        if not isinstance(module, ShapeModule):  # a new shape's package that misses one of the five
+            raise TypeError(f"{self.info.module} is not a ShapeModule: it lacks one of {_CONTRACT}")
+        return module
 
     def problems(self, s, config: dict, out_is_gguf: bool) -> list[str]:
         return [] if self.module is None else self.module.problems(s, config, out_is_gguf)
@@ -55,3 +81,6 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {name: Shape(name, info) for name, info in ATTENTION_INFO.items()}
+
+
+_CONTRACT = ", ".join(name for name in vars(ShapeModule) if not name.startswith("_"))
