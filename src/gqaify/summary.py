@@ -50,6 +50,9 @@ def _mla_lines(mla) -> list[str]:
         elif mla.further_on:  # the parent's start closer as a whole, further on some kind of text
             why = f"as the parent's start, closer on {on} as a whole, was further on {', '.join(mla.further_on)}"
         lines.append(f"  MLA start       {kept}, {why} (KL {tried} nats/token)")
+    if mla.seconds:  # where the rewrite's time went: its fits are most of a conversion's
+        steps = ", ".join(f"{step} {seconds:.1f}" for step, seconds in mla.seconds.items())
+        lines.append(f"  MLA rewrite     {sum(mla.seconds.values()):.1f} s ({steps})")
     return lines
 
 

@@ -109,6 +109,10 @@ def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent
     assert record["kv_heads"] == 2 and list(kls) == ["GQA-2", "parent"] and 0 < kls["parent"] < kls["GQA-2"]
     assert mla["from_parent"] is True and mla["kv_rank"] + mla["rope_dims"] == 64 and not mla["exact"]
     assert mla["judged_on"] == 2048  # the calibration text's next 2,048 tokens (below)
+    # where the rewrite's time went, by step, in the record and the summary
+    assert list(mla["seconds"]) == ["splits", "fits", "starts"] and min(mla["seconds"].values()) >= 0
+    steps = ", ".join(f"{step} {seconds:.1f}" for step, seconds in mla["seconds"].items())
+    assert f"  MLA rewrite     {sum(mla['seconds'].values()):.1f} s ({steps})" in said
     assert "from the parent)" in said and "MLA start       the parent compressed" in said
     assert "the closer on 2,048 tokens of calibration text no fit read" in said
     # both KLs to the same decimals (the summary printed 2.9 beside 0.9828), as the card says them too

@@ -8,10 +8,12 @@ the same cache (the exact rewrite), or smaller (`--kv-rank`, `--rope-dims`), fit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from gqaify.conversion.calibrate import read_beyond
 from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kl
 from gqaify.conversion.mla.gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
 from gqaify.conversion.mla.layer import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
-from gqaify.conversion.mla.split import FITTED, SplitTrial, candidate_splits, choose_split, fit_closest_split
+from gqaify.conversion.mla.split import FITTED, SplitTrial, candidate_splits, fit_ranked, ranked_splits
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
 from gqaify.model.geometry import Geometry, attention_kind, float16_asked, float16_latent_problem
@@ -55,6 +57,18 @@ class StartTrial:
         return ", ".join(f"{trial.start} {trial.kl:.3f}" for trial in starts)
 
 
+class Clock(dict):
+    """Seconds spent in each step of a rewrite, by name, added up as the steps run (`clock.of("fits")`)."""
+
+    @contextlib.contextmanager
+    def of(self, step: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[step] = round(self.get(step, 0.0) + time.perf_counter() - started, 1)
+
+
 @dataclass(frozen=True)
 class MlaRecord:
     """The MLA layer a conversion wrote (the same in every layer)."""
@@ -79,6 +93,9 @@ class MlaRecord:
     # the tokens of calibration text past what the conversion read that the starts were judged on (None: the fits'
     # held-out windows, where the sources held no more)
     judged_on: int | None = optional()
+    # where the rewrite's time went, seconds by step (`Clock`): "splits" (statistics, each split built and judged),
+    # "fits" (layer by layer), "starts" (the two starts judged); None in a record of an earlier gqaify
+    seconds: dict[str, float] | None = optional()
 
     @property
     def cached_per_token(self) -> int:
@@ -210,18 +227,22 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
     held = source.with_kv_heads(s.kv_heads).cached_per_token  # what the G-head model caches
     split_free = s.kv_rank is None and s.rope_dims is None
+    clock = Clock()
     if budget is not None and budget < held and split_free:
-        mla, record = _compressed(model, budget, s, ids, windows, parent)
+        mla, record = _compressed(model, budget, s, ids, windows, parent, clock)
     else:
-        plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
-        mla, fitted = build_mla(model, plan), None
+        with clock.of("splits"):
+            plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
+            mla, fitted = build_mla(model, plan), None
         if not plan.exact and (s.repair or s.refine_steps):
-            fitted = fit_mla(mla, parent(), windows, s.refine_steps, s.refine_lr, s.progress)
+            with clock.of("fits"):
+                fitted = fit_mla(mla, parent(), windows, s.refine_steps, s.refine_lr, s.progress)
         record = MlaRecord.of(plan, fitted=fitted)
     del model
     if budget == held and split_free and s.kv_heads < source.num_kv_heads and text is not None:
         unseen = _unseen_windows(s, text, folder)
-        mla, record = _closer_start(mla, record, budget, s, ids, windows, unseen, parent)
+        mla, record = _closer_start(mla, record, budget, s, ids, windows, unseen, parent, clock)
+    record = dataclasses.replace(record, seconds=dict(clock) if not record.exact or record.starts else None)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
     mla.to("cpu", dtype).save_pretrained(folder, max_shard_size=parse_size(s.max_shard_size))
@@ -229,17 +250,18 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     return Rewritten(record, len(shards), sum(path.stat().st_size for path in shards))
 
 
-def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object]):
+def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object], clock: Clock):
     """(`model` compressed to `budget` values per token and layer, the split chosen and fitted to the parent
-    (`mla.split`); its record)."""
-    ladder = is_gguf_out(s.out)
-    if s.repair or s.refine_steps:
-        mla, plan, splits, fitted = fit_closest_split(
-            model, parent(), budget, ids, windows, s.refine_steps, s.refine_lr, ladder, s.progress
+    (`mla.split`); its record), the time of each step added to `clock`."""
+    with clock.of("splits"):
+        plans, splits = ranked_splits(model, budget, ids, is_gguf_out(s.out), s.progress)
+    if not (s.repair or s.refine_steps):
+        return build_mla(model, plans[0]), MlaRecord.of(plans[0], splits)
+    with clock.of("fits"):
+        mla, plan, splits, fitted = fit_ranked(
+            model, parent(), plans, splits, windows, s.refine_steps, s.refine_lr, s.progress
         )
-        return mla, MlaRecord.of(plan, splits, fitted)
-    plan, splits = choose_split(model, budget, ids, ladder, s.progress)
-    return build_mla(model, plan), MlaRecord.of(plan, splits)
+    return mla, MlaRecord.of(plan, splits, fitted)
 
 
 def _unseen_windows(s, text, folder: Path) -> dict[str, list[torch.Tensor]] | None:
@@ -263,19 +285,20 @@ def _unseen_windows(s, text, folder: Path) -> dict[str, list[torch.Tensor]] | No
     return by_source or None
 
 
-def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, parent):
+def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, parent, clock: Clock):
     """At a cut whole K/V heads make, the closer to the parent of two starts: `mla`, the exact rewrite of the G-head
     conversion, and the parent compressed to the same cache (`_compressed`), judged on the `unseen` windows of
     calibration text (`_unseen_windows`), or where there are none on the fits' held-out `windows`. The record says
     both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is written, with a warning
     where the G-head model (which llama.cpp serves as GQA) was closer."""
     LOG.info("trying the parent compressed to the same %d values per token and layer", budget)
-    compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent)
+    compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent, clock)
     judged_on = None if unseen is None else sum(len(w) for ws in unseen.values() for w in ws)
-    starts = [
-        _judged(attention_kind(s.kv_heads), parent(), mla, unseen or {"": held_out(windows)}),
-        _judged("parent", parent(), compressed, unseen or {"": held_out(windows)}),
-    ]
+    with clock.of("starts"):
+        starts = [
+            _judged(attention_kind(s.kv_heads), parent(), mla, unseen or {"": held_out(windows)}),
+            _judged("parent", parent(), compressed, unseen or {"": held_out(windows)}),
+        ]
     on = "the fits' held-out windows" if judged_on is None else f"{judged_on:,} unseen calibration tokens"
     LOG.info("KL to the parent on %s: %s", on, StartTrial.listed(starts))
     for_llama_cpp = is_gguf_out(s.out) and s.kv_heads > 1  # the G heads' rotary blocks would repeat frequencies

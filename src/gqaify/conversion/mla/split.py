@@ -76,6 +76,16 @@ def fit_closest_split(
     on the windows the fit holds out. Returns (the MLA model, its plan, every split tried, whether its fit was
     kept)."""
     plans, trials = ranked_splits(model, budget, ids, ladder, progress, across)
+    return fit_ranked(model, parent, plans, trials, windows, steps, lr, progress)
+
+
+def fit_ranked(
+    model, parent, plans: list[MlaPlan], trials: list[SplitTrial], windows: list[torch.Tensor], steps: int,
+    lr: float, progress: bool = False,
+) -> tuple[object, MlaPlan, list[SplitTrial], bool]:  # fmt: skip
+    """`fit_closest_split`'s second half: the `FITTED` first of the ranked `plans` (`ranked_splits`) each built
+    from `model`, fitted to `parent` and judged; (the closest after its fit, its plan, `trials` with the fitted
+    ones' KLs, whether its fit was kept)."""
     best = None
     for plan in plans[:FITTED]:
         mla = build_mla(model, plan)
