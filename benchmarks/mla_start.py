@@ -17,8 +17,11 @@ text:
     short   8,192 calibration tokens, 32 refinement steps per layer
     long    16,384 calibration tokens, 64 refinement steps per layer
 
-Writes OUT/mla_start.json (OUT: --out, default benchmarks/results): per setting, the start kept, both starts' KL
-on each calibration source, and each model's KL and perplexity ratio to the parent on each panel text.
+Where `--kv-cut 3` keeps MQA's exact rewrite, the parent's start alone (`--kv-heads 3 --kv-cut 3`: the source's own
+heads, compressed and fitted) is converted too, so that both starts are judged on the panel. Writes
+OUT/mla_start.json (OUT: --out, default benchmarks/results): per setting, the start kept, both starts' KL on each
+calibration source, where the MLA rewrite's time went, and each start's KL and perplexity ratio to the parent on
+each panel text.
 """
 
 from __future__ import annotations
@@ -53,27 +56,32 @@ def main() -> None:
         work = args.out / "mla_start" / name
         common = dict(method="lsq", calib_data=calib, calib_tokens=tokens, refine_steps=steps, calib_seq_len=WINDOW)
         seconds = {}
-        for label, shape in (("mqa", dict(kv_heads=1)), ("mla", dict(kv_cut=3, attention="mla"))):
-            if not (work / label / "gqaify.json").is_file():
-                started = time.perf_counter()
-                subprocess.run(convert(source, work / label, **shape, **common, quiet=True), check=True)
-                seconds[label] = round(time.perf_counter() - started, 1)
-        report = work / "eval"
+        shapes = {"mqa": dict(kv_heads=1), "mla": dict(kv_cut=3, attention="mla")}
+        for label, shape in shapes.items():
+            seconds[label] = converted(source, work / label, shape | common)
+        mla = json.loads((work / "mla" / "gqaify.json").read_text())["mla"]
+        kept = "parent" if mla.get("from_parent") else "MQA"
+        starts = {"mqa": work / "mqa", "parent": work / "mla"}
+        if kept == "MQA":  # the parent's start alone (--kv-heads 3, the source's), to judge it on the panel too
+            parent_start = dict(kv_heads=3, kv_cut=3, attention="mla")
+            seconds["parent"] = converted(source, work / "parent", parent_start | common)
+            starts["parent"] = work / "parent"
+        report = work / "eval-panel"
         if not (report / "report.json").is_file():
             subprocess.run(
                 evaluate(
-                    [source, work / "mqa", work / "mla"], data=panel(texts), split="train", max_tokens=PANEL_TOKENS,
+                    [source, *starts.values()], data=panel(texts), split="train", max_tokens=PANEL_TOKENS,
                     seq_len=WINDOW, speed=False, out=report, quiet=True,
                 ),
                 check=True,
             )  # fmt: skip
-        mla = json.loads((work / "mla" / "gqaify.json").read_text())["mla"]
         models = json.loads((report / "report.json").read_text())["models"][1:]
         found[name] = {
             "calib_tokens": tokens,
             "refine_steps": steps,
-            "kept": "parent" if mla.get("from_parent") else "MQA",
+            "kept": kept,
             "starts": mla["starts"],
+            "mla_seconds": mla.get("seconds"),
             "seconds": seconds,
             "panel": {
                 label: {
@@ -82,11 +90,21 @@ def main() -> None:
                     "kl": {t["text"]: t["kl_to_parent"] for t in model["texts"]},
                     "ratio": {t["text"]: t["ratio_to_parent"] for t in model["texts"]},
                 }
-                for label, model in zip(("mqa", "mla"), models, strict=True)
+                for label, model in zip(starts, models, strict=True)
             },
         }
         results.write_text(json.dumps(found, indent=2) + "\n")
         print(json.dumps({name: found[name]}, indent=2), flush=True)
+
+
+def converted(source: str, out: Path, settings: dict) -> float | None:
+    """`gqaify convert SOURCE OUT` with `settings`, unless OUT holds that conversion already; its seconds (None:
+    done before)."""
+    if (out / "gqaify.json").is_file():
+        return None
+    started = time.perf_counter()
+    subprocess.run(convert(source, out, **settings, quiet=True), check=True)
+    return round(time.perf_counter() - started, 1)
 
 
 if __name__ == "__main__":
