@@ -135,7 +135,7 @@ def test_an_mla_cut_whole_heads_make_keeps_the_exact_rewrite_where_it_is_closer(
     import gqaify.conversion.mla.output as mla_output
 
     told = iter([0.25, 0.5])  # the exact rewrite's, then the parent's
-    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(told))
+    monkeypatch.setattr(mla_output, "held_out_kls", lambda reference, models, windows: [next(told) for _ in models])
     calib = calibrated_on(parent.parent / "calib.txt")
     out, alone = tmp_path / "cut", tmp_path / "alone"
     assert main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", *calib, "-q"]) == 0
@@ -160,13 +160,13 @@ def test_the_parent_start_is_kept_only_where_it_is_closer_on_every_calibration_s
     """Judged on unseen calibration text of three mixed sources, SmolLM2's parent start was the closer and was kept,
     yet was further than MQA on three of four kinds of text of a larger panel. The starts are judged source by
     source: where they disagree, the exact rewrite of the G-head model is kept (the KLs are told here, per source, in
-    the order the judge measures them: the exact rewrite's, then the parent's, each source in --calib-data order)."""
+    the order the judge measures them: each source in --calib-data order, the exact rewrite's, then the parent's)."""
     import gqaify.conversion.mla.output as mla_output
 
     (tmp_path / "prose.txt").write_text(CORPUS * 8)
     (tmp_path / "verse.txt").write_text(" ".join(reversed(CORPUS.split())) * 8)
-    order = iter([told[name][start] for start in (0, 1) for name in ("prose", "verse")])
-    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(order))
+    order = iter([told[name][start] for name in ("prose", "verse") for start in (0, 1)])
+    monkeypatch.setattr(mla_output, "held_out_kls", lambda reference, models, windows: [next(order) for _ in models])
     calib = ["--calib-data", str(tmp_path / "prose.txt"), str(tmp_path / "verse.txt"), "--calib-seq-len", "64"]
     calib += ["--calib-tokens", "2048"]
     out, alone = tmp_path / "cut", tmp_path / "alone"
@@ -198,7 +198,12 @@ def test_the_two_starts_are_judged_on_calibration_text_no_fit_read(parent, tmp_p
     import gqaify.conversion.mla.output as mla_output
 
     judged = []
-    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: judged.append(windows) or 0.5)
+
+    def judge(reference, models, windows):  # both starts in one pass over the windows: one list a start
+        judged.extend([windows] * len(models))
+        return [0.5] * len(models)
+
+    monkeypatch.setattr(mla_output, "held_out_kls", judge)
     calib = ["--calib-data", str(parent.parent / "calib.txt"), "--calib-seq-len", "64", "--calib-tokens", str(tokens)]
     out = tmp_path / "cut"
     assert main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", *calib, "-q"]) == 0

@@ -506,6 +506,10 @@ def test_the_held_out_kl_is_per_token_as_torchs_kl_div_counts_it():
     p, q = (torch.cat([pair[i] for pair in logits]).double().log_softmax(-1) for i in (0, 1))
     expected = torch.nn.functional.kl_div(q, p, log_target=True, reduction="sum").item() / 200
     assert mla_fit.held_out_kl(source, mla, windows) == pytest.approx(expected, rel=1e-6)
+    # two models judged in one pass (the parent's distribution once a window): each exactly as judged alone
+    other = rewrite_as_mla(source, kv_rank=8, rope_dim=8, ids=ids)
+    alone = [mla_fit.held_out_kl(source, model, windows) for model in (mla, other)]
+    assert mla_fit.held_out_kls(source, [mla, other], windows) == alone and alone[0] != alone[1]
 
 
 def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):

@@ -204,7 +204,7 @@ def test_an_mla_gguf_at_a_cut_of_whole_heads_from_several_is_the_parent_turned_f
     import gqaify.conversion.mla.output as mla_output
 
     told = iter([0.25, 0.5])  # the GQA-2 model's, then the parent's
-    monkeypatch.setattr(mla_output, "held_out_kl", lambda reference, model, windows: next(told))
+    monkeypatch.setattr(mla_output, "held_out_kls", lambda reference, models, windows: [next(told) for _ in models])
     out = tmp_path / "mla.gguf"
     text = MODELS.parent / "text" / "tinystories-train-sample.txt"
     argv = ["convert", MODELS / "stories260K", out, "--kv-cut", "2", "--attention", "mla", "--calib-data", text]

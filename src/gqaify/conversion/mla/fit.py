@@ -211,15 +211,21 @@ def _refine(layer, mla_in, parent_out, rotary, held, steps: int, lr: float) -> N
 def held_out_kl(reference, model, windows: list[torch.Tensor]) -> float:
     """The mean KL per token of `model`'s next-token distribution to `reference`'s, over the token windows (both
     models on one device, where it runs)."""
-    total, count = 0.0, 0
+    return held_out_kls(reference, [model], windows)[0]
+
+
+def held_out_kls(reference, models: list, windows: list[torch.Tensor]) -> list[float]:
+    """`held_out_kl` of each of `models`, the reference's distribution computed once a window for all of them."""
+    totals, count = [0.0] * len(models), 0
     with torch.no_grad():
         for window in windows:
-            ids = window[None].to(model.device)
+            ids = window[None].to(models[0].device)
             expected = torch.log_softmax(reference(ids).logits[0].double(), dim=-1)
-            got = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
-            total += (expected.exp() * (expected - got)).sum().item()
+            for i, model in enumerate(models):
+                got = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+                totals[i] += (expected.exp() * (expected - got)).sum().item()
             count += len(window)
-    return total / count
+    return [total / count for total in totals]
 
 
 def held_out(windows: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 
 from gqaify.conversion.budget import cut_values
 from gqaify.conversion.calibrate import read_beyond
-from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kl
+from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kls
 from gqaify.conversion.mla.gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
 from gqaify.conversion.mla.layer import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla.split import FITTED, SplitTrial, candidate_splits, fit_ranked, ranked_splits
@@ -295,10 +295,9 @@ def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, 
     compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent, clock)
     judged_on = None if unseen is None else sum(len(w) for ws in unseen.values() for w in ws)
     with clock.of("starts"):
-        starts = [
-            _judged(attention_kind(s.kv_heads), parent(), mla, unseen or {"": held_out(windows)}),
-            _judged("parent", parent(), compressed, unseen or {"": held_out(windows)}),
-        ]
+        starts = _judged(
+            {attention_kind(s.kv_heads): mla, "parent": compressed}, parent(), unseen or {"": held_out(windows)}
+        )
     on = "the fits' held-out windows" if judged_on is None else f"{judged_on:,} unseen calibration tokens"
     LOG.info("KL to the parent on %s: %s", on, StartTrial.listed(starts))
     for_llama_cpp = is_gguf_out(s.out) and s.kv_heads > 1  # the G heads' rotary blocks would repeat frequencies
@@ -314,13 +313,18 @@ def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, 
     return mla, dataclasses.replace(record, splits=compressed_record.splits, starts=starts, judged_on=judged_on)
 
 
-def _judged(start: str, parent, model, windows: dict[str, list[torch.Tensor]]) -> StartTrial:
-    """How far the start `model` is from `parent` on the `windows` of each calibration source (one source "": the
-    fits' held-out windows), and over all of them, each token weighted alike; by source where there are several."""
-    by_source = {name: held_out_kl(parent, model, ws) for name, ws in windows.items()}
+def _judged(starts: dict[str, object], parent, windows: dict[str, list[torch.Tensor]]) -> list[StartTrial]:
+    """How far each of the `starts` (name: model) is from `parent` on the `windows` of each calibration source (one
+    source "": the fits' held-out windows), and over all of them, each token weighted alike; by source where there
+    are several. The parent's distribution is computed once a window for both (`held_out_kls`)."""
+    by_source = {name: held_out_kls(parent, list(starts.values()), ws) for name, ws in windows.items()}
     tokens = {name: sum(len(w) for w in ws) for name, ws in windows.items()}
-    kl = sum(by_source[name] * tokens[name] for name in windows) / sum(tokens.values())
-    return StartTrial(start, kl, by_source if len(by_source) > 1 else None)
+    trials = []
+    for i, start in enumerate(starts):
+        kls = {name: found[i] for name, found in by_source.items()}
+        kl = sum(kls[name] * tokens[name] for name in windows) / sum(tokens.values())
+        trials.append(StartTrial(start, kl, kls if len(kls) > 1 else None))
+    return trials
 
 
 def _closer_everywhere(compressed: StartTrial, exact: StartTrial) -> bool:
