@@ -47,8 +47,6 @@ def _mla_lines(mla) -> list[str]:
         why = f"the closer on {on}"
         if mla.from_parent and mla.starts[0].kl < mla.starts[1].kl:  # a GGUF: llama.cpp cannot turn the G heads
             why = f"as llama.cpp needs, though {mla.starts[0].start} was closer on {on}"
-        elif mla.further_on:  # the parent's start closer as a whole, further on some kind of text
-            why = f"as the parent's start, closer on {on} as a whole, was further on {', '.join(mla.further_on)}"
         lines.append(f"  MLA start       {kept}, {why} (KL {tried} nats/token)")
     if mla.seconds:  # where the rewrite's time went: its fits are most of a conversion's
         steps = ", ".join(f"{step} {seconds:.1f}" for step, seconds in mla.seconds.items())

@@ -182,9 +182,6 @@ def _mla_line(record: ConversionRecord) -> str:
         text += (
             f" Two starts were tried at this cache and the closer to the parent on {mla.judge_text} kept "
             f"(KL per token: {tried})."
-            if not mla.further_on
-            else f" Two starts were tried at this cache (KL per token on {mla.judge_text}: {tried}); the parent's, "
-            f"closer as a whole, was further on {', '.join(mla.further_on)}, so the exact rewrite was kept."
         )
     return text
 
