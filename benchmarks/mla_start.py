@@ -4,6 +4,8 @@ training.
 
     python benchmarks/mla_start.py                       # both settings below
     python benchmarks/mla_start.py --settings short      # one of them
+    python benchmarks/mla_start.py --ranking             # the two closest splits ranked after the repair alone
+    python benchmarks/mla_start.py --judge               # the starts' judge timed: each alone, against one pass
 
 At a cut whole heads make, `--kv-cut` tries two starts, MQA's conversion rewritten exactly and the parent
 compressed to the same 128 values per token and layer, and judges them on calibration text no fit read, source by
@@ -43,7 +45,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS), help="which of: " + ", ".join(SETTINGS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument(
+        "--ranking", action="store_true", help="instead: the two closest splits ranked after the repair alone"
+    )
+    parser.add_argument(
+        "--judge", action="store_true", help="instead: the starts' judge timed, each start alone against one pass"
+    )
     args = parser.parse_args()
+    if args.ranking:
+        return repair_ranking(args.out)
+    if args.judge:
+        return judge_timing(args.out)
     from gqaify.entry.demo import fetch_default_model
 
     source = str(fetch_default_model())
@@ -95,6 +107,65 @@ def main() -> None:
         }
         results.write_text(json.dumps(found, indent=2) + "\n")
         print(json.dumps({name: found[name]}, indent=2), flush=True)
+
+
+def repair_ranking(out: Path) -> None:
+    """The parent compressed at 128 and 256 values per token and layer: the `FITTED` closest splits each built and
+    brought back to the parent by the fit's closed-form repair alone (no refinement steps), as the split search
+    would rank them on its held-out windows, with the seconds each took (the long setting's calibration). Writes
+    OUT/mla_start_ranking.json."""
+    import torch
+
+    from gqaify.conversion.calibrate import read_calibration
+    from gqaify.conversion.mla.fit import fit_and_judge
+    from gqaify.conversion.mla.layer import STAT_WINDOW, build_mla
+    from gqaify.conversion.mla.split import FITTED, ranked_splits
+    from gqaify.conversion.settings import ConvertSettings
+    from gqaify.entry.demo import fetch_default_model
+    from gqaify.model.loading import load_model
+
+    tokens, _ = SETTINGS["long"]
+    parent, tokenizer = load_model(str(fetch_default_model()), dtype=torch.float32)
+    calib = [str(path) for path in mixture(write_texts(out / "texts")).values()]
+    settings = ConvertSettings(calib_data=calib, calib_tokens=tokens, calib_seq_len=WINDOW, calib_split="train")
+    text = read_calibration(settings.calibration(), tokenizer)
+    ids, windows = torch.cat(text.windows(STAT_WINDOW)), [w for w in text.windows(WINDOW) if len(w) > 1]
+    found = {}
+    for budget in (128, 256):
+        plans, trials = ranked_splits(parent, budget, ids)
+        found[budget] = {"splits": [vars(t) for t in trials], "repaired": []}
+        for plan in plans[:FITTED]:
+            started = time.perf_counter()
+            _, kl = fit_and_judge(build_mla(parent, plan), parent, windows, 0, progress=False)
+            row = {"kv_rank": plan.shape.kv_rank, "rope_dims": plan.shape.rope_dim, "kl": kl}
+            found[budget]["repaired"].append(row | {"seconds": round(time.perf_counter() - started, 1)})
+            print(json.dumps({budget: row}), flush=True)
+        (out / "mla_start_ranking.json").write_text(json.dumps(found, indent=2) + "\n")
+
+
+def judge_timing(out: Path) -> None:
+    """The two starts' judge on SmolLM2, timed: each start judged alone (the parent's distribution computed for
+    each, as it was) against one pass for both (`held_out_kls`), on 8,192 tokens of WikiText-2 validation in
+    windows of 512, twice each; the long setting's two starts (run the benchmark first)."""
+    import torch
+
+    from commands import TEXT
+    from gqaify.conversion.mla.fit import held_out_kl, held_out_kls
+    from gqaify.entry.demo import fetch_default_model
+    from gqaify.model.loading import load_model
+
+    parent, tokenizer = load_model(str(fetch_default_model()), dtype=torch.float32)
+    starts = [load_model(str(out / "mla_start" / "long" / name), dtype=torch.float32)[0] for name in ("mqa", "parent")]
+    text = (TEXT / "wikitext-2-valid-tokenized.txt").read_text()[:200_000]
+    windows = list(tokenizer(text, return_tensors="pt").input_ids[0][:8192].split(WINDOW))
+    for _ in range(2):
+        started = time.perf_counter()
+        alone = [held_out_kl(parent, start, windows) for start in starts]
+        each = time.perf_counter() - started
+        started = time.perf_counter()
+        both = held_out_kls(parent, starts, windows)
+        once = time.perf_counter() - started
+        print(f"each alone {each:.1f} s, one pass {once:.1f} s ({once / each:.2f}x), the same KLs: {alone == both}")
 
 
 def converted(source: str, out: Path, settings: dict) -> float | None:

@@ -14,7 +14,8 @@ width, T the sequence length); with distillation the teacher's forward pass adds
     python benchmarks/uptrain_throughput.py --config recipes/accelerate/fsdp.yaml --processes 1
     python benchmarks/uptrain_throughput.py --shapes 4x256,32x1024 --steps 30 --peak-tflops 989
     python benchmarks/uptrain_throughput.py --cpu --shapes 4x256 --steps 8          # MFU only with --peak-tflops
-    python benchmarks/uptrain_throughput.py --override "--no_fused_loss"             # the plain loss, to compare
+    python benchmarks/uptrain_throughput.py --override=--no_fused_loss               # the plain loss, to compare
+    python benchmarks/uptrain_throughput.py --override=--compile                     # each layer compiled
 
 Peak memory: on a GPU the most `nvidia-smi` saw the run's processes hold (polled every half second, CUDA context
 included); on the CPU the largest resident memory of the run's processes (psutil, polled alike).
