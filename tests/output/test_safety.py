@@ -567,12 +567,12 @@ def test_eval_on_a_full_disk(capsys, source, text, tiny_disk, monkeypatch):
 def test_eval_when_plotting_meets_a_full_disk(capsys, source, text, tmp_path, monkeypatch):
     """The same case where no tmpfs can be mounted: the disk fills up as the plots are written (where the 48-line
     traceback came from), and the run says so in convert's one line and leaves nothing."""
-    from gqaify.eval import report
+    from gqaify.eval import plots
 
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(report, "plot_diagnostics", full)
+    monkeypatch.setitem(plots.PLOTS, plots.PLOT_DIAGNOSTICS, full)  # the plots the report writes, by file name
     code, err = run_eval(capsys, source, text, tmp_path / "report")
     line = one_line(err)
     assert code == 1 and line.startswith("gqaify: error: no space left on") and "Traceback" not in err
