@@ -625,3 +625,13 @@ def test_the_disk_plan_counts_the_wider_queries_of_the_mla_model(tmp_path, capsy
     assert code == 2 and "not enough disk space" in one_line(err)
     assert int(re.search(r"needs ([\d,]+) bytes", err)[1].replace(",", "")) >= written
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("width", [["--kv-rank", "16"], ["--rope-dims", "16"]])
+def test_one_width_given_converts_and_says_first_what_it_fits(parent, tmp_path, capsys, width):
+    """The note said before a fit added the two widths, and one of them left unset was an internal error."""
+    calib = ["--calib-data", str(parent.parent / "calib.txt"), "--calib-seq-len", "64", "--calib-tokens", "1024"]
+    argv = ["convert", str(parent), str(tmp_path / "out"), "--kv-heads", "2", "--attention", "mla", *width, *calib]
+    assert main(argv) == 0
+    said = capsys.readouterr().err.splitlines()[0]
+    assert said.startswith("MLA, after the G-head conversion: one layer-by-layer fit (2 layers, ")

@@ -193,9 +193,12 @@ def cost_note(s, source: Geometry) -> str | None:
                 f", then that start and {attention_kind(s.kv_heads)}'s exact rewrite judged on up to {judged:,} "
                 "unseen calibration tokens"
             )
+    widths = (s.kv_rank, s.rope_dims)
+    values = budget if budget is not None else sum(widths) if None not in widths else None  # one width: the other's
+    at = "" if values is None else f" at {values} values per token and layer"
     return (
-        f"MLA at {budget or s.kv_rank + s.rope_dims} values per token and layer, after the G-head conversion: {work}. "
-        "The fits take several times the G-head conversion's time; each shows its bar."
+        f"MLA{at}, after the G-head conversion: {work}. The fits take several times the G-head conversion's time; "
+        "each shows its bar."
     )
 
 
