@@ -20,7 +20,7 @@ from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.head_loss import IGNORE, Teacher, fused_loss, head_skipped, returns_head_output
 from gqaify.uptrain.lora import with_adapters
 from gqaify.uptrain.settings import UptrainSettings
-from gqaify.uptrain.sharding import sharded_teacher
+from gqaify.uptrain.sharding import decoder_layers, sharded_teacher
 
 LOG = logging.getLogger(__name__)
 
@@ -194,15 +194,13 @@ def load_teacher(s: UptrainSettings, accelerator, vocab_size: int):
 
 
 def compile_layers(model) -> int:
-    """Each decoder layer of `model` compiled in place (`nn.Module.compile`: its state dict, and so checkpoints,
-    unchanged), the layers found by the class names transformers declares for them (`_no_split_modules`); the
-    number compiled.
+    """Each decoder layer of `model` (`sharding.decoder_layers`) compiled in place (`nn.Module.compile`: its state
+    dict, and so checkpoints, unchanged); the number compiled.
 
     Raises:
         UserError: the model declares no such class, or none of its modules is of one.
     """
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = decoder_layers(model)
     if not layers:
         raise UserError(
             f"compile: {type(model).__name__} names no decoder layer class (_no_split_modules) gqaify can compile; "

@@ -167,19 +167,50 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class _Route:
+    """What the rewrite of a request does, decided once from its settings and the source's geometry (`_route`)."""
+
+    budget: int | None  # the values per token and layer --kv-cut asks (None: no --kv-cut)
+    held: int  # what the G-head model caches
+    split_free: bool  # neither --kv-rank nor --rope-dims: the split is the rewrite's to choose
+
+    @property
+    def compressed(self) -> bool:
+        """The parent compressed below the G-head model's cache, its split chosen (`_compressed`)."""
+        return self.budget is not None and self.budget < self.held and self.split_free
+
+    @property
+    def exact(self) -> bool:
+        """The G-head model rewritten exactly: nothing fitted (at a cut whole heads make, a start to judge)."""
+        return self.split_free and (self.budget is None or self.budget >= self.held)
+
+
+def _route(s, source: Geometry) -> _Route:
+    """What the rewrite of `s` does from a source of geometry `source`."""
+    budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
+    held = source.with_kv_heads(s.kv_heads).cached_per_token
+    return _Route(budget, held, s.kv_rank is None and s.rope_dims is None)
+
+
+def _two_starts(r: _Route, s, source: Geometry) -> bool:
+    """A cut whole K/V heads make, from fewer than the source's: the G-head model's exact rewrite and the parent
+    compressed to the same cache are both tried (`_closer_start`)."""
+    return r.split_free and r.budget == r.held and s.kv_heads < source.num_kv_heads
+
+
 def cost_note(s, source: Geometry) -> str | None:
     """What the rewrite will do after the G-head conversion, where it fits (said before the conversion begins: the
     fits are most of its time, SmolLM2-135M's `--kv-cut 3` at 16,384 tokens and 64 steps took 27.7 minutes on 2
     CPU cores where its MQA conversion alone takes about 5); None where it only rewrites (exact)."""
-    budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
-    held = source.with_kv_heads(s.kv_heads).cached_per_token
-    split_free = s.kv_rank is None and s.rope_dims is None
-    if split_free and (budget is None or budget > held):
+    r = _route(s, source)
+    budget = r.budget
+    if r.exact and not _two_starts(r, s, source):
         return None  # the exact rewrite of the G-head model: no fit
     fits = s.repair or s.refine_steps
     windows = max(s.calib_tokens // s.calib_seq_len, 1)
     fit = f"{source.num_layers} layers, {s.refine_steps} refinement steps each, on {windows:,} windows"
-    if not split_free:
+    if not r.split_free:
         work = f"one layer-by-layer fit ({fit})" if fits else "its PCA start, not fitted"
     else:
         ladder = is_gguf_out(s.out)
@@ -187,7 +218,7 @@ def cost_note(s, source: Geometry) -> str | None:
         closest = "the closest fitted" if min(FITTED, splits) == 1 else f"the {FITTED} closest each fitted"
         fitted = f", {closest} layer by layer ({fit})" if fits else ", unfitted"
         work = f"{splits} split{'s' * (splits != 1)} of the parent's cache judged{fitted}"
-        if budget == held and s.kv_heads < source.num_kv_heads:
+        if _two_starts(r, s, source):
             judged = min(s.calib_tokens, JUDGE_TOKENS)
             work += (
                 f", then that start and {attention_kind(s.kv_heads)}'s exact rewrite judged on up to {judged:,} "
@@ -220,12 +251,10 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     ids = torch.cat(text.windows(STAT_WINDOW)) if text is not None else None
     windows = None if text is None else [w for w in text.windows(s.calib_seq_len) if len(w) > 1]
     parent = functools.cache(lambda: load_parent().to(device))
-    budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
-    held = source.with_kv_heads(s.kv_heads).cached_per_token  # what the G-head model caches
-    split_free = s.kv_rank is None and s.rope_dims is None
+    r = _route(s, source)
     clock = Clock()
-    if budget is not None and budget < held and split_free:
-        mla, record = _compressed(model, budget, s, ids, windows, parent, clock)
+    if r.compressed:
+        mla, record = _compressed(model, r.budget, s, ids, windows, parent, clock)
     else:
         with clock.of("splits"):
             plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
@@ -235,9 +264,9 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
                 fitted = fit_mla(mla, parent(), windows, s.refine_steps, s.refine_lr, s.progress)
         record = MlaRecord.of(plan, fitted=fitted)
     del model
-    if budget == held and split_free and s.kv_heads < source.num_kv_heads and text is not None:
+    if _two_starts(r, s, source) and text is not None:
         unseen = _unseen_windows(s, text, folder)
-        mla, record = _closer_start(mla, record, budget, s, ids, windows, unseen, parent, clock)
+        mla, record = _closer_start(mla, record, r.budget, s, ids, windows, unseen, parent, clock)
     record = dataclasses.replace(record, seconds=dict(clock) if not record.exact or record.starts else None)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
