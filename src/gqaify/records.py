@@ -80,7 +80,8 @@ class Provenance:
 
 def as_json(record) -> dict:
     """`record` as a JSON object: its fields in order (nested records as objects), the optional ones that say
-    nothing left out."""
+    nothing left out; a record with a method `stored(value)` stores itself as that says (read back by its
+    `from_stored`)."""
     value = {}
     for f in dataclasses.fields(record):
         if _OMITTED_WITH in f.metadata:
@@ -88,7 +89,7 @@ def as_json(record) -> dict:
             if (getattr(record, other) is None) if other else getattr(record, f.name) == f.default:
                 continue
         value[f.metadata.get(_KEY, f.name)] = _json(getattr(record, f.name))
-    return value
+    return record.stored(value) if hasattr(record, "stored") else value
 
 
 def _json(value):
@@ -109,7 +110,9 @@ def record_text(record) -> str:
 def from_json(cls: type[R], value: dict, nan_for_null: bool = False) -> R:
     """The record of type `cls` that the JSON object `value` holds (`as_json` read back). With `nan_for_null`, a null
     where the field (or a list's item) is a float that may not be None reads as NaN: a number that was not finite,
-    written as null; where the field may be None, a null is None.
+    written as null; where the field may be None, a null is None. A record stored in a shape of its own (`as_json`)
+    is read back through its classmethod `from_stored(value)`, and a base may name, from the value, the record that
+    it is (a classmethod `variant(value)`, the type read: a shape's record under `ConversionRecord`).
 
     Raises:
         ValueError: a key `cls` has no field for (a record of something else, or of a later gqaify), a required
@@ -117,6 +120,10 @@ def from_json(cls: type[R], value: dict, nan_for_null: bool = False) -> R:
     """
     if not isinstance(value, dict):
         raise ValueError(f"{cls.__name__} is a JSON object, not {type(value).__name__}")
+    if hasattr(cls, "from_stored"):  # a record stored in a shape of its own (`as_json`)
+        value = cls.from_stored(value)
+    if hasattr(cls, "variant"):  # a field typed by a base, whose JSON says which record it is
+        cls = cls.variant(value)
     hints, names = _hints(cls), {f.metadata.get(_KEY, f.name): f.name for f in dataclasses.fields(cls)}
     unknown = [key for key in value if key not in names]
     if unknown:
@@ -315,11 +322,14 @@ def declare_types(named: dict[str, tuple[str, ...]]) -> None:
 @functools.cache
 def _types(kind: str) -> tuple[type, ...]:
     """The record types a record of `kind` is read as (none: a kind this gqaify does not know)."""
-    above = []
-    for name in _ABOVE.get(kind, ()):
-        module, _, cls = name.partition(":")
-        above.append(getattr(importlib.import_module(module), cls))
+    above = [named_type(name) for name in _ABOVE.get(kind, ())]
     return (*(KINDS[kind].types if kind in KINDS else ()), *above)
+
+
+def named_type(name: str) -> type:
+    """The record type "module:Class" names, its module imported (a type declared above this module, read by it)."""
+    module, _, cls = name.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 # -- reading any of them ----------------------------------------------------------------------------------------

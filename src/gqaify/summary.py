@@ -7,11 +7,10 @@ def format_summary(result) -> str:
     """A few lines saying what a conversion did."""
     kind = result.attention
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
-    mla = result.record.mla
+    rewrite = result.record.rewrite  # the G-head model rewritten as another shape (`conversion.shapes.ShapeRecord`)
     method = f" with --method {result.method}"
-    if mla is not None and mla.from_parent:  # the G-head conversion was a start tried and not kept: its lines go
-        heads = f"{result.source_kv_heads}, the parent's, compressed into the latent ({result.num_heads} query heads)"
-        method, fitted = "", []
+    if rewrite is not None and (heads := rewrite.heads(result.source_kv_heads, result.num_heads)):
+        method, fitted = "", []  # the G-head conversion was not what was kept: its lines go
     else:
         heads = f"{result.source_kv_heads} -> {result.kv_heads} ({result.num_heads} query heads; groups "
         heads += f"{_groups(result.groups)})"
@@ -22,36 +21,12 @@ def format_summary(result) -> str:
             f"  K/V heads       {heads}",
             f"  KV cache/token  {before:,} -> {after:,} bytes ({before / after:g}x smaller)",
             *fitted,
-            *_mla_lines(result.record.mla),
+            *(rewrite.summary_lines() if rewrite is not None else []),
             f"  tensors         {result.tensors_converted} rewritten, {result.tensors_copied} copied, "
             f"{result.num_shards} shard(s), {result.bytes_written / 1e6:,.1f} MB",
             f"  saved to        {printable(result.out)}",
         ]
     )
-
-
-def _mla_lines(mla) -> list[str]:
-    """What the MLA rewrite did (the fit lines above are the G-head conversion's)."""
-    if mla is None:
-        return []
-    how = "exact (the G-head model's function)" if mla.exact else "fitted on the calibration text, layer by layer"
-    if mla.fitted is False:
-        how = "its PCA start (the layer-by-layer fit took it further from the parent, and was undone)"
-    elif not mla.exact and mla.fitted is None:
-        how = "its PCA start on the calibration text (not fitted)"
-    lines = [f"  MLA             latent {mla.kv_rank} + rotary key {mla.rope_dims} values per token and layer, {how}"]
-    if mla.starts:
-        tried = mla.starts_tried
-        kept = "the parent compressed" if mla.from_parent else f"the exact rewrite of {mla.starts[0].start}"
-        on = mla.judge_text
-        why = f"the closer on {on}"
-        if mla.from_parent and mla.starts[0].kl < mla.starts[1].kl:  # a GGUF: llama.cpp cannot turn the G heads
-            why = f"as llama.cpp needs, though {mla.starts[0].start} was closer on {on}"
-        lines.append(f"  MLA start       {kept}, {why} (KL {tried} nats/token)")
-    if mla.seconds:  # where the rewrite's time went: its fits are most of a conversion's
-        steps = ", ".join(f"{step} {seconds:.1f}" for step, seconds in mla.seconds.items())
-        lines.append(f"  MLA rewrite     {sum(mla.seconds.values()):.1f} s ({steps})")
-    return lines
 
 
 def _fit_lines(result) -> list[str]:

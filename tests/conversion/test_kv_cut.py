@@ -121,7 +121,7 @@ def test_an_mla_cut_whole_heads_make_keeps_the_start_closer_to_the_parent(parent
     assert "K/V heads       4, the parent's, compressed into the latent" in said and "fit error" not in said
     assert "from the parent) in " in said  # the unkept GQA-2 conversion's --method is not the written model's
     read = ConversionRecord.read(out)  # read back typed
-    assert read.mla.starts[1] == StartTrial("parent", kls["parent"]) and read.attention.endswith("from the parent)")
+    assert read.rewrite.starts[1] == StartTrial("parent", kls["parent"]) and read.attention.endswith("from the parent)")
     argv = ["--kv-heads", str(HEADS), "--attention", "mla", "--kv-cut", "2", "--method", "mean", *calib]
     assert main(["convert", str(parent), str(alone), *argv, "-q"]) == 0  # the parent's own heads: compressed alone
     kept, expected = weights(out), weights(alone)
@@ -173,7 +173,7 @@ def test_the_starts_are_judged_source_by_source_and_the_closer_as_a_whole_is_kep
     out, alone = tmp_path / "cut", tmp_path / "alone"
     assert main(["convert", str(parent), str(out), "--attention", "mla", "--kv-cut", "2", *calib]) == 0
     said = capsys.readouterr().out
-    mla = ConversionRecord.read(out).mla
+    mla = ConversionRecord.read(out).rewrite
     assert [start.by_source for start in mla.starts] == [{n: kls[i] for n, kls in told.items()} for i in (0, 1)]
     tokens = mla.judged_on / 2  # the two sources' unseen tokens, alike here
     assert [start.kl for start in mla.starts] == [

@@ -512,24 +512,15 @@ def test_the_held_out_kl_is_per_token_as_torchs_kl_div_counts_it():
     assert mla_fit.held_out_kls(source, [mla, other], windows) == alone and alone[0] != alone[1]
 
 
-def test_every_attention_shape_is_one_entry_whose_module_has_what_the_pipeline_calls(capsys):
-    """An attention shape is one entry of ATTENTION_INFO naming its module: the registry is built from it, the
-    command line offers exactly its names, and each module has the four functions the pipeline calls."""
-    import inspect
-
+def test_every_attention_shape_is_one_entry_whose_object_answers_the_whole_contract(capsys):
+    """An attention shape is one entry of ATTENTION_INFO naming its `Shape`: each answers the whole contract, the
+    command line offers exactly their names, and GQA, the stream's output, rewrites nothing."""
     from gqaify.conversion.settings import ATTENTION_INFO
-    from gqaify.conversion.shapes import SHAPES
+    from gqaify.conversion.shapes import Shape, every_shape, shape
 
-    assert list(SHAPES) == list(ATTENTION_INFO) == ["gqa", "mla"]
-    assert SHAPES["gqa"].rewrite is None
-    for name, shape in SHAPES.items():
-        assert shape.info is ATTENTION_INFO[name]
-        if shape.info.module:
-            module = shape.module
-            assert [len(inspect.signature(f).parameters) for f in (module.problems, module.rewrite)] == [3, 5]
-            assert len(inspect.signature(module.write_gguf).parameters) == 5
-            assert len(inspect.signature(module.weight_bytes).parameters) == 2
-            assert len(inspect.signature(module.cost_note).parameters) == 2
+    assert list(ATTENTION_INFO) == ["gqa", "mla"]
+    assert all(isinstance(found, Shape) for found in every_shape())
+    assert ATTENTION_INFO["gqa"].record is None and shape("gqa").rewrite(None, None, None, None, None) is None
     assert main(["convert", "--help"]) == 0
     offered = re.search(r"--attention \{([^}]*)\}", capsys.readouterr().out).group(1)
     assert offered.split(",") == list(ATTENTION_INFO)

@@ -76,7 +76,8 @@ LAYERS = [
     {"model", "output", "figures", "packaged"},
     {"settings", "command"},  # command: exit statuses and what an error leaves (`output.whole` says a full disk)
     {"summary", "text", "testing"},
-    {"conversion", "eval", "generation"},
+    {"conversion"},
+    {"eval", "generation"},  # eval asks a model's shape what it holds (`conversion.shapes`)
     {"uptrain"},
     {"uptrain.__main__"},  # `python -m gqaify.uptrain`: an entry, like cli
     {"entry"},  # the `gqaify` command, the stages it runs, the demo

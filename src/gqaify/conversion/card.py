@@ -2,10 +2,11 @@
 
 Its YAML metadata is what the Hub reads: `base_model` (the source's hub id, where it has one) with
 `base_model_relation: finetune` (of the Hub's four relations, the one for weights derived from the parent),
-`library_name: transformers`, the tags `gqaify` and `gqa` (plus `mqa` for one K/V head, `custom_code` where the
-output carries its modeling file), and the source's licence, copied from the source's own card. The body says
-what was done, from the provenance record (`gqaify.json`): the heads, the method and its calibration, the fit
-error, and after uptraining the tokens trained and the perplexities, with the recovery plot.
+`library_name: transformers`, the tags `gqaify` and the shape's name (`gqa`, plus `mqa` for one K/V head, or the
+shape a rewrite made; `custom_code` where the output carries its modeling file), and the source's licence, copied
+from the source's own card. The body says what was done, from the provenance record (`gqaify.json`): the heads, the
+method and its calibration, the fit error, and after uptraining the tokens trained and the perplexities, with the
+recovery plot.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from pathlib import Path
 
 from gqaify.conversion.papers import cited
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import METHOD_INFO
-from gqaify.model.geometry import attention_kind
+from gqaify.conversion.settings import METHOD_INFO, STREAM_SHAPE
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
 _HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
@@ -66,7 +66,7 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
 
     src, g, kv_heads = record.source, record.source_geometry, record.kv_heads
     kind = record.attention
-    shape = ["mla"] if record.mla else ["gqa"] + (["mqa"] if kv_heads == 1 else [])
+    shape = [record.rewrite.shape] if record.rewrite else [STREAM_SHAPE] + (["mqa"] if kv_heads == 1 else [])
     tags = ["gqaify", *shape] + (["custom_code"] if record.shipped else [])
     meta = record.card
     data = ModelCardData(
@@ -90,8 +90,8 @@ def model_card(record: ConversionRecord, uptrained: Uptrained | None = None):
         f"- {_rewritten(record)}; everything else is copied from the source unchanged. `gqaify.json` records the "
         "groups, calibration, per-layer fit error and source hashes.",
     ]
-    if record.mla is not None:
-        lines.append(_mla_line(record))
+    if record.rewrite is not None:
+        lines.append(record.rewrite.card_line(record))
     if fit := _fit_summary(record.fit_error):
         lines.append(f"- Fit error on the calibration text (relative, per layer): {fit}.")
     if record.shipped:
@@ -163,27 +163,6 @@ def _uptrained(u: Uptrained) -> str:
         if u.parent_perplexity is not None:
             text += f" (the parent: {u.parent_perplexity:.2f})"
     return text + "."
-
-
-def _mla_line(record: ConversionRecord) -> str:
-    mla, g = record.mla, record.output_geometry
-    how = "exactly (the same function to float precision)" if mla.exact else "fitted on the calibration text"
-    if mla.from_parent:
-        how = "instead from the parent, compressed and fitted on the calibration text,"
-    text = (
-        f"- Then rewritten {how} as latent attention: transformers' DeepSeek-V3 class with every layer dense (no "
-        f"remote code). Each token caches a latent of {mla.kv_rank} values and one rotary key of {mla.rope_dims} "
-        f"that every query head shares, {g.cached_per_token} values per layer where {attention_kind(record.kv_heads)} "
-        f"caches {2 * record.kv_heads * g.head_dim}; transformers' cache holds the latent."
-    )
-    text += f" The latent layer is DeepSeek-V2's ({cited('2405.04434')})."
-    if mla.starts:
-        tried = mla.starts_tried
-        text += (
-            f" Two starts were tried at this cache and the closer to the parent on {mla.judge_text} kept "
-            f"(KL per token: {tried})."
-        )
-    return text
 
 
 def _from_paper(method: str) -> str:

@@ -50,10 +50,9 @@ from gqaify.conversion.checks import (
 )
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
-from gqaify.conversion.mla.output import Rewritten
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
 from gqaify.conversion.settings import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
-from gqaify.conversion.shapes import SHAPES
+from gqaify.conversion.shapes import Rewritten, shape
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
 from gqaify.conversion.stream import LayerConverter, Plan, SourceHasher, plan_output, stream_tensors
@@ -95,7 +94,7 @@ class ConversionResult:
     model_type = property(lambda self: self.record.model_type)
     method = property(lambda self: self.record.method)
     kv_heads = property(lambda self: self.record.kv_heads)
-    attention = property(lambda self: self.record.attention)  # "GQA-2", "MQA", "MLA (...)"
+    attention = property(lambda self: self.record.attention)  # "GQA-2", "MQA", or a rewrite's (`ShapeRecord`)
     groups = property(lambda self: self.record.groups)  # the source K/V heads pooled into each new one
     grouping = property(lambda self: self.record.grouping)
     permutations = property(lambda self: self.record.permutations)  # per layer, the source K/V heads' new order
@@ -140,7 +139,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
         remove_leftovers(sink.out)
         raise_if_problems(space_problem(sink.out, plan.size))
         ctx = _context(s, source, plan)  # one, for the fit and the stream: its random generator runs through both
-        if note := SHAPES[s.attention].cost_note(s, plan.geometry):
+        if note := shape(s.attention).cost_note(s, plan.geometry):
             announce(note, shown=s.progress)
         with SourceHasher() as hasher, sink.folder(plan.size) as folder:
             calibrated = _fit(s, source, plan, ctx, folder)
@@ -187,7 +186,7 @@ class _Plan:
 
 
 def _converted_from(source: Source) -> str:
-    """Where a source gqaify itself converted (an MLA output, which no shape converts again) came from: "; it is
+    """Where a source gqaify itself converted (a shape's rewrite, which no shape converts again) came from: "; it is
     gqaify's conversion of P: convert P instead", or "" for any other source."""
     try:
         record = ConversionRecord.read(source.directory) if source.kind == "local" else None
@@ -205,7 +204,7 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     raise_if_problems(
         checked.problems,
         overlap_problems(source, request.out),
-        SHAPES[s.attention].problems(s, source.config, isinstance(sink, GgufSink)),
+        shape(s.attention).problems(s, source.config, isinstance(sink, GgufSink)),
         sink.source_problems(source),
     )
     metas = source.tensors.metadata()
@@ -224,7 +223,7 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
         for warning in short_sources(text):
             LOG.warning(warning)
     weights = max(
-        sum(meta.nbytes for meta in output.tensors.values()), SHAPES[s.attention].weight_bytes(s, source.config)
+        sum(meta.nbytes for meta in output.tensors.values()), shape(s.attention).weight_bytes(s, source.config)
     )
     size = weights + _SPACE_MARGIN
     size += sum(path.stat().st_size for path in source.side_files())
@@ -271,15 +270,12 @@ def _stream(
 def _rewrite(s: ConvertSettings, plan: _Plan, folder: Path, source: Source) -> Rewritten | None:
     """The G-head checkpoint in `folder` made the attention shape asked for (`conversion.shapes`), what it needs
     fitted on the calibration text against the source; None where the G-head conversion is the output."""
-    rewrite = SHAPES[s.attention].rewrite
-    if rewrite is None:
-        return None
     parent = source.name if source.kind == "gguf" else str(source.directory)  # a hub source: the commit read
 
     def load_parent():
         return load_model(parent, dtype=torch.float32, option="SRC")[0]
 
-    return rewrite(folder, s, plan.text, load_parent, plan.geometry)
+    return shape(s.attention).rewrite(folder, s, plan.text, load_parent, plan.geometry)
 
 
 def _record(
@@ -315,7 +311,7 @@ def _record(
         rotary_dim=ctx.rotary_dim,
         permutations=calibrated.orders if calibrated is not None else None,
         fit_error=[fit.record() for fit in calibrated.fits] if calibrated is not None else None,
-        mla=rewritten.record if rewritten is not None else None,
+        rewrite=rewritten.record.named(s.attention) if rewritten is not None else None,
     )
 
 

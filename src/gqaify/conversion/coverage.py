@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gqaify.conversion.settings import METHOD_INFO
+from gqaify.conversion.shapes import rewriting, shape
 from gqaify.model.archs import ARCHITECTURES, REFUSED, ArchSpec
 
 
@@ -28,7 +29,7 @@ class Row:
     status: str  # "native", "shipped code", "refused" or "unaccounted"
     detail: str  # the tensors rewritten, or why it is refused
     methods: str = ""
-    mla: str = ""  # whether `--attention mla` rewrites it, or why not
+    shapes: tuple[str, ...] = ()  # per shape a rewrite makes (`shapes.rewriting`): whether it rewrites it, or why not
 
 
 @functools.cache
@@ -69,7 +70,7 @@ def _has_attribute(config) -> bool:
 def audit() -> list[Row]:
     """One row per model type gqaify converts or refuses, and per K/V-head type it does neither for."""
     rows = [
-        Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec), latent(spec))
+        Row(t, "shipped code" if spec.shipped_class else "native", tensors(spec), methods(spec), rewritten(spec))
         for t, spec in ARCHITECTURES.items()
     ]
     rows += [Row(t, "refused", reason) for t, reason in REFUSED.items()]
@@ -103,21 +104,9 @@ def tensors(spec: ArchSpec) -> str:
     return ", ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def latent(spec: ArchSpec) -> str:
-    """Whether `--attention mla` rewrites `spec`'s layer as DeepSeek-V3's dense MLA one, or why not, in words."""
-    if spec.mla:
-        return "yes (refused with biases or a sliding window)"
-    if spec.shipped_class:
-        return "no: transformers' class has no K/V heads"
-    if spec.qkv_proj:
-        return "no: a fused QKV projection, not described yet"
-    if spec.no_calibration:
-        return "no: the rewrite loads the model as transformers does, which this checkpoint's tensors do not fit"
-    if spec.shared_head_norms or spec.k_norm or spec.q_norm or spec.k_norm_per_head or spec.q_norm_per_head:
-        return "no: Q/K norms, which DeepSeek-V3's layer lacks"
-    if spec.rope == "interleaved":
-        return "no: RoPE pairs interleaved, not described yet"
-    return "no: its layer is not checked against DeepSeek-V3's dense one yet"
+def rewritten(spec: ArchSpec) -> tuple[str, ...]:
+    """Whether each shape a rewrite makes rewrites `spec`'s layer, or why not, in words."""
+    return tuple(shape(name).covers(spec) for name in rewriting())
 
 
 def methods(spec: ArchSpec) -> str:
@@ -139,11 +128,15 @@ TABLE_END = "<!-- end of the table -->\n"
 
 def markdown() -> str:
     """The architecture table of the docs, a Markdown table."""
+    names = rewriting()
     lines = [
-        "| `model_type` | status | K/V-indexed tensors rewritten, or why not | methods | `--attention mla` |",
-        "|---|---|---|---|---|",
+        "| `model_type` | status | K/V-indexed tensors rewritten, or why not | methods |"
+        + "".join(f" `--attention {name}` |" for name in names),
+        "|---|---|---|---|" + "---|" * len(names),
     ]
-    lines += [f"| {r.model_type} | {r.status} | {r.detail} | {r.methods} | {r.mla} |" for r in audit()]
+    for r in audit():
+        shapes = r.shapes or ("",) * len(names)
+        lines.append(f"| {r.model_type} | {r.status} | {r.detail} | {r.methods} |" + "".join(f" {s} |" for s in shapes))
     return "\n".join(lines) + "\n"
 
 

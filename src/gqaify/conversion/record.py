@@ -17,8 +17,8 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqaify.conversion.mla.output import MlaRecord
-from gqaify.conversion.settings import CalibrationRecord
+from gqaify.conversion.settings import ATTENTION_INFO, CalibrationRecord
+from gqaify.conversion.shape_contract import ShapeRecord
 from gqaify.conversion.source import Source
 from gqaify.model.archs import ArchSpec
 from gqaify.model.geometry import Geometry, attention_kind
@@ -97,7 +97,7 @@ class ConversionRecord(Provenance):
     rotary_dim: int | None = optional(unless_none="calibration")
     permutations: list[list[int]] | None = optional(unless_none="calibration")  # per layer (similarity)
     fit_error: list[dict] | None = optional(unless_none="calibration")  # per layer (`calibrate.LayerFit.record`)
-    mla: MlaRecord | None = optional()  # --attention mla: the latent layer the G-head model was rewritten as
+    rewrite: ShapeRecord | None = optional()  # the G-head model rewritten as another shape: that shape's record
     uptrain: Uptraining | None = optional()  # in an uptrained model's final/: how it was uptrained
     files: list[str] | None = (
         optional()
@@ -117,21 +117,36 @@ class ConversionRecord(Provenance):
         record = read_record(folder)
         return record if isinstance(record, cls) else None
 
+    def stored(self, value: dict) -> dict:
+        """The JSON `as_json` made, with the rewrite under its shape's name ("mla": {...}), where it stays put."""
+        if "rewrite" not in value:
+            return value
+        rewrite = {key: item for key, item in value["rewrite"].items() if key != "shape"}
+        return {
+            (self.rewrite.shape if k == "rewrite" else k): rewrite if k == "rewrite" else v for k, v in value.items()
+        }
+
+    @classmethod
+    def from_stored(cls, value: dict) -> dict:
+        """`stored` read back: the key that names a shape is the rewrite (`ShapeRecord.variant` reads it as its own)."""
+        named = {key for key, item in value.items() if key in ATTENTION_INFO and isinstance(item, dict)}
+        return {
+            ("rewrite" if key in named else key): {"shape": key, **item} if key in named else item
+            for key, item in value.items()
+        }
+
     @property
     def attention(self) -> str:
-        """What the converted model's attention is called: "GQA-2", "MQA", "MLA (latent 64 + rotary key 32, from
-        GQA-2)", "MLA (latent 62 + rotary key 66, from the parent)" (the start kept at a whole-head cut)."""
+        """What the converted model's attention is called: "GQA-2", "MQA", or its shape's name for it
+        (`ShapeRecord.attention`: "MLA (latent 64 + rotary key 32, from GQA-2)")."""
         kind = attention_kind(self.kv_heads)
-        if self.mla is None:
-            return kind
-        start = "the parent" if self.mla.from_parent else kind
-        return f"MLA (latent {self.mla.kv_rank} + rotary key {self.mla.rope_dims}, from {start})"
+        return kind if self.rewrite is None else self.rewrite.attention(kind)
 
     @property
     def output_geometry(self) -> Geometry:
-        """The converted model's attention shape: G K/V heads, or the MLA latent rewritten from them."""
+        """The converted model's attention shape: G K/V heads, or the cache its shape's rewrite made of them."""
         geometry = self.source_geometry.with_kv_heads(self.kv_heads)
-        return geometry if self.mla is None else geometry.with_latent(self.mla.cached_per_token)
+        return geometry if self.rewrite is None else geometry.with_latent(self.rewrite.cached_per_token)
 
     def uptrained(self, uptrain: Uptraining) -> ConversionRecord:
         """This conversion's record as the final/ of its uptraining holds it."""

@@ -14,12 +14,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from gqaify.conversion.mla.settings import LatentSettings
 from gqaify.model.locations import exists
 from gqaify.settings import (
     QUIET,
     Finite,
     Limit,
     Needs,
+    OneOf,
     OnePerItem,
     Positional,
     Range,
@@ -86,26 +88,39 @@ MethodName = Literal[tuple(METHOD_INFO)]
 
 @dataclass(frozen=True)
 class ShapeInfo:
-    """An attention shape a conversion can write, declared once: what it is (read by --help without torch), and the
-    module of conversion/ that makes it from the G-head conversion the stream writes (`conversion.shapes` reads its
-    `problems`, `rewrite` and `write_gguf`); None: that conversion is the output."""
+    """An attention shape a conversion can write, declared once: what it is (read by --help without torch), its
+    `conversion.shape_contract.Shape` ("module:NAME", imported when a conversion asks it), what its rewrite records,
+    and its settings' fields where it has its own."""
 
     summary: str
-    module: str | None = None
+    shape: str
+    record: str | None = None  # "module:Class" of what its rewrite records (None: it rewrites nothing)
+    settings: type | None = None  # its own fields, a `Settings` class every conversion's settings inherit
     references: tuple[str, ...] = ()  # the papers it is from (`papers.PAPERS` keys)
+    any_cut: bool = False  # whether it makes any `--kv-cut`, where whole K/V heads make only their own
 
 
-# Every attention shape: a new one is one entry here and its module
+# Every attention shape: a new one is one entry here and its folder under conversion/
 ATTENTION_INFO: dict[str, ShapeInfo] = {
-    "gqa": ShapeInfo("G whole K/V heads (G = 1 is MQA)", references=(GQA,)),
+    "gqa": ShapeInfo("G whole K/V heads (G = 1 is MQA)", "gqaify.conversion.gqa:GQA", references=(GQA,)),
     "mla": ShapeInfo(
         "DeepSeek-V3's latent attention, rewritten from the G-head model: exact at its cache size, smaller with "
         "kv_rank and rope_dims",
-        "gqaify.conversion.mla",
+        "gqaify.conversion.mla.shape:MLA",
+        "gqaify.conversion.mla.record:MlaRecord",
+        LatentSettings,
         ("2405.04434", "2502.07864", "2502.14837"),
+        any_cut=True,
     ),
 }
-AttentionName = Literal[tuple(ATTENTION_INFO)]
+STREAM_SHAPE = "gqa"  # the shape the stream writes, rewritten by nothing: the default
+
+
+def _shape_settings() -> tuple[type, ...]:
+    """The shapes' own settings classes (`ShapeInfo.settings`), in `ATTENTION_INFO`'s order."""
+    return tuple(info.settings for info in ATTENTION_INFO.values() if info.settings is not None)
+
+
 GroupingName = Literal[GROUPINGS]
 CalibMode = Literal[CALIB_MODES]
 
@@ -408,42 +423,28 @@ class MethodSettings(Settings):
 
 
 @dataclass(frozen=True)
-class ShapeSettings(Settings):
-    """The attention shape a conversion writes (`ATTENTION_INFO`) and, for MLA, its cache's widths: a conversion's,
-    and uptraining's for the conversion it runs."""
+class AttentionChoice(Settings):
+    """The attention shape a conversion writes, and how much smaller its cache is:"""
 
     kv_cut: float | None = setting(
         None,
-        "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); mla any X, "
-        "its latent and rotary widths chosen on --calib-data unless --kv-rank or --rope-dims is given",
+        "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); "
+        + ", ".join(name for name, info in ATTENTION_INFO.items() if info.any_cut)
+        + " any X, its widths chosen on --calib-data unless given",
         check=(Finite("give a number above 1, e.g. 4"), Range(1, says="a number of at least 1")),
     )
-    attention: AttentionName = setting(
-        "gqa",
+    attention: str = setting(
+        STREAM_SHAPE,
         "the attention the conversion writes: "
         + "; ".join(f"{name}: {info.summary}" for name, info in ATTENTION_INFO.items()),
-    )
-    kv_rank: int | None = setting(
-        None,
-        "mla: the latent's width, values per token and layer (default: everything the G heads cache, exact)",
-        check=(
-            Range(1, says="a whole number of at least 1"),
-            Needs("attention", "is an MLA latent's width", value="mla"),
-        ),
-    )
-    rope_dims: int | None = setting(
-        None,
-        "mla: the rotary key's width, one key every query head shares: 2 x the rotary pairs kept x G (default: all, "
-        "exact); the cache per token and layer is kv_rank + rope_dims",
-        check=(Range(2, says="a whole number of at least 2"), Needs("attention", "is an MLA key's width", value="mla")),
+        check=OneOf(ATTENTION_INFO),
     )
 
-    @property
-    def smaller_mla(self) -> bool:
-        """Whether this is an MLA conversion to a smaller cache than the source's (a width or a cut given): one
-        fitted on calibration text, where the exact rewrite needs none."""
-        widths = (self.kv_rank, self.rope_dims, None if self.kv_cut == 1 else self.kv_cut)
-        return self.attention == "mla" and any(w is not None for w in widths)
+
+@dataclass(frozen=True)
+class ShapeSettings(*_shape_settings(), AttentionChoice):
+    """The attention shape a conversion writes (`ATTENTION_INFO`), then the fields of its own each shape declares
+    (its `ShapeInfo.settings`): a conversion's, and uptraining's for the conversion it runs."""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 import gqaify.conversion.to_gguf as to_gguf
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import ConvertSettings
-from gqaify.conversion.shapes import SHAPES
+from gqaify.conversion.settings import STREAM_SHAPE, ConvertSettings
+from gqaify.conversion.shapes import shape
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError
 from gqaify.output.destination import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
@@ -152,7 +152,7 @@ class GgufSink:
         partial = folder.parent / self.out.name
         tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
         try:
-            writes = SHAPES[record.settings.get("attention", "gqa")].write_gguf
+            writes = shape(record.settings.get("attention", STREAM_SHAPE)).write_gguf
             writes(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(as_json(record), indent=2))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from gqaify.conversion.shapes import float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.diagnostics import compare
@@ -39,7 +40,7 @@ from gqaify.eval.settings import DATA_PIN, EvalSettings, decode_context, window_
 from gqaify.eval.speed import Speed, pooled, timed_in_turns
 from gqaify.eval.tasks import Harness
 from gqaify.model.archs import ARCHITECTURES, ArchSpec
-from gqaify.model.geometry import Geometry, float16_asked, float16_latent_problem, latent_below_epsilon
+from gqaify.model.geometry import Geometry, float16_asked
 from gqaify.model.kvcache import capacity, kv_cache_bytes, measured_kv_cache_bytes, sliding_windows
 from gqaify.model.loading import check_weights, device_problem, load_config, load_model, load_tokenizer, resolve_device
 from gqaify.model.locations import exists
@@ -331,11 +332,13 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
 
 
 def _float16_problem(s: EvalSettings, name: str, config) -> str | None:
-    """An MLA rewrite asked to load in float16, by --dtype or by its config (`latent_below_epsilon`)."""
-    if config is None or not latent_below_epsilon(config):
+    """A model whose shape float16 cannot hold (`Shape.float16`) asked to load in float16, by --dtype or its config."""
+    if config is None:
         return None
     said = float16_asked(s.dtype, config, "its config's")
-    return said and f"{name}: " + float16_latent_problem(said, "evaluate it with --dtype bfloat16 or float32")
+    found = shape_of_model(config)
+    problem = float16_problem(found and found.float16, said, "evaluate it with --dtype bfloat16 or float32")
+    return problem and f"{name}: " + problem
 
 
 def _out_problems(s: EvalSettings) -> list[str]:

@@ -115,7 +115,6 @@ class ArchSpec:
     embed_width_key: str | None = None
     # GGUF output (OUT.gguf): only for the types whose output is tested in llama.cpp (tests/conversion/test_gguf.py)
     gguf: GgufArchitecture | None = None
-    mla: bool = False  # `--attention mla` rewrites its layer as DeepSeek-V3's dense MLA one (conversion/mla/layer.py)
 
     def __post_init__(self) -> None:
         separate = (self.q_proj, self.k_proj, self.v_proj)
@@ -195,8 +194,8 @@ def _fused(model_type: str) -> ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
-        ArchSpec("llama", gguf=GgufArchitecture("LLAMA", permute_qk=True), mla=True),
-        ArchSpec("mistral", mla=True),
+        ArchSpec("llama", gguf=GgufArchitecture("LLAMA", permute_qk=True)),
+        ArchSpec("mistral"),
         ArchSpec("qwen2"),  # K/V biases
         ArchSpec("qwen3", shared_head_norms=True),  # q_norm/k_norm over head_dim: copied through
         _fused("phi3"),

@@ -82,16 +82,6 @@ def _reader(config):
     return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
 
 
-def latent_below_epsilon(config) -> bool:
-    """Whether `config` (a transformers config, or config.json's dict) is gqaify's MLA rewrite: DeepSeek-V3 with every
-    layer dense and no query low-rank, whose latent is held below its norm's epsilon (about 1e-8,
-    `conversion/mla/layer.py`) so that the norm is linear; float16, whose smallest normal value is 6e-5, cannot
-    hold it."""
-    get = _reader(config)
-    dense = (get("first_k_dense_replace", 0) or 0) >= (get("num_hidden_layers", 0) or 0)
-    return get("model_type") == "deepseek_v3" and get("q_lora_rank", 0) is None and dense
-
-
 def float16_asked(dtype: str, config, whose: str) -> str | None:
     """How float16 is asked for, for a message: by `--dtype float16`, or by `config` (`whose` config: "the
     source's", "its config's") storing float16 under --dtype auto; None where it is not."""
@@ -100,11 +90,6 @@ def float16_asked(dtype: str, config, whose: str) -> str | None:
     if dtype == "float16":
         return "--dtype float16"
     return f"{whose} float16 (--dtype auto)" if dtype == "auto" and stored == "float16" else None
-
-
-def float16_latent_problem(said: str, fix: str) -> str:
-    """The refusal of float16 (`said`: how it was asked for) for an MLA rewrite, with its `fix`."""
-    return f"an MLA latent is held below its norm's epsilon (about 1e-8), which {said} cannot hold; {fix}"
 
 
 def attention_kind(num_kv_heads: int) -> str:

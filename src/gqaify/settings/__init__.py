@@ -53,7 +53,7 @@ from gqaify.settings.fields import (
     type_problems,
 )
 from gqaify.settings.files import MAX_DEPTH, MAX_JSON_BYTES, MAX_YAML_BYTES, read_config, read_data, read_settings_file
-from gqaify.settings.rules import SEED, CountOr, Excludes, Finite, Limit, Needs, OnePerItem, Range
+from gqaify.settings.rules import SEED, CountOr, Excludes, Finite, Limit, Needs, OneOf, OnePerItem, Range
 from gqaify.settings.stage import QUIET, Context, Option, Positional, Stage, Switch, nearest, required_problems
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "Finite",
     "Limit",
     "Needs",
+    "OneOf",
     "OnePerItem",
     "Override",
     "OneLineParser",

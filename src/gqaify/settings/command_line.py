@@ -16,6 +16,7 @@ from typing import Literal
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.settings.fields import (
     _EMPTY_LIST,
+    _RULES,
     Settings,
     _hints,
     _without_none,
@@ -172,6 +173,8 @@ def add_field_option(parser, f: dataclasses.Field, hint) -> None:
     elif typing.get_origin(hint) is list:
         nargs = "*" if f.metadata.get(_EMPTY_LIST) else "+"
         parser.add_argument(*flags, nargs=nargs, **_typed(typing.get_args(hint)[0]), **kwargs)
+    elif choices := next((rule.choices for rule in f.metadata[_RULES] if hasattr(rule, "choices")), None):
+        parser.add_argument(*flags, choices=choices, **kwargs)  # a registry's names, read now (`rules.OneOf`)
     else:
         parser.add_argument(*flags, **_typed(hint), **kwargs)
 

@@ -1,12 +1,12 @@
 """The rules a field's values must meet, declared beside the field in `setting(..., check=...)`: `Range`,
-`Limit`, `Finite`, `Needs`, `Excludes`, `OnePerItem`, and `SEED`. Each rule's `problem` returns one problem (a
+`Limit`, `Finite`, `Needs`, `Excludes`, `OnePerItem`, `OneOf`, and `SEED`. Each rule's `problem` returns one problem (a
 string) or None, and never raises.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gqaify.settings.fields import shown
@@ -140,6 +140,23 @@ class OnePerItem:
         if not all(math.isfinite(w) and w > 0 for w in weights):
             return f"{ctx.name(field)} {shown(weights)} must be positive numbers; e.g. 2 1 1 gives the first half"
         return None
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A name among the keys of a registry, read when checked (so that an entry made after the settings were declared
+    counts; a Literal's choices are fixed when declared); the command line offers them as its choices."""
+
+    registry: Mapping[str, object]
+
+    @property
+    def choices(self) -> list[str]:
+        return list(self.registry)
+
+    def problem(self, field: str, value, ctx: Context) -> str | None:
+        if value in self.registry:
+            return None
+        return ctx.requirement(field, value, f"is not one of {', '.join(self.registry)}", "choose one of them")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from typing import Any
 
 from gqaify._version import __version__
 from gqaify.conversion.record import ConversionRecord
+from gqaify.conversion.shapes import float16_problem, shape, shape_of_model
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import Harness
 from gqaify.model.archs import ARCHITECTURES, trained_attention
-from gqaify.model.geometry import float16_asked, float16_latent_problem, latent_below_epsilon
+from gqaify.model.geometry import float16_asked
 from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists
 from gqaify.output.destination import name_problem, resolve_out, writable_problem
@@ -85,21 +86,23 @@ def check_inputs(s: UptrainSettings) -> Inputs:
 
 
 def _float16_problem(s: UptrainSettings, model) -> str | None:
-    """float16 for an MLA rewrite, or a run that converts to one: fp16 mixed precision (asked here or by the launch),
-    or a model whose config stores float16, the dtype final/ would be saved in (as eval refuses to load it so)."""
+    """float16 for a model whose shape float16 cannot hold (`Shape.float16`), or a run that converts to one: fp16
+    mixed precision (asked here or by the launch), or a model whose config stores float16, the dtype final/ would be
+    saved in (as eval refuses to load it so)."""
     precision = s.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    mla = (s.converts and s.attention == "mla") or (model is not None and latent_below_epsilon(model))
-    if not mla:
-        return None
+    written = [shape(s.attention)] if s.converts else []
+    written += [found] if model is not None and (found := shape_of_model(model)) else []
+    why = next((x.float16 for x in written if x.float16 is not None), None)
     if precision == "fp16":
         said = "mixed_precision fp16" + ("" if s.mixed_precision else " (the launch's)")
-        return float16_latent_problem(said, "train with mixed_precision bf16 or no")
-    if not s.converts and float16_asked("auto", model, "its config's"):
-        return f"model {s.model}: " + float16_latent_problem(
-            "its config's float16 (final/ is saved in the dtype the config names)",
-            f'set "dtype" to "float32" or "bfloat16" in {s.model}/config.json',
-        )
-    return None
+        return float16_problem(why, said, "train with mixed_precision bf16 or no")
+    if s.converts or why is None or not float16_asked("auto", model, "its config's"):
+        return None
+    return f"model {s.model}: " + float16_problem(
+        why,
+        "its config's float16 (final/ is saved in the dtype the config names)",
+        f'set "dtype" to "float32" or "bfloat16" in {s.model}/config.json',
+    )
 
 
 def _launch_problems(s: UptrainSettings) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gqaify.conversion.shapes import shape
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.results import EvalText, PanelSummary, TextScore
 from gqaify.model.loading import load_model
@@ -123,17 +124,9 @@ def _parent_perplexities(
 
 def curve_title(s: UptrainSettings) -> str:
     """The recovery plot's title: the model, the attention a run that converts gives it, what trains, and whether
-    it is distilled, e.g. "ref-mha-6L as MLA, 1/4 cache (lora, distilled)"."""
+    it is distilled, e.g. "ref-mha-6L as GQA-2 (lora, distilled)" (`Shape.run_name`)."""
     return f"{Path(s.model).name}{_converted_to(s)} ({s.trainable}{', distilled' if s.distill_weight > 0 else ''})"
 
 
 def _converted_to(s: UptrainSettings) -> str:
-    if not s.converts:
-        return ""
-    if s.attention == "mla":
-        widths = [f"latent {s.kv_rank}" if s.kv_rank else "", f"rotary {s.rope_dims}" if s.rope_dims else ""]
-        cache = f"1/{s.kv_cut:g} cache" if s.kv_cut not in (None, 1) else " + ".join(w for w in widths if w)
-        return " as MLA, " + (cache or "the source's cache size")
-    if s.kv_cut is not None:
-        return f" as GQA, 1/{s.kv_cut:g} cache"
-    return " as MQA" if s.kv_heads == 1 else f" as GQA-{s.kv_heads}"
+    return shape(s.attention).run_name(s) if s.converts else ""

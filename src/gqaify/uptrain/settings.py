@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.settings import ConvertSettings, MethodSettings, ShapeSettings
+from gqaify.conversion.settings import ATTENTION_INFO, STREAM_SHAPE, ConvertSettings, MethodSettings, ShapeSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.packaged import launch_config, recipe_by_name
@@ -234,7 +234,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         converts = self.converts
         checked = self.calibrated_on_data() if converts else self
         problems = UPTRAIN.declared_problems(checked, leave_out=frozenset() if converts else CONVERSION_FIELDS)
-        if not converts and self.attention != "gqa":  # it would be recorded as a shape the model does not have
+        if not converts and self.attention != STREAM_SHAPE:  # it would be recorded as a shape the model does not have
             problems.append(
                 f"attention {self.attention} shapes a conversion, and this run converts nothing (no kv_heads or "
                 "kv_cut); add kv_heads (or kv_cut) to convert the model first, or drop attention to train it as it is"
@@ -271,9 +271,11 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
         the method is calibrated: a conversion fitted on what the model will train on."""
         from gqaify.conversion.settings import METHOD_INFO
+        from gqaify.conversion.shapes import shape
 
         info = METHOD_INFO.get(self.method)
-        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity" or self.smaller_mla
+        shaped = self.attention in ATTENTION_INFO and shape(self.attention).reads_text(self)  # `Shape.reads_text`
+        needs_text = (info is not None and info.calibrated) or self.grouping == "similarity" or shaped
         if self.calib_data is not None or not self.data or not needs_text:
             return self
         weights = self.calib_weights if self.calib_weights is not None else self.data_weights
@@ -425,7 +427,8 @@ def _accelerate_config(values: dict, where: str) -> str | None:
 UPTRAIN = Stage(
     command="uptrain",
     settings=UptrainSettings,
-    description="Uptrain a converted GQA, MQA or MLA model to recover its parent's quality. Settings come from "
+    description=f"Uptrain a converted {' or '.join(map(str.upper, ATTENTION_INFO))} model to recover its parent's "
+    "quality. Settings come from "
     "--recipe (a YAML file of the fields below) and are overridden by --field value.\n\n"
     "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a packaged recipe: gqaify recipes lists them)\n"
     "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from gqaify.conversion.mla.fit import latent_projections
+from gqaify.conversion.shapes import held_parameters
 from gqaify.errors import UserError
 from gqaify.model.archs import trained_attention
 from gqaify.model.loading import load_model
@@ -132,8 +132,8 @@ def _select_trainable(model, trainable: str) -> list[torch.nn.Parameter]:
                 )
             pattern = rf"{trained.pattern}\.({'|'.join(re.escape(k) for k in trained.kv)})\."
         names = {n for n in names if re.match(pattern, n)}
-    if held := latent_projections(model):
-        LOG.info("the MLA latent's down-projections stay as converted (%d layers): see conversion.mla.fit", len(held))
+    if held := held_parameters(model):  # what the model's shape keeps as converted (`Shape.held`)
+        LOG.info("%d parameters stay as converted, as the model's attention shape needs: %s", len(held), held[0])
         names -= set(held)
     for name, param in model.named_parameters():
         param.requires_grad_(name in names)

@@ -8,9 +8,6 @@
     gguf.py     the MLA model as llama.cpp's deepseek2 loads it
     output.py   the shape's entry: what a request cannot be, the rewrite of the G-head folder, its record
 
-The shape's functions, as `conversion.shapes` calls them, are `output`'s.
+The shape (`conversion.shape_contract.Shape`) is `shape.MLA`, its own settings `settings.LatentSettings`. This
+package imports nothing, so that reading the settings loads no torch.
 """
-
-from gqaify.conversion.mla.output import cost_note, problems, rewrite, weight_bytes, write_gguf
-
-__all__ = ["cost_note", "problems", "rewrite", "weight_bytes", "write_gguf"]

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from gqaify.conversion.mla.written import latent_below_epsilon
 from gqaify.conversion.repair import holdout
-from gqaify.model.geometry import latent_below_epsilon
 from gqaify.progress import progress_bar
 
 LOG = logging.getLogger(__name__)

@@ -47,6 +47,7 @@ from gqaify.conversion.mla.rotary import (
     rotation_weight,
     source_frequencies,
 )
+from gqaify.conversion.mla.written import ARCHS
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.progress import progress_bar
 
@@ -201,13 +202,10 @@ _CARRIED = (
 
 def mla_problem(config: dict) -> str | None:
     """Why a source's config.json cannot be rewritten as DeepSeek-V3's dense MLA layer (None: it can)."""
-    from gqaify.model.archs import ARCHITECTURES
-
     model_type = config.get("model_type")
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None or not spec.mla:
+    if model_type not in ARCHS:
         return (
-            f"an MLA rewrite is described for {', '.join(sorted(t for t, s in ARCHITECTURES.items() if s.mla))}, "
+            f"an MLA rewrite is described for {', '.join(sorted(ARCHS))}, "
             f"not {model_type!r} (its layer differs from DeepSeek-V3's dense one)"
         )
     for flag in ("attention_bias", "mlp_bias"):

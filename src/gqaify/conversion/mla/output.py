@@ -1,5 +1,5 @@
-"""`gqaify convert --attention mla`, the shape's module (`conversion.shapes`): the G-head checkpoint the stream wrote,
-rewritten as MLA in its folder before the folder is committed, what gqaify.json records of it, and its GGUF.
+"""`gqaify convert --attention mla` (`shape.MLA` calls it): what a request cannot be, the note before a long rewrite,
+and the G-head checkpoint the stream wrote, rewritten as MLA in its folder before the folder is committed.
 
 The G-head model is the conversion gqaify would write with the same settings (any method, calibrated or not; G
 the source's own makes it the source), so an MLA conversion is at least as close to its parent as that GQA one at
@@ -23,40 +23,21 @@ import torch
 from gqaify.conversion.budget import cut_values
 from gqaify.conversion.calibrate import read_beyond
 from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kls
-from gqaify.conversion.mla.gguf import write_mla_gguf as write_gguf  # noqa: F401 (the shape's GGUF writer)
-from gqaify.conversion.mla.layer import STAT_WINDOW, MlaPlan, build_mla, mla_problem, plan_mla, shape_for
-from gqaify.conversion.mla.split import FITTED, SplitTrial, candidate_splits, fit_ranked, ranked_splits
+from gqaify.conversion.mla.layer import STAT_WINDOW, build_mla, mla_problem, plan_mla, shape_for
+from gqaify.conversion.mla.record import MlaRecord, StartTrial
+from gqaify.conversion.mla.split import FITTED, candidate_splits, fit_ranked, ranked_splits
+from gqaify.conversion.mla.written import FLOAT16
+from gqaify.conversion.shape_contract import Rewritten, float16_problem
 from gqaify.conversion.to_gguf import is_gguf_out
 from gqaify.model.dtypes import torch_dtype
-from gqaify.model.geometry import Geometry, attention_kind, float16_asked, float16_latent_problem
+from gqaify.model.geometry import Geometry, attention_kind, float16_asked
 from gqaify.model.loading import resolve_device
-from gqaify.records import optional
 from gqaify.sizes import parse_size
 
 LOG = logging.getLogger(__name__)
 
 
 JUDGE_TOKENS = 16_384  # at most, of calibration text past what the conversion read, judge the two starts
-
-
-@dataclass(frozen=True)
-class StartTrial:
-    """One start of an MLA model at a cut whole K/V heads make, and how far it was from the parent on calibration
-    text no fit read (`MlaRecord.judged_on`; next-token KL, nats per token): "GQA-2" (that conversion rewritten
-    exactly) or "parent" (the parent compressed to the same cache and fitted)."""
-
-    start: str
-    kl: float  # over every token judged: what decides
-    # on each calibration source's tokens (None: one source, the fits' held-out windows, or an earlier record). Said,
-    # not decisive: keeping the parent's start only where it was closer on every source was measured, and on SmolLM2
-    # at 16,384 tokens kept MQA (further on two sources) where the parent's start is closer on all five panel texts
-    by_source: dict[str, float] | None = optional()
-
-    @staticmethod
-    def listed(starts: list[StartTrial]) -> str:
-        """The starts and their KLs as the log, the summary and the card list them (`MlaRecord.starts_tried`):
-        "GQA-2 2.900, parent 0.983", every KL to the same decimals, so that they read as the comparison they are."""
-        return ", ".join(f"{trial.start} {trial.kl:.3f}" for trial in starts)
 
 
 class Clock(dict):
@@ -71,70 +52,6 @@ class Clock(dict):
             self[step] = round(self.get(step, 0.0) + time.perf_counter() - started, 1)
 
 
-@dataclass(frozen=True)
-class MlaRecord:
-    """The MLA layer a conversion wrote (the same in every layer)."""
-
-    kv_rank: int  # the latent's values per token and layer
-    rope_dims: int  # the shared rotary key's
-    nope_dims: int  # each query head's key dimensions read from the latent
-    # per layer, per K/V head of the G-head model (turned: per component of the heads' pairs), its rotary pairs kept
-    rotary_pairs: list[list[list[int]]]
-    rope_type: str  # DeepSeek-V3's rope_parameters: default (one base's ladder) or longrope (a factor per pair)
-    exact: bool  # the G-head model's function, to float precision
-    # --kv-cut with neither width given: every split tried, the one kept the closest (`mla.split`)
-    splits: list[SplitTrial] | None = optional()
-    # a smaller cache: whether the layer-by-layer fit was kept (False: it took the model further from its parent on
-    # the held-out calibration windows, so the PCA start is written); None: nothing was fitted
-    fitted: bool | None = optional()
-    # each frequency's pairs turned across the K/V heads before the rotary key's were chosen (`mla.rotary`)
-    turned: bool = optional(False)
-    # a cut whole K/V heads make: both starts tried (`StartTrial`); the closer kept, from the parent where it was
-    starts: list[StartTrial] | None = optional()
-    from_parent: bool = optional(False)
-    # the tokens of calibration text past what the conversion read that the starts were judged on (None: the fits'
-    # held-out windows, where the sources held no more)
-    judged_on: int | None = optional()
-    # where the rewrite's time went, seconds by step (`Clock`): "splits" (statistics, each split built and judged),
-    # "fits" (layer by layer), "starts" (the two starts judged); None in a record of an earlier gqaify
-    seconds: dict[str, float] | None = optional()
-
-    @property
-    def cached_per_token(self) -> int:
-        return self.kv_rank + self.rope_dims
-
-    @property
-    def starts_tried(self) -> str:
-        """The starts tried and their KLs (`StartTrial.listed`; "" where none was)."""
-        return StartTrial.listed(self.starts or [])
-
-    @property
-    def judge_text(self) -> str:
-        """What the two starts were judged on, for the summary and the card."""
-        if self.judged_on is None:
-            return "held-out calibration text"
-        return f"{self.judged_on:,} tokens of calibration text no fit read"
-
-    @classmethod
-    def of(cls, plan: MlaPlan, splits: list[SplitTrial] | None = None, fitted: bool | None = None) -> MlaRecord:
-        """The record of the rewrite `plan` describes (`splits`: the splits tried; `fitted`: whether the fit was
-        kept, None where none ran)."""
-        shape = plan.shape
-        pairs = plan.layout.per_layer(shape.kv_groups)
-        rope = plan.rope["rope_type"]
-        turned = plan.layout.mixing is not None
-        return cls(shape.kv_rank, shape.rope_dim, plan.nope_dim, pairs, rope, plan.exact, splits, fitted, turned)
-
-
-@dataclass(frozen=True)
-class Rewritten:
-    """The folder after the rewrite: what the sink's summary counts (as a `ShardWriter` would say it)."""
-
-    record: MlaRecord
-    num_shards: int
-    bytes_written: int
-
-
 def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     """What an `--attention mla` request cannot be, from the settings and the source's config.json."""
     if s.attention != "mla":
@@ -143,7 +60,7 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
     if (problem := mla_problem(config)) is not None:
         problems.append(problem)
     several = s.kv_heads is not None and s.kv_heads > 1
-    if out_is_gguf and several and not s.smaller_mla:  # the rest only the rewrite tells (`mla.gguf`)
+    if out_is_gguf and several and not s.widths_given:  # the rest only the rewrite tells (`mla.gguf`)
         problems.append(
             f"an MLA conversion of {s.kv_heads} K/V heads at their own cache gives each its own block of the rotary "
             "key, whose frequencies then repeat, which llama.cpp's deepseek2 cannot rotate; convert with --kv-heads "
@@ -156,14 +73,16 @@ def problems(s, config: dict, out_is_gguf: bool) -> list[str]:
             f"(llama.cpp's deepseek2 turns one ladder of distinct ones, {shape.head_dim // 2} pairs); ask at most "
             f"--rope-dims {shape.head_dim}, or name OUT without .gguf"
         )
-    if s.smaller_mla and not s.calib_data:
+    if s.widths_given and not s.calib_data:
         problems.append(
             "--kv-cut, --kv-rank and --rope-dims fit a smaller MLA cache on calibration text; add --calib-data TEXT "
             "(text other than your eval text)"
         )
     problems += shape_problems
-    if said := float16_asked(s.dtype, config, "the source's"):
-        problems.append(float16_latent_problem(said, "use --dtype bfloat16 or float32"))
+    if problem := float16_problem(
+        FLOAT16, float16_asked(s.dtype, config, "the source's"), "use --dtype bfloat16 or float32"
+    ):
+        problems.append(problem)
     return problems
 
 
