@@ -442,6 +442,21 @@ def test_the_stage_registry_and_what_it_lists_agree(capsys):
     assert gqaify.uptrain.parse.__defaults__[-1] is None  # the Python API's parse names other stages' files too
 
 
+def test_every_kind_of_record_reruns_the_one_command_whose_entry_lists_it():
+    """A command's name was written three times: its entry, its `Stage` and the kinds of record that rerun it. The
+    entry holds it alone: each kind of record is listed by one entry, and a `Stage` no entry names has no command."""
+    from gqaify.entry.stages import STAGES
+    from gqaify.records import KINDS
+    from gqaify.settings import Stage
+    from gqaify.settings.registry import rerun_by
+
+    listed = [kind for entry in STAGES for kind in entry.records]
+    assert sorted(listed) == sorted(KINDS)  # each kind once, and none gqaify does not know
+    assert {kind: rerun_by(kind) for kind in KINDS} == {k: e.name for e in STAGES for k in e.records}
+    with pytest.raises(LookupError, match="no entry of the declared stages names the Stage of EvalSettings"):
+        print(Stage(EVAL.settings, "a stage no entry names").command)
+
+
 def test_another_commands_settings_file_is_named_with_its_command(capsys, tmp_path):
     (tmp_path / "c.yaml").write_text("src: a\nout: b\nkv_heads: 1\nmethod: lsq\n")
     code, err = run_cli(capsys, "eval", "--config", tmp_path / "c.yaml")

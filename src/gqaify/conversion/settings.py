@@ -485,7 +485,6 @@ class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, P
 NOT_RECORDED = frozenset({"force", "push_to_hub", "progress"})
 
 CONVERT = Stage(
-    command="convert",
     settings=ConvertSettings,
     description="Convert SRC (hub id, local folder or .gguf file) to G key/value heads, saved as a plain Hugging "
     "Face checkpoint in OUT. Streams tensor by tensor; SRC is never modified; OUT appears only when complete.\n\n"
@@ -494,6 +493,5 @@ CONVERT = Stage(
     "  gqaify convert --config OUT/gqaify.json --out OUT2    (rerun a conversion from its record)",
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
     switches=(QUIET,),
-    record_kind="a conversion record",
     rerun_problems=rerun_problems,
 )

@@ -109,7 +109,6 @@ FOREIGN_NAMES = {
 }
 
 EVAL = Stage(
-    command="eval",
     settings=EvalSettings,
     description="Evaluate MODEL... (hub ids, folders or .gguf files; the first is the parent) on the same text and "
     "windows, and write report.json, report.md and PNG plots to --out.\n\n"
@@ -121,7 +120,6 @@ EVAL = Stage(
     positionals=(Positional("models", "MODEL", nargs="*"),),
     switches=(QUIET,),
     foreign_names=FOREIGN_NAMES,
-    record_kind="an eval report",
 )
 
 

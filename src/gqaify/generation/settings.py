@@ -137,7 +137,6 @@ class GenerateSettings(Out, Seed, Runtime):
 
 
 GENERATE = Stage(
-    command="generate",
     settings=GenerateSettings,
     description="Sample a corpus from MODEL (the parent) into the folder OUT: text for --calib-data, uptrain's data "
     "and eval's --data, when you have none that matches every use of the model. Resumable: rerun the same "
@@ -147,7 +146,6 @@ GENERATE = Stage(
     "  gqaify generate --config OUT/gqaify.json --out OUT2          (the same settings again)",
     positionals=(Positional("model", "MODEL"), Positional("out", "OUT")),
     switches=(QUIET,),
-    record_kind="a generated corpus's record",
 )
 
 

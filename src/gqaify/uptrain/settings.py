@@ -423,7 +423,6 @@ def _accelerate_config(values: dict, where: str) -> str | None:
 
 
 UPTRAIN = Stage(
-    command="uptrain",
     settings=UptrainSettings,
     description="Uptrain a converted GQA, MQA or MLA model to recover its parent's quality. Settings come from "
     "--recipe (a YAML file of the fields below) and are overridden by --field value.\n\n"
@@ -436,7 +435,6 @@ UPTRAIN = Stage(
     config_flags=("--recipe", "--config"),
     packaged=recipe_by_name,
     foreign_file=_accelerate_config,
-    record_kind="an uptraining run's record",
     named_by="keys",
     switches=(QUIET,),
     options=(PLAN,),
@@ -444,7 +442,7 @@ UPTRAIN = Stage(
 
 
 def parse(
-    argv: list[str] | None = None, prog: str = "gqaify uptrain", stages: tuple[Stage, ...] | None = None
+    argv: list[str] | None = None, prog: str | None = None, stages: tuple[Stage, ...] | None = None
 ) -> UptrainSettings:
     """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`);
     `stages`, the commands' whose settings files are named as such (default: every declared one,
