@@ -19,8 +19,9 @@ calibrated conversion, null or not). Read back, a field left out takes its defau
 Python name (uptrain's "from") says so with `json_key(...)`. JSON has no NaN or infinity: a file whose writer wrote
 them as null (eval's report.json) is read with `nan_for_null`, a null where a plain float is wanted read as NaN.
 
-Every kind is listed once, in `KINDS`: the record types it is read as, and how a record of it reruns its stage
-(`Kind.command`, where its settings are: what `--config RECORD` reads, `rerun_settings`). A type declared above this
+Every kind is listed once, in `KINDS`: the record types it is read as, and where a record of it keeps the settings
+that rerun its stage (what `--config RECORD` reads, `rerun_settings`; the command it reruns is the stage's whose
+entry lists the kind, `settings.registry.rerun_by`). A type declared above this
 module, which imports no stage (a conversion's, in `gqaify.conversion.record`), is named, not imported, by the
 package's front door, gqaify/__init__.py (`declare_types`), which Python runs before any gqaify module is imported,
 and imported on the first read of its kind: `read_record` reads every kind whatever the caller imported.
@@ -290,23 +291,23 @@ class RunRecord(Provenance):
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """A kind of record: the types it is read as, and how it reruns the stage that wrote it (`--config RECORD`)."""
+    """A kind of record: the types it is read as, and where it keeps the settings that rerun the stage that wrote it
+    (`--config RECORD`; the stage is the one whose entry lists the kind: `settings.registry.rerun_by`)."""
 
     types: tuple[type, ...]  # the types declared here, tried in order (then those declared above, `declare_types`)
-    command: str  # the gqaify command that `--config RECORD` reruns
     said: str  # how messages name such a record
     settings: tuple[str, ...] = ("settings",)  # the keys that lead to its settings in the JSON
-    not_settings: frozenset[str] = frozenset()  # keys among those settings that are no setting of `command`
+    not_settings: frozenset[str] = frozenset()  # keys among those settings that are no setting of its stage
 
 
 KINDS = {
-    CONVERSION: Kind((), "convert", "a conversion record"),  # `ConversionRecord`, declared above (`declare_types`)
+    CONVERSION: Kind((), "a conversion record"),  # `ConversionRecord`, declared above (`declare_types`)
     # final/ of an uptraining: `UptrainedRecord`, or the conversion's record with "uptrain" (a converted model)
-    UPTRAINED: Kind((UptrainedRecord,), "uptrain", "an uptrained model's record", settings=("uptrain", "settings")),
-    REPORT: Kind((ReportRecord,), "eval", "an eval report"),
-    CORPUS: Kind((CorpusRecord,), "generate", "a generated corpus's record"),
+    UPTRAINED: Kind((UptrainedRecord,), "an uptrained model's record", settings=("uptrain", "settings")),
+    REPORT: Kind((ReportRecord,), "an eval report"),
+    CORPUS: Kind((CorpusRecord,), "a generated corpus's record"),
     # run.json: the settings that make the run, and the processes it was launched with (an accelerate launch's)
-    RUN: Kind((RunRecord,), "uptrain", "an uptraining run's record", not_settings=frozenset({"processes"})),
+    RUN: Kind((RunRecord,), "an uptraining run's record", not_settings=frozenset({"processes"})),
 }
 _ABOVE: dict[str, tuple[str, ...]] = {}  # kind: the types declared above this module that it is read as, by name
 
@@ -371,10 +372,10 @@ def read_record_file(file: Path) -> Provenance | None:
     raise ValueError(f"{file} is not a {value['kind']} record this gqaify reads: {'; '.join(problems)}")
 
 
-def rerun_settings(value, name: str) -> tuple[Kind, dict | None] | None:
-    """The kind of the record `value` (the JSON read from a file called `name`) and the settings it reruns its stage
-    with (`Kind.settings`, without `Kind.not_settings`; None where they are not a JSON object); None where `value`
-    is no record of a kind this gqaify knows."""
+def rerun_settings(value, name: str) -> tuple[str, dict | None] | None:
+    """The kind of the record `value` (the JSON read from a file called `name`: a key of `KINDS`) and the settings it
+    reruns its stage with (`Kind.settings`, without `Kind.not_settings`; None where they are not a JSON object); None
+    where `value` is no record of a kind this gqaify knows."""
     value = _current(value, name)
     if value is None or value["kind"] not in KINDS:
         return None
@@ -383,8 +384,8 @@ def rerun_settings(value, name: str) -> tuple[Kind, dict | None] | None:
     for key in kind.settings:
         settings = settings.get(key) if isinstance(settings, dict) else None
     if not isinstance(settings, dict):
-        return kind, None
-    return kind, {key: item for key, item in settings.items() if key not in kind.not_settings}
+        return value["kind"], None
+    return value["kind"], {key: item for key, item in settings.items() if key not in kind.not_settings}
 
 
 def read_run(folder: Path) -> RunRecord | None:

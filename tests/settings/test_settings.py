@@ -21,6 +21,7 @@ from gqaify.errors import UserError
 from gqaify.eval.settings import EVAL
 from gqaify.generation.settings import GENERATE
 from gqaify.settings import parse
+from gqaify.settings.fields import _RULES
 from gqaify.summary import format_uptrain_summary
 from gqaify.testing import CORPUS, build_model, save, save_with_tokenizer
 from gqaify.uptrain.settings import UPTRAIN
@@ -442,6 +443,21 @@ def test_the_stage_registry_and_what_it_lists_agree(capsys):
     assert gqaify.uptrain.parse.__defaults__[-1] is None  # the Python API's parse names other stages' files too
 
 
+def test_every_kind_of_record_reruns_the_one_command_whose_entry_lists_it():
+    """A command's name was written three times: its entry, its `Stage` and the kinds of record that rerun it. The
+    entry holds it alone: each kind of record is listed by one entry, and a `Stage` no entry names has no command."""
+    from gqaify.entry.stages import STAGES
+    from gqaify.records import KINDS
+    from gqaify.settings import Stage
+    from gqaify.settings.registry import rerun_by
+
+    listed = [kind for entry in STAGES for kind in entry.records]
+    assert sorted(listed) == sorted(KINDS)  # each kind once, and none gqaify does not know
+    assert {kind: rerun_by(kind) for kind in KINDS} == {k: e.name for e in STAGES for k in e.records}
+    with pytest.raises(LookupError, match="no entry of the declared stages names the Stage of EvalSettings"):
+        print(Stage(EVAL.settings, "a stage no entry names").command)
+
+
 def test_another_commands_settings_file_is_named_with_its_command(capsys, tmp_path):
     (tmp_path / "c.yaml").write_text("src: a\nout: b\nkv_heads: 1\nmethod: lsq\n")
     code, err = run_cli(capsys, "eval", "--config", tmp_path / "c.yaml")
@@ -650,6 +666,50 @@ def test_no_field_of_the_settings_is_declared_twice(settings):
                 declared.setdefault(name, []).append(cls.__name__)
     assert {name: owners for name, owners in declared.items() if len(owners) > 1} == {}
     assert set(declared) == names
+
+
+@pytest.mark.parametrize(
+    ("settings", "data", "names", "split"),
+    [
+        (CONVERT.settings, "calib_data", ["calib_data", "calib_weights", "calib_split", "calib_text_column"], "train"),
+        (UPTRAIN.settings, "data", ["data", "data_weights", "split", "text_column"], "train"),
+        (UPTRAIN.settings, "eval_data", ["eval_data", "eval_split"], "test"),
+        (GENERATE.settings, "score_data", ["score_data", "score_weights", "score_split", "score_text_column"], "train"),
+        (EVAL.settings, "data", ["data", "split", "text_column"], "test"),
+    ],
+)
+def test_a_text_is_declared_once_and_placed_under_each_stages_names(settings, data, names, split):
+    """A text a stage reads (sources, weights, split, column) was declared four times under four prefixes: one
+    `Texts` now declares it, placed where each stage lists it, with the same rules and help worded after its name."""
+    from gqaify.settings import Needs, OnePerItem
+    from gqaify.text.loading import named_texts_problem
+
+    fields = {f.name: f for f in dataclasses.fields(settings)}
+    order = [f.name for f in dataclasses.fields(settings)]
+    assert order[order.index(data) : order.index(data) + len(names)] == names
+    assert fields[data].metadata[_RULES] == (named_texts_problem,)
+    assert fields[next(n for n in names if n.endswith("split"))].default == split
+    weights = [n for n in names if n.endswith("weights")]
+    if weights:
+        rules = fields[weights[0]].metadata[_RULES]
+        assert rules == (Needs(data, f"weighs {data} sources"), OnePerItem(data))
+        assert fields[weights[0]].metadata["help"].startswith(f"one weight per {data} source: ")
+
+
+def test_a_texts_sources_field_is_named_after_its_data():
+    from gqaify.settings import Settings
+    from gqaify.text.settings import Texts
+
+    with pytest.raises(TypeError, match="the sources' field is named NAME_data or data"):
+
+        class Misnamed(Settings):
+            calib = Texts("calibration text", "a mixture")
+
+    with pytest.raises(TypeError, match="declares split twice, once as data = Texts"):
+
+        class Twice(Settings):
+            data = Texts("text", "a panel")
+            split: str = "train"
 
 
 def test_an_override_changes_a_default_and_keeps_the_type_and_rules():

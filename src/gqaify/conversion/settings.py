@@ -22,7 +22,6 @@ from gqaify.settings import (
     Limit,
     Needs,
     OneOf,
-    OnePerItem,
     Positional,
     Range,
     Settings,
@@ -31,8 +30,9 @@ from gqaify.settings import (
     setting,
 )
 from gqaify.settings.groups import Dtype, Hub, Output, Progress, Seed
-from gqaify.text.loading import NamedText, named_texts, named_texts_problem
+from gqaify.text.loading import NamedText, named_texts
 from gqaify.text.pins import Pin, sha256_problem
+from gqaify.text.settings import Texts
 
 
 @dataclass(frozen=True)
@@ -372,23 +372,16 @@ class MethodSettings(Settings):
         "most on the calibration text (similarity; needs calib_data)",
         check=Needs("calib_data", "compares heads on calibration text", "similarity".__eq__),
     )
-    calib_data: list[str] | None = setting(
-        None,
-        "calibration text (file, folder or hub name[:config][@split]) for aligned, lsq and similarity, and the "
-        "per-layer fit error; several (NAME=SOURCE or SOURCE) make a mixture, their windows interleaved; use text "
-        "other than your eval text",
-        check=named_texts_problem,
-    )
-    calib_weights: list[float] | None = setting(
-        None,
-        "one weight per calib_data source: its share of calib_tokens (default: equal shares)",
-        check=(Needs("calib_data", "weighs calibration sources"), OnePerItem("calib_data")),
+    calib_data = Texts(  # calib_data, calib_weights, calib_split, calib_text_column
+        "calibration text for aligned, lsq and similarity, and the per-layer fit error (use text other than your "
+        "eval text)",
+        "a mixture, their windows interleaved",
+        weighs="its share of calib_tokens",
+        default=None,
     )
     calib_tokens: int = setting(
         32768, "calibration tokens read from calib_data (in all)", check=Range(2, fix="tens of thousands are typical")
     )
-    calib_split: str = setting("train", "split of calib_data")
-    calib_text_column: str = setting("text", "column of calib_data holding the text")
     calib_seq_len: int = setting(1024, "calibration window length in tokens", check=Range(2))
     calib_sha256: str | None = setting(
         None,
@@ -486,7 +479,6 @@ class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, P
 NOT_RECORDED = frozenset({"force", "push_to_hub", "progress"})
 
 CONVERT = Stage(
-    command="convert",
     settings=ConvertSettings,
     description="Convert SRC (hub id, local folder or .gguf file) to G key/value heads, saved as a plain Hugging "
     "Face checkpoint in OUT. Streams tensor by tensor; SRC is never modified; OUT appears only when complete.\n\n"
@@ -495,6 +487,5 @@ CONVERT = Stage(
     "  gqaify convert --config OUT/gqaify.json --out OUT2    (rerun a conversion from its record)",
     positionals=(Positional("src", "SRC"), Positional("out", "OUT")),
     switches=(QUIET,),
-    record_kind="a conversion record",
     rerun_problems=rerun_problems,
 )

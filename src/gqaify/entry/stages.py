@@ -1,13 +1,15 @@
 """Every command of `gqaify`, in one place: the commands that run a stage, lowest stage first (`STAGES`: every
 settings parser knows them all, `settings.registry`, declared by gqaify/__init__.py), then the tools that run
-none (`TOOLS`). A new stage is one entry in `STAGES`: its settings (`Stage`) and its `command_line(argv, prog)`;
-a new tool one in `TOOLS`: its arguments and what runs it. Each is named, not imported, so that these lists are
-read before anything heavy is loaded."""
+none (`TOOLS`). A new stage is one entry in `STAGES`: its settings (`Stage`), its `command_line(argv, prog)` and
+the kinds of record it reruns from; a new tool one in `TOOLS`: its arguments and what runs it. Each is named, not
+imported, so that these lists are read before anything heavy is loaded. A command's name is written here alone:
+its `Stage` (`Stage.command`) and the records it reruns (`registry.rerun_by`) read it from its entry."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gqaify.records import CONVERSION, CORPUS, REPORT, RUN, UPTRAINED
 from gqaify.settings.registry import StageEntry
 
 STAGES = (
@@ -16,24 +18,28 @@ STAGES = (
         "rewrite a checkpoint's K/V heads from H to G, or as latent attention (MLA)",
         "gqaify.conversion.settings:CONVERT",
         "gqaify.conversion.entry:command_line",
+        records=(CONVERSION,),
     ),
     StageEntry(
         "eval",
         "perplexity, KV cache and decode speed of models beside the first (the parent)",
         "gqaify.eval.settings:EVAL",
         "gqaify.eval.entry:command_line",
+        records=(REPORT,),
     ),
     StageEntry(
         "generate",
         "sample a corpus from a model (the parent's own text) for calibration and uptraining",
         "gqaify.generation.settings:GENERATE",
         "gqaify.generation.entry:command_line",
+        records=(CORPUS,),
     ),
     StageEntry(
         "uptrain",
         "uptrain a converted model to recover quality (one process; accelerate launch -m gqaify.uptrain for more)",
         "gqaify.uptrain.settings:UPTRAIN",
         "gqaify.uptrain.entry:command_line",
+        records=(RUN, UPTRAINED),  # run.json in output_dir, and final/gqaify.json
     ),
 )
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from gqaify.eval.tasks import TaskRequest
 from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
 from gqaify.settings.groups import Output, Runtime
-from gqaify.text.loading import named_texts_problem
 from gqaify.text.pins import Pin, sha256_problem
+from gqaify.text.settings import Texts
 
 # data_sha256: the texts a rerun from a report must evaluate
 DATA_PIN = Pin("data_sha256", "evaluation", "its perplexities would differ", "evaluate")
@@ -25,12 +25,8 @@ class EvalSettings(Output, Runtime):
     models: list[str] = setting(
         [], "the parent first, then the models to compare (hub ids, folders, .gguf files)", required=True
     )
-    data: list[str] = setting(
-        [],
-        "the texts to evaluate on, each a file/folder (.txt .jsonl .parquet .csv) or hub name[:config][@split], named "
-        "NAME=SOURCE or by its file's stem; several make a panel: each reported, with the mean and worst",
-        required=True,
-        check=named_texts_problem,
+    data = Texts(  # data, split, text_column
+        "the texts to evaluate on", "a panel: each reported, with the mean and worst", required=True, split="test"
     )
     out = override(help="folder for the report")
     force = override(help="replace --out if it is empty or a report gqaify wrote (nothing else)")
@@ -40,8 +36,6 @@ class EvalSettings(Output, Runtime):
         "since); '' evaluates any text",
         check=sha256_problem,
     )
-    split: str = setting("test", "dataset split of data")
-    text_column: str = setting("text", "column holding the text")
     seq_len: int | None = setting(
         None, f"window length in tokens (default: the models' positions, at most {SEQ_LEN_MOST:,})", check=Range(2)
     )
@@ -109,7 +103,6 @@ FOREIGN_NAMES = {
 }
 
 EVAL = Stage(
-    command="eval",
     settings=EvalSettings,
     description="Evaluate MODEL... (hub ids, folders or .gguf files; the first is the parent) on the same text and "
     "windows, and write report.json, report.md and PNG plots to --out.\n\n"
@@ -121,7 +114,6 @@ EVAL = Stage(
     positionals=(Positional("models", "MODEL", nargs="*"),),
     switches=(QUIET,),
     foreign_names=FOREIGN_NAMES,
-    record_kind="an eval report",
 )
 
 

@@ -11,7 +11,6 @@ from gqaify.settings import (
     Excludes,
     Limit,
     Needs,
-    OnePerItem,
     Positional,
     Range,
     Stage,
@@ -20,8 +19,8 @@ from gqaify.settings import (
     setting,
 )
 from gqaify.settings.groups import Out, Runtime, Seed
-from gqaify.text.loading import named_texts_problem
 from gqaify.text.pins import Pin, sha256_problem
+from gqaify.text.settings import Texts
 
 # The settings that may change when a corpus is resumed: they change where it stops or how it is shown, not what
 # each shard holds (a larger `tokens` extends a complete corpus). The device is recorded as the kind it resolved
@@ -85,21 +84,13 @@ class GenerateSettings(Out, Seed, Runtime):
         "sample, so that uptrain's distill_from_data needs no teacher (0: text only)",
         check=(Range(0), Limit(TOP_LOGPROBS_MAX, "each kept costs 8 bytes or more at every position stored")),
     )
-    score_data: list[str] = setting(
-        [],
-        "score this text instead of sampling: its documents packed in blocks of --length tokens as uptrain packs "
-        "them, each block scored by the parent in one forward pass and stored with its top --top-logprobs K, so "
-        "that uptrain's distill_from_data trains on it with no teacher (seq_len = --length); several "
-        "(NAME=SOURCE) make a mixture, each block drawn from a source by --score-weights",
-        check=named_texts_problem,
+    score_data = Texts(  # score_data, score_weights, score_split, score_text_column
+        "text to score instead of sampling, its documents packed in blocks of --length tokens as uptrain packs them "
+        "(seq_len = --length), each block scored by the parent in one forward pass and stored with its top "
+        "--top-logprobs K so that uptrain's distill_from_data trains on it with no teacher",
+        "a mixture, each block drawn from a source by --score-weights",
+        weighs="the chance that a block comes from it",
     )
-    score_weights: list[float] | None = setting(
-        None,
-        "one weight per --score-data source: the chance that a block comes from it",
-        check=OnePerItem("score_data"),
-    )
-    score_split: str = setting("train", "split of --score-data")
-    score_text_column: str = setting("text", "column of --score-data holding the text")
     score_sha256: str | None = setting(
         None,
         "SHA-256 of the tokens --score-data must give (gqaify.json records it, so that a rerun refuses text that "
@@ -137,7 +128,6 @@ class GenerateSettings(Out, Seed, Runtime):
 
 
 GENERATE = Stage(
-    command="generate",
     settings=GenerateSettings,
     description="Sample a corpus from MODEL (the parent) into the folder OUT: text for --calib-data, uptrain's data "
     "and eval's --data, when you have none that matches every use of the model. Resumable: rerun the same "
@@ -147,7 +137,6 @@ GENERATE = Stage(
     "  gqaify generate --config OUT/gqaify.json --out OUT2          (the same settings again)",
     positionals=(Positional("model", "MODEL"), Positional("out", "OUT")),
     switches=(QUIET,),
-    record_kind="a generated corpus's record",
 )
 
 

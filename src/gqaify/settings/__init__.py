@@ -30,7 +30,8 @@ no YAML aliases, no deep nesting, and no message shows more than the start of a 
 The package, one idea a module (only the standard library and PyYAML are imported):
 
     fields.py        `setting(...)`, the `Settings` base and its type check, `override` of an inherited field's
-                     default or help, `FieldGroup` (the fields stages share: `gqaify.settings.groups`), helpers
+                     default or help, `FieldGroup` (the fields stages share: `gqaify.settings.groups`),
+                     `FieldTemplate` (fields each stage places under its own names: `gqaify.text.settings`), helpers
     rules.py         the rules a value must meet (`Range`, `Limit`, `Finite`, `Needs`, `Excludes`, ...)
     stage.py         `Stage`: how one command reads and names its settings; the problems its fields declare
     command_line.py  `parse` and `build_parser`: the options, --config and --help
@@ -40,6 +41,7 @@ The package, one idea a module (only the standard library and PyYAML are importe
 from gqaify.settings.command_line import OneLineParser, add_field_option, build_parser, parse, parse_command
 from gqaify.settings.fields import (
     FieldGroup,
+    FieldTemplate,
     Override,
     Settings,
     defaults,
@@ -66,6 +68,7 @@ __all__ = [
     "CountOr",
     "Excludes",
     "FieldGroup",
+    "FieldTemplate",
     "Finite",
     "Limit",
     "Needs",

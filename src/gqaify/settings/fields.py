@@ -42,6 +42,38 @@ _RULES = "gqaify_rules"
 _EMPTY_LIST = "gqaify_empty_list"  # its list option may be given with no values
 
 
+class FieldTemplate:
+    """Several fields declared once, which any settings class places in its body under a name of its choosing, the
+    fields' names made from it: `calib_data = Texts(...)` (`gqaify.text.settings`) places calib_data, calib_weights,
+    calib_split and calib_text_column. `Settings` puts the fields where the template stands, before `dataclass`
+    reads the class: the class declares them, in that place among its own."""
+
+    def fields(self, name: str) -> dict[str, tuple[object, dataclasses.Field]]:
+        """The fields placed under `name`, in order: each one's name -> (its type, its `setting(...)`)."""
+        raise NotImplementedError
+
+
+def _place_templates(cls: type) -> None:
+    """Each `FieldTemplate` of the class body replaced by its fields, in its place among the class's annotations."""
+    body = vars(cls)
+    if not any(isinstance(value, FieldTemplate) for value in body.values()):
+        return
+    annotations = body.get("__annotations__", {})
+    placed = {name: hint for name, hint in annotations.items() if name not in body}  # no value: dataclass's first
+    for name, value in list(body.items()):  # the body's order
+        if isinstance(value, FieldTemplate):
+            for field_name, (hint, f) in value.fields(name).items():
+                if field_name in annotations or field_name in placed:
+                    raise TypeError(
+                        f"{cls.__name__} declares {field_name} twice, once as {name} = {type(value).__name__}(...)"
+                    )
+                placed[field_name] = hint
+                setattr(cls, field_name, f)
+        elif name in annotations:
+            placed[name] = annotations[name]
+    cls.__annotations__ = placed
+
+
 @dataclasses.dataclass(frozen=True)
 class Override:
     """A stage's own default, or help line, for a field a base declares (`override`)."""
@@ -70,15 +102,18 @@ class Settings:
     given its models later), and a range is reported with the problems found in the files, all in one message.
 
     A field is declared once, in one class; a subclass changes an inherited field's default or help with
-    `override` (listed in its `overrides`), never by declaring the field again.
+    `override` (listed in its `overrides`), never by declaring the field again. Fields several stages declare alike
+    under their own names are one `FieldTemplate`, which each places.
     """
 
     overrides = frozenset()  # the inherited fields whose default or help this class overrides (no field)
 
     def __init_subclass__(cls, **kwargs) -> None:
-        """Turn each `override(...)` of the class body into the field it overrides, with the new default or help
-        (before `dataclass` reads the class: the field keeps its place among the fields)."""
+        """Put the fields of each `FieldTemplate` of the class body in its place, and turn each `override(...)` into
+        the field it overrides, with the new default or help (before `dataclass` reads the class: the field keeps its
+        place among the fields)."""
         super().__init_subclass__(**kwargs)
+        _place_templates(cls)
         overridden = {name: value for name, value in vars(cls).items() if isinstance(value, Override)}
         cls.overrides = frozenset(overridden)
         if not overridden:

@@ -17,9 +17,9 @@ from pathlib import Path
 import yaml
 
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.records import TOOL, rerun_settings
+from gqaify.records import KINDS, TOOL, rerun_settings
 from gqaify.settings.fields import _describe, _hints, shown
-from gqaify.settings.registry import every_stage
+from gqaify.settings.registry import every_stage, rerun_by
 from gqaify.settings.stage import Stage, nearest
 
 # A settings file is a few hundred bytes; a record gqaify wrote, a few KB (tens for a large model's per-layer fits).
@@ -33,9 +33,9 @@ def read_config(stage: Stage, path: str | Path, stages: tuple[Stage, ...] | None
     """The settings a --config file holds, as a dict of known keys.
 
     A YAML mapping of field: value; or a record gqaify wrote (any gqaify.json, uptrain's run.json, an evaluation's
-    report.json), whose settings are taken where it is this command's (`records.KINDS`), else refused, naming the
-    command that reruns it. `stages` are the commands' a file that holds one of theirs is named as such (default:
-    every declared one, `registry.every_stage`).
+    report.json), whose settings are taken where it is this command's (`records.KINDS`, `registry.rerun_by`), else
+    refused, naming the command that reruns it. `stages` are the commands' a file that holds one of theirs is named
+    as such (default: every declared one, `registry.every_stage`).
 
     Raises:
         UserError: no such file, or not a file; too large, not YAML, not a mapping; a YAML alias, deep nesting;
@@ -220,9 +220,9 @@ def _settings_in(stage: Stage, values, where: str, path: Path) -> tuple[dict, bo
     rerun = rerun_settings(values, path.name)
     if rerun is not None:
         kind, settings = rerun
-        if kind.command != stage.command:
+        if (command := rerun_by(kind)) != stage.command:
             raise UserError(
-                f"{where} is {kind.said}, not {stage.command}'s; use `gqaify {kind.command} --config "
+                f"{where} is {KINDS[kind].said}, not {stage.command}'s; use `gqaify {command} --config "
                 f"{shlex.quote(str(path))}`"
             )
         if settings is None:

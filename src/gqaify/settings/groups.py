@@ -9,7 +9,9 @@
     Hub                push_to_hub (convert, uptrain)
 
 The calibration's fields are the conversion's `MethodSettings` (conversion/settings.py), which convert and uptrain
-inherit. A stage words a shared field for itself, or gives it another default, with `override` (`gqaify.settings`):
+inherit. A text a stage reads (its sources, weights, split and column) is a `FieldTemplate` each stage places under
+names of its own (`gqaify.text.settings.Texts`: calib_data, data, score_data, eval_data), not a group: the names
+differ. A stage words a shared field for itself, or gives it another default, with `override` (`gqaify.settings`):
 its type and rules stay declared here.
 """
 

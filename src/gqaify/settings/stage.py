@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gqaify.records import KINDS
 from gqaify.settings.fields import _REQUIRED, _RULES, Settings, ordered_fields, shown
+from gqaify.settings.registry import entry_of
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,9 @@ class Option:
 
 @dataclass(frozen=True)
 class Stage:
-    """How one command reads its settings, and names them in what it says about them."""
+    """How one command reads its settings, and names them in what it says about them. Its command's name, and the
+    records that rerun it, are its entry's in `gqaify.entry.stages.STAGES` (`command`, `record_kind`)."""
 
-    command: str  # "convert"
     settings: type[Settings]  # the dataclass
     description: str
     positionals: tuple[Positional, ...] = ()
@@ -104,7 +106,6 @@ class Stage:
     options: tuple[Option, ...] = ()  # the command's options that are no settings
     foreign_names: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # theirs: (ours, note)
     config_flags: tuple[str, ...] = ("--config",)
-    record_kind: str = "a record"  # what its gqaify.json is called, e.g. "an eval report"
     # how messages name a field: its positional's metavar or its option ("--seq-len"), or, for a stage set up
     # by a recipe file, its key ("seq_len")
     named_by: Literal["options", "keys"] = "options"
@@ -116,6 +117,16 @@ class Stage:
     # what a rerun from a record (a gqaify.json this stage wrote) changed that the record pins, said before any work:
     # (the record's settings, the settings made) -> problems
     rerun_problems: Callable[[dict, Settings], list[str]] | None = None
+
+    @property
+    def command(self) -> str:
+        """The command that reads these settings ("convert"): the name of the entry that declares this stage."""
+        return entry_of(self).name
+
+    @property
+    def record_kind(self) -> str:
+        """What its own record is called ("an eval report"): the first kind of record its entry reruns from."""
+        return KINDS[entry_of(self).records[0]].said
 
     def field_names(self) -> list[str]:
         return [f.name for f in ordered_fields(self.settings)]

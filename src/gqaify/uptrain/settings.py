@@ -28,7 +28,6 @@ from gqaify.settings import (
     Excludes,
     Limit,
     Needs,
-    OnePerItem,
     Option,
     Range,
     Stage,
@@ -39,7 +38,7 @@ from gqaify.settings import (
 )
 from gqaify.settings.files import is_accelerate_config
 from gqaify.settings.groups import Hub, Progress, Seed, TrustRemoteCode
-from gqaify.text.loading import named_texts_problem
+from gqaify.text.settings import Texts
 
 TRACKERS = ("csv", "tensorboard", "wandb")
 Tracker = Literal[TRACKERS]
@@ -82,20 +81,13 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     calib_text_column = override(None, "column of calib_data holding the text (default: text_column)")
     output_dir: str | None = setting(None, "folder for checkpoints, metrics, plot and final/", required=True)
     # -- the data
-    data: list[str] = setting(
-        [],
-        "training text: file/folder (.txt .jsonl .parquet .csv) or hub name[:config][@split]; several (NAME=SOURCE or "
-        "SOURCE) make a mixture, each block drawn from a source by data_weights",
+    data = Texts(  # data, data_weights, split, text_column
+        "training text",
+        "a mixture, each block drawn from a source by data_weights",
+        weighs="the chance that a block comes from it",
         required=True,
-        check=named_texts_problem,
+        column_of="data and eval_data",
     )
-    data_weights: list[float] | None = setting(
-        None,
-        "one weight per data source: the chance that a block comes from it (default: equal)",
-        check=OnePerItem("data"),
-    )
-    split: str = setting("train", "split of `data`")
-    text_column: str = setting("text", "column holding the text (data and eval_data)")
     streaming: bool = setting(False, "read `data` lazily (datasets streaming) instead of tokenizing it all first")
     seq_len: int = setting(
         256,
@@ -166,13 +158,13 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     distill_weight: float = setting(0.5, "loss = (1 - w) * LM loss + w * KL", check=Range(0, 1))
     temperature: float = setting(1.0, "softmax temperature of the KL term", check=Range(0, low_open=True))
     # -- evaluation, checkpoints, logging
-    eval_data: list[str] | None = setting(
-        None,
-        "held-out text for perplexity (and the KL from the teacher), same loaders as gqaify eval; several "
-        "(NAME=SOURCE or SOURCE) make a panel: each logged, with the mean KL and the worst ratio to the parent",
-        check=named_texts_problem,
+    eval_data = Texts(  # eval_data, eval_split (its text in text_column)
+        "held-out text for perplexity (and the KL from the teacher), same loaders as gqaify eval",
+        "a panel: each logged, with the mean KL and the worst ratio to the parent",
+        default=None,
+        split="test",
+        column=False,
     )
-    eval_split: str = setting("test", "split of eval_data")
     eval_tokens: int = setting(
         16384, "evaluate on the first N tokens of each eval_data text (a shorter text: all of it)", check=POSITIVE
     )
@@ -425,7 +417,6 @@ def _accelerate_config(values: dict, where: str) -> str | None:
 
 
 UPTRAIN = Stage(
-    command="uptrain",
     settings=UptrainSettings,
     description=f"Uptrain a converted {' or '.join(map(str.upper, ATTENTION_INFO))} model to recover its parent's "
     "quality. Settings come from "
@@ -439,7 +430,6 @@ UPTRAIN = Stage(
     config_flags=("--recipe", "--config"),
     packaged=recipe_by_name,
     foreign_file=_accelerate_config,
-    record_kind="an uptraining run's record",
     named_by="keys",
     switches=(QUIET,),
     options=(PLAN,),
@@ -447,7 +437,7 @@ UPTRAIN = Stage(
 
 
 def parse(
-    argv: list[str] | None = None, prog: str = "gqaify uptrain", stages: tuple[Stage, ...] | None = None
+    argv: list[str] | None = None, prog: str | None = None, stages: tuple[Stage, ...] | None = None
 ) -> UptrainSettings:
     """Settings from `--recipe FILE` and `--key value` overrides in `argv`, checked (`UptrainSettings.problems`);
     `stages`, the commands' whose settings files are named as such (default: every declared one,
