@@ -98,7 +98,9 @@ def toy(monkeypatch):
     module.TOY, module.ToyRecord = ToyShape(), ToyRecord
     monkeypatch.setitem(sys.modules, "toy_shape", module)
     monkeypatch.setitem(
-        ATTENTION_INFO, "toy", ShapeInfo("a toy: the same function, rescaled", "toy_shape:TOY", "toy_shape:ToyRecord")
+        ATTENTION_INFO,
+        "toy",
+        ShapeInfo("a toy: the same function, rescaled", "toy", "toy_shape:TOY", "toy_shape:ToyRecord"),
     )
     shape.cache_clear()
     yield module.TOY
@@ -165,10 +167,10 @@ def test_a_shape_that_misses_part_of_the_contract_is_named_for_it(monkeypatch):
     module = types.ModuleType("half_shape")
     module.HALF = types.SimpleNamespace(float16=None, reads_text=lambda s: False)
     monkeypatch.setitem(sys.modules, "half_shape", module)
-    monkeypatch.setitem(ATTENTION_INFO, "half", ShapeInfo("half a shape", "half_shape:HALF"))
+    monkeypatch.setitem(ATTENTION_INFO, "half", ShapeInfo("half a shape", "half", "half_shape:HALF"))
     shape.cache_clear()
     try:
-        with pytest.raises(TypeError, match="half_shape:HALF is not a Shape: it lacks cost_note, covers, held"):
+        with pytest.raises(TypeError, match="half_shape:HALF is not a Shape: it lacks cached, cost_note, covers, held"):
             shape("half")
     finally:
         shape.cache_clear()

@@ -1,7 +1,7 @@
 """`--kv-cut X`: the cache as users think of it, 1/X of the source's, whatever the attention shape.
 
 Each shape says what a cut means for it (`Shape.resolve_cut`): GQA the K/V heads that cache 1/X of the source's
-(`conversion.gqa`), MLA the values per token and layer split between its latent and rotary key (`mla.budget`).
+(`conversion.gqa`), a shape that makes any cut the values per token and layer it keeps.
 `resolve_cut` turns the request into the settings a conversion runs with, once the source's config.json is read;
 its problems are the request's, raised before anything is written. `planned_config` is the model a memory plan
 counts.

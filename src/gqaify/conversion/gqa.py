@@ -65,6 +65,9 @@ class GroupedQueryAttention:
     def wrote(self, config) -> bool:
         return False  # whole K/V heads are any model's: the stream's output is told by none of its own
 
+    def cached(self, config) -> None:
+        return None  # whole K/V heads: `Geometry` counts them
+
     def held(self, model) -> list[str]:
         return []
 

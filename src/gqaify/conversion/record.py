@@ -118,7 +118,7 @@ class ConversionRecord(Provenance):
         return record if isinstance(record, cls) else None
 
     def stored(self, value: dict) -> dict:
-        """The JSON `as_json` made, with the rewrite under its shape's name ("mla": {...}), where it stays put."""
+        """The JSON `as_json` made, the rewrite under its shape's name, where it stays put (as gqaify 0.2 wrote)."""
         if "rewrite" not in value:
             return value
         rewrite = {key: item for key, item in value["rewrite"].items() if key != "shape"}
@@ -138,7 +138,7 @@ class ConversionRecord(Provenance):
     @property
     def attention(self) -> str:
         """What the converted model's attention is called: "GQA-2", "MQA", or its shape's name for it
-        (`ShapeRecord.attention`: "MLA (latent 64 + rotary key 32, from GQA-2)")."""
+        (`ShapeRecord.attention`)."""
         kind = attention_kind(self.kv_heads)
         return kind if self.rewrite is None else self.rewrite.attention(kind)
 
@@ -146,7 +146,7 @@ class ConversionRecord(Provenance):
     def output_geometry(self) -> Geometry:
         """The converted model's attention shape: G K/V heads, or the cache its shape's rewrite made of them."""
         geometry = self.source_geometry.with_kv_heads(self.kv_heads)
-        return geometry if self.rewrite is None else geometry.with_latent(self.rewrite.cached_per_token)
+        return geometry if self.rewrite is None else geometry.with_cached(self.rewrite.cached_per_token)
 
     def uptrained(self, uptrain: Uptraining) -> ConversionRecord:
         """This conversion's record as the final/ of its uptraining holds it."""

@@ -93,6 +93,7 @@ class ShapeInfo:
     and its settings' fields where it has its own."""
 
     summary: str
+    title: str  # what the tool's description calls it: "latent attention (MLA)"
     shape: str
     record: str | None = None  # "module:Class" of what its rewrite records (None: it rewrites nothing)
     settings: type | None = None  # its own fields, a `Settings` class every conversion's settings inherit
@@ -100,12 +101,18 @@ class ShapeInfo:
     any_cut: bool = False  # whether it makes any `--kv-cut`, where whole K/V heads make only their own
 
 
-# Every attention shape: a new one is one entry here and its folder under conversion/
+# Every attention shape: a new one is one entry here and its folder under conversion/ (`shape_contract`)
 ATTENTION_INFO: dict[str, ShapeInfo] = {
-    "gqa": ShapeInfo("G whole K/V heads (G = 1 is MQA)", "gqaify.conversion.gqa:GQA", references=(GQA,)),
+    "gqa": ShapeInfo(
+        "G whole K/V heads (G = 1 is MQA)",
+        "grouped-query attention (GQA, MQA)",
+        "gqaify.conversion.gqa:GQA",
+        references=(GQA,),
+    ),
     "mla": ShapeInfo(
         "DeepSeek-V3's latent attention, rewritten from the G-head model: exact at its cache size, smaller with "
         "kv_rank and rope_dims",
+        "latent attention (MLA)",
         "gqaify.conversion.mla.shape:MLA",
         "gqaify.conversion.mla.record:MlaRecord",
         LatentSettings,
@@ -116,9 +123,10 @@ ATTENTION_INFO: dict[str, ShapeInfo] = {
 STREAM_SHAPE = "gqa"  # the shape the stream writes, rewritten by nothing: the default
 
 
-def _shape_settings() -> tuple[type, ...]:
-    """The shapes' own settings classes (`ShapeInfo.settings`), in `ATTENTION_INFO`'s order."""
-    return tuple(info.settings for info in ATTENTION_INFO.values() if info.settings is not None)
+def shape_titles() -> str:
+    """Every shape as the tool's description names it: "grouped-query attention (GQA, MQA) or latent ..."."""
+    *rest, last = [info.title for info in ATTENTION_INFO.values()]
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 GroupingName = Literal[GROUPINGS]
@@ -435,7 +443,7 @@ class AttentionChoice(Settings):
 
 
 @dataclass(frozen=True)
-class ShapeSettings(*_shape_settings(), AttentionChoice):
+class ShapeSettings(*(info.settings for info in ATTENTION_INFO.values() if info.settings), AttentionChoice):
     """The attention shape a conversion writes (`ATTENTION_INFO`), then the fields of its own each shape declares
     (its `ShapeInfo.settings`): a conversion's, and uptraining's for the conversion it runs."""
 

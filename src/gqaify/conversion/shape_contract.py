@@ -9,8 +9,8 @@ the shapes to this contract, never back.
                      stream wrote, its bytes on disk, its GGUF file, which architectures' layers it takes
     its record       a `ShapeRecord` kept in gqaify.json under the shape's name: the model's name, its cache per
                      token, its summary and card lines
-    the model        what uptraining and eval ask of a model it wrote, by its config: whether it wrote it, what
-                     float16 cannot hold, the parameters uptraining keeps as converted
+    the model        what uptraining and eval ask of a model, by its config: what it caches, whether the shape
+                     wrote it, what float16 cannot hold, the parameters uptraining keeps as converted
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class Shape(Protocol):
         """What a request for this shape cannot be, before anything is read or written."""
 
     def run_name(self, s) -> str:
-        """How a run that converts to this shape is named, after the model: " as GQA-2", " as MLA, 1/4 cache"."""
+        """How a run that converts to this shape is named, after the model: " as GQA-2", " as GQA, 1/2 cache"."""
 
     def covers(self, spec: ArchSpec) -> str:
         """Whether its rewrite takes the layer of the architecture `spec`, or why not, in words (the architecture
@@ -125,6 +125,10 @@ class Shape(Protocol):
 
     def wrote(self, config) -> bool:
         """Whether `config` (a transformers config, or config.json's dict) is a model this shape's rewrite wrote."""
+
+    def cached(self, config) -> int | None:
+        """The values one token caches per layer in a model of this shape, read from its `config` (a transformers
+        config); None: not a model of this shape, or one that caches whole K/V heads."""
 
     def held(self, model) -> list[str]:
         """The parameter names of `model` (one it wrote) that uptraining keeps as converted."""

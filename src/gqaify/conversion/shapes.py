@@ -12,7 +12,16 @@ import importlib
 from gqaify.conversion.settings import ATTENTION_INFO
 from gqaify.conversion.shape_contract import CONTRACT, Rewritten, Shape, ShapeRecord, float16_problem
 
-__all__ = ["Rewritten", "Shape", "ShapeRecord", "every_shape", "float16_problem", "held_parameters", "shape"]
+__all__ = [
+    "Rewritten",
+    "Shape",
+    "ShapeRecord",
+    "cached_per_token",
+    "every_shape",
+    "float16_problem",
+    "held_parameters",
+    "shape",
+]
 
 
 @functools.cache
@@ -44,6 +53,12 @@ def rewriting() -> list[str]:
 def shape_of_model(config) -> Shape | None:
     """The shape whose rewrite wrote the model of `config` (None: no rewrite did; whole K/V heads)."""
     return next((shape(name) for name in rewriting() if shape(name).wrote(config)), None)
+
+
+def cached_per_token(config) -> int | None:
+    """The values one token caches per layer in a model of `config`, where a shape caches other than whole K/V heads
+    (`Shape.cached`; None: whole K/V heads)."""
+    return next((values for found in every_shape() if (values := found.cached(config)) is not None), None)
 
 
 def held_parameters(model) -> list[str]:

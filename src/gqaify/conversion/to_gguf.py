@@ -12,7 +12,8 @@ and written: memory holds one tensor at a time. The file is written beside OUT a
 
 What llama.cpp needs to know per architecture is data (`ArchSpec.gguf` in archs.py); an architecture without it,
 a vocabulary llama.cpp would read wrongly, and a rotary scaling it would not reproduce are refused with the reason.
-An MLA conversion is laid out for llama.cpp's deepseek2 by `mla.gguf` (`sinks.GgufSink.finish` picks the writer).
+A shape that rewrites the G-head model lays it out for llama.cpp itself (`Shape.write_gguf`, which
+`sinks.GgufSink.finish` asks).
 """
 
 from __future__ import annotations

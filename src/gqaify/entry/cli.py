@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.command import flushed, reader_gone, run_command
+from gqaify.conversion.settings import shape_titles
 from gqaify.entry.stages import STAGES, TOOLS
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
@@ -23,7 +24,7 @@ from gqaify.settings.registry import StageEntry, resolve
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="gqaify",
-        description="Convert MHA checkpoints to GQA, MQA or latent attention (MLA), uptrain, and evaluate.",
+        description=f"Convert MHA checkpoints to {shape_titles()}, uptrain, and evaluate.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     parser.add_argument("-V", "--version", action="version", version=f"gqaify {__version__}")

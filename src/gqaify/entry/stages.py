@@ -15,7 +15,7 @@ from gqaify.settings.registry import StageEntry
 STAGES = (
     StageEntry(
         "convert",
-        "rewrite a checkpoint's K/V heads from H to G, or as latent attention (MLA)",
+        "rewrite a checkpoint's K/V heads from H to G, or as another attention shape (--attention)",
         "gqaify.conversion.settings:CONVERT",
         "gqaify.conversion.entry:command_line",
         records=(CONVERSION,),

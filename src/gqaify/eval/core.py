@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from gqaify.conversion.shapes import float16_problem, shape_of_model
+from gqaify.conversion.shapes import cached_per_token, float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.diagnostics import compare
@@ -221,7 +221,7 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
     """The report of one model: its scores on the panel (the first text's also at the top, as one-text reports
     have it), and its KV cache, what fits in `budget` and its speed, measured on `ids` (the first text's)."""
     spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
-    geometry = Geometry.from_config(spec, config.to_dict())
+    geometry = Geometry.from_config(spec, config.to_dict()).with_cached(cached_per_token(config))
     dtype = model.dtype
     windows = sliding_windows(config)
     kv_tokens = min(s.seq_len, len(ids))
@@ -238,7 +238,7 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
         model_type=config.model_type,
         num_attention_heads=geometry.num_heads,
         num_key_value_heads=geometry.num_kv_heads,
-        kv_latent=geometry.latent,
+        kv_latent=geometry.cached,
         dtype=str(dtype).removeprefix("torch."),
         parameters=model.num_parameters(),
         tokenizer=fingerprint,

@@ -1,7 +1,7 @@
 """The eval report's plots (`report.write_report` writes them beside report.md): each model in one colour in every
-plot, the parent first. Two models drawn at one place (an exact MLA rewrite and the GQA model it rewrites) are both
-seen: the later one as a ring around the earlier's point, or a dotted line over its line, its legend entry saying
-which model it coincides with."""
+plot, the parent first. Two models drawn at one place (an exact rewrite into another shape and the GQA model it
+rewrites) are both seen: the later one as a ring around the earlier's point, or a dotted line over its line, its
+legend entry saying which model it coincides with."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A model's attention shape, read from its config, and what it is called.
 
-Whole K/V heads (MHA, GQA, MQA) cache a key and a value per K/V head for every token and layer; an MLA model
-(DeepSeek-V3's latent attention) caches one latent of `kv_lora_rank` values and one rotary key of
-`qk_rope_head_dim` values, shared by every query head (`Geometry.latent`).
+Whole K/V heads (MHA, GQA, MQA) cache a key and a value per K/V head for every token and layer; a model of another
+attention shape caches what its shape says (`Geometry.cached`, which the shape reads from the config:
+`conversion.shapes`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
-    # MLA (DeepSeek-V3's latent attention, `kv_lora_rank` in its config): what one token caches per layer, the latent
-    # and the shared rotary key (kv_lora_rank + qk_rope_head_dim); None: whole K/V heads
-    latent: int | None = optional()
+    # the values one token caches per layer where the model's attention shape caches something other than whole K/V
+    # heads (`with_cached`); None: whole K/V heads
+    cached: int | None = optional()
 
     @classmethod
     def from_config(cls, spec: ArchSpec, config: dict) -> Geometry:
@@ -39,8 +39,7 @@ class Geometry:
         num_heads, hidden = config[spec.num_heads_key], config[spec.hidden_size_key]
         head_dim = (config.get(spec.head_dim_key) if spec.head_dim_key else None) or hidden // num_heads
         num_kv_heads = config.get(spec.num_kv_heads_key) or num_heads
-        latent = config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0) if config.get("kv_lora_rank") else None
-        return cls(config[spec.num_layers_key], num_heads, num_kv_heads, head_dim, hidden, latent)
+        return cls(config[spec.num_layers_key], num_heads, num_kv_heads, head_dim, hidden)
 
     @staticmethod
     def problems(spec: ArchSpec, config: dict) -> list[str]:
@@ -63,14 +62,14 @@ class Geometry:
     def with_kv_heads(self, num_kv_heads: int) -> Geometry:
         return Geometry(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.hidden_size)
 
-    def with_latent(self, latent: int) -> Geometry:
-        """This model's body with an MLA cache of `latent` values per token and layer."""
-        return replace(self, latent=latent)
+    def with_cached(self, values: int | None) -> Geometry:
+        """This model's body caching `values` per token and layer (None: whole K/V heads)."""
+        return replace(self, cached=values)
 
     @property
     def cached_per_token(self) -> int:
-        """The values one token adds to one layer's cache: a key and a value per K/V head, or the MLA latent."""
-        return self.latent if self.latent is not None else 2 * self.num_kv_heads * self.head_dim
+        """The values one token adds to one layer's cache: a key and a value per K/V head, or what its shape caches."""
+        return self.cached if self.cached is not None else 2 * self.num_kv_heads * self.head_dim
 
     @property
     def queries_per_kv_head(self) -> int:

@@ -1,10 +1,10 @@
 """The size of the KV cache: the one place gqaify counts it.
 
-Each token a layer caches costs one key and one value vector per K/V head, or, in an MLA layer, its latent and
-its rotary key (`Geometry.cached_per_token`):
+Each token a layer caches costs one key and one value vector per K/V head, or what its attention shape caches instead
+(`Geometry.cached_per_token`, the shape's `cached`):
 
     bytes = sum over layers of  2 (K and V) x kv_heads x head_dim x bytes per element x tokens cached
-    MLA:    sum over layers of  (kv_lora_rank + qk_rope_head_dim) x bytes per element x tokens cached
+    other:  sum over layers of  the values its shape caches x bytes per element x tokens cached
 
 A full-attention layer caches every token; a sliding-window layer keeps only the last `window - 1` (what
 transformers' `DynamicSlidingWindowLayer` stores). With full attention everywhere, a model with G K/V heads

@@ -214,7 +214,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _group_title(doc: str) -> str:
     """A group of options' title: its class docstring's opening clause (up to the first colon or full stop), its
-    `code` references left out: "The attention shape a conversion writes and, for MLA, its cache's widths"."""
+    `code` references left out: "The group of options (`code`) a class declares"."""
     words = " ".join(doc.split())
     clause = re.split(r"[:.](?:\s|$)", words, maxsplit=1)[0]
     return re.sub(r"\s*\(`[^)]*`\)", "", clause)

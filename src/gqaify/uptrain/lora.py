@@ -2,11 +2,10 @@
 
     W x  ->  W x + (alpha / r) B A x        A: (r, in), B: (out, r), B = 0 at the start (the model is unchanged)
 
-The adapters sit on the projections the architecture table names (q, k, v, o, or a fused qkv; an MLA model's
-q, kv_b and o) in every layer,
-so the converted attention (the merged K/V heads and the readers' compensation) is what adapts; the rest of the
-model is frozen. The final model has the adapters merged into its weights: a plain checkpoint of the converted
-class, which loads without peft.
+The adapters sit on the projections the architecture table names (q, k, v, o, or a fused qkv; for a class a shape
+writes, `archs.WRITTEN`'s) in every layer, so the converted attention (the merged K/V heads and the readers'
+compensation) is what adapts; the rest of the model is frozen. The final model has the adapters merged into its
+weights: a plain checkpoint of the converted class, which loads without peft.
 """
 
 from __future__ import annotations

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.settings import ATTENTION_INFO, STREAM_SHAPE, ConvertSettings, MethodSettings, ShapeSettings
+from gqaify.conversion.settings import (
+    ATTENTION_INFO,
+    STREAM_SHAPE,
+    ConvertSettings,
+    MethodSettings,
+    ShapeSettings,
+    shape_titles,
+)
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.packaged import launch_config, recipe_by_name
@@ -418,8 +425,8 @@ def _accelerate_config(values: dict, where: str) -> str | None:
 
 UPTRAIN = Stage(
     settings=UptrainSettings,
-    description=f"Uptrain a converted {' or '.join(map(str.upper, ATTENTION_INFO))} model to recover its parent's "
-    "quality. Settings come from "
+    description=f"Uptrain a converted model ({shape_titles()}) to recover its parent's quality. Settings "
+    "come from "
     "--recipe (a YAML file of the fields below) and are overridden by --field value.\n\n"
     "  gqaify uptrain --recipe smollm2-135m-mqa --lr 1e-4           (a packaged recipe: gqaify recipes lists them)\n"
     "  gqaify uptrain --recipe recipes/smollm2-135m-mqa.yaml --lr 1e-4\n"

@@ -74,6 +74,12 @@ class LatentAttention:
     def wrote(self, config) -> bool:
         return latent_below_epsilon(config)
 
+    def cached(self, config) -> int | None:
+        """A latent of `kv_lora_rank` values and one rotary key of `qk_rope_head_dim` every query head shares: any
+        DeepSeek-style latent config's, gqaify's rewrite or not."""
+        rank = getattr(config, "kv_lora_rank", None)
+        return rank + (getattr(config, "qk_rope_head_dim", 0) or 0) if rank else None
+
     def held(self, model) -> list[str]:
         """The latent's down-projections (`mla.fit.latent_projections`)."""
         from gqaify.conversion.mla.fit import latent_projections
