@@ -7,7 +7,9 @@ def format_summary(result) -> str:
     """A few lines saying what a conversion did."""
     kind = result.attention
     before, after = result.kv_bytes_per_token_before, result.kv_bytes_per_token_after
-    rewrite = result.record.rewrite  # the G-head model rewritten as another shape (`conversion.shapes.ShapeRecord`)
+    rewrite = (
+        result.record.rewrite
+    )  # the G-head model rewritten as another shape (`conversion.shape_contract.ShapeRecord`)
     method = f" with --method {result.method}"
     if rewrite is not None and (heads := rewrite.heads(result.source_kv_heads, result.num_heads)):
         method, fitted = "", []  # the G-head conversion was not what was kept: its lines go

@@ -119,12 +119,10 @@ class ConversionRecord(Provenance):
 
     def stored(self, value: dict) -> dict:
         """The JSON `as_json` made, the rewrite under its shape's name, where it stays put (as gqaify 0.2 wrote)."""
-        if "rewrite" not in value:
+        if self.rewrite is None:
             return value
-        rewrite = {key: item for key, item in value["rewrite"].items() if key != "shape"}
-        return {
-            (self.rewrite.shape if k == "rewrite" else k): rewrite if k == "rewrite" else v for k, v in value.items()
-        }
+        inner = {key: item for key, item in value["rewrite"].items() if key != "shape"}  # the key says it
+        return dict((self.rewrite.shape, inner) if key == "rewrite" else (key, item) for key, item in value.items())
 
     @classmethod
     def from_stored(cls, value: dict) -> dict:
