@@ -131,3 +131,47 @@ def test_a_benchmark_taking_anything_from_tests_is_seen(source):
     assert not imports_from_tests(
         ast.parse("from gqaify.testing import build_model\nimport sys\nsys.path.insert(0, 'x')")
     )
+
+
+def integration_marks(tree) -> list[int]:
+    """The lines of a test module's syntax tree that mark a test integration in code: `pytest.mark.integration` (or
+    `mark.integration`) as a decorator, `pytestmark`, a `pytest.param`'s marks, or anywhere else."""
+    import ast
+
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "integration" and ast.unparse(node.value).endswith("mark")
+    ]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "@pytest.mark.integration\ndef test_x():\n    pass",
+        "pytestmark = [pytest.mark.slow, pytest.mark.integration]",
+        "from pytest import mark\n\n@mark.integration\ndef test_x():\n    pass",
+        '@pytest.mark.parametrize("x", [1, pytest.param(2, marks=pytest.mark.integration)])\ndef test_x(x):\n    pass',
+    ],
+)
+def test_a_test_marked_integration_in_code_is_seen(source):
+    import ast
+
+    assert integration_marks(ast.parse(source))
+    assert not integration_marks(ast.parse('@pytest.mark.slow\ndef test_x():\n    """integration"""'))
+
+
+def test_no_test_is_marked_integration_in_code_its_files_name_is_the_mark():
+    """A test is an integration test by where it is written: every test of a test_<topic>_integration.py file, and
+    only those (conftest.py marks them as it collects them). A mark in code would be a second place that says so,
+    and a file's name would no longer tell which of its tests the edit loop leaves out."""
+    import ast
+
+    tests = REPO / "tests"
+    marked = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sorted(tests.rglob("*.py"))
+        if path != tests / "conftest.py"
+        for line in integration_marks(ast.parse(path.read_text()))
+    ]
+    assert not marked, f"marked integration in code (move the test to its test_<topic>_integration.py): {marked}"
