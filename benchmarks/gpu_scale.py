@@ -3,7 +3,7 @@ on the five-text panel at log-spaced points, each point appended to a results fi
 
     # on a lent GPU, in one call (OUT the call's $OUT; the GGUF, texts and wheels carried: docs/gpu.md)
     python benchmarks/gpu_scale.py --gguf .gpu/SmolLM2-135M-Instruct.Q4_1.gguf --texts .gpu/texts --out $OUT
-    # the rehearsal on this machine's CPU, at a tiny budget (minutes; tests/benchmarks/test_gpu_scale.py runs it)
+    # the rehearsal on the CPU, at a tiny budget (minutes; tests/benchmarks/test_gpu_scale_integration.py runs it)
     G=~/.cache/gqaify/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     python benchmarks/gpu_scale.py --gguf $G --tiny --out runs/bench/gpu-cpu --results runs/bench/gpu-cpu.json
 

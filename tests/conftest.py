@@ -38,10 +38,18 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+INTEGRATION = "_integration.py"  # test_<topic>_integration.py: the integration tests of <topic>, beside test_<topic>.py
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without --integration, the tests marked integration are deselected: the edit loop runs the rest. With it,
-    the files with the most integration tests go first (each file's tests in their order), so that with the files
-    spread over processes (pyproject's addopts) the longest ones start early instead of ending the run alone."""
+    """Every test of a file named test_<topic>_integration.py is marked integration: the file's name is the mark,
+    never a decorator (tests/repo/test_repo.py checks that none is written). Without --integration, those tests are
+    deselected: the edit loop runs the rest. With it, the files with the most integration tests go first (each
+    file's tests in their order), so that with the files spread over processes (pyproject's addopts) the longest
+    ones start early instead of ending the run alone."""
+    for item in items:
+        if item.path.name.endswith(INTEGRATION):
+            item.add_marker(pytest.mark.integration)
     if config.getoption("--integration"):
         weight: dict[str, int] = {}
         for item in items:

@@ -5,6 +5,7 @@ processes launched on this CPU (and killed all at once)."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import signal
@@ -182,6 +183,9 @@ MODELS = ASSETS / "models"
 
 needs_assets = pytest.mark.skipif(
     not MODELS.is_dir(), reason=f"real test models not found at {MODELS} (../shared/assets beside the checkout)"
+)
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is absent: pip install 'gqaify[serving]'"
 )
 
 

@@ -1,16 +1,12 @@
-"""What gqaify packages: the recipes and accelerate configs, listed, copied and found by name, from a wheel
-installed as users install it (not editable) and run from a folder that is no checkout."""
+"""What gqaify packages: the recipes and accelerate configs, listed, copied and found by name, each as its
+registry entry says."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -29,9 +25,8 @@ from gqaify.packaged import (
     recipe_by_name,
     recipe_names,
 )
-from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from gqaify.uptrain.settings import load_recipe
-from helpers import ASSETS, CLOSED, MODELS, REPO, needs_assets
+from helpers import REPO, needs_assets
 
 
 def test_the_registries_and_the_files_on_disk_agree():
@@ -235,168 +230,6 @@ def test_uptrain_finds_a_packaged_recipe_by_name_from_any_folder(tmp_path, monke
         ).max_tokens
         == load_recipe(RECIPES / "smollm2-135m-mqa.yaml")["max_tokens"]
     )  # the checkout's path, from a folder that has no recipes/
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel built from this tree, once for this file's tests."""
-    dist = tmp_path_factory.mktemp("dist")
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stderr[-2000:]
-    return next(dist.glob("gqaify-*.whl"))
-
-
-@pytest.mark.integration
-def test_the_wheel_carries_the_constraints(wheel):
-    """A wheel user could not get the tested pins: constraints.txt was not in the wheel."""
-    with zipfile.ZipFile(wheel) as z:
-        assert z.read("gqaify/constraints.txt") == (REPO / "constraints.txt").read_bytes()
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(wheel, tmp_path):
-    """The wheel built from this tree, installed (not editable) into a folder of its own and put first on the path,
-    run from a folder that is no checkout: convert, a packaged recipe by name, and the demo's recipe found."""
-    installed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--no-index",
-            "-q",
-            "--target",
-            str(tmp_path / "site"),
-            str(wheel),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert installed.returncode == 0, installed.stderr[-2000:]
-    work = tmp_path / "elsewhere"
-    work.mkdir()
-    save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), work / "parent")
-    (work / "train.txt").write_text(CORPUS * 3)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-
-    def gqaify(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "gqaify.entry.cli", *args], cwd=work, env=env, capture_output=True, text=True
-        )
-
-    where = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import gqaify, gqaify.entry.demo as d; print(gqaify.__file__); print(d.RECIPE.is_file())",
-        ],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert where.stdout.split() == [str(tmp_path / "site" / "gqaify" / "__init__.py"), "True"], where.stderr
-    assert "smollm2-135m-mqa" in gqaify("recipes").stdout
-    done = gqaify("convert", "parent", "gqa2", "--kv-heads", "2", "-q")
-    assert done.returncode == 0, done.stderr[-2000:]
-    # the recipe converts its model to 2 K/V heads first (method mean), then trains
-    done = gqaify(
-        "uptrain",
-        "--recipe",
-        "ref-mha-6L-gqa2",
-        "--model",
-        "parent",
-        "--output_dir",
-        "run",
-        "--data",
-        "train.txt",
-        "--eval_data",
-        "",
-        "--distill_from",
-        "",
-        "--seq_len",
-        "16",
-        "--micro_batch_size",
-        "2",
-        "--grad_accum",
-        "1",
-        "--max_tokens",
-        "128",
-        "--save_every",
-        "0",
-        "--no_progress",
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (work / "run" / "final" / "model.safetensors").is_file() and (work / "gqa2" / "gqaify.json").is_file()
-    assert '"num_key_value_heads": 2' in (work / "run" / "final" / "config.json").read_text()
-
-
-# A stand-in for the hub in the process a test starts: datasets.load_dataset serves each hub dataset named here
-# (name, config, split) from a local copy, as a hub that answered (or datasets' cache) would, and records every hub
-# dataset asked for in ASKED; any other hub dataset is refused as the offline hub refuses it.
-MIRROR = r"""
-import json, sys
-import datasets
-
-served, asked = json.loads(sys.argv[1]), sys.argv[2]
-load = datasets.load_dataset
-
-def mirrored(path, name=None, *args, split=None, **kwargs):
-    if kwargs.get("data_files") is not None or path in ("text", "json", "csv", "parquet"):
-        return load(path, name, *args, split=split, **kwargs)  # a local file: datasets' own builders
-    with open(asked, "a") as f:
-        f.write(json.dumps([path, name, split]) + "\n")
-    local = served.get(json.dumps([path, name, split]))
-    if local is None:
-        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
-    return load("text", data_files={"train": [local]}, split="train", sample_by="document")  # the slice served
-
-datasets.load_dataset = mirrored
-from gqaify.entry.cli import main
-sys.exit(main(sys.argv[3:]))
-"""
-
-
-@pytest.mark.integration
-@needs_assets
-def test_a_packaged_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets(tmp_path):
-    """ref-mha-6L-gqa2 by name from a folder that is no checkout, the hub unreachable and its two hub datasets served
-    by a local mirror: the recipe asks the hub for exactly the text it names, converts, trains and evaluates; without
-    a model of its own it is refused in one line naming what to pass, nothing written."""
-    text = ASSETS / "text"
-    served = {
-        json.dumps(["roneneldan/TinyStories", None, "validation[1000:]"]): str(text / "tinystories-train-sample.txt"),
-        json.dumps(["roneneldan/TinyStories", None, "validation[:1000]"]): str(text / "tinystories-valid-head.txt"),
-    }
-    asked = tmp_path / "asked.jsonl"
-    work = tmp_path / "elsewhere"
-    work.mkdir()
-    env = {**os.environ, "HF_ENDPOINT": CLOSED, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
-
-    def gqaify(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-c", MIRROR, json.dumps(served), str(asked), "uptrain", "--recipe", *args]
-        return subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-
-    refused = gqaify("ref-mha-6L-gqa2")
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert "model ../shared/assets/models/ref-mha-6L does not exist here" in refused.stderr
-    assert "pass --model with" in refused.stderr and "pass --distill_from with" in refused.stderr
-    assert not list(work.iterdir()) and not asked.exists()
-
-    model = str(MODELS / "ref-mha-6L")
-    small = ["--max_tokens", "2048", "--eval_tokens", "512", "--eval_every", "0", "--save_every", "0"]
-    done = gqaify("ref-mha-6L-gqa2", "--model", model, "--distill_from", model, *small, "--no_progress")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(json.loads(line) for line in asked.read_text().splitlines()) == sorted(map(json.loads, served))
-    out = work / "runs" / "ref-mha-6L-gqa2"  # the recipe's output_dir, from the working directory
-    assert json.loads((out / "final" / "config.json").read_text())["num_key_value_heads"] == 2
-    assert "uptrained 1 steps, 2,048 tokens" in done.stdout, done.stdout
 
 
 @needs_assets

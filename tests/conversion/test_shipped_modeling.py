@@ -16,7 +16,7 @@ from gqaify.model.archs import ARCHITECTURES
 from gqaify.model.geometry import Geometry
 from gqaify.model.kvcache import kv_cache_bytes_per_token, measured_kv_cache_bytes
 from gqaify.testing import CORPUS, build_model, duplicate_kv_heads, save, save_with_tokenizer
-from helpers import load, logits, run_cli, run_uptrain, sample_ids
+from helpers import load, logits, run_cli, sample_ids
 
 SHIPPED = [t for t, spec in ARCHITECTURES.items() if spec.shipped_class]
 
@@ -161,42 +161,3 @@ def test_calibrated_methods_are_refused_with_the_reason(tmp_path, capsys):
 
     config = json.loads((tmp_path / "mha" / "config.json").read_text())
     assert layer_by_layer.skeleton(config, num_kv_heads=1).model.decoder.layers[0].self_attn.k_proj.out_features == 64
-
-
-@pytest.mark.integration
-def test_uptrain_trains_and_saves_the_shipped_class(tmp_path):
-    """Converted inside the run (kv_heads), trained, and saved: final/ carries the modeling file and reloads."""
-    from gqaify.uptrain import parse
-    from gqaify.uptrain import run as uptrain
-
-    save_with_tokenizer(mha_parent("gpt2", vocab_size=320), tmp_path / "mha")
-    (tmp_path / "train.txt").write_text(CORPUS * 3)
-    argv = [
-        "--model",
-        str(tmp_path / "mha"),
-        "--kv_heads",
-        "1",
-        "--output_dir",
-        str(tmp_path / "run"),
-        "--data",
-        str(tmp_path / "train.txt"),
-        "--seq_len",
-        "16",
-        "--micro_batch_size",
-        "2",
-        "--max_tokens",
-        "320",
-        "--save_every",
-        "0",
-        "--no_progress",
-    ]
-    done = run_uptrain(argv)
-    code, err = done.returncode, done.stderr
-    assert code == 2 and "--trust-remote-code" in err, err
-    result = uptrain(parse([*argv, "--trust_remote_code"]))
-    assert result.steps == 10
-    final = tmp_path / "run" / "final"
-    assert (final / "modeling_gqaify.py").is_file()
-    model = load(final)
-    assert type(model).__name__ == "GQAGPT2LMHeadModel" and model.config.num_key_value_heads == 1
-    assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 64 + 2 * 16)

@@ -1,24 +1,20 @@
 """Every plot gqaify draws, read as drawn: plain tick labels on log axes (no "3×10⁰4×10⁰6×10⁰"), none over another,
 the start of a run on its curve, the per-text panel in the units its axis names, one colour per model across a
-report's plots, whole layers; and no transformers progress bar between a command's lines."""
+report's plots, whole layers."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from matplotlib.colors import to_rgba
 
-from gqaify.entry.cli import main
 from gqaify.eval.plots import plot_diagnostics, plot_panel, plot_perplexity_vs_kv, plot_tasks_vs_kv
 from gqaify.eval.results import TaskScore
 from gqaify.figures import plain_number, round_ticks
 from gqaify.uptrain.curve import CurvePoint, forecast, plot_curve
-from helpers import MODELS, needs_assets
 
 PLAIN = re.compile(r"^-?\d+(\.\d+)?[kMBT]?$")  # 3, 1.25, 1.5k: no mathtext, no "×10"
 
@@ -250,39 +246,6 @@ def test_plain_numbers_and_round_ticks():
     assert round_ticks(1.09, 1.52, fits) == pytest.approx([1.1, 1.2, 1.3, 1.4, 1.5])
     room = 3
     assert round_ticks(1, 1e12, fits) == [1, 1e5, 1e10]  # every fifth decade, where each would not fit
-
-
-# -- transformers' progress bars -----------------------------------------------------------------------------------
-
-TRANSFORMERS_BARS = ("Loading weights", "Converting and de-quantizing GGUF tensors")
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> dict[str, Path]:
-    """stories260K's MHA twin and its GQA-2 conversion as one GGUF file."""
-    source = MODELS / "stories260K-mha"
-    if not source.is_dir():
-        pytest.skip(f"needs {source}")
-    out = tmp_path_factory.mktemp("bars") / "gqa2.gguf"
-    assert main(["convert", str(source), str(out), "--kv-heads", "2", "-q"]) == 0
-    return {"parent": source, "gguf": out}
-
-
-@pytest.mark.integration
-@needs_assets
-@pytest.mark.parametrize("quiet", [[], ["-q"]], ids=["default", "-q"])
-def test_no_transformers_progress_bar_cuts_into_a_command_reading_a_gguf_and_loading_models(tiny_gguf, tmp_path, quiet):
-    """eval loads the parent ("Loading weights") and reads the GGUF ("Converting and de-quantizing GGUF tensors"):
-    both of transformers' bars printed to stderr, -q or not."""
-    text = tmp_path / "text.txt"
-    text.write_text("Once upon a time there was a little girl who liked to play in the park. " * 20)
-    argv = [sys.executable, "-m", "gqaify", "eval", str(tiny_gguf["parent"]), str(tiny_gguf["gguf"])]
-    argv += ["--data", str(text), "--out", str(tmp_path / "report"), "--no-speed", *quiet]
-    done = subprocess.run(argv, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "report" / "report.md").is_file()
-    shown = [bar for bar in TRANSFORMERS_BARS if bar in done.stderr]
-    assert not shown, done.stderr[-2000:]
 
 
 def test_the_panel_of_the_parent_alone_says_so(drawn, tmp_path):

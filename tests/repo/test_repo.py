@@ -2,8 +2,6 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -98,7 +96,6 @@ def test_no_module_in_src_is_over_500_lines():
     assert not long, f"modules over 500 lines: {long}"
 
 
-BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
 TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # conftest, helpers, test_*
 
 
@@ -136,28 +133,45 @@ def test_a_benchmark_taking_anything_from_tests_is_seen(source):
     )
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
-def test_every_benchmark_answers_help_and_imports_only_what_exists(script):
-    """A benchmark that no longer runs cannot reproduce the figures the docs cite from it: each answers --help,
-    every gqaify name it imports, at the top or inside a function, exists, and it imports nothing from tests/ (what
-    it shares with the tests comes from gqaify, e.g. `gqaify.testing`), nor puts tests/ on its import path."""
+def integration_marks(tree) -> list[int]:
+    """The lines of a test module's syntax tree that mark a test integration in code: `pytest.mark.integration` (or
+    `mark.integration`) as a decorator, `pytestmark`, a `pytest.param`'s marks, or anywhere else."""
     import ast
-    import importlib
 
-    tree = ast.parse(script.read_text())
-    assert not (found := imports_from_tests(tree)), f"{script.name} imports from tests/: {found}"
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] == "gqaify":
-                module = importlib.import_module(node.module)
-                for alias in node.names:
-                    assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
-                        f"{script.name}: from {node.module} import {alias.name}"
-                    )
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == "gqaify":
-                    importlib.import_module(alias.name)
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-2000:]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "integration" and ast.unparse(node.value).endswith("mark")
+    ]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "@pytest.mark.integration\ndef test_x():\n    pass",
+        "pytestmark = [pytest.mark.slow, pytest.mark.integration]",
+        "from pytest import mark\n\n@mark.integration\ndef test_x():\n    pass",
+        '@pytest.mark.parametrize("x", [1, pytest.param(2, marks=pytest.mark.integration)])\ndef test_x(x):\n    pass',
+    ],
+)
+def test_a_test_marked_integration_in_code_is_seen(source):
+    import ast
+
+    assert integration_marks(ast.parse(source))
+    assert not integration_marks(ast.parse('@pytest.mark.slow\ndef test_x():\n    """integration"""'))
+
+
+def test_no_test_is_marked_integration_in_code_its_files_name_is_the_mark():
+    """A test is an integration test by where it is written: every test of a test_<topic>_integration.py file, and
+    only those (conftest.py marks them as it collects them). A mark in code would be a second place that says so,
+    and a file's name would no longer tell which of its tests the edit loop leaves out."""
+    import ast
+
+    tests = REPO / "tests"
+    marked = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sorted(tests.rglob("*.py"))
+        if path != tests / "conftest.py"
+        for line in integration_marks(ast.parse(path.read_text()))
+    ]
+    assert not marked, f"marked integration in code (move the test to its test_<topic>_integration.py): {marked}"

@@ -113,7 +113,8 @@ class ArchSpec:
     # against it and the attention projections before a conversion writes anything (`checks.weight_problem`).
     embed_tokens: str = "model.embed_tokens"
     embed_width_key: str | None = None
-    # GGUF output (OUT.gguf): only for the types whose output is tested in llama.cpp (tests/conversion/test_gguf.py)
+    # GGUF output (OUT.gguf): only for the types whose output is tested in llama.cpp
+    # (tests/conversion/test_gguf_integration.py)
     gguf: GgufArchitecture | None = None
 
     def __post_init__(self) -> None:

@@ -13,7 +13,6 @@ from helpers import MODELS, REPO, needs_assets
 
 
 @needs_assets
-@pytest.mark.integration
 def test_the_device_script_converts_trains_and_appends_a_row_per_evaluation(tmp_path):
     results = tmp_path / "gpu_recovery.json"
     results.write_text(json.dumps([{"recipe": "an earlier row"}]))

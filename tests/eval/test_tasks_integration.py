@@ -2,7 +2,8 @@
 
 The task is tests/tasks/story_endings (270 four-way items built from TinyStories in ../shared): its scores are
 checked against an independent scoring loop, a G = H conversion must score exactly its parent's figures, and
-the harness must see the same logits as the perplexity path.
+the harness must see the same logits as the perplexity path. lm-evaluation-harness on real models: its set-up
+alone takes most of a minute.
 """
 
 import copy
@@ -27,9 +28,6 @@ from gqaify.model.loading import load_model
 from gqaify.settings import parse
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from helpers import ASSETS, MODELS, QUICK, REPO, needs_assets, run_cli
-
-# lm-evaluation-harness on real models: its set-up alone takes most of a minute
-pytestmark = pytest.mark.integration
 
 TASKS = REPO / "tests" / "tasks"
 TEXT = ASSETS / "text" / "tinystories-valid-head.txt"

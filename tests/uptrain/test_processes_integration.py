@@ -32,7 +32,6 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("trainable", [[], ["--trainable", "lora", "--lora_rank", "4"]], ids=["all", "lora"])
 def test_sigkill_then_resume_equals_uninterrupted(tiny, tmp_path, trainable):
     """Kill the run with SIGKILL after its first checkpoint, rerun the same command: same losses, same weights."""
@@ -77,7 +76,6 @@ dist.destroy_process_group = _counted
 """
 
 
-@pytest.mark.integration
 def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     """2 processes x micro-batch 2 x accumulation 1 = 1 process x 2 x 2: the same blocks per step. And each process
     frees its DDP model before it ends the process group: where DDP's reducer held the group's last reference, gloo's
@@ -105,7 +103,6 @@ def test_two_processes_agree_with_one_at_the_same_global_batch(tiny, tmp_path):
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
 
 
-@pytest.mark.integration
 def test_processes_that_do_not_join_one_group_are_refused(tiny, tmp_path):
     """What torchrun without ACCELERATE_USE_CPU gives on a CPU machine: each process alone, WORLD_SIZE 2."""
     done = run_uptrain(args(tiny, tmp_path / "run"), env={**os.environ, "WORLD_SIZE": "2"})
@@ -142,7 +139,6 @@ def stored_corpus(tiny):
 FULL_KL = ["--distill_from", "PARENT", "--distill_weight", "0.5"]
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "teaching",
     [
@@ -174,7 +170,6 @@ def test_fsdp2_on_two_processes_agrees_with_one_process(tiny, stored_corpus, tmp
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.integration
 def test_fsdp2_trains_an_mla_model_as_one_process_does(tiny, tmp_path):
     """gqaify's MLA model (DeepSeek-V3's class) sharded over 2 processes (FSDP2, each decoder layer of its own
     class wrapped): one process's losses and weights, its latent's down-projection held as converted in both."""
@@ -196,7 +191,6 @@ def test_fsdp2_trains_an_mla_model_as_one_process_does(tiny, tmp_path):
     assert down and all(torch.equal(a[name], start[name]) and torch.equal(b[name], start[name]) for name in down)
 
 
-@pytest.mark.integration
 def test_an_fsdp_wrap_class_the_model_lacks_is_refused(tiny, tmp_path):
     """A config naming a decoder layer class the model does not have (a Llama config's LlamaDecoderLayer for
     another architecture): refused in one line naming the model's own class and the fix (accelerate's own error
@@ -218,7 +212,6 @@ def test_an_fsdp_wrap_class_the_model_lacks_is_refused(tiny, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.integration
 def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
     """FSDP1 needs a device: on CPU processes the launch is refused in one line (accelerate's own error was a
     traceback), nothing written. Each process says it, in one write with its newline (`command.say`): with stderr
@@ -246,7 +239,6 @@ def test_fsdp_version_1_on_cpus_is_refused(tiny, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.integration
 def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(tiny, tmp_path):
     settings = (
         "--grad_accum",
@@ -275,7 +267,6 @@ def test_two_processes_killed_on_every_rank_resume_to_the_uninterrupted_weights(
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(("stopped", "signum"), [(1, signal.SIGKILL), (0, signal.SIGTERM)])
 def test_a_rank_stopped_mid_run_makes_the_other_say_so_in_one_line(tiny, tmp_path, stopped, signum):
     """One process of an FSDP2 launch killed, or stopped by SIGTERM, once a checkpoint exists: the other's next

@@ -26,19 +26,16 @@ from helpers import uptrain_args as args
 # -- bad input -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.integration
 def test_missing_recipe(tmp_path):
     assert "recipe nope.yaml does not exist" in one_line_error(run_uptrain(["--recipe", "nope.yaml"], cwd=tmp_path))
 
 
-@pytest.mark.integration
 def test_unknown_recipe_key_names_the_nearest(tmp_path):
     (tmp_path / "r.yaml").write_text("model: m\nlearnin_rat: 1e-3\nsaev_every: 5\n")
     line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
     assert "unknown key 'learnin_rat'" in line and "unknown key 'saev_every' (did you mean save_every?)" in line
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("name", "ours"),
     [
@@ -58,7 +55,6 @@ def test_training_arguments_names_are_answered_with_ours(tmp_path, name, ours):
     assert f"unknown option --{name} (did you mean --{ours}" in line
 
 
-@pytest.mark.integration
 def test_recipe_values_of_the_wrong_type(tmp_path):
     (tmp_path / "r.yaml").write_text("model: m\noutput_dir: o\ndata: d\nmax_tokens: [1, 2]\nmicro_batch_size: 2.5\n")
     line = one_line_error(run_uptrain(["--recipe", str(tmp_path / "r.yaml")]))
@@ -66,13 +62,11 @@ def test_recipe_values_of_the_wrong_type(tmp_path):
     assert "micro_batch_size 2.5 is not a whole number" in line
 
 
-@pytest.mark.integration
 def test_unknown_option_names_the_nearest():
     line = one_line_error(run_uptrain(["--max_token", "5"]))
     assert "unknown option --max_token (did you mean --max_tokens?)" in line
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "options, expect",
     [
@@ -85,20 +79,17 @@ def test_bad_eval_task_settings(tiny, tmp_path, options, expect):
     assert expect in line and not (tmp_path / "run").exists()
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("budget", ["0", "-5"])
 def test_budget_must_be_positive(tiny, tmp_path, budget):
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--max_tokens", budget)))
     assert "max_tokens must be > 0" in line and not (tmp_path / "run").exists()
 
 
-@pytest.mark.integration
 def test_a_block_of_one_token_is_refused(tiny, tmp_path):
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--seq_len", "1")))
     assert "seq_len must be at least 2, got 1" in line and not (tmp_path / "run").exists()
 
 
-@pytest.mark.integration
 def test_a_diverged_run_stops_at_the_first_non_finite_loss_and_is_not_completed(tiny, tmp_path):
     out = tmp_path / "run"
     line = one_line_error(
@@ -113,7 +104,6 @@ def test_a_diverged_run_stops_at_the_first_non_finite_loss_and_is_not_completed(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{n:07d}" for n in range(1, step)]
 
 
-@pytest.mark.integration
 def test_data_smaller_than_one_block(tiny, tmp_path):
     (tmp_path / "short.txt").write_text("a few words")
     line = one_line_error(
@@ -122,7 +112,6 @@ def test_data_smaller_than_one_block(tiny, tmp_path):
     assert "less than one block of seq_len 64" in line and not (tmp_path / "run").exists()
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("convert_first", [False, True])
 def test_empty_data_is_refused_and_nothing_is_written(tiny, tmp_path, convert_first):
     """Used to end in an IndexError, with converted/ and run.json left behind that refused the corrected rerun."""
@@ -133,7 +122,6 @@ def test_empty_data_is_refused_and_nothing_is_written(tiny, tmp_path, convert_fi
     assert run_uptrain(args(tiny, tmp_path / "run", *extra)).returncode == 0  # the corrected rerun
 
 
-@pytest.mark.integration
 def test_streaming_data_smaller_than_one_step(tiny, tmp_path):
     (tmp_path / "short.txt").write_text(CORPUS[:100])  # about 54 tokens: 3 blocks of 16, a step needs 4
     streamed = args(tiny, tmp_path / "run", "--streaming", "--data", str(tmp_path / "short.txt"))
@@ -141,7 +129,6 @@ def test_streaming_data_smaller_than_one_step(tiny, tmp_path):
     assert "fewer than one step's 4" in line and not (tmp_path / "run").exists()
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("key", ["seq_len", "eval_seq_len"])
 def test_windows_longer_than_the_models_positions_are_refused(tiny, tmp_path, key):
     long = args(tiny, tmp_path / "run", f"--{key}", "128", "--eval_data", str(tiny["eval"]))
@@ -149,7 +136,6 @@ def test_windows_longer_than_the_models_positions_are_refused(tiny, tmp_path, ke
     assert f"{key} 128 exceeds the 64 positions" in line and not (tmp_path / "run").exists()
 
 
-@pytest.mark.integration
 def test_a_run_killed_before_training_does_not_block_the_corrected_rerun(tiny, tmp_path):
     """A run.json with no training behind it (the process was killed while converting) is not another run."""
     out = tmp_path / "run"
@@ -172,7 +158,6 @@ def _start_uptrain(argv: list[str]) -> subprocess.Popen:
     )
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_stopped_training_says_what_is_left_and_resumes(tiny, tmp_path, signum, status):
     out = tmp_path / "run"
@@ -209,7 +194,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.integration
 def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
     """The conversion step of uptraining, stopped mid-write."""
     model = build_model("llama", num_kv_heads=8, num_attention_heads=8, head_dim=32, hidden_size=256, vocab_size=320)
@@ -230,7 +214,6 @@ def test_sigterm_while_uptrain_converts_leaves_nothing(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.integration
 def test_calibration_inside_uptrain_reads_the_split_and_text_column(tiny, tmp_path):
     rows = [{"body": line} for line in (CORPUS * 6).split(". ")]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -260,14 +243,12 @@ def test_calibration_inside_uptrain_reads_the_split_and_text_column(tiny, tmp_pa
     assert (calibration["split"], calibration["text_column"]) == ("validation", "body")
 
 
-@pytest.mark.integration
 def test_missing_eval_data_leaves_an_empty_output_dir_as_it_was(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     line = one_line_error(run_uptrain(args(tiny, tmp_path / "run", "--eval_data", str(tmp_path / "nope.txt"))))
     assert "eval_data" in line and "no such file" in line and list((tmp_path / "run").iterdir()) == []
 
 
-@pytest.mark.integration
 def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
     out = tmp_path / "run"
     uptrain(parse(args(tiny, out, "--save_every", "10")))
@@ -277,7 +258,6 @@ def test_output_dir_of_another_run_is_refused(tiny, tmp_path):
     assert sorted(p.name for p in out.rglob("*")) == before
 
 
-@pytest.mark.integration
 def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_path):
     """run.json records the SHA-256 of the training tokens; a rerun on data edited since used to resume the run on
     other text without a word."""
@@ -295,7 +275,6 @@ def test_training_data_that_changed_since_the_run_began_is_refused(tiny, tmp_pat
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.integration
 def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tiny, tmp_path):
     """A run.json written by an older gqaify lacks the settings added since; the run trained as their defaults
     say, so it is the same run, not "another run's checkpoints" (it was refused after an upgrade)."""
@@ -310,7 +289,6 @@ def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(tiny, tm
     assert "holds another run's checkpoints (it had temperature=1.0, now 2.0)" in line
 
 
-@pytest.mark.integration
 def test_a_run_resumes_however_its_local_paths_are_spelled(tiny, tmp_path, monkeypatch):
     """run.json's paths are compared where they lead: `m`, `m/`, `./m`, its absolute path and the folder it links
     to are one model (each was refused as another run's checkpoints); so are a run.json's relative paths, as an
@@ -340,20 +318,17 @@ def test_a_run_resumes_however_its_local_paths_are_spelled(tiny, tmp_path, monke
     assert "holds another run's checkpoints (it had lr=0.001, now 0.0005)" in line  # still another run
 
 
-@pytest.mark.integration
 def test_output_dir_with_unrelated_files_is_refused(tiny, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
     assert "holds no gqaify run" in one_line_error(run_uptrain(args(tiny, tmp_path / "run")))
 
 
-@pytest.mark.integration
 def test_missing_model_and_settings_are_reported_together(tmp_path):
     line = one_line_error(run_uptrain(["--output_dir", str(tmp_path / "o"), "--seq_len", "0"]))
     assert "model is required" in line and "data is required" in line and "seq_len must be at least 2, got 0" in line
 
 
-@pytest.mark.integration
 def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
     import importlib.util
 
@@ -363,7 +338,6 @@ def test_tracker_whose_package_is_missing_is_refused(tiny, tmp_path):
     assert "log_to tensorboard needs its package; pip install tensorboard" in line
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("where", "expect"),
     [
@@ -401,7 +375,6 @@ checkpoint_files.save_training_state = save_on_a_filling_disk
 """
 
 
-@pytest.mark.integration
 def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_only_whole_checkpoints(tiny, tmp_path):
     """It used to end in a traceback (exit 1), leaving run.json and metrics; now: one line, exit 1, the partial
     checkpoint removed, run.json claiming no completion, metrics whole, and a rerun resumes from what is left."""
@@ -424,7 +397,6 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_only_whole_check
     assert json.loads((out / "run.json").read_text())["completed"] and (out / "final" / "gqaify.json").is_file()
 
 
-@pytest.mark.integration
 def test_a_full_disk_before_training_leaves_nothing(tiny, tmp_path):
     out = tmp_path / "run"
     patch = """
@@ -441,7 +413,6 @@ run_folder.write_json = full
     assert not out.exists()
 
 
-@pytest.mark.integration
 def test_output_dir_name_longer_than_the_file_system_allows_is_refused(tiny, tmp_path):
     """It used to end in a traceback. Nothing is made beside output_dir: the file system's limit is the limit."""
     name_max = os.pathconf(tmp_path, "PC_NAME_MAX")

@@ -1,0 +1,81 @@
+"""An MLA conversion's GGUF file in llama.cpp's deepseek2, where llama-cpp-python is installed: greedy tokens as
+transformers decodes the folder, its cache of the latent and the rotary key per token, and a turned rotary ladder
+computed as transformers computes it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import test_mla_gguf
+from helpers import llama_cpp_greedy, needs_assets, needs_llama_cpp
+
+# test_mla_gguf.py's fixtures, shared: pytest finds a fixture by its name in this module
+mla_mqa = test_mla_gguf.mla_mqa
+turned_ladder = test_mla_gguf.turned_ladder
+
+
+@needs_assets
+@needs_llama_cpp
+@pytest.mark.parametrize("out_type", ["f32", "f16"])
+def test_llama_cpp_decodes_the_mla_gguf_as_transformers_decodes_the_folder(mla_mqa, out_type):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(mla_mqa["folder"])
+    model = AutoModelForCausalLM.from_pretrained(mla_mqa["folder"], dtype=torch.float32).eval()
+    for prompt in ["Once upon a time", "The little dog", "Lily and Tom went to the park"]:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+        assert llama_cpp_greedy(mla_mqa[out_type], ids, 32) == expected, prompt
+
+
+@needs_assets
+@needs_llama_cpp
+@pytest.mark.parametrize("made", ["mla_mqa", "turned_ladder"])
+def test_llama_cpp_caches_the_latent_and_the_rotary_key_per_token(made, request):
+    """(kv_rank + rope_dims) values per token and layer in f16, no values apart: as llama.cpp reports allocating it;
+    8 + 8 for MQA's exact rewrite and for 4 K/V heads compressed to a latent of 8 and a turned rotary key of 8."""
+    gguf_file = request.getfixturevalue(made)["f32" if made == "mla_mqa" else "gguf"]
+    cells = 32768
+    code = (
+        "import sys; from llama_cpp import Llama; "
+        "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(gguf_file), str(cells)], capture_output=True, text=True, check=True
+    )
+    found = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells.*V \(\w+\): +([\d.]+) MiB", done.stderr)
+    assert found is not None and int(found[2]) == cells, done.stderr[-2000:]
+    assert float(found[1]) == (8 + 8) * 5 * 2 * cells / 2**20 and float(found[3]) == 0
+
+
+@needs_assets
+@needs_llama_cpp
+def test_llama_cpp_computes_the_turned_mla_gguf_as_transformers_computes_the_folder(turned_ladder):
+    """The logits of every position, llama.cpp's (its cache in f32) against transformers', within 1e-4 of their
+    scale: a compressed model's near ties make greedy tokens a weaker check than the exact rewrite's."""
+    from llama_cpp import Llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(turned_ladder["folder"])
+    model = AutoModelForCausalLM.from_pretrained(turned_ladder["folder"], dtype=torch.float32).eval()
+    f32 = 0  # GGML_TYPE_F32: llama.cpp's default cache, f16, rounds the latent to 1e-3
+    llm = Llama(
+        str(turned_ladder["gguf"]), n_ctx=256, n_threads=1, verbose=False, logits_all=True, type_k=f32, type_v=f32
+    )
+    try:
+        for prompt in ["Once upon a time", "The little dog ran to the park and saw a big red ball"]:
+            ids = tokenizer(prompt)["input_ids"]
+            llm.reset()
+            llm.eval(ids)
+            got = torch.tensor(np.array(llm.scores[: len(ids)]))
+            with torch.no_grad():
+                expected = model(torch.tensor([ids])).logits[0]
+            assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), prompt
+    finally:
+        llm.close()
