@@ -1,8 +1,10 @@
-"""Code in the mixture: SmolLM2-135M-Instruct converted to MQA and uptrained the recipe's way, on the panel
-benchmarks' mixture with and without Python code, at equal tokens, each judged on the five-text panel.
+"""Code in the mixture: SmolLM2-135M-Instruct converted and uptrained a recipe's way (the MQA recipe's, or with
+--recipe another's: its conversion and training settings), on the panel benchmarks' mixture with and without
+Python code, at equal tokens, each judged on the five-text panel.
 
     python benchmarks/code_mixture.py                                      # about 20 minutes on two CPU cores
     python benchmarks/code_mixture.py --tokens 98304 --calib-tokens 32768 --refine-steps 64   # the recipe's budget
+    python benchmarks/code_mixture.py --recipe smollm2-135m-mla --out runs/bench/code-mixture-mla   # latent attention
 
 Both arms convert the parent with the recipe's method (`lsq`, layer by layer, sequential, refined against the
 parent) on their own mixture, then train from that start with the recipe's training settings (all KL to the parent,
@@ -30,7 +32,8 @@ from commands import REPO, TEXT, convert, mixture, uptrain, write_texts
 from gqaify.records import read_run
 from panel_recovery import final_eval, panel_table
 
-RECIPE = REPO / "recipes" / "smollm2-135m-mqa.yaml"
+RECIPES = REPO / "recipes"
+CONVERSION_KEYS = ("kv_heads", "kv_cut", "attention", "kv_rank", "rope_dims", "method", "calib_mode")
 TRAINING_KEYS = (
     "distill_weight",
     "temperature",
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=12_288, help="training tokens per arm")
     parser.add_argument("--calib-tokens", type=int, default=8192)
     parser.add_argument("--refine-steps", type=int, default=16)
+    parser.add_argument("--recipe", default="smollm2-135m-mqa", help="the packaged recipe whose way both arms take")
     args = parser.parse_args()
 
     from gqaify.entry.demo import fetch_default_model
@@ -58,7 +62,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     texts = write_texts(out / "texts")
-    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe = yaml.safe_load((RECIPES / f"{args.recipe}.yaml").read_text())
     training = out / "training.yaml"
     training.write_text(yaml.safe_dump({k: recipe[k] for k in TRAINING_KEYS}, sort_keys=False))
     models = []
@@ -69,12 +73,10 @@ def main() -> None:
             command = convert(
                 gguf,
                 converted,
-                kv_heads=recipe["kv_heads"],
-                method=recipe["method"],
+                **{k: recipe[k] for k in CONVERSION_KEYS if k in recipe},
                 calib_data=data,
                 calib_split="train",
                 calib_tokens=args.calib_tokens,
-                calib_mode=recipe["calib_mode"],
                 refine_steps=args.refine_steps,
                 quiet=True,
             )
@@ -102,7 +104,10 @@ def main() -> None:
 
 def write_results(out: Path, report: dict, args) -> None:
     names = ["parent"] + [f"{arm}, {stage}" for arm in ARMS for stage in ("converted", f"{args.tokens:,} tokens")]
-    budget = f"calibration {args.calib_tokens:,} tokens, {args.refine_steps} refinement steps; training {args.tokens:,}"
+    budget = (
+        f"{args.recipe}: calibration {args.calib_tokens:,} tokens, {args.refine_steps} refinement steps; training "
+        f"{args.tokens:,}"
+    )
     table = f"{budget}\n\n{panel_table(names, report, tasks=False)}"
     (out / "code_mixture.md").write_text(table + "\n")
     (out / "code_mixture.json").write_text(json.dumps({"names": names, "report": report}, indent=2))
