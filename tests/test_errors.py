@@ -43,6 +43,10 @@ def assert_refused(capsys, src, out, *args, expect):
         (["--kv-heads", "two"], "argument --kv-heads/--kv_heads: invalid int value: 'two'"),
         (["--kv-heads", "2", "--method", "median"], "argument --method: invalid choice: 'median'"),
         (["--kv-heads", "2", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (
+            ["--kv-heads", "2", "--attention", "gqa2"],
+            "argument --attention: invalid choice: 'gqa2' (choose from 'gqa',",
+        ),
         (["--kv-heads", "2", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
         (["--kv-heads", "2", "--revision", "main"], "--revision applies to hub ids"),
     ],

@@ -125,6 +125,7 @@ def test_a_flag_before_the_positionals_takes_no_value():
         (CONVERT, "src: a\nout: b\nkv_head: 2\n", "unknown key 'kv_head' (did you mean kv_heads?)"),
         (CONVERT, "src: a\nout: b\nkv_heads: two\n", "c.yaml: kv_heads 'two' is not a whole number or empty"),
         (CONVERT, "src: a\nout: b\nkv_heads: 2\nmethod: median\n", "method 'median' is not one of mean, first"),
+        (CONVERT, "src: a\nout: b\nkv_heads: 2\nattention: gqa2\n", "attention 'gqa2' is not one of gqa, mla; fix the"),
         (CONVERT, "- a\n- b\n", "must be a mapping of setting: value"),
         (CONVERT, "src: [a\n", "is not valid YAML (line 2)"),
         (EVAL, "models: [p, 3]\ndata: d\nout: r\n", "models ['p', 3] is not a list of text"),

@@ -155,8 +155,8 @@ class OneOf:
 
     def problem(self, field: str, value, ctx: Context) -> str | None:
         if value in self.registry:
-            return None
-        return ctx.requirement(field, value, f"is not one of {', '.join(self.registry)}", "choose one of them")
+            return None  # said as a Literal's wrong value is (`fields.type_problems`)
+        return f"{field} {shown(value)} is not one of {', '.join(self.registry)}; fix the file, option or argument"
 
 
 @dataclass(frozen=True)
