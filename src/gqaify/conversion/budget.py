@@ -9,25 +9,9 @@ counts.
 
 from __future__ import annotations
 
-import math
-
 from gqaify.conversion.settings import ConvertSettings
 from gqaify.conversion.shapes import shape
 from gqaify.model.geometry import Geometry
-
-
-def cut_values(geometry: Geometry, cut: float) -> int:
-    """The values per token and layer `--kv-cut cut` leaves of a source's cache (rounded down)."""
-    return math.floor(geometry.cached_per_token / cut + 1e-9)
-
-
-def whole_heads(geometry: Geometry, budget: int) -> int | None:
-    """The K/V heads fewer than the source's whose keys and values cache exactly `budget` values (None: no whole
-    number of heads that divides the source's does)."""
-    heads, fits = divmod(budget, 2 * geometry.head_dim)
-    if fits or not 1 <= heads < geometry.num_kv_heads or geometry.num_kv_heads % heads:
-        return None
-    return heads
 
 
 def resolve_cut(s: ConvertSettings, geometry: Geometry) -> tuple[ConvertSettings, list[str]]:

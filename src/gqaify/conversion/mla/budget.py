@@ -3,16 +3,30 @@
 The values per token and layer, 2 x source heads x head_dim / X (rounded down), are split between the latent
 (`--kv-rank`) and the shared rotary key (`--rope-dims`): the one not given is the rest; neither given, the split is
 chosen on the calibration text (`mla.split`) and recorded. Neither given and whole K/V heads making the cache
-(`budget.whole_heads`), the G-head model is that GQA conversion, whose exact rewrite is one start; the parent
+(`whole_heads`), the G-head model is that GQA conversion, whose exact rewrite is one start; the parent
 compressed to the cut is the other, and the closer is kept (`mla.output`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from gqaify.conversion.budget import cut_values, whole_heads
 from gqaify.model.geometry import Geometry
+
+
+def cut_values(geometry: Geometry, cut: float) -> int:
+    """The values per token and layer `--kv-cut cut` leaves of a source's cache (rounded down)."""
+    return math.floor(geometry.cached_per_token / cut + 1e-9)
+
+
+def whole_heads(geometry: Geometry, budget: int) -> int | None:
+    """The K/V heads fewer than the source's whose keys and values cache exactly `budget` values (None: no whole
+    number of heads that divides the source's does)."""
+    heads, fits = divmod(budget, 2 * geometry.head_dim)
+    if fits or not 1 <= heads < geometry.num_kv_heads or geometry.num_kv_heads % heads:
+        return None
+    return heads
 
 
 def resolve_cut(s, geometry: Geometry):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from gqaify.conversion.budget import cut_values
 from gqaify.conversion.calibrate import read_beyond
+from gqaify.conversion.mla.budget import cut_values
 from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kls
 from gqaify.conversion.mla.layer import STAT_WINDOW, build_mla, mla_problem, plan_mla, shape_for
 from gqaify.conversion.mla.record import MlaRecord, StartTrial
@@ -157,7 +157,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     tokenizer and other files kept. A smaller cache is fitted on the calibration `text` (a `CalibrationText`):
     its rotary pairs and latent chosen (with `--kv-cut` alone, its split too: `mla.split`), then brought back to
     the parent (`load_parent()`, of geometry `source`) layer by layer (`mla.fit`, with s.repair and
-    s.refine_steps as a GQA conversion reads them). At a cut whole K/V heads make (`budget.whole_heads`), the
+    s.refine_steps as a GQA conversion reads them). At a cut whole K/V heads make (`mla.budget.whole_heads`), the
     G-head model's exact rewrite and the parent compressed are both tried, the closer kept (`_closer_start`)."""
     from transformers import AutoModelForCausalLM
 
@@ -273,16 +273,19 @@ def _judged(starts: dict[str, object], parent, windows: dict[str, list[torch.Ten
 
 def weight_bytes(s, config: dict) -> int:
     """The bytes of the weights the rewrite of a source of `config` (config.json's) writes, at most: the model
-    `budget.planned_config` plans (what calibration chooses counted at its widest), built on the meta device. Its
-    query projection is wider than the source's (each query head's non-rotary and rotary parts), so the G-head
+    `mla.budget.planned_config` plans (what calibration chooses counted at its widest), built on the meta device.
+    Its query projection is wider than the source's (each query head's non-rotary and rotary parts), so the G-head
     model's plan can count short."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gqaify.conversion.budget import planned_config
+    from gqaify.conversion.mla.budget import planned_config, resolve_cut
+    from gqaify.model.archs import ARCHITECTURES
 
-    source = AutoConfig.for_model(**config)
+    geometry = Geometry.from_config(ARCHITECTURES[config["model_type"]], config)
+    s = s if s.kv_cut is None else resolve_cut(s, geometry)[0]  # its problems are the request's, raised before
+    source = AutoConfig.for_model(**{**config, "num_key_value_heads": s.kv_heads})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(planned_config(s, source))
+        model = AutoModelForCausalLM.from_config(planned_config(s, source, geometry))
     return sum(p.numel() for p in model.parameters()) * _written_dtype(s, config).itemsize
 
 
