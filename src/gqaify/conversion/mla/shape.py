@@ -1,9 +1,10 @@
 """Latent attention as a `conversion.shape_contract.Shape`: the answers gqaify asks of it, each from the module of this
-folder that knows it, imported when asked (so that a settings check that asks whether the shape reads text loads
-nothing heavy). No module of the folder imports this one."""
+folder that knows it; what needs torch is imported when asked, so that a settings check that asks whether the shape
+reads text loads nothing heavy. No module of the folder imports this one."""
 
 from __future__ import annotations
 
+from gqaify.conversion.mla import budget
 from gqaify.conversion.mla.written import ARCHS, FLOAT16, latent_below_epsilon
 
 
@@ -13,9 +14,7 @@ class LatentAttention:
     float16 = FLOAT16
 
     def resolve_cut(self, s, geometry):
-        from gqaify.conversion.mla.budget import resolve_cut
-
-        return resolve_cut(s, geometry)
+        return budget.resolve_cut(s, geometry)
 
     def reads_text(self, s) -> bool:
         return s.widths_given
@@ -31,9 +30,7 @@ class LatentAttention:
         return " as MLA, " + (cache or "the source's cache size")
 
     def planned_config(self, s, config, geometry):
-        from gqaify.conversion.mla.budget import planned_config
-
-        return planned_config(s, config, geometry)
+        return budget.planned_config(s, config, geometry)
 
     def cost_note(self, s, source) -> str | None:
         from gqaify.conversion.mla.output import cost_note
