@@ -45,7 +45,7 @@ from recovery_curve import first_half_law
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
-GOALS = {"mean_kl": 0.70, "worst_ratio": 3.5, "wikitext": 32.0, "story_endings": 0.66}
+GOALS = {"mean_kl": 0.70, "worst_ratio": 2.5, "wikitext": 32.0, "story_endings": 0.66}  # the CPU recipe's
 # the keys of a recipe that make its conversion: left out where a run trains a converted start
 CONVERSION_KEYS = (
     "kv_heads", "kv_cut", "attention", "kv_rank", "rope_dims", "method", "calib_data", "calib_tokens", "calib_mode",
@@ -196,10 +196,10 @@ def _table(results: dict) -> str:
         lines.append(f"| {row['model']} | " + " | ".join(cells) + " |")
     trained = results["report"][-1]
     met = {
-        "mean KL ≤ 0.70": trained["mean_kl"] <= GOALS["mean_kl"],
-        "worst ≤ 3.5×": trained["worst_ratio"] <= GOALS["worst_ratio"],
-        "WikiText-2 ≤ 32": trained["texts"]["wikitext"]["perplexity"] <= GOALS["wikitext"],
-        "story_endings ≥ 0.66": (trained["story_endings"] or 0) >= GOALS["story_endings"],
+        f"mean KL ≤ {GOALS['mean_kl']:.2f}": trained["mean_kl"] <= GOALS["mean_kl"],
+        f"worst ≤ {GOALS['worst_ratio']:g}×": trained["worst_ratio"] <= GOALS["worst_ratio"],
+        f"WikiText-2 ≤ {GOALS['wikitext']:g}": trained["texts"]["wikitext"]["perplexity"] <= GOALS["wikitext"],
+        f"story_endings ≥ {GOALS['story_endings']:.2f}": (trained["story_endings"] or 0) >= GOALS["story_endings"],
         "≤ 60 min": seconds.get("total", 0) <= 3600,
     }
     lines += ["", "goals: " + ", ".join(f"{k} {'met' if v else 'missed'}" for k, v in met.items())]
