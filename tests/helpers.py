@@ -189,6 +189,24 @@ needs_llama_cpp = pytest.mark.skipif(
 )
 
 
+def llama_cpp_kv_cache(path: Path, cells: int = 32768) -> tuple[float, float | None]:
+    """llama.cpp's KV cache for `cells` tokens of the GGUF `path`, as the engine reports allocating it, in MiB: its
+    size in all, and the values' part of it (None where the report does not split it). Read from a child process's
+    log, which llama.cpp writes itself."""
+    code = (
+        "import sys; from llama_cpp import Llama; "
+        "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(cells)], capture_output=True, text=True, check=True
+    )
+    found = re.search(
+        r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells(?:.*V \(\w+\): +([\d.]+) MiB)?", done.stderr
+    )
+    assert found is not None and int(found[2]) == cells, done.stderr[-2000:]
+    return float(found[1]), None if found[3] is None else float(found[3])
+
+
 def load(directory: Path) -> torch.nn.Module:
     """The model in `directory`; a shipped modeling file (gpt2, gpt_neox, opt) is trusted."""
     return AutoModelForCausalLM.from_pretrained(

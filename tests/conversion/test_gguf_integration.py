@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 
 import test_gguf
 from gqaify.entry.cli import main
-from helpers import MODELS, llama_cpp_greedy, needs_assets, needs_llama_cpp, one_line, run_cli
+from helpers import MODELS, llama_cpp_greedy, llama_cpp_kv_cache, needs_assets, needs_llama_cpp, one_line, run_cli
 from test_gguf import STORIES_MHA
 
 # test_gguf.py's fixture, shared: pytest finds a fixture by its name in this module
@@ -118,27 +117,13 @@ def test_llama_cpp_decodes_the_gguf_as_transformers_decodes_the_safetensors(stor
         assert llama_cpp_greedy(stories_gguf[f"{name}.gguf"], ids, 32) == expected
 
 
-def engine_kv_cache_mib(path: Path, cells: int = 32768) -> float:
-    """The size of llama.cpp's KV cache for `cells` tokens, as the engine reports it when it allocates it."""
-    code = (
-        "import sys; from llama_cpp import Llama; "
-        "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(path), str(cells)], capture_output=True, text=True, check=True
-    )
-    match = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells", done.stderr)
-    assert match is not None and int(match[2]) == cells, done.stderr[-2000:]
-    return float(match[1])
-
-
 @needs_assets
 @needs_llama_cpp
 def test_llama_cpp_kv_cache_is_h_over_g_smaller(stories_gguf, tmp_path):
     mha = tmp_path / "mha.gguf"  # the parent itself, 8 K/V heads
     assert main(["convert", str(STORIES_MHA), str(mha), "--kv-heads", "8", "--gguf-type", "f32", "-q"]) == 0
     sizes = {
-        name: engine_kv_cache_mib(path)
+        name: llama_cpp_kv_cache(path)[0]
         for name, path in (("mha", mha), ("gqa2", stories_gguf["gqa2.gguf"]), ("mqa", stories_gguf["mqa.gguf"]))
     }
     assert sizes["mha"] == 4 * sizes["gqa2"] == 8 * sizes["mqa"] > 0

@@ -4,16 +4,12 @@ computed as transformers computes it."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 import test_mla_gguf
-from helpers import llama_cpp_greedy, needs_assets, needs_llama_cpp
+from helpers import llama_cpp_greedy, llama_cpp_kv_cache, needs_assets, needs_llama_cpp
 
 # test_mla_gguf.py's fixtures, shared: pytest finds a fixture by its name in this module
 mla_mqa = test_mla_gguf.mla_mqa
@@ -42,16 +38,8 @@ def test_llama_cpp_caches_the_latent_and_the_rotary_key_per_token(made, request)
     8 + 8 for MQA's exact rewrite and for 4 K/V heads compressed to a latent of 8 and a turned rotary key of 8."""
     gguf_file = request.getfixturevalue(made)["f32" if made == "mla_mqa" else "gguf"]
     cells = 32768
-    code = (
-        "import sys; from llama_cpp import Llama; "
-        "Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, verbose=True).close()"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(gguf_file), str(cells)], capture_output=True, text=True, check=True
-    )
-    found = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells.*V \(\w+\): +([\d.]+) MiB", done.stderr)
-    assert found is not None and int(found[2]) == cells, done.stderr[-2000:]
-    assert float(found[1]) == (8 + 8) * 5 * 2 * cells / 2**20 and float(found[3]) == 0
+    size, values = llama_cpp_kv_cache(gguf_file, cells)
+    assert size == (8 + 8) * 5 * 2 * cells / 2**20 and values == 0
 
 
 @needs_assets
