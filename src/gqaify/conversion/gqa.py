@@ -20,7 +20,7 @@ class GroupedQueryAttention:
         heads, cut = geometry.num_kv_heads, s.kv_cut
         g = heads / cut
         if not g.is_integer() or heads % int(g):
-            allowed = ", ".join(f"{heads // g:g}" for g in range(heads, 0, -1) if heads % g == 0)
+            allowed = ", ".join(f"{heads // k:g}" for k in range(heads, 0, -1) if heads % k == 0)
             said = f"{cut:g}" if float(f"{cut:g}") == cut else repr(cut)  # 1.0000000001 is not 1
             others = " or ".join(f"--attention {name}" for name, info in ATTENTION_INFO.items() if info.any_cut)
             return s, [

@@ -20,7 +20,9 @@ __all__ = [
     "every_shape",
     "float16_problem",
     "held_parameters",
+    "rewriting",
     "shape",
+    "shape_of_model",
 ]
 
 
