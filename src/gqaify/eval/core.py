@@ -22,6 +22,7 @@ import torch
 
 from gqaify.conversion.shapes import cached_per_token, float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
+from gqaify.eval.caches.evaluate import asked, cache_problems
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
@@ -102,7 +103,7 @@ def run(settings: EvalSettings) -> Report:
         ],
         settings={**_recorded(s, sha256), "stride": stride, "device": str(device)},
     )
-    parent = None
+    parent = parent_texts = parent_tokenizer = None
     speeds = _Speeds(s, alone=len(s.models) == 1)
     for i, (name, label) in enumerate(zip(s.models, model_labels(s.models), strict=True)):
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
@@ -124,7 +125,7 @@ def run(settings: EvalSettings) -> Report:
             texts = continuations(model, tokenizer, prompts, s.generate_tokens)
             entry.generations = [Generation(p, t) for p, t in zip(prompts, texts, strict=True)]
         if parent is None:
-            parent, parent_ids = model, ids
+            parent, parent_ids, parent_texts, parent_tokenizer = model, ids, texts, tokenizer
         else:
             entry.delta_perplexity = entry.perplexity - report.models[0].perplexity
             entry.kv_ratio_to_parent = report.models[0].kv_cache_bytes_per_token / entry.kv_cache_bytes_per_token
@@ -134,6 +135,8 @@ def run(settings: EvalSettings) -> Report:
             del model
             gc.collect()
         report.models.append(entry)
+    if asked(s):
+        _frontier(s, report, panel, parent_texts, parent_tokenizer, configs, budget)
     if s.speed and (note := _decode_context_note(s, configs)):
         report.notes.append(note)
     if len(panel.tokenizers) > 1:
@@ -143,6 +146,20 @@ def run(settings: EvalSettings) -> Report:
         )
     write_report(report, resolve_out(s.out), s.force)
     return report
+
+
+def _frontier(s: EvalSettings, report: Report, panel: _Panel, texts, tokenizer, configs, budget: int) -> None:
+    """Every model that reads text as the parent does, under every --kv-cache format: `report.frontier`."""
+    from gqaify.eval.caches.evaluate import run_frontier
+
+    same = [i for i, m in enumerate(report.models) if m.tokenizer == report.models[0].tokenizer]
+    if len(same) < len(report.models):
+        report.notes.append("the frontier leaves out the models whose tokenizer is not the parent's")
+    kept = replace(s, models=[s.models[i] for i in same])
+    labels = [model_labels(s.models)[i] for i in same]
+    named = [(named.name, text.ids) for (named, _), text in zip(panel.texts, texts, strict=True)]
+    found = run_frontier(kept, report, named, tokenizer, [configs[i] for i in same], labels, budget)
+    report.frontier = found
 
 
 def _recorded(s: EvalSettings, sha256: str) -> dict:
@@ -327,6 +344,7 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
         configs.append(config)
     problems += _position_problems(s, configs) + problems_in(_stride_problem(s, configs))
     problems += [p for name, config in zip(s.models, configs, strict=True) if (p := _float16_problem(s, name, config))]
+    problems += cache_problems(s, configs)
     raise_if_problems(problems)
     return configs, budget, resolve_device(s.device)
 

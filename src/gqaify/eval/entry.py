@@ -19,5 +19,9 @@ def command_line(argv: list[str], prog: str) -> None:
 
     report = run(settings)
     print(format_table(report))
+    if report.frontier is not None:
+        from gqaify.eval.caches.report import verdict_text
+
+        print("\n" + verdict_text(report.frontier))
     out = Path(settings.out)
     print(f"report: {printable(out / 'report.md')}, report.json; plots: {printable(out)}/*.png")

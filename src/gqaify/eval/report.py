@@ -8,6 +8,7 @@ import functools
 from pathlib import Path
 
 from gqaify._version import __version__
+from gqaify.eval.caches.report import PLOT_FRONTIER, frontier_lines, plot_frontier
 from gqaify.eval.plots import PLOT_DIAGNOSTICS, PLOT_KV, PLOT_PANEL, PLOT_TASKS, PLOTS, plot_tasks_vs_kv
 from gqaify.eval.results import REPORT_FILE, ModelReport, Report, labels_of
 from gqaify.eval.settings import decode_context
@@ -308,7 +309,8 @@ def markdown(report: Report) -> str:
     ]
     lines += ["", f"![perplexity vs KV bytes per token]({PLOT_KV})", ""]
     lines += [f"![per-layer diagnostics]({PLOT_DIAGNOSTICS})", ""]
-    return "\n".join(lines + panel_lines(report) + task_lines(report) + generation_lines(report))
+    lines += panel_lines(report) + frontier_lines(report.frontier)
+    return "\n".join(lines + task_lines(report) + generation_lines(report))
 
 
 def _detail_lines(report: Report) -> list[str]:
@@ -366,6 +368,8 @@ def write_report(report: Report, out: Path, force: bool = False) -> None:
         "report.md": lambda p: p.write_text(markdown(report)),
         **{name: functools.partial(plot, report) for name, plot in PLOTS.items()},
     }
+    if report.frontier is not None:
+        writers[PLOT_FRONTIER] = functools.partial(plot_frontier, report.frontier)
     if any(m.tasks for m in report.models):
         writers[PLOT_TASKS] = functools.partial(plot_tasks_vs_kv, report)
     with staged(out, force, REPORT_BYTES, "--out", writes=REPORT) as staging:

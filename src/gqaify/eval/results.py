@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gqaify._version import __version__
 from gqaify.errors import UserError
+from gqaify.eval.caches.results import Frontier
 from gqaify.records import TOOL, as_json, from_json
 from gqaify.summary import printable
 from gqaify.text.loading import is_text_file
@@ -266,6 +267,7 @@ class Report:
     settings: dict
     models: list[ModelReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    frontier: Frontier | None = None  # each model under each --kv-cache format (None: f16 alone was asked)
 
     def to_dict(self) -> dict:
         """report.json's value: who wrote it (`_HEADER`), then the report's fields, every NaN and infinity null."""

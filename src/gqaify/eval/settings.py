@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gqaify.eval.caches.formats import FULL, format_problem
 from gqaify.eval.tasks import TaskRequest
 from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
 from gqaify.settings.groups import Output, Runtime
@@ -15,6 +16,14 @@ DATA_PIN = Pin("data_sha256", "evaluation", "its perplexities would differ", "ev
 # batches beyond this are no serving batch: each row holds a KV cache of --decode-context + --decode-tokens tokens
 DECODE_BATCH_MAX = 4096
 SEQ_LEN_MOST = 2048  # the window where --seq-len is not set and the models have more positions
+
+
+RETRIEVAL_SHORTEST = 64  # tokens: a retrieval prompt holds an instruction, a key and a question beside its filler
+
+
+def _retrieval_problem(lengths: list[int], name: str) -> str | None:
+    short = [n for n in lengths if n < RETRIEVAL_SHORTEST]
+    return short and f"{name} {short[0]} is too short for a retrieval prompt; give {RETRIEVAL_SHORTEST} tokens or more"
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,19 @@ class EvalSettings(Output, Runtime):
         empty_list=True,
     )
     generate_tokens: int = setting(40, "tokens generated per prompt", check=Range(1))
+    kv_cache: list[str] = setting(
+        [FULL],
+        "KV cache formats to serve each model with: f16 (whole); llama.cpp's q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl "
+        "(or K/V apart: q8_0/q4_0) for .gguf models; transformers' quanto4, quanto2, fp8. Each model x format is a "
+        "point of the frontier (report.md, frontier.png), with the verdict per budget",
+        check=format_problem,
+    )
+    retrieval: list[int] = setting(
+        [],
+        "prompt lengths in tokens for a pass-key retrieval check (a key planted at five depths and asked for), "
+        "under each --kv-cache format",
+        check=_retrieval_problem,
+    )
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once: their declarations', and the task knobs' (`TaskRequest`);

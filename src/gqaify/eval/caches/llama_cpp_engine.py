@@ -1,0 +1,130 @@
+"""The llama.cpp room of `--kv-cache`: a .gguf model run in llama.cpp itself (llama-cpp-python, the `serving`
+extra), its cache types set as `llama-server --cache-type-k/-v` sets them, with flash attention on (llama.cpp needs
+it to hold the values quantized, and a server asked for a quantized cache runs with it).
+
+A window is evaluated in one `eval` of its tokens in batches of `BATCH`: llama.cpp writes each batch's keys and
+values into its cache in the cache's type and attends from the cache, so every token, the batch's own included, is
+read back as the cache holds it. The logits of every position come from `logits_all`. The bytes of the cache are
+what llama.cpp reports allocating (its log, read from the process's standard error while the context is made).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from gqaify.errors import UserError
+from gqaify.eval.caches.formats import CacheFormat
+
+BATCH = 512  # tokens per llama.cpp batch (llama-server's default n_batch is 2,048, its n_ubatch 512)
+_ALLOCATED = re.compile(r"llama_kv_cache: +size = +([\d.]+) MiB \( *(\d+) cells")
+
+
+def llama_cpp_problem() -> str | None:
+    """Why llama.cpp cannot run here (llama-cpp-python is not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return (
+            "llama.cpp's cache formats run in llama-cpp-python, which is not installed; pip install 'gqaify[serving]'"
+        )
+    return None
+
+
+@contextmanager
+def _stderr_to(path: str):
+    """The process's standard error (file descriptor 2, which llama.cpp's C code writes) sent to `path` meanwhile."""
+    saved = os.dup(2)
+    with open(path, "w") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@contextmanager
+def _refused(path: str, cache: CacheFormat, log: str):
+    """llama.cpp's refusal to make a context (a cache type whose blocks do not divide a head, say) as a `UserError`
+    naming the reason its log gives."""
+    try:
+        yield
+    except ValueError:
+        lines = Path(log).read_text(errors="replace").splitlines()
+        reason = next(
+            (line.split(": ", 1)[-1] for line in lines if "does not divide" in line or "error" in line.lower()), ""
+        )
+        raise UserError(
+            f"llama.cpp cannot hold the cache of {path} as {cache.name}"
+            + (f" ({reason.strip()})" if reason else "")
+            + "; leave that format out of --kv-cache"
+        ) from None
+
+
+class LlamaCppRunner:
+    """A .gguf model in llama.cpp, one context per cache format (a context's cache types are fixed when it is made:
+    `engine.CacheRunner`)."""
+
+    def __init__(self, path: str, context: int):
+        self.path, self.context = path, context
+        self.threads = max(1, torch.get_num_threads())
+        self._contexts: dict[str, object] = {}
+        self._measured: dict[str, float] = {}
+
+    def _llama(self, cache: CacheFormat):
+        if cache.name not in self._contexts:
+            import llama_cpp
+
+            types = {n: getattr(llama_cpp, f"GGML_TYPE_{n.upper()}") for n in (cache.key_type, cache.value_type)}
+            with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+                with _stderr_to(log.name), _refused(self.path, cache, log.name):
+                    llm = llama_cpp.Llama(
+                        model_path=self.path,
+                        n_ctx=self.context,
+                        n_batch=BATCH,
+                        n_ubatch=BATCH,
+                        n_threads=self.threads,
+                        logits_all=True,
+                        type_k=types[cache.key_type],
+                        type_v=types[cache.value_type],
+                        flash_attn=True,
+                        verbose=True,
+                    )
+                found = _ALLOCATED.search(Path(log.name).read_text(errors="replace"))
+            if found:
+                self._measured[cache.name] = float(found[1]) * 2**20 / int(found[2])
+            self._contexts[cache.name] = llm
+        return self._contexts[cache.name]
+
+    def logits(self, ids: Sequence[int], cache: CacheFormat) -> torch.Tensor:
+        llm = self._llama(cache)
+        llm.reset()
+        llm.eval(list(ids))
+        return torch.from_numpy(llm.scores[: len(ids)].copy())
+
+    def greedy(self, ids: Sequence[int], cache: CacheFormat, tokens: int) -> list[int]:
+        llm = self._llama(cache)
+        llm.reset()
+        llm.eval(list(ids))
+        out = []
+        for _ in range(tokens):
+            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            out.append(token)
+            llm.eval([token])
+        return out
+
+    def measured_bytes_per_token(self, cache: CacheFormat) -> float | None:
+        self._llama(cache)
+        return self._measured.get(cache.name)
+
+    def close(self) -> None:
+        for llm in self._contexts.values():
+            llm.close()
+        self._contexts.clear()
