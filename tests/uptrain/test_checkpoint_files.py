@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -108,3 +109,26 @@ def test_a_checkpoint_whose_files_hold_the_wrong_things_is_called_damaged(tiny, 
     assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "10", "--save_total_limit", "3")]) == 2
     err = capsys.readouterr().err
     assert one_line(err) and f"checkpoint {last} is damaged (" in err and "resume from the one before it" in err, err
+
+
+@pytest.mark.parametrize(
+    ("file", "damage", "said"),
+    [
+        ("model.safetensors", lambda b: (1 << 40).to_bytes(8, "little") + b[8:], "SafetensorError"),
+        ("rng-0.json", lambda b: json.dumps({**json.loads(b), "python": [3, [-1] * 625, None]}).encode(), "Overflow"),
+    ],
+)
+def test_a_checkpoint_damaged_past_what_its_readers_check_is_called_damaged(tiny, tmp_path, capsys, file, damage, said):
+    """A safetensors header that says it is too large (safetensors' own SafetensorError, neither an OSError nor a
+    ValueError) and a random generator's state out of range (OverflowError) were "internal error" tracebacks, exit 1."""
+    out = tmp_path / "run"
+    settings = ("--save_every", "10", "--save_total_limit", "3")
+    uptrain(parse(uptrain_args(tiny, out, *settings)))
+    shutil.rmtree(out / "final")
+    last = _checkpoints(out)[-1]
+    (last / file).write_bytes(damage((last / file).read_bytes()))
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"checkpoint {last} is damaged ({said}" in err and "resume from the one before it" in err, err
+    assert not (out / "final").exists()

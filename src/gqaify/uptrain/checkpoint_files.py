@@ -87,6 +87,7 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         UserError: the checkpoint is not in this format (an earlier gqaify's accelerate pickles, which are never
             loaded) or is damaged; nothing of the run is changed.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -95,8 +96,8 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         weights = load_file(folder / MODEL_FILE)
         tensors = load_file(folder / OPTIMIZER_FILE)
         rng = json.loads((folder / rng_file(accelerator.process_index)).read_text())
-    except (OSError, ValueError) as exc:
-        raise _damaged(folder, exc) from None
+    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a header too large, say
+        raise _damaged(folder, f"{type(exc).__name__}: {exc}" if isinstance(exc, SafetensorError) else exc) from None
     try:  # a file that parses but holds the wrong things is damage too, not an internal error
         for alias, name in state["aliases"].items():
             weights[alias] = weights[name]
@@ -108,7 +109,7 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         if accelerator.scaler is not None and state["scaler"] is not None:
             accelerator.scaler.load_state_dict(state["scaler"])
         _set_rng_state(rng)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:  # Overflow: a state out of range
         raise _damaged(folder, f"{type(exc).__name__}: {exc}") from None
 
 
