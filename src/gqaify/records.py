@@ -284,6 +284,10 @@ class RunRecord(Provenance):
     started: bool = optional(False)  # training began: what the folder holds is this run's, kept if it stops
     distributed_type: str | None = optional()  # accelerate's (FSDP where the launch shards)
     completed: bool = optional(False)  # final/ written
+    # the checkpoints gqaify made in this run folder, by name (checkpoints/step-N), each recorded before it is
+    # written and dropped once removed: what the run resumes from and rotation removes (`checkpoint_files.Checkpoints`),
+    # kept here rather than in a file that travels with a copy of a checkpoint (None: a run.json of an earlier gqaify)
+    checkpoints: list[str] | None = optional()
 
 
 # -- every kind -------------------------------------------------------------------------------------------------
