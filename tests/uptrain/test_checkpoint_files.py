@@ -223,3 +223,30 @@ def test_a_checkpoint_damaged_past_what_its_readers_check_is_called_damaged(tiny
     err = one_line(capsys.readouterr().err)
     assert f"checkpoint {last} is damaged ({said}" in err and "resume from the one before it" in err, err
     assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("renamed", [False, True])
+def test_a_checkpoint_past_the_runs_end_is_called_damaged(tiny, tmp_path, capsys, renamed):
+    """A checkpoint whose progress.json says step 25 of a 20-step run was resumed from, and the run declared complete
+    with final/ written from it. Its progress.json is called damaged, naming the file, whether its folder says step
+    20 or (renamed and listed in run.json as one of the run's) step 25."""
+    out = tmp_path / "run"
+    settings = ("--save_every", "10", "--save_total_limit", "3")
+    uptrain(parse(uptrain_args(tiny, out, *settings)))
+    shutil.rmtree(out / "final")
+    last = _checkpoints(out)[-1]
+    progress = json.loads((last / "progress.json").read_text())
+    (last / "progress.json").write_text(json.dumps({**progress, "step": 25}))
+    said = "step 25, in the checkpoint of step 20"
+    if renamed:
+        last = last.rename(last.with_name("step-0000025"))
+        record = json.loads((out / "run.json").read_text())
+        (out / "run.json").write_text(
+            json.dumps({**record, "checkpoints": [*record.get("checkpoints", []), last.name]})
+        )
+        said = "step 25, past the run's 20 steps"
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"checkpoint {last}'s progress.json is damaged ({said})" in err, err
+    assert not (out / "final").exists()

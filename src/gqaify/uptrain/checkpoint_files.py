@@ -336,23 +336,24 @@ def resume_point(root: Path, made: Collection[str], steps: int, main_process: bo
     return found.latest
 
 
-def load_checkpoint(folder: Path, accelerator, loop) -> None:
-    """The loop (`state.LoopState`: its model, optimizer, schedule and `Progress`) as checkpoint `folder` holds it.
+def load_checkpoint(folder: Path, accelerator, loop, steps: int) -> None:
+    """The loop (`state.LoopState`: its model, optimizer, schedule and `Progress`) as checkpoint `folder` of a run of
+    `steps` holds it.
 
     Raises:
         UserError: the checkpoint is an earlier gqaify's (pickles, never loaded) or damaged.
     """
-    progress = read_progress(folder)
+    progress = read_progress(folder, steps)
     load_training_state(folder, accelerator, loop.model, loop.optimizer, loop.scheduler)
     loop.progress.load_state_dict(progress)
 
 
-def read_progress(folder: Path) -> dict:
-    """progress.json of the checkpoint `folder`: every field of `Progress` with its type, at the step the folder's
-    name says.
+def read_progress(folder: Path, steps: int) -> dict:
+    """progress.json of the checkpoint `folder` of a run of `steps`: every field of `Progress` with its type, at the
+    step the folder's name says, within the run.
 
     Raises:
-        UserError: it is missing or damaged (a step other than its folder's).
+        UserError: it is missing or damaged (a step other than its folder's, or past the run's end).
     """
     try:
         found = json.loads((folder / PROGRESS_FILE).read_text())
@@ -365,6 +366,8 @@ def read_progress(folder: Path) -> dict:
                 raise ValueError(f"{name} {value!r}")
         if found["step"] != named_step(folder.name):
             raise ValueError(f"step {found['step']}, in the checkpoint of step {named_step(folder.name)}")
+        if found["step"] > steps:
+            raise ValueError(f"step {found['step']}, past the run's {steps} steps")
     except (OSError, ValueError) as exc:
         raise UserError(
             f"checkpoint {folder}'s {PROGRESS_FILE} is damaged ({exc}); move the checkpoint out of its checkpoints/ "

@@ -217,7 +217,7 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     loop = LoopState(model, teacher, loader, optimizer, scheduler, Progress())
     progress = loop.progress
     if latest is not None:
-        load_checkpoint(latest, accelerator, loop)
+        load_checkpoint(latest, accelerator, loop, run.steps)
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {run.steps})")
     evaluate = evaluator(run, loop, data.texts, inputs.harness, inputs.tokenizer)
