@@ -4,7 +4,8 @@ that failed leaves there (`left_after_failure`).
     output_dir/
         run.json               the settings that define the run and the SHA-256 of its data's tokens (a rerun
                                must match both to resume), how far it went, and the checkpoints it wrote here
-                               (`records.RunRecord`)
+                               (`records.RunRecord`); `--config DIR/run.json` reruns the run in DIR, wherever
+                               the folder has been moved or copied since
         checkpoints/step-N/    model, optimizer, schedule, random generators and data position, as safetensors and
                                JSON (`checkpoint_files`: nothing is read back with pickle); only those run.json
                                lists are resumed from or removed (`checkpoint_files.Checkpoints`)
@@ -189,7 +190,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
                 f"{recorded[:12]}, now {data_sha256[:12]}); restore the data to go on with this run, or use a new "
                 "output_dir to train on it as it is now"
             )
-        return _as_it_is_now(out, run)
+        return _as_it_is_now(out, run, identity)
     if out.exists() and any(p.name != CLAIM_INSIDE for p in out.iterdir()):  # this run's own claim aside
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
     return _new_run(out, identity, accelerator, data_sha256)
@@ -201,14 +202,14 @@ def _holds_anything(folder: Path) -> bool:
     return folder.is_symlink() or folder.is_dir() and any(folder.iterdir())
 
 
-def _as_it_is_now(out: Path, run: RunRecord) -> RunRecord:
-    """The record of the run `out` holds, as a resumed run keeps it: listing the checkpoints it made that are still
-    there (a run.json of an earlier gqaify, which lists none: the folders named as gqaify names them,
-    `named_checkpoints`)."""
+def _as_it_is_now(out: Path, run: RunRecord, identity: dict) -> RunRecord:
+    """The record of the run `out` holds, as a resumed run keeps it: at the output_dir it is in now (moved or copied
+    since it was written), listing the checkpoints it made that are still there (a run.json of an earlier gqaify,
+    which lists none: the folders named as gqaify names them, `named_checkpoints`)."""
     root = out / CHECKPOINTS
     made = run.checkpoints if run.checkpoints is not None else named_checkpoints(root)
     made = [name for name in made if (root / name).exists() or (root / name).is_symlink()]
-    return dataclasses.replace(run, checkpoints=made)
+    return dataclasses.replace(run, settings={**run.settings, "output_dir": identity["output_dir"]}, checkpoints=made)
 
 
 def _check_recorded(out: Path, had: dict) -> None:
