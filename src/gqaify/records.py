@@ -284,6 +284,10 @@ class RunRecord(Provenance):
     started: bool = optional(False)  # training began: what the folder holds is this run's, kept if it stops
     distributed_type: str | None = optional()  # accelerate's (FSDP where the launch shards)
     completed: bool = optional(False)  # final/ written
+    # the checkpoints gqaify made in this run folder, by name (checkpoints/step-N), each recorded before it is
+    # written and dropped once removed: what the run resumes from and rotation removes (`checkpoint_files.Checkpoints`),
+    # kept here rather than in a file that travels with a copy of a checkpoint (None: a run.json of an earlier gqaify)
+    checkpoints: list[str] | None = optional()
 
 
 # -- every kind -------------------------------------------------------------------------------------------------
@@ -298,6 +302,9 @@ class Kind:
     said: str  # how messages name such a record
     settings: tuple[str, ...] = ("settings",)  # the keys that lead to its settings in the JSON
     not_settings: frozenset[str] = frozenset()  # keys among those settings that are no setting of its stage
+    # (the name of its file, the setting that is the folder it sits in): such a record addresses where it is now, so
+    # that a folder moved or copied is rerun where it is; read under another name, it is refused
+    sits_in: tuple[str, str] | None = None
 
 
 KINDS = {
@@ -307,7 +314,12 @@ KINDS = {
     REPORT: Kind((ReportRecord,), "an eval report"),
     CORPUS: Kind((CorpusRecord,), "a generated corpus's record"),
     # run.json: the settings that make the run, and the processes it was launched with (an accelerate launch's)
-    RUN: Kind((RunRecord,), "an uptraining run's record", not_settings=frozenset({"processes"})),
+    RUN: Kind(
+        (RunRecord,),
+        "an uptraining run's record",
+        not_settings=frozenset({"processes"}),
+        sits_in=(RUN_FILE, "output_dir"),  # run.json reruns the run in its own folder, wherever that is now
+    ),
 }
 _ABOVE: dict[str, tuple[str, ...]] = {}  # kind: the types declared above this module that it is read as, by name
 

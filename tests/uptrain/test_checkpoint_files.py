@@ -8,13 +8,14 @@ import os
 import pickle
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from gqaify.entry.cli import main
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
-from helpers import one_line, uptrain_args
+from helpers import one_line, tree_hashes, uptrain_args
 
 
 class _RunsCode:
@@ -108,3 +109,144 @@ def test_a_checkpoint_whose_files_hold_the_wrong_things_is_called_damaged(tiny, 
     assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "10", "--save_total_limit", "3")]) == 2
     err = capsys.readouterr().err
     assert one_line(err) and f"checkpoint {last} is damaged (" in err and "resume from the one before it" in err, err
+
+
+def _stopped_at_15(tiny, out) -> list:
+    """A run of 20 steps with checkpoints at 10, 15 and 20, its final/ and last checkpoint removed (as a run stopped
+    after step 15 leaves it): the checkpoints left, oldest first."""
+    uptrain(parse(uptrain_args(tiny, out, "--save_every", "5", "--save_total_limit", "3")))
+    shutil.rmtree(out / "final")
+    shutil.rmtree(_checkpoints(out)[-1])
+    return _checkpoints(out)
+
+
+def test_a_users_copy_of_a_checkpoint_is_neither_resumed_from_nor_removed(tiny, tmp_path, capsys, caplog):
+    """A copy made beside a checkpoint before experimenting (step-0000015.bak, which carries the list of files gqaify
+    wrote) was resumed from, as the latest, then removed whole by rotation. It is left alone and named in a warning;
+    the run resumes from its own step-0000015 and rotation removes that one alone."""
+    out = tmp_path / "run"
+    ten, fifteen = _stopped_at_15(tiny, out)
+    copy = out / "checkpoints" / "step-0000015.bak"
+    shutil.copytree(fifteen, copy)
+    before = tree_hashes(copy)
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "5", "--save_total_limit", "1")]) == 0
+    said = capsys.readouterr()
+    assert f"resuming from {fifteen} (step 15 of 20)" in said.out
+    assert f"left {copy} alone (not named as gqaify names its checkpoints)" in caplog.text
+    assert tree_hashes(copy) == before
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000015.bak", "step-0000020"]
+
+
+def test_a_run_json_that_lists_no_checkpoints_resumes_from_those_named_as_gqaify_names_them(tiny, tmp_path, capsys):
+    """A run.json of a gqaify that did not yet list the checkpoints it wrote: the real folders named as gqaify names
+    them are taken for the run's (as that gqaify took them), and listed from then on; a copy is still left alone."""
+    out = tmp_path / "run"
+    ten, fifteen = _stopped_at_15(tiny, out)
+    record = json.loads((out / "run.json").read_text())
+    del record["checkpoints"]
+    (out / "run.json").write_text(json.dumps(record))
+    shutil.copytree(fifteen, fifteen.with_name("step-0000015.bak"))
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "5", "--save_total_limit", "1")]) == 0
+    assert f"resuming from {fifteen} (step 15 of 20)" in capsys.readouterr().out
+    assert json.loads((out / "run.json").read_text())["checkpoints"] == ["step-0000020"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000015.bak", "step-0000020"]
+
+
+@pytest.mark.parametrize("leads_to", ["another disk", "the run folder"])
+def test_a_checkpoint_that_is_a_link_is_left_alone_and_said_to_be_one(tiny, tmp_path, capsys, caplog, leads_to):
+    """checkpoints/step-0000010 as a link (its folder moved to another disk, with the user's notes in it): rotation
+    removed the checkpoint's files there, through the link, with a warning naming the link as the folder "kept". A
+    link into the run folder itself, holding only the checkpoint, ended in a traceback mid-run ("Cannot call rmtree
+    on a symbolic link"). Either is left alone, named as a link to where it leads, and never resumed from."""
+    out = tmp_path / "run"
+    ten, fifteen = _stopped_at_15(tiny, out)
+    target = tmp_path / "disk" / ten.name if leads_to == "another disk" else out / "kept-step-10"
+    target.parent.mkdir(exist_ok=True)
+    ten.rename(target)
+    if leads_to == "another disk":
+        (target / "notes.txt").write_text("mine")
+    ten.symlink_to(target, target_is_directory=True)
+    before = tree_hashes(target)
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "5", "--save_total_limit", "1")]) == 0
+    said = capsys.readouterr()
+    assert f"resuming from {fifteen} (step 15 of 20)" in said.out
+    assert f"left {ten} alone (a link to {target})" in caplog.text and "Traceback" not in said.err
+    assert tree_hashes(target) == before and ten.is_symlink()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000010", "step-0000020"]
+
+
+def test_a_link_where_the_run_would_write_a_checkpoint_is_refused_before_training(tiny, tmp_path, capsys):
+    """A link (or anything not the run's) named as a checkpoint the run has still to write would be replaced by it,
+    and a checkpoints/ that is a link would have checkpoints written and removed through it: each is refused in one
+    line naming where it leads, before training, and nothing is changed."""
+    out = tmp_path / "run"
+    ten, fifteen = _stopped_at_15(tiny, out)
+    target = tmp_path / "disk" / fifteen.name
+    target.parent.mkdir()
+    fifteen.rename(target)
+    fifteen.symlink_to(target, target_is_directory=True)
+    before = tree_hashes(tmp_path)
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "5")]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{fifteen} is not a checkpoint of this run (a link to {target}), and the run would write its step 15" in err
+    assert tree_hashes(tmp_path) == before
+    fifteen.unlink()
+    fifteen.parent.rename(tmp_path / "disk" / "checkpoints")
+    fifteen.parent.symlink_to(tmp_path / "disk" / "checkpoints", target_is_directory=True)
+    assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "5")]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{fifteen.parent} is a link to {tmp_path / 'disk' / 'checkpoints'}, and gqaify writes" in err
+
+
+@pytest.mark.parametrize(
+    ("file", "damage", "said"),
+    [
+        ("model.safetensors", lambda b: (1 << 40).to_bytes(8, "little") + b[8:], "SafetensorError"),
+        ("rng-0.json", lambda b: json.dumps({**json.loads(b), "python": [3, [-1] * 625, None]}).encode(), "Overflow"),
+    ],
+)
+def test_a_checkpoint_damaged_past_what_its_readers_check_is_called_damaged(tiny, tmp_path, capsys, file, damage, said):
+    """A safetensors header that says it is too large (safetensors' own SafetensorError, neither an OSError nor a
+    ValueError) and a random generator's state out of range (OverflowError) were "internal error" tracebacks, exit 1."""
+    out = tmp_path / "run"
+    settings = ("--save_every", "10", "--save_total_limit", "3")
+    uptrain(parse(uptrain_args(tiny, out, *settings)))
+    shutil.rmtree(out / "final")
+    last = _checkpoints(out)[-1]
+    (last / file).write_bytes(damage((last / file).read_bytes()))
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"checkpoint {last} is damaged ({said}" in err and "resume from the one before it" in err, err
+    assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("renamed", [False, True])
+def test_a_checkpoint_past_the_runs_end_is_called_damaged(tiny, tmp_path, capsys, renamed):
+    """A checkpoint whose progress.json says step 25 of a 20-step run was resumed from, and the run declared complete
+    with final/ written from it. Its progress.json is called damaged, naming the file, whether its folder says step
+    20 or (renamed and listed in run.json as one of the run's) step 25."""
+    out = tmp_path / "run"
+    settings = ("--save_every", "10", "--save_total_limit", "3")
+    uptrain(parse(uptrain_args(tiny, out, *settings)))
+    shutil.rmtree(out / "final")
+    last = _checkpoints(out)[-1]
+    progress = json.loads((last / "progress.json").read_text())
+    (last / "progress.json").write_text(json.dumps({**progress, "step": 25}))
+    said = "step 25, in the checkpoint of step 20"
+    if renamed:
+        last = last.rename(last.with_name("step-0000025"))
+        record = json.loads((out / "run.json").read_text())
+        (out / "run.json").write_text(
+            json.dumps({**record, "checkpoints": [*record.get("checkpoints", []), last.name]})
+        )
+        said = "step 25, past the run's 20 steps"
+    capsys.readouterr()
+    assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"checkpoint {last}'s progress.json is damaged ({said})" in err, err
+    assert not (out / "final").exists()

@@ -68,6 +68,36 @@ def test_a_moved_or_copied_run_resumes_where_it_is(tiny, tmp_path, capsys):
     assert one_line(err) and "(it had lr=0.001, now 0.0005); rerun with lr as it had" in err and "delete" not in err
 
 
+def test_a_moved_or_copied_runs_own_record_reruns_it_where_it_is(tiny, tmp_path, capsys):
+    """`--config DIR/run.json` addressed the output_dir recorded inside: after `mv ua ub`, ub's run.json started a new
+    run from step 1 in ua, and a copy's run.json resumed the original. A run.json reruns the run in the folder it sits
+    in; read under another name, away from its folder, it is refused saying so."""
+    from gqaify.entry.cli import main
+
+    ua, ub, uc = tmp_path / "ua", tmp_path / "ub", tmp_path / "uc"
+    assert main(["uptrain", *uptrain_args(tiny, ua, "--save_every", "10")]) == 0
+    shutil.rmtree(ua / "final")
+    shutil.rmtree(ua / "checkpoints" / "step-0000020")  # as a run stopped after step 10 leaves it
+    ua.rename(ub)
+    capsys.readouterr()
+    assert main(["uptrain", "--config", str(ub / "run.json"), "--save_every", "10", "--no_progress"]) == 0
+    assert f"resuming from {ub / 'checkpoints' / 'step-0000010'} (step 10 of 20)" in capsys.readouterr().out
+    assert (ub / "final" / "model.safetensors").is_file() and not ua.exists()
+    assert json.loads((ub / "run.json").read_text())["settings"]["output_dir"] == str(ub)
+    shutil.rmtree(ub / "final")
+    shutil.rmtree(ub / "checkpoints" / "step-0000020")
+    shutil.copytree(ub, uc, symlinks=True)
+    original = tree_hashes(ub)
+    assert main(["uptrain", "--config", str(uc / "run.json"), "--save_every", "10", "--no_progress"]) == 0
+    assert f"resuming from {uc / 'checkpoints' / 'step-0000010'} (step 10 of 20)" in capsys.readouterr().out
+    assert (uc / "final" / "model.safetensors").is_file() and tree_hashes(ub) == original
+    shutil.copyfile(ub / "run.json", tmp_path / "settings.json")
+    assert main(["uptrain", "--config", str(tmp_path / "settings.json"), "--no_progress"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"--recipe {tmp_path / 'settings.json'} is an uptraining run's record renamed" in err, err
+    assert tree_hashes(ub) == original and not ua.exists()
+
+
 @pytest.mark.parametrize("depth", ["run", "a/b/run", "."])
 def test_an_output_dir_inside_the_model_it_trains_is_refused(tiny, tmp_path, depth, capsys):
     """`--output-dir MODEL/run` wrote checkpoints and final/ into the user's model (convert refuses that layout);

@@ -481,18 +481,21 @@ def test_a_tiny_mixture_weight_costs_only_the_blocks_the_budget_reads(tiny, tmp_
 
 def test_checkpoint_rotation_removes_only_what_gqaify_wrote(tiny, tmp_path):
     """A file of the user's put inside checkpoints/step-N/ used to be deleted with the checkpoint it sat in."""
-    from gqaify.uptrain.checkpoint_files import WRITTEN_FILE, checkpoints, rotate
+    from gqaify.records import read_run
+    from gqaify.uptrain.checkpoint_files import WRITTEN_FILE, Checkpoints, rotate
 
     out = tmp_path / "run"
     uptrain(parse(args(tiny, out, "--save_every", "5", "--save_total_limit", "3")))
-    root = out / "checkpoints"
-    kept = checkpoints(root)
+    root, made = out / "checkpoints", read_run(out).checkpoints
+    kept = Checkpoints.of(root, made).ours
     assert len(kept) == 3
     listed = set(json.loads((kept[0] / WRITTEN_FILE).read_text())["files"])
     assert listed == {p.relative_to(kept[0]).as_posix() for p in kept[0].rglob("*") if p.is_file()}
     (kept[0] / "notes.txt").write_text("mine")
-    rotate(root, 1)
-    assert [p.name for p in checkpoints(root)] == [kept[-1].name] and not kept[1].exists()
+    removed = rotate(root, 1, made)
+    assert removed == [kept[0].name, kept[1].name]
+    made = [name for name in made if name not in removed]  # as the run unlists them
+    assert [p.name for p in Checkpoints.of(root, made).ours] == [kept[-1].name] and not kept[1].exists()
     assert [p.name for p in kept[0].iterdir()] == ["notes.txt"]  # only the user's file is left
     assert (kept[0] / "notes.txt").read_text() == "mine"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from gqaify.errors import UserError, raise_if_problems
-from gqaify.records import KINDS, TOOL, rerun_settings
+from gqaify.records import KINDS, TOOL, Kind, rerun_settings
 from gqaify.settings.fields import _describe, _hints, shown
 from gqaify.settings.registry import every_stage, rerun_by
 from gqaify.settings.stage import Stage, nearest
@@ -227,7 +227,7 @@ def _settings_in(stage: Stage, values, where: str, path: Path) -> tuple[dict, bo
             )
         if settings is None:
             raise UserError(f"{where} has no settings gqaify can read; check the file")
-        return settings, True
+        return _where_it_sits(settings, KINDS[kind], where, path), True
     record = isinstance(values, dict) and values.get("tool") == TOOL and "settings" in values
     if record:
         values = values["settings"]
@@ -236,6 +236,25 @@ def _settings_in(stage: Stage, values, where: str, path: Path) -> tuple[dict, bo
     if not isinstance(values, dict):
         raise UserError(f"{where} must be a mapping of setting: value; see --help for the settings")
     return values, record
+
+
+def _where_it_sits(settings: dict, kind: Kind, where: str, path: Path) -> dict:
+    """A record's settings, with the setting that is the folder its file sits in (`Kind.sits_in`) that folder, as it
+    is now: run.json reruns the run beside it, wherever its folder was moved or copied since it was written (the
+    folder it names inside would be the original's).
+
+    Raises:
+        UserError: such a record read under another name than its own: away from its folder, it addresses none.
+    """
+    if kind.sits_in is None:
+        return settings
+    file, setting = kind.sits_in
+    if path.name != file:
+        raise UserError(
+            f"{where} is {kind.said} renamed: it reruns the folder it sits in, where it is {file}; give the {file} "
+            f"in that folder (a folder moved or copied whole reruns where it is now), or a YAML of the settings"
+        )
+    return {**settings, setting: str(path.parent.resolve())}
 
 
 def _check_keys(

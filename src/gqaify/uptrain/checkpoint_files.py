@@ -9,6 +9,11 @@ written whole and read back, and which are kept.
         progress.json              where the run stands (`Progress`)
         gqaify-files.json          every file the save wrote (`rotate` removes only those)
 
+A folder in checkpoints/ is the run's own only where gqaify can prove it wrote it there (`Checkpoints`): a real
+folder, named as gqaify names it, that run.json lists (`RunRecord.checkpoints`: recorded in the run folder, so that
+a user's copy, step-0000006.bak with the very files gqaify wrote, is not taken for one). Only those are resumed from
+and removed; anything else (a copy, a link to a folder elsewhere) is left alone and named in a warning.
+
 accelerate's own `save_state` stores the schedule, the run's progress and the random generators as pickles, and
 its `load_state` reads them back with `weights_only=False`: a run folder someone sent, or one on a shared disk,
 could then run code when resumed. Nothing here is read with pickle: a checkpoint is as safe to resume as a
@@ -24,8 +29,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import shutil
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -34,6 +41,7 @@ import torch
 
 from gqaify.errors import UserError
 from gqaify.output.whole import readable_as_umask_allows, written_whole
+from gqaify.records import RUN_FILE
 
 LOG = logging.getLogger(__name__)
 
@@ -87,6 +95,7 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         UserError: the checkpoint is not in this format (an earlier gqaify's accelerate pickles, which are never
             loaded) or is damaged; nothing of the run is changed.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -95,8 +104,8 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         weights = load_file(folder / MODEL_FILE)
         tensors = load_file(folder / OPTIMIZER_FILE)
         rng = json.loads((folder / rng_file(accelerator.process_index)).read_text())
-    except (OSError, ValueError) as exc:
-        raise _damaged(folder, exc) from None
+    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a header too large, say
+        raise _damaged(folder, f"{type(exc).__name__}: {exc}" if isinstance(exc, SafetensorError) else exc) from None
     try:  # a file that parses but holds the wrong things is damage too, not an internal error
         for alias, name in state["aliases"].items():
             weights[alias] = weights[name]
@@ -108,7 +117,7 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         if accelerator.scaler is not None and state["scaler"] is not None:
             accelerator.scaler.load_state_dict(state["scaler"])
         _set_rng_state(rng)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:  # Overflow: a state out of range
         raise _damaged(folder, f"{type(exc).__name__}: {exc}") from None
 
 
@@ -228,32 +237,123 @@ class Progress:
             setattr(self, key, value)
 
 
-def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints under `root` (renamed out of `.step-N.tmp`), oldest first by their recorded step."""
-    found = []
-    for path in root.glob("step-*"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            step = json.loads((path / PROGRESS_FILE).read_text())["step"]
-            if isinstance(step, int):
-                found.append((step, path))
-    return [path for _, path in sorted(found)]
+def checkpoint_name(step: int) -> str:
+    """The name of the checkpoint a run writes after `step` optimizer steps: step-0000006."""
+    return f"step-{step:07d}"
 
 
-def load_checkpoint(folder: Path, accelerator, loop) -> None:
-    """The loop (`state.LoopState`: its model, optimizer, schedule and `Progress`) as checkpoint `folder` holds it.
+def named_step(name: str) -> int | None:
+    """The step a checkpoint's name says, where it is exactly a name gqaify gives (`checkpoint_name`); None for any
+    other name (step-0000006.bak, step-6)."""
+    digits = name.removeprefix("step-")
+    if digits == name or not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits) if checkpoint_name(int(digits)) == name else None
+
+
+def _partial(name: str) -> bool:
+    """Whether `name` is the hidden name a checkpoint is written under (`written_whole`: .step-N.tmp)."""
+    return name.startswith(".") and name.endswith(".tmp") and named_step(name[1:-4]) is not None
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """What a run folder's checkpoints/ holds, as gqaify can prove it. The run's own checkpoints (`ours`, oldest
+    first) are real folders (not links) in a real checkpoints/, named as gqaify names them, that run.json lists as
+    made in this run folder (`RunRecord.checkpoints`): only these are resumed from, and only these are removed.
+    Everything else (`others`: a user's copy such as step-0000006.bak, which carries the very files gqaify wrote; a
+    link, wherever it leads; a folder run.json does not list) is left alone, each with why it is not the run's."""
+
+    ours: list[Path]
+    others: list[tuple[Path, str]]
+
+    @classmethod
+    def of(cls, root: Path, made: Collection[str]) -> Checkpoints:
+        """The checkpoints/ folder `root`, sorted by `made` (the names run.json lists)."""
+        if root.is_symlink():
+            return cls([], [(root, f"a link to {root.resolve()}")])
+        if not root.is_dir():
+            return cls([], [])
+        ours, others = [], []
+        for path in sorted(p for p in root.iterdir() if not _partial(p.name)):
+            if path.is_symlink():
+                others.append((path, f"a link to {path.resolve()}"))
+            elif named_step(path.name) is None:
+                others.append((path, "not named as gqaify names its checkpoints"))
+            elif not path.is_dir() or path.name not in made:
+                others.append((path, f"{RUN_FILE} does not list it as a checkpoint gqaify wrote there"))
+            else:
+                ours.append(path)
+        return cls(sorted(ours, key=lambda p: named_step(p.name)), others)
+
+    @property
+    def latest(self) -> Path | None:
+        """The run's own checkpoint with the most steps, or None."""
+        return self.ours[-1] if self.ours else None
+
+
+def latest_checkpoint(root: Path, made: Collection[str]) -> Path | None:
+    """The run's own checkpoint in `root` with the most steps (`Checkpoints`), or None."""
+    return Checkpoints.of(root, made).latest
+
+
+def named_checkpoints(root: Path) -> list[str]:
+    """The names of the real folders in `root` named as gqaify names checkpoints: what a run.json of an earlier gqaify,
+    which listed none, is taken to have made (that gqaify took every such folder for its own; copies with other
+    names and links are still left alone)."""
+    if root.is_symlink() or not root.is_dir():
+        return []
+    return sorted(
+        p.name for p in root.iterdir() if named_step(p.name) is not None and not p.is_symlink() and p.is_dir()
+    )
+
+
+def resume_point(root: Path, made: Collection[str], steps: int, main_process: bool) -> Path | None:
+    """The checkpoint a run of `steps` resumes from: the latest of its own in `root` (`Checkpoints`), or None to
+    start afresh. Whatever else `root` holds is left alone, and named in a warning (by the main process).
+
+    Raises:
+        UserError: `root` is a link (checkpoints would be written and removed through it, outside output_dir), or
+            something not the run's has the name of a checkpoint the run may write (writing it would replace that);
+            nothing is changed.
+    """
+    found = Checkpoints.of(root, made)
+    if root.is_symlink():
+        raise UserError(
+            f"{root} is a link to {root.resolve()}, and gqaify writes and removes checkpoints only in a folder of the "
+            "run's own; replace the link with a folder (to keep the run on another disk, link output_dir itself)"
+        )
+    after = named_step(found.latest.name) if found.latest is not None else 0
+    for path, why in found.others:
+        step = named_step(path.name)
+        if step is not None and after < step <= steps:
+            raise UserError(
+                f"{path} is not a checkpoint of this run ({why}), and the run would write its step {step} checkpoint "
+                f"there; move it out of {root} and rerun (nothing was changed)"
+            )
+    for path, why in found.others if main_process else ():
+        LOG.warning("left %s alone (%s): gqaify resumes from and removes only checkpoints it wrote there", path, why)
+    return found.latest
+
+
+def load_checkpoint(folder: Path, accelerator, loop, steps: int) -> None:
+    """The loop (`state.LoopState`: its model, optimizer, schedule and `Progress`) as checkpoint `folder` of a run of
+    `steps` holds it.
 
     Raises:
         UserError: the checkpoint is an earlier gqaify's (pickles, never loaded) or damaged.
     """
+    progress = read_progress(folder, steps)
     load_training_state(folder, accelerator, loop.model, loop.optimizer, loop.scheduler)
-    loop.progress.load_state_dict(read_progress(folder))
+    loop.progress.load_state_dict(progress)
 
 
-def read_progress(folder: Path) -> dict:
-    """progress.json of the checkpoint `folder`, every field of `Progress` with its type.
+def read_progress(folder: Path, steps: int) -> dict:
+    """progress.json of the checkpoint `folder` of a run of `steps`: every field of `Progress` with its type, at the
+    step the folder's name says, within the run.
 
     Raises:
-        UserError: it is missing or damaged.
+        UserError: it is missing or damaged (a step other than its folder's, or past the run's end).
     """
     try:
         found = json.loads((folder / PROGRESS_FILE).read_text())
@@ -264,6 +364,10 @@ def read_progress(folder: Path) -> dict:
             number = (int, float) if types[name] == "float" else int
             if isinstance(value, bool) or not isinstance(value, number) or value < 0:
                 raise ValueError(f"{name} {value!r}")
+        if found["step"] != named_step(folder.name):
+            raise ValueError(f"step {found['step']}, in the checkpoint of step {named_step(folder.name)}")
+        if found["step"] > steps:
+            raise ValueError(f"step {found['step']}, past the run's {steps} steps")
     except (OSError, ValueError) as exc:
         raise UserError(
             f"checkpoint {folder}'s {PROGRESS_FILE} is damaged ({exc}); move the checkpoint out of its checkpoints/ "
@@ -272,16 +376,12 @@ def read_progress(folder: Path) -> dict:
     return found
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the most steps, or None."""
-    return (checkpoints(root) or [None])[-1]
-
-
-def save_checkpoint(accelerator, root: Path, loop, keep: int) -> None:
-    """The loop's state (`state.LoopState`) into a hidden folder (`save_training_state`: safetensors and JSON, no
-    pickle), renamed into place when every process has written."""
+def save_checkpoint(accelerator, folder: Path, loop) -> None:
+    """The loop's state (`state.LoopState`) as the checkpoint `folder` (checkpoints/`checkpoint_name`), written into
+    a hidden folder (`save_training_state`: safetensors and JSON, no pickle) and renamed into place when every
+    process has written."""
     main, progress = accelerator.is_main_process, loop.progress
-    with written_whole(root / f"step-{progress.step:07d}", main_process=main) as partial:
+    with written_whole(folder, main_process=main) as partial:
         if main:
             partial.mkdir(parents=True)
         accelerator.wait_for_everyone()
@@ -292,32 +392,34 @@ def save_checkpoint(accelerator, root: Path, loop, keep: int) -> None:
             readable_as_umask_allows(partial)  # safetensors writes its files 0600: as every output is
             written = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
             write_json(partial / WRITTEN_FILE, {"files": [*written, WRITTEN_FILE]})
-    if main:
-        rotate(root, keep)
     accelerator.wait_for_everyone()
 
 
-def rotate(root: Path, keep: int) -> None:
-    """Remove all but the `keep` latest checkpoints: each whole where it holds only what gqaify wrote there
-    (`WRITTEN_FILE` lists it), else only those files, the rest left with a warning (a checkpoint written before
-    the list existed is removed whole)."""
-    for old in checkpoints(root)[:-keep]:
+def rotate(root: Path, keep: int, made: Collection[str]) -> list[str]:
+    """Remove all but the `keep` latest of the run's own checkpoints (`Checkpoints`; nothing else in `root` is
+    touched): each whole where it holds only what gqaify wrote there (`WRITTEN_FILE` lists it), else only those
+    files, the rest left with a warning (a checkpoint written before the list existed is removed whole). Returns the
+    names of those that are no longer checkpoints."""
+    removed = []
+    for old in Checkpoints.of(root, made).ours[:-keep]:
         listed = old / WRITTEN_FILE
         if not listed.is_file():
             shutil.rmtree(old)
+            removed.append(old.name)
             continue
         try:
             ours = set(json.loads(listed.read_text())["files"])
         except (OSError, ValueError, KeyError, TypeError):
             LOG.warning("kept %s: its %s cannot be read, so what gqaify wrote there is not known", old, WRITTEN_FILE)
             continue
-        present = {p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file() or p.is_symlink()}
+        removed.append(old.name)
+        present, folders = _contents(old)
         if present <= ours:
             shutil.rmtree(old)
             continue
         for name in sorted(ours & present):
             (old / name).unlink()
-        for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        for folder in folders:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # emptied by the above; a folder holding the user's files stays
         LOG.warning(
@@ -325,6 +427,19 @@ def rotate(root: Path, keep: int) -> None:
             old,
             ", ".join(sorted(present - ours)[:3]),
         )
+    return removed
+
+
+def _contents(folder: Path) -> tuple[set[str], list[Path]]:
+    """(every file and link under `folder`, by its path there; every real folder under it, deepest first): links are
+    listed, never followed."""
+    files, folders = set(), []
+    for here, dirs, names in os.walk(folder):
+        base = Path(here)
+        files |= {(base / n).relative_to(folder).as_posix() for n in names}
+        files |= {(base / d).relative_to(folder).as_posix() for d in dirs if (base / d).is_symlink()}
+        folders += [base / d for d in dirs if not (base / d).is_symlink()]
+    return files, sorted(folders, key=lambda p: len(p.parts), reverse=True)
 
 
 def write_json(path: Path, value: dict) -> None:

@@ -3,9 +3,12 @@ that failed leaves there (`left_after_failure`).
 
     output_dir/
         run.json               the settings that define the run and the SHA-256 of its data's tokens (a rerun
-                               must match both to resume), and how far it went (`records.RunRecord`)
+                               must match both to resume), how far it went, and the checkpoints it wrote here
+                               (`records.RunRecord`); `--config DIR/run.json` reruns the run in DIR, wherever
+                               the folder has been moved or copied since
         checkpoints/step-N/    model, optimizer, schedule, random generators and data position, as safetensors and
-                               JSON (`checkpoint_files`: nothing is read back with pickle)
+                               JSON (`checkpoint_files`: nothing is read back with pickle); only those run.json
+                               lists are resumed from or removed (`checkpoint_files.Checkpoints`)
         final/                 a plain Hugging Face checkpoint, gqaify.json and the model card
 
 Everything here is written to a hidden name and renamed into place when complete (`whole.written_whole`), so
@@ -35,7 +38,7 @@ from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_
 from gqaify.settings import defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
 from gqaify.text.pins import local_path
-from gqaify.uptrain.checkpoint_files import PROGRESS_FILE, Progress, checkpoints, latest_checkpoint, write_json
+from gqaify.uptrain.checkpoint_files import Progress, latest_checkpoint, named_checkpoints, named_step, write_json
 from gqaify.uptrain.curve import FORECAST_FILE, PLOT_FILE, REPORT_FILE
 from gqaify.uptrain.metrics import METRICS, METRICS_CSV, eval_curve, read_metrics
 from gqaify.uptrain.settings import RESUMABLE_CHANGES, UptrainSettings
@@ -46,15 +49,16 @@ FINAL = "final"
 LOG = logging.getLogger(__name__)
 
 
-def what_is_left(out: Path, steps: int) -> str:
-    """What an interrupted run leaves, and how to go on from it."""
-    latest = latest_checkpoint(out / CHECKPOINTS)
+def what_is_left(out: Path, steps: int, made: list[str]) -> str:
+    """What an interrupted run leaves (its own checkpoints: those of `made`, the names run.json lists), and how to go
+    on from it."""
+    latest = latest_checkpoint(out / CHECKPOINTS, made)
     if latest is None:
         return (
             f"training had started but saved no checkpoint yet; {out} holds its settings and metrics: rerun the "
             "same command to start it again"
         )
-    step = json.loads((latest / PROGRESS_FILE).read_text())["step"]
+    step = named_step(latest.name)
     return f"the last checkpoint is step {step} of {steps}, in {latest}: rerun the same command to resume from it"
 
 
@@ -158,7 +162,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
         # a run's identity is its settings, not where its folder is: a run moved or copied resumes where it is
         differs = [k for k in identity if k != "output_dir" and had.get(k) != identity[k]]
         recorded = run.data_sha256 if run.data_sha256 is not None else data_sha256  # an earlier run.json: not said
-        if (differs or recorded != data_sha256) and not run.started and not checkpoints(out / CHECKPOINTS):
+        if (differs or recorded != data_sha256) and not run.started and not _holds_anything(out / CHECKPOINTS):
             # a run that was stopped before it trained (killed while converting): nothing of it to keep
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
@@ -186,10 +190,26 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
                 f"{recorded[:12]}, now {data_sha256[:12]}); restore the data to go on with this run, or use a new "
                 "output_dir to train on it as it is now"
             )
-        return run
+        return _as_it_is_now(out, run, identity)
     if out.exists() and any(p.name != CLAIM_INSIDE for p in out.iterdir()):  # this run's own claim aside
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
     return _new_run(out, identity, accelerator, data_sha256)
+
+
+def _holds_anything(folder: Path) -> bool:
+    """Whether `folder` is a link, or a folder with anything in it: checkpoints/ of a run replaced as one that never
+    trained must hold nothing (what it held would be removed with it)."""
+    return folder.is_symlink() or folder.is_dir() and any(folder.iterdir())
+
+
+def _as_it_is_now(out: Path, run: RunRecord, identity: dict) -> RunRecord:
+    """The record of the run `out` holds, as a resumed run keeps it: at the output_dir it is in now (moved or copied
+    since it was written), listing the checkpoints it made that are still there (a run.json of an earlier gqaify,
+    which lists none: the folders named as gqaify names them, `named_checkpoints`)."""
+    root = out / CHECKPOINTS
+    made = run.checkpoints if run.checkpoints is not None else named_checkpoints(root)
+    made = [name for name in made if (root / name).exists() or (root / name).is_symlink()]
+    return dataclasses.replace(run, settings={**run.settings, "output_dir": identity["output_dir"]}, checkpoints=made)
 
 
 def _check_recorded(out: Path, had: dict) -> None:
@@ -216,7 +236,7 @@ def _new_run(out: Path, identity: dict, accelerator, data_sha256: str) -> RunRec
         ResourceError: the disk is full; run.json is written whole or not at all, and a folder made for it is
             removed again.
     """
-    run = RunRecord(version=__version__, settings=identity, data_sha256=data_sha256)
+    run = RunRecord(version=__version__, settings=identity, data_sha256=data_sha256, checkpoints=[])
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         made = not out.exists()
@@ -319,17 +339,18 @@ def undo_claim(found: Found) -> None:
             out.rmdir()
 
 
-def left_after_failure(found: Found, steps: int, started: bool, main_process: bool) -> Left:
+def left_after_failure(found: Found, steps: int, run: RunRecord, main_process: bool) -> Left:
     """What a run of `steps` that failed leaves in output_dir, as the line that ends it says it (`command.Left`):
-    where it never `started` training, output_dir as it was `found` (the main process removes what the run wrote
-    there: `undo_claim`), nothing written; else its checkpoints, from which a rerun resumes (`what_is_left`)."""
+    where it never started training (its record, `run`, says so), output_dir as it was `found` (the main process
+    removes what the run wrote there: `undo_claim`), nothing written; else its checkpoints, from which a rerun
+    resumes (`what_is_left`)."""
     disk = f"output_dir {found.out}"
-    if not started:
+    if not run.started:
         if main_process:
             undo_claim(found)
         nothing = "nothing was written"
         return Left(nothing, f"{nothing}: rerun the same command", f"{nothing}: free some space and rerun", disk)
-    left = what_is_left(found.out, steps)
+    left = what_is_left(found.out, steps, run.checkpoints or [])
     return Left(left, left, f"{left}, once space is freed", disk)
 
 

@@ -37,7 +37,15 @@ from gqaify.progress import progress_bar
 from gqaify.records import RunRecord
 from gqaify.settings import recorded
 from gqaify.uptrain.batch_size import with_batch_chosen
-from gqaify.uptrain.checkpoint_files import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
+from gqaify.uptrain.checkpoint_files import (
+    Progress,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_point,
+    rotate,
+    save_checkpoint,
+)
 from gqaify.uptrain.checks import Inputs, check_inputs
 from gqaify.uptrain.curve import PLOT_FILE, Forecast, draw_curve, eval_steps, read_forecast
 from gqaify.uptrain.data import training_loader
@@ -150,7 +158,7 @@ def _claimed_run(launched: Launched, data: RunData) -> UptrainResult:
     try:
         return _run(this, launched.inputs, data)
     except BaseException as exc:
-        raise_as_said(exc, left_after_failure(found, data.steps, this.record.started, accelerator.is_main_process))
+        raise_as_said(exc, left_after_failure(found, data.steps, this.record, accelerator.is_main_process))
         raise
 
 
@@ -186,6 +194,8 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
 
     s, out, accelerator = run.s, run.out, run.accelerator
     set_seed(s.seed)
+    # what it resumes from: the latest of the checkpoints run.json lists; anything else there is left alone
+    latest = resume_point(out / CHECKPOINTS, run.record.checkpoints, run.steps, accelerator.is_main_process)
 
     model_path = _model_to_train(s, out, accelerator)
     trust = s.trust_remote_code
@@ -206,9 +216,8 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
             compile_layers(teacher)
     loop = LoopState(model, teacher, loader, optimizer, scheduler, Progress())
     progress = loop.progress
-    latest = latest_checkpoint(out / CHECKPOINTS)
     if latest is not None:
-        load_checkpoint(latest, accelerator, loop)
+        load_checkpoint(latest, accelerator, loop, run.steps)
         if accelerator.is_main_process:
             print(f"resuming from {latest} (step {progress.step} of {run.steps})")
     evaluate = evaluator(run, loop, data.texts, inputs.harness, inputs.tokenizer)
@@ -348,15 +357,29 @@ def _after_step(run: RunState, loop: LoopState, step: Step, watch: Watch, evalua
     if evaluate and (progress.step in watch.evaluations or s.eval_every and progress.step % s.eval_every == 0):
         evaluate()  # before the checkpoint, so that a resumed run does not evaluate this step again
     if s.checkpoint_due(progress.step, run.steps, seconds_since=step.since_saved):
-        save_checkpoint(accelerator, run.out / CHECKPOINTS, loop, s.save_total_limit)
+        _checkpoint(run, loop)
         watch.saved = time.perf_counter()
     watch.resumed = time.perf_counter()
+
+
+def _checkpoint(run: RunState, loop: LoopState) -> None:
+    """A checkpoint of `loop`, listed in run.json before it is written (a run resumes from and removes only the
+    checkpoints run.json lists: `checkpoint_files.Checkpoints`), then the run's oldest beyond save_total_limit
+    removed, and unlisted."""
+    root, name = run.out / CHECKPOINTS, checkpoint_name(loop.progress.step)
+    run.save_record(checkpoints=[*(n for n in run.record.checkpoints if n != name), name])
+    save_checkpoint(run.accelerator, root / name, loop)
+    if run.accelerator.is_main_process:
+        removed = rotate(root, run.s.save_total_limit, run.record.checkpoints)
+        if removed:  # the main process's record alone: it is the one written
+            run.save_record(checkpoints=[n for n in run.record.checkpoints if n not in removed])
+    run.accelerator.wait_for_everyone()
 
 
 def _diverged(run: RunState, step: int, loss: float) -> UserError:
     """The refusal of a run whose loss became `loss` (NaN or infinite) at `step`: the likely cause, and what is kept."""
     s = run.s
-    kept = latest_checkpoint(run.out / CHECKPOINTS)
+    kept = latest_checkpoint(run.out / CHECKPOINTS, run.record.checkpoints)
     cause = (
         f"the stored log-probabilities of data {s.data[0]}, streamed and so checked only as read, may hold a value "
         f"that is not finite (train once without --streaming to check them), or lr {s.lr:g} is too high"
