@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -41,11 +42,13 @@ def llama_cpp_problem() -> str | None:
 def _stderr_to(path: str):
     """The process's standard error (file descriptor 2, which llama.cpp's C code writes) sent to `path` meanwhile."""
     saved = os.dup(2)
+    sys.stderr.flush()
     with open(path, "w") as sink:
         os.dup2(sink.fileno(), 2)
         try:
             yield
         finally:
+            sys.stderr.flush()  # llama-cpp-python's log callback writes through Python's sys.stderr
             os.dup2(saved, 2)
             os.close(saved)
 
