@@ -5,6 +5,7 @@ cache: deepseek2 in llama.cpp), and the speed and memory of writing GGUF.
     python benchmarks/llama_cpp_serving.py                       # contexts 512 ... 8192, 2 threads
     python benchmarks/llama_cpp_serving.py --contexts 512,2048 --threads 1
     python benchmarks/llama_cpp_serving.py --write               # GGUF writing against plain copying
+    python benchmarks/llama_cpp_serving.py --caches              # each way to a smaller cache, at 8,192 tokens
 
 The three models are f16 GGUF files gqaify writes: the MHA-9 twin has each of the parent's 3 K/V heads repeated
 for its 3 query heads (the same function as the parent, 3x its cache), the GQA-3 one is the parent converted to 3
@@ -18,6 +19,12 @@ OUT/llama_cpp_decode.png.
 `--write` converts the parent to MQA (float32 safetensors) once, then times writing it as an f16 GGUF file against
 reading the same tensors and writing the same f16 bytes to a plain file, each in a fresh process that reports its
 own peak resident memory beside the largest tensor.
+
+`--caches` serves each way to a smaller cache at a context of 8,192 (`--contexts`): the parent (GQA-3), its MQA
+conversion and its MLA 128 rewrite, each with an f16, a q8_0 and a q4_0 cache (flash attention on, as llama.cpp
+needs for a quantized V cache), and measures the decode speed after the prompt and the process's peak resident
+memory, in a fresh process per run, the runs of every configuration in turns, `CACHE_REPEATS` times. Writes
+OUT/llama_cpp_caches.md and .json.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from commands import convert
 REPO = Path(__file__).resolve().parents[1]
 DECODE_TOKENS = 64
 REPEATS = 5  # of each writing measurement; the medians are reported
+CACHE_REPEATS = 3  # of each (model, cache) at --caches, in turns
+CACHES = ["f16", "q8_0", "q4_0"]
 # name -> (the file's stem, the conversion's settings; None: the MHA twin, which gqaify does not make)
 MODELS = {
     "MHA-9 twin": ("smollm2-kv9", None),
@@ -67,11 +76,14 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,1024,2048,4096,8192", help="comma-separated context lengths")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads llama.cpp uses")
     parser.add_argument("--write", action="store_true", help="measure GGUF writing instead")
+    parser.add_argument("--caches", action="store_true", help="each model under f16, q8_0 and q4_0 caches instead")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.write:
         return measure_writing(out)
+    if args.caches:
+        return measure_caches(out, int(args.contexts.split(",")[-1]), args.threads)
     models = build_models(out)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
@@ -96,6 +108,66 @@ def main() -> None:
     (out / "llama_cpp_serving.md").write_text(table + "\n")
     plot(rows, out / "llama_cpp_decode.png", args.threads)
     print(table)
+
+
+# One run with a cache type (argv[5], for K and V alike): decode speed after the prompt, and peak memory.
+MEASURE_CACHE = """
+import json, resource, sys, time
+import numpy as np
+import llama_cpp
+path, n, threads, decode, cache = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+kind = getattr(llama_cpp, f"GGML_TYPE_{cache.upper()}")
+llm = llama_cpp.Llama(model_path=path, n_ctx=n + decode + 32, n_batch=512, n_threads=threads, type_k=kind,
+                      type_v=kind, flash_attn=True, verbose=True)
+tokens = np.random.default_rng(0).integers(100, llm.n_vocab() - 100, n).tolist()
+start = time.perf_counter(); llm.eval(tokens); prompt = time.perf_counter() - start
+start = time.perf_counter()
+for token in tokens[:decode]:
+    llm.eval([token])
+generate = time.perf_counter() - start
+print(json.dumps({"prompt_tok_s": n / prompt, "decode_tok_s": decode / generate,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+llm.close()
+"""
+
+
+def measure_caches(out: Path, context: int, threads: int) -> None:
+    """Each of the parent, MQA and MLA 128 under each of `CACHES` at `context`, in turns (`CACHE_REPEATS`)."""
+    paths = build_models(out)
+    served = {name: paths[name] for name in ("GQA-3 (parent)", "MQA", "MLA 128 (MQA rewritten)")}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(CACHE_REPEATS):
+        for name, path in served.items():
+            for cache in CACHES:
+                argv = [str(path), str(context), str(threads), str(DECODE_TOKENS), cache]
+                done = subprocess.run([sys.executable, "-c", MEASURE_CACHE, *argv], capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{name} with a {cache} cache failed:\n{done.stderr[-2000:]}")
+                size = re.search(r"llama_kv_cache: +size = +([\d.]+) MiB", done.stderr)
+                row = {**json.loads(done.stdout.strip().splitlines()[-1]), "kv_cache_mib": float(size[1])}
+                runs.setdefault((name, cache), []).append(row)
+                print(name, cache, row, flush=True)
+    rows = [
+        {"model": name, "cache": cache, "context": context, "runs": found,
+         **{key: statistics.median(r[key] for r in found) for key in found[0]}}
+        for (name, cache), found in runs.items()
+    ]  # fmt: skip
+    (out / "llama_cpp_caches.json").write_text(json.dumps({"threads": threads, "rows": rows}, indent=2))
+    lines = [
+        f"llama.cpp, SmolLM2-135M-Instruct f16 weights, {context:,} tokens of context, {threads} CPU threads, "
+        f"medians of {CACHE_REPEATS} runs in turns (slowest-fastest)",
+        "",
+        "| model | cache | KV cache (MiB) | decode tok/s | prompt tok/s | peak memory (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        low, high = (f(x["decode_tok_s"] for x in r["runs"]) for f in (min, max))
+        lines.append(
+            f"| {r['model']} | {r['cache']} | {r['kv_cache_mib']:.1f} | {r['decode_tok_s']:.1f} ({low:.1f}-{high:.1f})"
+            f" | {r['prompt_tok_s']:,.0f} | {r['peak_rss_mib']:,.0f} |"
+        )
+    (out / "llama_cpp_caches.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def build_models(out: Path) -> dict[str, Path]:
