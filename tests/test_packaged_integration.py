@@ -36,6 +36,47 @@ def test_the_wheel_carries_the_constraints(wheel):
         assert z.read("gqaify/constraints.txt") == (REPO / "constraints.txt").read_bytes()
 
 
+def test_the_wheel_carries_the_demos_text_and_its_licence(wheel):
+    """The demo's texts were ../shared's beside a checkout, or the hub's: no user had them offline."""
+    text = REPO / "src" / "gqaify" / "texts"
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("gqaify/texts/tinyshakespeare.txt") == (text / "tinyshakespeare.txt").read_bytes()
+        assert "public domain" in z.read("gqaify/texts/README.md").decode()
+
+
+@pytest.mark.slow
+def test_the_demo_runs_from_an_installed_wheel_with_the_hub_off_and_no_shared_beside_it(wheel, tmp_path):
+    """`gqaify demo` on a fresh machine exited 2 after 15 s: its text was the hub's WikiText-2 unless ../shared sat
+    beside the checkout. Installed from the wheel into a folder with nothing beside it, run from another, the hub
+    off, on a tiny model (--model): it runs to its end on what the wheel and this Python hold, judges on three kinds
+    of text, and its baseline conversion by mean-pooling draws no warning of gqaify's against it."""
+    site = tmp_path / "install" / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    work = tmp_path / "elsewhere"
+    positions = {"max_position_embeddings": 1024}  # the demo's windows: 1,024 tokens
+    model = build_model("llama", num_kv_heads=4, num_attention_heads=8, head_dim=8, vocab_size=320, **positions)
+    save_with_tokenizer(model, work / "tiny")
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": CLOSED}
+    done = subprocess.run(
+        [sys.executable, "-m", "gqaify.entry.cli", "demo", "--model", "tiny", "--workdir", "demo"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tiny-shakespeare (public domain, shipped with gqaify), first half" in done.stdout
+    assert "read no calibration text" not in done.stderr, done.stderr
+    report = json.loads((work / "demo" / "eval" / "report.json").read_text())
+    assert [t["name"] for t in report["data"]] == ["shakespeare", "code", "licence"]
+    assert "after 12,288 tokens" in done.stdout.splitlines()[-2]
+
+
 @pytest.mark.slow
 def test_an_installed_wheel_converts_and_uptrains_from_a_recipe_by_name(wheel, tmp_path):
     """The wheel built from this tree, installed (not editable) into a folder of its own and put first on the path,

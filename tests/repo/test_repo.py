@@ -1,6 +1,5 @@
 """The repository keeps its promises: README's commands are the ones CI runs."""
 
-import os
 import re
 
 import pytest
@@ -18,18 +17,6 @@ def test_readme_main_job_uses_the_same_constraints():
     readme = (REPO / "README.md").read_text()
     assert "pip install -q -c constraints.txt -e . && .venv/bin/gqaify demo" in readme
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text().splitlines()
-
-
-def test_demo_takes_wikitext_from_shared_beside_the_checkout():
-    from gqaify.entry.demo import HUB_WIKITEXT, demo_text
-    from helpers import ASSETS
-
-    data, origin = demo_text()
-    shared = ASSETS / "text" / "wikitext-2-raw-test.txt"
-    if shared.is_file():
-        assert data == str(shared) and str(shared) in origin
-    else:
-        assert data == HUB_WIKITEXT and "hub" in origin
 
 
 def test_declared_lower_bounds_are_the_tested_versions():
@@ -51,32 +38,6 @@ def test_declared_lower_bounds_are_the_tested_versions():
             dependency,
             tested,
         )
-
-
-def test_demo_calibrates_on_the_recipes_mixture_never_the_eval_text():
-    from gqaify.entry.demo import HUB_WIKITEXT, calibration_text, demo_text
-
-    data, _ = demo_text()
-    calib, split = calibration_text(data)
-    assert data not in calib
-    if data == HUB_WIKITEXT:
-        assert (calib, split) == ([HUB_WIKITEXT], "validation")
-    else:
-        assert [c.split("=")[0] for c in calib] == ["wikitext", "verse", "stories"] and split == "train"
-        assert calib[0].endswith("wikitext-2-valid-tokenized.txt") and all(
-            os.path.isfile(c.split("=")[1]) for c in calib
-        )
-
-
-def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_the_hub():
-    from gqaify.entry.demo import HUB_WIKITEXT, calibration_text, demo_panel, demo_text
-
-    data, _ = demo_text()
-    panel = demo_panel(data)
-    assert panel[0] == f"wikitext={data}" and not set(calibration_text(data)[0]) & set(panel)
-    if data != HUB_WIKITEXT:
-        assert panel[1].startswith("tinystories=") and os.path.isfile(panel[1].split("=", 1)[1])
-    assert demo_panel(HUB_WIKITEXT) == [f"wikitext={HUB_WIKITEXT}"]
 
 
 def test_contributing_layout_names_every_module():
