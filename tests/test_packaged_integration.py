@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -34,6 +35,15 @@ def test_the_wheel_carries_the_constraints(wheel):
     """A wheel user could not get the tested pins: constraints.txt was not in the wheel."""
     with zipfile.ZipFile(wheel) as z:
         assert z.read("gqaify/constraints.txt") == (REPO / "constraints.txt").read_bytes()
+
+
+def test_the_wheels_pinned_extra_requires_the_constraints_versions(wheel):
+    """`pip install "gqaify[pinned]"` applies the tested pins in the install itself: they are the wheel's metadata."""
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    required = re.findall(r'^Requires-Dist: (\S+)==(\S+); extra == "pinned"$', metadata, re.M)
+    constraints = (REPO / "constraints.txt").read_text().splitlines()
+    assert ("torch", "2.13.0") in required and all(f"{name}=={version}" in constraints for name, version in required)
 
 
 def test_the_wheel_carries_the_demos_text_and_its_licence(wheel):

@@ -5,7 +5,7 @@ versions gqaify is tested with (`src/gqaify/constraints.txt`, linked as constrai
     gqaify recipes                                   list them, each with what it is and the command that runs it
     gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
     gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
-    pip install -c "$(gqaify --constraints)" gqaify  the tested versions, for a wheel user (pip reads the path)
+    pip install -c "$(gqaify --constraints)" "gqaify[pinned,lora]"   the extras' tested versions too, once installed
 
 Every packaged file is one entry of `RECIPE_REGISTRY` or `LAUNCH_REGISTRY` below (torchtune's `_recipe_registry.py`),
 read by the listing, the copy and `--recipe NAME`: a file on disk that no entry names is never found, and a test

@@ -19,17 +19,21 @@ def test_readme_main_job_uses_the_same_constraints():
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text().splitlines()
 
 
-def test_declared_lower_bounds_are_the_tested_versions():
-    """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
-    import re
-
-    import tomllib
-
+def tested_pins() -> dict[str, str]:
+    """constraints.txt's pins, by name as pip compares names (lower case, "-" for "_")."""
     pinned = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
         if "==" in line and not line.startswith("#"):
             name, version = line.split("==")
             pinned[name.lower().replace("_", "-")] = version
+    return pinned
+
+
+def test_declared_lower_bounds_are_the_tested_versions():
+    """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
+    import tomllib
+
+    pinned = tested_pins()
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dependency in dependencies:
         name, lower = re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", dependency).groups()
@@ -38,6 +42,30 @@ def test_declared_lower_bounds_are_the_tested_versions():
             dependency,
             tested,
         )
+
+
+CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_readme_installs_from_pypi_in_one_line_with_the_pins_and_torchs_cpu_build():
+    """README's wheel route was `pip install gqaify && pip install -q -c "$(gqaify --constraints)" gqaify`: the first
+    install pulled torch 2.14.1 with 15 NVIDIA wheels and untested transformers and accelerate, which the second then
+    downgraded. One install takes the pins (the `pinned` extra) and, on a machine with no GPU, torch's CPU build."""
+    readme = (REPO / "README.md").read_text()
+    assert f'\npython3 -m venv .venv && .venv/bin/pip install -q "gqaify[pinned]" {CPU_INDEX}\n' in readme
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        unpinned = re.findall(r"pip install (?:-q )?(?:-c \S+ )?gqaify\b(?!\[)", page.read_text())
+        assert not unpinned, (page.name, unpinned)  # gqaify without its pins: the newest of everything
+
+
+def test_the_pinned_extra_holds_the_tested_version_of_every_dependency():
+    """`gqaify[pinned]` installs constraints.txt's version of each dependency (and of no package at another)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = dict(pin.lower().replace("_", "-").split("==") for pin in project["optional-dependencies"]["pinned"])
+    needed = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower().replace("_", "-") for d in project["dependencies"]}
+    assert needed <= set(extra) and {name: tested_pins()[name] for name in extra} == extra
 
 
 def test_contributing_layout_names_every_module():
