@@ -26,7 +26,7 @@ from gqaify.packaged import (
     recipe_names,
 )
 from gqaify.uptrain.settings import load_recipe
-from helpers import REPO, needs_assets
+from helpers import REPO, needs_assets, one_line_refusal
 
 
 def test_the_registries_and_the_files_on_disk_agree():
@@ -315,3 +315,47 @@ def test_the_commands_a_recipe_gives_for_an_installed_gqaify_name_it_and_write_w
             local = [t.source for t in named_texts(settings.data) if not ("/" in t.source and "@" in t.source)]
             assert local == written, (recipe.name, local, written)  # what it reads that is no hub dataset
     assert sorted(by_name) == ["ref-mha-6L-gqa2", "smollm2-135m-mla", "smollm2-135m-mla256", "smollm2-135m-mqa"]
+
+
+def test_the_listing_says_what_model_stands_for_and_model_pasted_as_printed_is_refused_at_once(capsys, tmp_path):
+    """`gqaify recipes` printed `--model MODEL --distill_from MODEL` and said nothing of MODEL, which, pasted as it
+    was, went to the hub as a model's name."""
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = lines[lines.index(next(line for line in lines if line.startswith("ref-mha-6L-gqa2"))) + 1].strip()
+    assert shown == (
+        "gqaify uptrain --recipe ref-mha-6L-gqa2 --model MODEL --distill_from MODEL  "
+        "# MODEL: a model of your own to convert (a folder, hub id or .gguf file)"
+    )
+    (tmp_path / "text.txt").write_text("a few words of text\n" * 50)
+    pasted = shlex.split(shown, comments=True)[1:]
+    text = str(tmp_path / "text.txt")
+    err = one_line_refusal(capsys, *pasted, "--data", text, "--eval_data", text, "--output_dir", str(tmp_path / "run"))
+    said = "{} MODEL is a printed command's placeholder; replace it with a model of your own to convert"
+    assert said.format("model") in err and said.format("distill_from") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
+def test_a_recipes_hub_texts_the_hub_cannot_give_are_named_together_before_anything_is_written(tiny, capsys, tmp_path):
+    """With a model of one's own, the recipe's run offline converted, then failed on its training text; run again,
+    on its evaluation text: one at a time, where gqaify promises every problem at once. (HF_HUB_OFFLINE: conftest.)"""
+    parent, out = str(tiny["parent"]), tmp_path / "run"
+    err = one_line_refusal(
+        capsys,
+        "uptrain",
+        "--recipe",
+        "ref-mha-6L-gqa2",
+        "--model",
+        parent,
+        "--distill_from",
+        parent,
+        "--output_dir",
+        out,
+    )
+    assert "data roneneldan/TinyStories@validation[1000:] is not a local path and the Hugging Face hub" in err
+    assert "; eval_data roneneldan/TinyStories@validation[:1000] is not a local path and the Hugging Face hub" in err
+    assert not out.exists()
+    missing = str(tmp_path / "missing.txt")  # a local text that is not there is named with them
+    argv = ["uptrain", "--recipe", "ref-mha-6L-gqa2", "--model", parent, "--data", missing, "--output_dir", out]
+    err = one_line_refusal(capsys, *argv)
+    assert f"data {missing}: no such file or folder" in err and "eval_data roneneldan/TinyStories" in err

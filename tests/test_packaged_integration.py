@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -34,6 +35,56 @@ def test_the_wheel_carries_the_constraints(wheel):
     """A wheel user could not get the tested pins: constraints.txt was not in the wheel."""
     with zipfile.ZipFile(wheel) as z:
         assert z.read("gqaify/constraints.txt") == (REPO / "constraints.txt").read_bytes()
+
+
+def test_the_wheels_pinned_extra_requires_the_constraints_versions(wheel):
+    """`pip install "gqaify[pinned]"` applies the tested pins in the install itself: they are the wheel's metadata."""
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    required = re.findall(r'^Requires-Dist: (\S+)==(\S+); extra == "pinned"$', metadata, re.M)
+    constraints = (REPO / "constraints.txt").read_text().splitlines()
+    assert ("torch", "2.13.0") in required and all(f"{name}=={version}" in constraints for name, version in required)
+
+
+def test_the_wheel_carries_the_demos_text_and_its_licence(wheel):
+    """The demo's texts were ../shared's beside a checkout, or the hub's: no user had them offline."""
+    text = REPO / "src" / "gqaify" / "texts"
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("gqaify/texts/tinyshakespeare.txt") == (text / "tinyshakespeare.txt").read_bytes()
+        assert "public domain" in z.read("gqaify/texts/README.md").decode()
+
+
+@pytest.mark.slow
+def test_the_demo_runs_from_an_installed_wheel_with_the_hub_off_and_no_shared_beside_it(wheel, tmp_path):
+    """`gqaify demo` on a fresh machine exited 2 after 15 s: its text was the hub's WikiText-2 unless ../shared sat
+    beside the checkout. Installed from the wheel into a folder with nothing beside it, run from another, the hub
+    off, on a tiny model (--model): it runs to its end on what the wheel and this Python hold, judges on three kinds
+    of text, and its baseline conversion by mean-pooling draws no warning of gqaify's against it."""
+    site = tmp_path / "install" / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    work = tmp_path / "elsewhere"
+    positions = {"max_position_embeddings": 1024}  # the demo's windows: 1,024 tokens
+    model = build_model("llama", num_kv_heads=4, num_attention_heads=8, head_dim=8, vocab_size=320, **positions)
+    save_with_tokenizer(model, work / "tiny")
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": CLOSED}
+    done = subprocess.run(
+        [sys.executable, "-m", "gqaify.entry.cli", "demo", "--model", "tiny", "--workdir", "demo"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tiny-shakespeare (public domain, shipped with gqaify), first half" in done.stdout
+    assert "read no calibration text" not in done.stderr, done.stderr
+    report = json.loads((work / "demo" / "eval" / "report.json").read_text())
+    assert [t["name"] for t in report["data"]] == ["shakespeare", "code", "licence"]
+    assert "after 12,288 tokens" in done.stdout.splitlines()[-2]
 
 
 @pytest.mark.slow
@@ -145,7 +196,8 @@ sys.exit(main(sys.argv[3:]))
 def test_a_packaged_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets(tmp_path):
     """ref-mha-6L-gqa2 by name from a folder that is no checkout, the hub unreachable and its two hub datasets served
     by a local mirror: the recipe asks the hub for exactly the text it names, converts, trains and evaluates; without
-    a model of its own it is refused in one line naming what to pass, nothing written."""
+    a model of its own it is refused in one line naming what to pass, nothing written (its texts looked up first, in
+    the mirror: the hub unreachable, a text not in datasets' cache is named in the same line)."""
     text = ASSETS / "text"
     served = {
         json.dumps(["roneneldan/TinyStories", None, "validation[1000:]"]): str(text / "tinystories-train-sample.txt"),
@@ -164,13 +216,14 @@ def test_a_packaged_recipe_runs_by_name_outside_a_checkout_with_its_hub_datasets
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert "model ../shared/assets/models/ref-mha-6L does not exist here" in refused.stderr
     assert "pass --model with" in refused.stderr and "pass --distill_from with" in refused.stderr
-    assert not list(work.iterdir()) and not asked.exists()
+    assert not list(work.iterdir())  # the texts were looked up (in the mirror, the cache's stand-in), nothing written
+    assert set(asked.read_text().splitlines()) == set(served)
 
     model = str(MODELS / "ref-mha-6L")
     small = ["--max_tokens", "2048", "--eval_tokens", "512", "--eval_every", "0", "--save_every", "0"]
     done = gqaify("ref-mha-6L-gqa2", "--model", model, "--distill_from", model, *small, "--no_progress")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(json.loads(line) for line in asked.read_text().splitlines()) == sorted(map(json.loads, served))
+    assert set(asked.read_text().splitlines()) == set(served)  # the checks' and the run's reads
     out = work / "runs" / "ref-mha-6L-gqa2"  # the recipe's output_dir, from the working directory
     assert json.loads((out / "final" / "config.json").read_text())["num_key_value_heads"] == 2
     assert "uptrained 1 steps, 2,048 tokens" in done.stdout, done.stdout

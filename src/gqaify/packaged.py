@@ -5,7 +5,7 @@ versions gqaify is tested with (`src/gqaify/constraints.txt`, linked as constrai
     gqaify recipes                                   list them, each with what it is and the command that runs it
     gqaify recipes cp smollm2-135m-mqa my.yaml       copy one out to edit
     gqaify uptrain --recipe smollm2-135m-mqa         run one by name (a path works too, and wins)
-    pip install -c "$(gqaify --constraints)" gqaify  the tested versions, for a wheel user (pip reads the path)
+    pip install -c "$(gqaify --constraints)" "gqaify[pinned,lora]"   the extras' tested versions too, once installed
 
 Every packaged file is one entry of `RECIPE_REGISTRY` or `LAUNCH_REGISTRY` below (torchtune's `_recipe_registry.py`),
 read by the listing, the copy and `--recipe NAME`: a file on disk that no entry names is never found, and a test
@@ -25,6 +25,9 @@ from gqaify.errors import UserError
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 CONSTRAINTS = Path(__file__).resolve().parent / "constraints.txt"  # pip's -c file of the tested versions
+# The words a recipe's printed command leaves for the user to fill, and what each stands for: said beside the command
+# (`anywhere`), and a run given one as it is printed is refused at once, never asked of the hub (uptrain's checks).
+PLACEHOLDERS = {"MODEL": "a model of your own to convert (a folder, hub id or .gguf file)"}
 
 
 @dataclass(frozen=True)
@@ -167,16 +170,23 @@ def first_line(path: Path) -> str:
 
 def anywhere(path: Path) -> str:
     """The command that runs a recipe from any folder, a wheel's install or a checkout: the commands its comment
-    gives by name (its lines `#   gqaify ...`, joined by &&); else its first line with each packaged file it names
-    as the checkout does (`recipes/accelerate/fsdp.yaml`) given by its installed path. (A recipe's first line runs it
-    offline from a checkout, with ../shared's copies of its data: a wheel's user has neither.)"""
+    gives by name (its lines `#   gqaify ...`, joined by &&, with what each placeholder stands for); else its first
+    line with each packaged file it names as the checkout does (`recipes/accelerate/fsdp.yaml`) given by its
+    installed path. (A recipe's first line runs it offline from a checkout, with ../shared's copies of its data: a
+    wheel's user has neither.)"""
     with open(path) as f:
         comment = [line for line in f if line.startswith("#")]
     named = [line.removeprefix("#").strip() for line in comment if line.startswith("#   gqaify ")]
     if named:
-        return " && ".join(named)
+        return _with_placeholders(" && ".join(named))
     words = first_line(path).split(" ")
     return " ".join(str(found) if (found := _packaged(w)) else w for w in words)
+
+
+def _with_placeholders(command: str) -> str:
+    """`command`, followed by a shell comment saying what each placeholder it names stands for (`PLACEHOLDERS`)."""
+    used = [f"{word}: {meaning}" for word, meaning in PLACEHOLDERS.items() if word in command.split()]
+    return command + (f"  # {'; '.join(used)}" if used else "")
 
 
 def _packaged(word: str) -> Path | None:

@@ -71,6 +71,23 @@ def test_a_conversion_that_loses_nothing_says_nothing_and_one_that_loses_warns(t
     assert len(said) == 1 and ADVICE in said[0], said
 
 
+def test_a_run_of_the_ref_mha_recipe_says_nothing_against_its_mean_pooling_which_it_measures(trained, tmp_path, caplog):
+    """The ref-mha-6L recipe converts by mean-pooling on purpose (it shows uptraining recover the GQA paper's start),
+    and its every run warned that a trained model loses most of its quality. A run that evaluates measures that start
+    against the parent and says nothing against it; one that measures nothing keeps the warning."""
+    (tmp_path / "eval.txt").write_text(CORPUS[:800])
+    src, text = str(trained["src"]), str(trained["calib"])
+    small = ["--seq_len", "16", "--micro_batch_size", "2", "--grad_accum", "1", "--max_tokens", "64"]
+    small += ["--eval_tokens", "64", "--eval_seq_len", "32", "--save_every", "0", "--no_progress"]
+    recipe = ["uptrain", "--recipe", "ref-mha-6L-gqa2", "--model", src, "--distill_from", src, "--data", text, *small]
+    for eval_data, warned in ((str(tmp_path / "eval.txt"), 0), ("", 1)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert main([*recipe, "--eval_data", eval_data, "--output_dir", str(tmp_path / f"run{warned}")]) == 0
+        assert len([w for w in warnings_of(caplog) if ADVICE in w]) == warned, warnings_of(caplog)
+    assert gqaify.uptrain.parse(["--recipe", "ref-mha-6L-gqa2"]).method == "mean"
+
+
 def test_a_sentencepiece_vocabulary_without_sentencepiece_names_that_package_alone(tmp_path, capsys, monkeypatch):
     """GGUF writing said pip install 'gqaify[serving]' (which builds llama.cpp, minutes) where sentencepiece alone
     (seconds) was missing."""

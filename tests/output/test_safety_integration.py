@@ -351,4 +351,4 @@ core.convert = slow_lsq
         f"gqaify: stopped by SIGTERM; this run of the demo completed, and kept, {mean}; the step it was "
         "on left nothing; gqaify demo keeps them and runs the rest"
     )
-    assert sorted(p.name for p in work.iterdir()) == ["model-mqa-mean"] and (mean / "gqaify.json").is_file()
+    assert sorted(p.name for p in work.iterdir()) == ["model-mqa-mean", "texts"] and (mean / "gqaify.json").is_file()

@@ -1,6 +1,5 @@
 """The repository keeps its promises: README's commands are the ones CI runs."""
 
-import os
 import re
 
 import pytest
@@ -20,29 +19,21 @@ def test_readme_main_job_uses_the_same_constraints():
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text().splitlines()
 
 
-def test_demo_takes_wikitext_from_shared_beside_the_checkout():
-    from gqaify.entry.demo import HUB_WIKITEXT, demo_text
-    from helpers import ASSETS
-
-    data, origin = demo_text()
-    shared = ASSETS / "text" / "wikitext-2-raw-test.txt"
-    if shared.is_file():
-        assert data == str(shared) and str(shared) in origin
-    else:
-        assert data == HUB_WIKITEXT and "hub" in origin
-
-
-def test_declared_lower_bounds_are_the_tested_versions():
-    """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
-    import re
-
-    import tomllib
-
+def tested_pins() -> dict[str, str]:
+    """constraints.txt's pins, by name as pip compares names (lower case, "-" for "_")."""
     pinned = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
         if "==" in line and not line.startswith("#"):
             name, version = line.split("==")
             pinned[name.lower().replace("_", "-")] = version
+    return pinned
+
+
+def test_declared_lower_bounds_are_the_tested_versions():
+    """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
+    import tomllib
+
+    pinned = tested_pins()
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dependency in dependencies:
         name, lower = re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", dependency).groups()
@@ -53,30 +44,28 @@ def test_declared_lower_bounds_are_the_tested_versions():
         )
 
 
-def test_demo_calibrates_on_the_recipes_mixture_never_the_eval_text():
-    from gqaify.entry.demo import HUB_WIKITEXT, calibration_text, demo_text
-
-    data, _ = demo_text()
-    calib, split = calibration_text(data)
-    assert data not in calib
-    if data == HUB_WIKITEXT:
-        assert (calib, split) == ([HUB_WIKITEXT], "validation")
-    else:
-        assert [c.split("=")[0] for c in calib] == ["wikitext", "verse", "stories"] and split == "train"
-        assert calib[0].endswith("wikitext-2-valid-tokenized.txt") and all(
-            os.path.isfile(c.split("=")[1]) for c in calib
-        )
+CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
 
 
-def test_demo_evaluates_on_a_panel_beside_the_checkout_and_wikitext_alone_from_the_hub():
-    from gqaify.entry.demo import HUB_WIKITEXT, calibration_text, demo_panel, demo_text
+def test_readme_installs_from_pypi_in_one_line_with_the_pins_and_torchs_cpu_build():
+    """README's wheel route was `pip install gqaify && pip install -q -c "$(gqaify --constraints)" gqaify`: the first
+    install pulled torch 2.14.1 with 15 NVIDIA wheels and untested transformers and accelerate, which the second then
+    downgraded. One install takes the pins (the `pinned` extra) and, on a machine with no GPU, torch's CPU build."""
+    readme = (REPO / "README.md").read_text()
+    assert f'\npython3 -m venv .venv && .venv/bin/pip install -q "gqaify[pinned]" {CPU_INDEX}\n' in readme
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        unpinned = re.findall(r"pip install (?:-q )?(?:-c \S+ )?gqaify\b(?!\[)", page.read_text())
+        assert not unpinned, (page.name, unpinned)  # gqaify without its pins: the newest of everything
 
-    data, _ = demo_text()
-    panel = demo_panel(data)
-    assert panel[0] == f"wikitext={data}" and not set(calibration_text(data)[0]) & set(panel)
-    if data != HUB_WIKITEXT:
-        assert panel[1].startswith("tinystories=") and os.path.isfile(panel[1].split("=", 1)[1])
-    assert demo_panel(HUB_WIKITEXT) == [f"wikitext={HUB_WIKITEXT}"]
+
+def test_the_pinned_extra_holds_the_tested_version_of_every_dependency():
+    """`gqaify[pinned]` installs constraints.txt's version of each dependency (and of no package at another)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = dict(pin.lower().replace("_", "-").split("==") for pin in project["optional-dependencies"]["pinned"])
+    needed = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower().replace("_", "-") for d in project["dependencies"]}
+    assert needed <= set(extra) and {name: tested_pins()[name] for name in extra} == extra
 
 
 def test_contributing_layout_names_every_module():

@@ -51,7 +51,13 @@ from gqaify.conversion.checks import (
 from gqaify.conversion.layout import LayerLayout
 from gqaify.conversion.methods import METHODS, MethodContext
 from gqaify.conversion.record import ConversionRecord, SourceRecord, kv_groups, write_config_and_side_files
-from gqaify.conversion.settings import NOT_RECORDED, Calibration, ConvertSettings, uncalibrated_warning
+from gqaify.conversion.settings import (
+    NOT_RECORDED,
+    UNCALIBRATED_LOG,
+    Calibration,
+    ConvertSettings,
+    uncalibrated_warning,
+)
 from gqaify.conversion.shapes import Rewritten, shape
 from gqaify.conversion.sinks import FolderSink, GgufSink, Written, sink_for
 from gqaify.conversion.source import Source, open_source
@@ -150,7 +156,7 @@ def convert_with(settings: ConvertSettings) -> ConversionResult:
             model_card(record).save(folder / "README.md")
             written = sink.finish(folder, record, rewritten or writer, source)
     if converter.changed_heads:  # said before a push, which may fail
-        LOG.warning(uncalibrated_warning(s.method, s.src))
+        logging.getLogger(UNCALIBRATED_LOG).warning(uncalibrated_warning(s.method, s.src))
     if s.push_to_hub is not None:
         message = f"{record.attention} of {source.name} by gqaify {__version__} (--method {s.method})"
         push_folder(written.out, s.push_to_hub, message)

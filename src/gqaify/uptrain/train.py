@@ -19,6 +19,7 @@ as an uninterrupted run would.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ import torch
 
 from gqaify.command import raise_as_said
 from gqaify.errors import UserError
+from gqaify.logs import muted
 from gqaify.model.loading import load_config, load_model
 from gqaify.progress import progress_bar
 from gqaify.records import RunRecord
@@ -431,14 +433,19 @@ def make_accelerator(s: UptrainSettings, out: Path):
 
 
 def _model_to_train(s: UptrainSettings, out: Path, accelerator) -> str:
-    """`model` itself, or its conversion to `kv_heads` in output_dir/converted (converted once, atomically)."""
+    """`model` itself, or its conversion to `kv_heads` in output_dir/converted (converted once, atomically). A run
+    that evaluates measures what a method that reads no text cost (its first evaluation, beside the parent's), so it
+    does not also predict that cost in convert's warning, which would speak against a recipe that converts so on
+    purpose (ref-mha-6L-gqa2: the GQA paper's start, to recover from)."""
     if not s.converts:
         return s.model
     converted = out / "converted"
     if accelerator.is_main_process and not converted.is_dir():
         from gqaify.conversion.core import convert_with
+        from gqaify.conversion.settings import UNCALIBRATED_LOG
 
-        convert_with(s.conversion(converted))
+        with muted(UNCALIBRATED_LOG) if s.eval_data else contextlib.nullcontext():
+            convert_with(s.conversion(converted))
     accelerator.wait_for_everyone()
     return str(converted)
 
