@@ -19,7 +19,7 @@ def test_readme_main_job_uses_the_same_constraints():
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text().splitlines()
 
 
-def tested_pins() -> dict[str, str]:
+def pins_tested() -> dict[str, str]:
     """constraints.txt's pins, by name as pip compares names (lower case, "-" for "_")."""
     pinned = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
@@ -33,7 +33,7 @@ def test_declared_lower_bounds_are_the_tested_versions():
     """pyproject's lower bounds are exactly the versions constraints.txt pins (the ones the tests ran with)."""
     import tomllib
 
-    pinned = tested_pins()
+    pinned = pins_tested()
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dependency in dependencies:
         name, lower = re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", dependency).groups()
@@ -65,7 +65,7 @@ def test_the_pinned_extra_holds_the_tested_version_of_every_dependency():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extra = dict(pin.lower().replace("_", "-").split("==") for pin in project["optional-dependencies"]["pinned"])
     needed = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower().replace("_", "-") for d in project["dependencies"]}
-    assert needed <= set(extra) and {name: tested_pins()[name] for name in extra} == extra
+    assert needed <= set(extra) and {name: pins_tested()[name] for name in extra} == extra
 
 
 def test_contributing_layout_names_every_module():
