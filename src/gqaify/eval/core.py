@@ -89,6 +89,9 @@ def run(settings: EvalSettings) -> Report:
     if s.out and s.out.strip():
         remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
     configs, budget, device = _check(s)
+    budget_said = (
+        s.memory_budget if s.memory_budget != "auto" else f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}"
+    )
     s = replace(s, seq_len=window_length(s.seq_len, configs))  # the models' positions where --seq-len is not set
     stride = s.seq_len if s.stride is None else s.stride
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
@@ -102,6 +105,7 @@ def run(settings: EvalSettings) -> Report:
             for t, loaded in panel.texts
         ],
         settings={**_recorded(s, sha256), "stride": stride, "device": str(device)},
+        memory_budget=budget_said,
     )
     parent = parent_texts = parent_tokenizer = None
     speeds = _Speeds(s, alone=len(s.models) == 1)
@@ -160,6 +164,17 @@ def _frontier(s: EvalSettings, report: Report, panel: _Panel, texts, tokenizer, 
     named = [(named.name, text.ids) for (named, _), text in zip(panel.texts, texts, strict=True)]
     found = run_frontier(kept, report, named, tokenizer, [configs[i] for i in same], labels, budget)
     report.frontier = found
+
+
+def device_memory(device: torch.device) -> tuple[int, str]:
+    """The memory of `device` in bytes, and what it is: a GPU's own, or this machine's (--memory-budget auto)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(
+            device
+        ).total_memory, f"the memory of {torch.cuda.get_device_name(device)}"
+    import psutil
+
+    return psutil.virtual_memory().total, "this machine's memory"
 
 
 def _recorded(s: EvalSettings, sha256: str) -> dict:
@@ -320,6 +335,8 @@ def _record_speed(entry: ModelReport, single: Speed, batched: Speed) -> None:
     entry.decode_tokens_per_s = single.decode_tokens_per_s
     entry.decode_tokens_per_s_batched = batched.decode_tokens_per_s
     entry.decode_spread = single.decode
+    entry.prefill_spread = single.prefill
+    entry.batched_decode_spread = batched.decode
 
 
 # -- input -------------------------------------------------------------------------------------------------
@@ -329,8 +346,8 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     """Every problem with the settings, --out, --memory-budget, --device and the models, raised as one `UserError`;
     else the models' configs, the memory budget in bytes and the device."""
     problems = s.problems() + _out_problems(s)
-    budget = parse_size(s.memory_budget)
-    if budget is None:
+    budget = parse_size(s.memory_budget) if s.memory_budget != "auto" else None
+    if budget is None and s.memory_budget != "auto":
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
     problems += problems_in(device_problem(s.device))
     configs = []
@@ -346,7 +363,8 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     problems += [p for name, config in zip(s.models, configs, strict=True) if (p := _float16_problem(s, name, config))]
     problems += cache_problems(s, configs)
     raise_if_problems(problems)
-    return configs, budget, resolve_device(s.device)
+    device = resolve_device(s.device)
+    return configs, budget or device_memory(device)[0], device
 
 
 def _float16_problem(s: EvalSettings, name: str, config) -> str | None:

@@ -288,7 +288,8 @@ def markdown(report: Report) -> str:
         "",
         f"Data: `{md_cell(first.source)}` ({md_cell(first.described)}){others}. "
         f"Windows of {s['seq_len']} tokens, stride {s['stride']}; {parent.tokens_scored:,} tokens scored; "
-        f"device {s['device']}. KV capacity: K/V cache and weights in {s['memory_budget']}, at batch 1 "
+        f"device {s['device']}. KV capacity: K/V cache and weights in "
+        f"{report.memory_budget or s['memory_budget']}, at batch 1 "
         f"(max context: what the cache would hold, capped at the model's positions, and which of the two binds; "
         f"report.json has both) and at {s['seq_len']} tokens (max batch {parent.max_batch_at_seq_len:,} for the "
         "parent). "
@@ -317,7 +318,7 @@ def _detail_lines(report: Report) -> list[str]:
     """report.md's second table: word perplexity, bits per byte, the KV cache of one window measured in
     transformers' cache beside the config's count, the speeds (where measured) and the per-layer diagnostics."""
     s, timed = report.settings, _timed(report)
-    speeds = ["prefill tok/s", f"decode tok/s (batch {s['decode_batch']})"] if timed else []
+    speeds = ["prefill tok/s (runs' range)", f"decode tok/s, batch {s['decode_batch']} (runs' range)"] if timed else []
     header = [
         "model",
         "word ppl",
@@ -337,7 +338,14 @@ def _detail_lines(report: Report) -> list[str]:
             f"{m.word_perplexity:,.2f}",
             f"{m.bits_per_byte:.4f}",
             f"{m.kv_cache_bytes_measured:,} {same} {m.kv_cache_bytes_analytic:,}",
-            *([_num(m.prefill_tokens_per_s), _num(m.decode_tokens_per_s_batched)] if timed else []),
+            *(
+                [
+                    _spread(m.prefill_tokens_per_s, m.prefill_spread),
+                    _spread(m.decode_tokens_per_s_batched, m.batched_decode_spread),
+                ]
+                if timed
+                else []
+            ),  # fmt: skip
             f"{sum(errors) / len(errors):.3f}" if errors else "—",
             "—" if not diag else _kl(diag.kl_nats_per_token),
         ]
@@ -350,6 +358,12 @@ def _diagnostics_kl(report: Report) -> str:
     n = next((m.diagnostics.tokens for m in report.models if m.diagnostics), None)
     scope = "" if n is None else f" on the first {n:,} tokens of {md_cell(report.data[0].name)} only"
     return f"KL to parent{scope} (nats/token)"
+
+
+def _spread(value: float | None, spread) -> str:
+    """A throughput with the range of its runs, "378.6 (350.1–390.2)" (a report written before the runs were kept:
+    the figure alone)."""
+    return _num(value) if spread is None else f"{spread.median:,.1f} ({spread.low:,.1f}–{spread.high:,.1f})"
 
 
 def _num(value: float | None) -> str:

@@ -239,6 +239,8 @@ class ModelReport:
     decode_tokens_per_s: float | None = None
     decode_tokens_per_s_batched: float | None = None
     decode_spread: Spread | None = None  # batch-1 decode's runs (the parent's: its turns beside every model)
+    prefill_spread: Spread | None = None  # batch-1 prefill's runs
+    batched_decode_spread: Spread | None = None  # --decode-batch decode's runs
     parent_decode_spread: Spread | None = None  # the parent's batch-1 decode, timed in turns with this model's
     diagnostics: Diagnostics | None = None
     tasks: list[TaskScore] | None = None  # one row per task and metric, with --tasks
@@ -268,6 +270,9 @@ class Report:
     models: list[ModelReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     frontier: Frontier | None = None  # each model under each --kv-cache format (None: f16 alone was asked)
+    memory_budget: str | None = (
+        None  # the memory the capacity columns fill, as said ("23.4 GiB, this machine's memory")
+    )
 
     def to_dict(self) -> dict:
         """report.json's value: who wrote it (`_HEADER`), then the report's fields, every NaN and infinity null."""

@@ -53,7 +53,11 @@ class EvalSettings(Output, Runtime):
     )
     max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text", check=Range(2))
     batch_size: int = setting(1, "windows (and task requests) per forward pass", check=Range(1))
-    memory_budget: str = setting("80GB", "memory for weights + KV cache, for the context that fits")
+    memory_budget: str = setting(
+        "auto",
+        "memory for weights + KV cache, for the context that fits, like 80GB or 24GiB (auto: the GPU's where the "
+        "models run on one, else this machine's)",
+    )
     decode_context: int = setting(512, "prefill tokens before decoding", check=Range(1))
     decode_tokens: int = setting(32, "greedy tokens decoded", check=Range(1))
     decode_batch: int = setting(
