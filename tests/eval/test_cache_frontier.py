@@ -166,7 +166,7 @@ def test_the_verdict_is_printed_after_the_table(pair, tmp_path, capsys):
     code = main(["eval", *models, "--data", *data, "--out", str(tmp_path / "r"), "--seq-len", "64", "--no-speed",
                  "-q", "--kv-cache", "f16", "fp8"])  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 0 and "cache frontier (transformers" in out and "closest on the mean KL" in out
+    assert code == 0 and "cache frontier in transformers" in out and "closest on the mean KL" in out
 
 
 @pytest.mark.parametrize(
@@ -193,3 +193,14 @@ def test_a_missing_backend_is_named_with_its_install(pair, tmp_path, capsys, mon
     _, models, data = pair
     code = main(["eval", *models, "--data", *data, "--out", str(tmp_path / "r"), "--kv-cache", "quanto4"])
     assert code == 2 and "pip install 'gqaify[cache]'" in capsys.readouterr().err
+
+
+def test_the_verdict_at_your_memory_is_what_fits_the_parents_weights_and_whole_context(frontier):
+    import psutil
+
+    report, _ = frontier
+    parent, mine = report.models[0], report.frontier.verdicts[-1]
+    whole = report.frontier.rows[0].bytes_per_token  # the parent's f16 cache per token
+    room = psutil.virtual_memory().total - parent.weights_bytes
+    assert mine.budget == f"memory budget ({report.memory_budget}), {parent.max_positions:,} tokens"
+    assert mine.times_smaller == pytest.approx(whole * parent.max_positions / room)

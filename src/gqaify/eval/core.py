@@ -47,6 +47,7 @@ from gqaify.model.loading import check_weights, device_problem, load_config, loa
 from gqaify.model.locations import exists
 from gqaify.output.destination import destination_problems, overlap_problem, resolve_out, space_problem
 from gqaify.output.leftovers import remove_leftovers
+from gqaify.progress import announce, progress_bar
 from gqaify.records import REPORT
 from gqaify.settings import recorded
 from gqaify.sizes import parse_size
@@ -110,6 +111,7 @@ def run(settings: EvalSettings) -> Report:
     parent = parent_texts = parent_tokenizer = None
     speeds = _Speeds(s, alone=len(s.models) == 1)
     for i, (name, label) in enumerate(zip(s.models, model_labels(s.models), strict=True)):
+        announce(f"loading {label}", shown=s.progress)
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint, texts = panel.read(tokenizer, name)
         same_vocabulary = getattr(configs[i], "vocab_size", None) == getattr(configs[0], "vocab_size", None)
@@ -121,7 +123,7 @@ def run(settings: EvalSettings) -> Report:
         LOG.info("measuring %s", name)
         entry = _model_report(name, model, configs[i], fingerprint, scores, ids, s, budget)
         if s.speed:
-            speeds.time(entry, model, ids)
+            speeds.time(entry, model, ids, label)
         if harness:
             LOG.info("scoring %s on %s", name, ", ".join(harness.names))
             entry.tasks = harness.score(model, tokenizer)
@@ -134,6 +136,7 @@ def run(settings: EvalSettings) -> Report:
             entry.delta_perplexity = entry.perplexity - report.models[0].perplexity
             entry.kv_ratio_to_parent = report.models[0].kv_cache_bytes_per_token / entry.kv_cache_bytes_per_token
             if reference is not None:
+                announce(f"comparing {label}'s attention with the parent's, layer by layer", shown=s.progress)
                 found = compare(parent, model, parent_ids[: min(s.diag_tokens, s.seq_len)])
                 entry.diagnostics = found
             del model
@@ -310,7 +313,7 @@ class _Speeds:
         self.parent_entry: ModelReport | None = None
         self.parent_turns: list[tuple[Speed, Speed]] = []  # (batch 1, decode batch) beside each model
 
-    def time(self, entry: ModelReport, model, ids) -> None:
+    def time(self, entry: ModelReport, model, ids, label: str) -> None:
         """Time `model` after a prefill of `ids`' first --decode-context tokens (fewer where its positions end
         first) and write its figures into `entry`; the first model met is the parent."""
         s = self.s
@@ -320,8 +323,10 @@ class _Speeds:
             if not self.alone:
                 return  # timed in turns with each other model
         runs = [(model, context)] if self.alone else [self.parent, (model, context)]
-        single = timed_in_turns(runs, 1, s.decode_tokens, s.repeats)
-        batched = timed_in_turns(runs, s.decode_batch, s.decode_tokens, s.repeats)
+        total = 2 * len(runs) * (s.repeats + 1)  # warm-up and repeats, at batch 1 and at --decode-batch
+        with progress_bar(total=total, unit="run", desc=f"timing {label[-20:]}", shown=s.progress) as bar:
+            single = timed_in_turns(runs, 1, s.decode_tokens, s.repeats, tick=bar.update)
+            batched = timed_in_turns(runs, s.decode_batch, s.decode_tokens, s.repeats, tick=bar.update)
         _record_speed(entry, single[-1], batched[-1])
         if not self.alone:
             entry.parent_decode_spread = single[0].decode

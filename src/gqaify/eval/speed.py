@@ -45,9 +45,11 @@ def timed_in_turns(
     new_tokens: int,
     repeats: int,
     clock: Callable[[], float] = time.perf_counter,
+    tick: Callable[[], object] = lambda: None,
 ) -> list[Speed]:
     """The throughput of each (model, context_ids (1-D)) in `runs`, prefilling the context repeated `batch` times
-    and then decoding greedily: each warmed up once, then `repeats` rounds that time every model once, in order.
+    and then decoding greedily: each warmed up once, then `repeats` rounds that time every model once, in order;
+    `tick` is called after each run (a progress bar's step).
 
     Returns:
         One `Speed` per entry of `runs`, in its order.
@@ -55,10 +57,12 @@ def timed_in_turns(
     timers = [_timer(model, ids, batch, new_tokens, clock) for model, ids in runs]
     for run in timers:  # warm-up
         run()
+        tick()
     times: list[list[tuple[float, float]]] = [[] for _ in timers]  # per model: (prefill s, decode s) per round
     for _ in range(repeats):
         for run, kept in zip(timers, times, strict=True):
             kept.append(run())
+            tick()
     return [
         Speed(
             batch=batch,

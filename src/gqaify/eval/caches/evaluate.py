@@ -196,4 +196,5 @@ def _memory(s, report, rows, budget: int) -> tuple[str, float] | None:
     if room <= 0:
         return None
     whole = rows[0].bytes_per_token * rows[0].times_smaller  # the parent's f16 cache per token
-    return f"--memory-budget {s.memory_budget} at {context:,} tokens", whole * context / room
+    said = report.memory_budget or s.memory_budget
+    return f"memory budget ({said}), {context:,} tokens", whole * context / room

@@ -31,7 +31,10 @@ def verdict_text(frontier: Frontier) -> str:
     rows += [_verdict_cells(v) for v in frontier.verdicts]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    head = f"cache frontier ({frontier.engine}; KL from {frontier.reference}): at each budget, what is closest"
+    head = (
+        f"cache frontier in {frontier.engine}: at each budget (times smaller than the parent's f16 cache), the point "
+        "closest to the parent (KL from its f16 cache)"
+    )
     return "\n".join([head, *lines, f"on the front: {', '.join(frontier.front)}"])
 
 
