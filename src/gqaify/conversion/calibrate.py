@@ -50,7 +50,7 @@ from gqaify.errors import UserError, raise_if_problems
 from gqaify.model.archs import ArchSpec
 from gqaify.model.geometry import Geometry
 from gqaify.model.loading import resolve_device
-from gqaify.progress import progress_bar
+from gqaify.progress import announce, progress_bar
 from gqaify.text.loading import load_text, named_texts, tokenize
 from gqaify.text.pins import text_sha256
 
@@ -302,6 +302,7 @@ def calibrate(
     converted = layer_by_layer.skeleton(source.config, request.kv_heads) if c.mode == "sequential" else None
     unused = layer_by_layer.output_weights(parent)  # the LM head: the capture stops after the last layer
     outside = source.tensors.load([name for name in metas if spec.layer_of(name) is None and name not in unused])
+    announce(f"capturing every layer's inputs on {len(windows)} windows of calibration text", shown=progress)
     stream, inputs = layer_by_layer.capture(parent, spec, outside, windows, device)  # the parent's stream
     del outside
     ours = [x.clone() for x in stream] if converted is not None else None  # the converted stream
