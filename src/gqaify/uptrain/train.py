@@ -35,7 +35,7 @@ from gqaify.command import raise_as_said
 from gqaify.errors import UserError
 from gqaify.logs import muted
 from gqaify.model.loading import load_config, load_model
-from gqaify.progress import progress_bar
+from gqaify.progress import announce, progress_bar
 from gqaify.records import RunRecord
 from gqaify.settings import recorded
 from gqaify.uptrain.batch_size import with_batch_chosen
@@ -142,6 +142,7 @@ def _end_launch(accelerator) -> None:
 def _read_data(launched: Launched) -> RunData:
     """What the run reads before it claims output_dir (`RunData`): its training batches and its eval texts."""
     s, tokenizer = launched.s, launched.inputs.tokenizer
+    _say(launched.accelerator, s, "reading the training and evaluation texts")
     loader, steps, data_sha256 = training_loader(s, tokenizer, launched.inputs.vocab_size, launched.accelerator)
     return RunData(loader, steps, data_sha256, eval_texts(s, tokenizer))
 
@@ -200,6 +201,7 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     latest = resume_point(out / CHECKPOINTS, run.record.checkpoints, run.steps, accelerator.is_main_process)
 
     model_path = _model_to_train(s, out, accelerator)
+    _say(accelerator, s, f"loading the model to train ({model_path})" + (" and its teacher" if s.distill_from else ""))
     trust = s.trust_remote_code
     model, _ = load_model(model_path, torch.float32, "cpu", option="model", trust_remote_code=trust)
     saved_dtype = load_config(model_path, option="model", trust_remote_code=trust).dtype or torch.float32
@@ -231,6 +233,7 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     # FSDP where the launch shards
     run.save_record(started=True, distributed_type=accelerator.distributed_type.value)
     if evaluate and progress.step == 0:
+        _say(accelerator, s, "evaluating the start beside the parent, before the first step")
         evaluate()
     _train(run, loop, evaluate)
 
@@ -239,6 +242,11 @@ def _run(run: RunState, inputs: Inputs, data: RunData) -> UptrainResult:
     run.save_record(completed=True)
     accelerator.wait_for_everyone()  # every process reads the finished run (`_end_launch` ends the group)
     return _result_of_finished_run(out, run.record)
+
+
+def _say(accelerator, s, text: str) -> None:
+    """`text` on standard error from the main process, before work that shows no bar of its own."""
+    announce(text, shown=s.progress and accelerator.is_main_process)
 
 
 # -- the loop: one optimizer step, then what follows it --------------------------------------------------------
