@@ -13,9 +13,10 @@ import textwrap
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.command import flushed, reader_gone, run_command
+from gqaify.command import flushed, guarded_stdout, reader_gone, run_command, said
 from gqaify.conversion.settings import shape_titles
 from gqaify.entry.stages import STAGES, TOOLS
+from gqaify.errors import ResourceError, UserError
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
 from gqaify.settings.registry import StageEntry, resolve
@@ -70,14 +71,22 @@ class _PrintPath(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:], the process's own, which exits with the status) and
     return its exit status (`gqaify.command`)."""
+    try:
+        with guarded_stdout():  # --help, --version and --constraints print too
+            return _main(sys.argv[1:] if argv is None else argv, process_exit=argv is None)
+    except (UserError, ResourceError) as exc:  # standard output closed, or unwritable while an option printed
+        return said(exc)
+
+
+def _main(words: list[str], process_exit: bool) -> int:
+    """`main` once standard output is guarded."""
     parser = build_parser()
     try:
-        words = sys.argv[1:] if argv is None else argv
         command = next((w for w in words if not w.startswith("-")), None)
         tools = {tool.name for tool in TOOLS}
         if command in tools and any(w.split("=")[0] == "--config" for w in words):
             parser.error(f"gqaify {command} takes no --config (it has no settings to keep): give its options instead")
-        args, rest = parser.parse_known_args(argv)
+        args, rest = parser.parse_known_args(words)
         if rest and args.command in tools:  # the stages' options belong to their settings parsers
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help, --version, --constraints, or a usage error already reported on one line
@@ -85,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `gqaify --help | true`: the reader left before the text was written
         return reader_gone()
     args.rest, args.prog = rest, f"gqaify {args.command}"
-    return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=argv is None)
+    return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=process_exit)
 
 
 def _wrapped(description: str) -> str:

@@ -12,8 +12,12 @@ def recipes_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_recipes(args: argparse.Namespace) -> None:
-    """`gqaify recipes`: the listing, or one packaged file copied out."""
-    from gqaify.errors import UserError
+    """`gqaify recipes`: the listing, or one packaged file copied out. A copy is said once it is whole: where
+    standard output cannot say so (`command.guarded_stdout`), the one line that reports it names the copy too, for
+    the file is there and a second `cp` would be refused."""
+    import sys
+
+    from gqaify.errors import ResourceError, UserError
     from gqaify.packaged import copy_out, listing
 
     if args.action == "ls":
@@ -21,7 +25,12 @@ def run_recipes(args: argparse.Namespace) -> None:
     elif not args.name:
         raise UserError("gqaify recipes cp needs the NAME of a recipe (gqaify recipes lists them)")
     else:
-        print(f"copied {args.name} to {copy_out(args.name, args.destination)}")
+        target = copy_out(args.name, args.destination)
+        try:
+            print(f"copied {args.name} to {target}")
+            sys.stdout.flush()
+        except (UserError, ResourceError) as exc:
+            raise type(exc)(f"{exc}; the copy {target} is whole all the same") from None
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
