@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -25,6 +27,7 @@ from gqaify.settings.registry import StageEntry, resolve
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="gqaify",
+        allow_abbrev=False,  # --cons must not quietly mean --constraints (`_printing_alone` reads the words)
         description=f"Convert MHA checkpoints to {shape_titles()}, uptrain, and evaluate.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -86,6 +89,8 @@ def _main(words: list[str], process_exit: bool) -> int:
         tools = {tool.name for tool in TOOLS}
         if command in tools and any(w.split("=")[0] == "--config" for w in words):
             parser.error(f"gqaify {command} takes no --config (it has no settings to keep): give its options instead")
+        if refused := _printing_alone(words):
+            parser.error(refused)
         args, rest = parser.parse_known_args(words)
         if rest and args.command in tools:  # the stages' options belong to their settings parsers
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -95,6 +100,23 @@ def _main(words: list[str], process_exit: bool) -> int:
         return reader_gone()
     args.rest, args.prog = rest, f"gqaify {args.command}"
     return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=process_exit)
+
+
+# gqaify's own options that print something and run nothing (argparse prints as it meets them, deaf to what follows)
+PRINTING = {"-V": "the version", "--version": "the version", "--constraints": "a path"}
+
+
+def _printing_alone(words: list[str]) -> str | None:
+    """Why `words` are refused where they give one of gqaify's options that print something and run nothing
+    (`PRINTING`) beside another word (`gqaify --constraints convert`: a command argparse never reads), or None."""
+    leading = list(itertools.takewhile(lambda w: w.startswith("-"), words))  # gqaify's own options
+    printing = next((w for w in leading if w in PRINTING), None)
+    if printing is None:
+        return None
+    others = [w for w in words if w != printing and w not in ("-v", "--verbose")]
+    if not others:
+        return None
+    return f"{printing} prints {PRINTING[printing]} and runs nothing else; drop {shlex.join(others)}"
 
 
 def _wrapped(description: str) -> str:
