@@ -140,6 +140,23 @@ def test_bad_files_are_refused_in_one_line(capsys, tmp_path, stage, text, expect
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
+@pytest.mark.parametrize(
+    "name, text", [("r.yaml", "micro_batch_size: auto\n"), ("r.json", '{"micro_batch_size": "auto"}')]
+)
+def test_a_word_a_number_field_takes_is_read_from_a_file_as_from_the_command_line(tmp_path, name, text):
+    """micro_batch_size: auto, uptrain's own setting, was refused in every recipe and config file ("'auto' is not a
+    whole number or one of auto"): a file's text was read as a number wherever the field takes one, even where the
+    field takes that word too. Only the command line took it."""
+    (tmp_path / name).write_text(text)
+    argv = ["--recipe", str(tmp_path / name), "--model", "m", "--data", "d", "--output_dir", "o", "--max_tokens", "64"]
+    assert parse(UPTRAIN, argv).micro_batch_size == "auto"
+    (tmp_path / name).write_text(text.replace("auto", "3"))
+    assert parse(UPTRAIN, argv).micro_batch_size == 3  # YAML's number, or JSON's text of one
+    (tmp_path / name).write_text(text.replace("auto", "many"))
+    with pytest.raises(UserError, match="micro_batch_size 'many' is not a whole number or one of auto; fix the file"):
+        parse(UPTRAIN, argv)
+
+
 def test_a_positional_and_its_option_together_are_refused(capsys, tmp_path):
     code, err = run_cli(capsys, "convert", "a", "b", "--src", "c", "--kv-heads", "1")
     assert code == 2 and "SRC and --src both given" in err
