@@ -298,16 +298,19 @@ class Kind:
     said: str  # how messages name such a record
     settings: tuple[str, ...] = ("settings",)  # the keys that lead to its settings in the JSON
     not_settings: frozenset[str] = frozenset()  # keys among those settings that are no setting of its stage
+    file: str = PROVENANCE_FILE  # where in the folder it describes it is written, as --help names it
 
 
 KINDS = {
     CONVERSION: Kind((), "a conversion record"),  # `ConversionRecord`, declared above (`declare_types`)
     # final/ of an uptraining: `UptrainedRecord`, or the conversion's record with "uptrain" (a converted model)
-    UPTRAINED: Kind((UptrainedRecord,), "an uptrained model's record", settings=("uptrain", "settings")),
-    REPORT: Kind((ReportRecord,), "an eval report"),
+    UPTRAINED: Kind(
+        (UptrainedRecord,), "an uptrained model's record", settings=("uptrain", "settings"), file="final/gqaify.json"
+    ),
+    REPORT: Kind((ReportRecord,), "an eval report", file="report.json"),
     CORPUS: Kind((CorpusRecord,), "a generated corpus's record"),
     # run.json: the settings that make the run, and the processes it was launched with (an accelerate launch's)
-    RUN: Kind((RunRecord,), "an uptraining run's record", not_settings=frozenset({"processes"})),
+    RUN: Kind((RunRecord,), "an uptraining run's record", not_settings=frozenset({"processes"}), file=RUN_FILE),
 }
 _ABOVE: dict[str, tuple[str, ...]] = {}  # kind: the types declared above this module that it is read as, by name
 

@@ -74,6 +74,24 @@ def test_every_field_is_an_option_with_its_help(capsys):
             assert " ".join(field.metadata["help"].split()[:4]) in shown, (stage.command, field.name)
 
 
+@pytest.mark.parametrize(
+    "command, records",
+    [
+        ("convert", "the gqaify.json gqaify convert wrote"),
+        ("eval", "the report.json gqaify eval wrote"),
+        ("generate", "the gqaify.json gqaify generate wrote"),
+        ("uptrain", "the run.json or final/gqaify.json gqaify uptrain wrote"),
+    ],
+)
+def test_each_commands_config_option_names_the_records_that_rerun_it(capsys, command, records):
+    """`uptrain --help` said --recipe takes "the gqaify.json or report.json gqaify wrote", and an eval's report.json
+    given to it is refused as eval's: each command names the records it reruns from (`Stage.record_files`)."""
+    assert main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"YAML file of settings (its keys are the options below), or {records} (its settings: a rerun)" in text
+    assert ("report.json" in text.split("--config FILE")[-1]) == (command == "eval")
+
+
 def test_a_file_options_and_keywords_give_the_same_settings(tmp_path):
     values = {
         "src": "org/model",
