@@ -83,6 +83,16 @@ def _run(command: Callable[[], object], process_exit: bool) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def written_before_a_stop(what: str):
+    """Within, a stage's output is whole already (what is left is its summary): a stop (Ctrl-C, SIGTERM) says `what`
+    was written, where it said "nothing was written" of a conversion it cut short only in its summary."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        raise as_interrupt(exc).with_message(what) from None
+
+
 def said(exc: UserError | ResourceError) -> int:
     """Say `exc` on its one line and return its exit status: 2 for bad input, 1 for a resource that ran out."""
     say(f"gqaify: error: {exc}")

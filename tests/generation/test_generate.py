@@ -112,6 +112,22 @@ def test_a_corpus_given_as_the_model_is_named_as_one(tiny, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"] and tree_hashes(corpus) == before
 
 
+def test_a_stop_after_the_corpus_is_written_says_it_is_complete(tiny, tmp_path, capsys, monkeypatch):
+    """Stopped in its summary, once the corpus was whole, generate said "interrupted; nothing was written"."""
+    import gqaify.summary
+
+    def stopped(corpus):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gqaify.summary, "format_corpus_summary", stopped)
+    out = tmp_path / "corpus"
+    code, err = run_cli(capsys, "generate", tiny["parent"], out, "--tokens", "32", "--length", "8", "--batch-size", "4")
+    assert code == 130 and err.endswith(
+        f"gqaify: interrupted; {out} is complete: the corpus was written before the stop\n"
+    )
+    assert json.loads((out / "gqaify.json").read_text())["complete"]
+
+
 def test_a_corpus_of_a_later_gqaify_is_said_to_be_one(tmp_path, capsys):
     """A corpus whose record this gqaify cannot read (a later one's, with a field it does not know) is no folder of
     something else: the refusal says which gqaify wrote it, in one line, and the corpus is left as it was."""
