@@ -97,6 +97,29 @@ def test_every_listed_accelerate_config_reads_as_the_launch_its_entry_says_and_r
         assert recipe.distributed == (max(launched.get(recipe.name, {1})) > 1), (recipe.name, launched)
 
 
+@pytest.mark.parametrize("config", LAUNCH_REGISTRY, ids=lambda c: c.name)
+def test_every_packaged_accelerate_config_is_complete_for_accelerates_own_config_class(config):
+    """accelerate's ClusterConfig requires compute_environment, distributed_type, mixed_precision, use_cpu and debug,
+    and `accelerate launch` fills in what a file leaves out (BaseConfig.process_config): a config that leans on it
+    is one deleted line from accelerate's own traceback (a file without its distributed_type stops there, before
+    gqaify runs). Each packaged config gives every key accelerate would fill in, so that its class is made from the
+    file as it stands, and its loading adds nothing; accelerate's own loader reads it as --plan does."""
+    import dataclasses
+
+    from accelerate.commands.config.config_args import BaseConfig, ClusterConfig, load_config_from_file
+
+    from gqaify.uptrain.plan import Launch
+
+    data = yaml.safe_load(config.file.read_text())
+    required = {f.name for f in dataclasses.fields(ClusterConfig) if f.default is dataclasses.MISSING}
+    assert required <= set(data), sorted(required - set(data))
+    assert BaseConfig.process_config(dict(data)) == data  # accelerate fills in nothing
+    made = ClusterConfig(**data)
+    loaded = load_config_from_file(str(config.file))
+    assert loaded == made and loaded.num_processes == config.processes == Launch.read(config.file).processes
+    assert loaded.distributed_type == data["distributed_type"]
+
+
 def test_every_recipe_and_config_is_listed_with_what_it_is_and_its_command(capsys):
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -3,10 +3,13 @@ nothing."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 
-def _log_of(monkeypatch, seconds_per_step: float, steps: int, shown: bool = True) -> list[str]:
+def _log_of(
+    monkeypatch, seconds_per_step: float, steps: int, shown: bool = True, desc: str = "fitting MLA layers"
+) -> list[str]:
     """The lines a bar of `steps` steps of `seconds_per_step` each (on tqdm's clock, made to advance by that much
     a step) writes where standard error is a log, not a terminal."""
     import io
@@ -19,7 +22,7 @@ def _log_of(monkeypatch, seconds_per_step: float, steps: int, shown: bool = True
     monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
     log = io.StringIO()  # no terminal
     monkeypatch.setattr(sys, "stderr", log)
-    bar = progress_bar(range(steps), shown=shown, desc="fitting MLA layers", unit="layer")
+    bar = progress_bar(range(steps), shown=shown, desc=desc, unit="layer")
     for step in bar:
         clock[0] += seconds_per_step
         bar.set_postfix(out=f"{step / 100:.3f}")  # redraws at once on a terminal; in a log, at the bar's pace
@@ -41,3 +44,53 @@ def test_in_a_log_a_bar_is_a_line_a_minute_and_its_end(monkeypatch):
 def test_in_a_log_work_done_within_a_minute_or_asked_quiet_writes_nothing(monkeypatch):
     assert _log_of(monkeypatch, 25.0, 2) == []  # 50 s
     assert _log_of(monkeypatch, 25.0, 10, shown=False) == []  # --no-progress, -q
+
+
+def test_in_a_log_a_bar_says_its_end_once_and_its_description_whole(monkeypatch):
+    """A bar whose last step came a minute or more after its previous line wrote its 100% line twice (tqdm's close
+    writes the final line whatever the last one said); a long description (a model's path) is written whole."""
+    lines = _log_of(monkeypatch, 65.0, 3)
+    assert [line.split()[4] for line in lines] == ["1/3", "2/3", "3/3"], lines
+    name = "perplexity of /models/" + "a-long-folder-name/" * 8 + "final · wikitext"
+    lines = _log_of(monkeypatch, 25.0, 10, desc=name)
+    assert lines[-1].startswith(f"{name}: 100% 10/10 ")
+
+
+def test_on_a_terminal_a_long_description_is_cut_in_its_middle_and_the_figures_show(monkeypatch):
+    """On a terminal, tqdm cuts a line too long for it at its right end: a long description (a model's path) left
+    the bar no figures at all. It is cut in its middle, its start and its end (the model's name) kept."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from gqaify.progress import progress_bar
+
+    main, child = os.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 24 rows, 80 columns
+    name = "perplexity of /models/" + "a-long-folder-name/" * 8 + "final · wikitext"
+    with os.fdopen(child, "w") as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        for _ in progress_bar(range(3), shown=True, desc=name, unit="layer"):
+            pass
+    drawn = os.read(main, 1 << 16).decode()
+    os.close(main)
+    last = [line for line in re.split("[\r\n]", drawn) if "100%" in line][-1].rstrip()
+    assert len(last) <= 80 and re.search(r" 3/3 \[[^]]*layer[^]]*\]$", last), drawn  # the figures, whole
+    assert last.startswith("perplexity of ") and "..." in last and "· wikitext: 100%" in last, drawn
+
+
+def test_every_bar_says_what_it_counts():
+    """The MLA fit's bar counted "it" where the others count layers, windows, tokens or bytes: every bar in gqaify
+    names its unit."""
+    import ast
+
+    from helpers import REPO
+
+    unnamed = []
+    for path in sorted((REPO / "src" / "gqaify").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            bar = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "progress_bar"
+            if bar and not any(k.arg == "unit" for k in node.keywords):
+                unnamed.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert unnamed == []

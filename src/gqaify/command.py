@@ -7,12 +7,18 @@ launch stopped (one line; `errors.peer_lost`), or an internal error (a bug: the 
 interrupted with Ctrl-C, 143 stopped with SIGTERM (one line saying what is left); 141, with nothing said, where the
 reader of its output went away (`gqaify recipes | head`). A stage that leaves something behind when it fails (uptrain's
 checkpoints) says what, and this module makes the line (`Left`, `raise_as_said`).
+
+Standard output is written with care too (`guarded_stdout`): a command started with it closed (`>&-`) is refused
+before it does anything (2); one that cannot write it (`> /dev/full`: 1 for a full disk, 2 for anything else) says
+so in one line, never in a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import signal
 import sys
 import threading
@@ -40,6 +46,15 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
     in a launch stopped then keeps SIGTERM ignored to its exit (`_sigterm_as_interrupt`); otherwise, a caller in
     the same process, every signal handler is as it was before."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        with guarded_stdout():
+            return _run(command, process_exit)
+    except UserError as exc:  # standard output closed: refused before the command does anything
+        return said(exc)
+
+
+def _run(command: Callable[[], object], process_exit: bool) -> int:
+    """`run_command` once standard output is guarded: the command's exit status, its failure said in one line."""
     with _sigterm_as_interrupt(process_exit) as ignore_sigterm:
         try:
             command()
@@ -49,8 +64,7 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
         except (UserError, ResourceError) as exc:
             if peer_lost(exc):  # a stage that said what its peer's stop left (uptrain's checkpoints)
                 ignore_sigterm()
-            say(f"gqaify: error: {exc}")
-            return 2 if isinstance(exc, UserError) else 1
+            return said(exc)
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (an `Interrupted`)
             return _stopped(as_interrupt(exc))
         except BrokenPipeError:  # `gqaify recipes | head`: the reader has what it wanted
@@ -67,6 +81,22 @@ def run_command(command: Callable[[], object], verbose: bool = False, process_ex
             say("gqaify: internal error (a bug in gqaify, not in your input); please report it")
             return 1
     return 0
+
+
+@contextlib.contextmanager
+def written_before_a_stop(what: str):
+    """Within, a stage's output is whole already (what is left is its summary): a stop (Ctrl-C, SIGTERM) says `what`
+    was written, where it said "nothing was written" of a conversion it cut short only in its summary."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        raise as_interrupt(exc).with_message(what) from None
+
+
+def said(exc: UserError | ResourceError) -> int:
+    """Say `exc` on its one line and return its exit status: 2 for bad input, 1 for a resource that ran out."""
+    say(f"gqaify: error: {exc}")
+    return 2 if isinstance(exc, UserError) else 1
 
 
 @dataclass(frozen=True)
@@ -121,12 +151,97 @@ def quiet_transformers() -> None:
 
 def flushed(code: int) -> int:
     """`code`, once what is buffered for standard output is written; `reader_gone`'s status where its reader left
-    (`gqaify --help | true`)."""
+    (`gqaify --help | true`), and the one line of standard output that cannot be written (`guarded_stdout`)."""
     try:
         sys.stdout.flush()
     except BrokenPipeError:
         return reader_gone()
+    except (UserError, ResourceError) as exc:
+        return said(exc)
     return code
+
+
+# What a command started with its standard output closed (`gqaify recipes >&-`) is told: Python gives it no
+# sys.stdout at all, where every print would be lost without a word (and a library's write to file descriptor 1
+# would land in whatever file the process opened next).
+CLOSED_STDOUT = (
+    "standard output is closed (>&-), so nothing gqaify prints could be read; give the command one: > FILE, or "
+    "> /dev/null to discard what it prints"
+)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the disk behind standard output is full
+
+
+@contextlib.contextmanager
+def guarded_stdout():
+    """Within, standard output says its own failures (`_Stdout`): a write or flush that fails, other than for a
+    reader gone (`reader_gone`), raises the one-line `ResourceError` (no room: `> /dev/full`, a full disk) or
+    `UserError` (anything else) that `run_command` says. Nested, the outer one holds.
+
+    Raises:
+        UserError: standard output is closed (`CLOSED_STDOUT`), before the block runs.
+    """
+    if sys.stdout is None:
+        raise UserError(CLOSED_STDOUT)
+    if isinstance(sys.stdout, _Stdout):
+        yield
+        return
+    stream = sys.stdout
+    sys.stdout = _Stdout(stream)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stdout, _Stdout) and sys.stdout.stream is stream:
+            sys.stdout = stream
+
+
+class _Stdout:
+    """Standard output (`stream`), whose failures to write are said as gqaify says every failure: in one line. A
+    failure that is not Python's own (an `OSError` such as ENOSPC) raised from `print` looked like gqaify's bug; it
+    is also one that argparse swallows, printing --help, so that nothing was said and the status was 0."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:  # the reader left: `run_command` says nothing (141)
+            raise
+        except OSError as exc:
+            raise _unwritable(self.stream, exc) from None
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _unwritable(self.stream, exc) from None
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding, buffer...: the stream's own
+        return getattr(self.stream, name)
+
+
+def _unwritable(stream, exc: OSError) -> UserError | ResourceError:
+    """The one-line error for standard output (`stream`) that failed with `exc`; what is still buffered for it is
+    dropped (its file descriptor pointed at /dev/null, as `reader_gone` does), so that the exit's own flush cannot
+    fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    why = exc.strerror or str(exc)
+    if exc.errno in _NO_ROOM:
+        return ResourceError(
+            f"standard output cannot be written ({why}), so what gqaify printed there is lost; point it at a file "
+            "on a disk with room, or > /dev/null"
+        )
+    return UserError(
+        f"standard output cannot be written ({why}), so what gqaify printed there is lost; point it at a file "
+        "or terminal it can write, or > /dev/null"
+    )
 
 
 def reader_gone() -> int:

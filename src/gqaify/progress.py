@@ -5,6 +5,10 @@ nothing where the command was asked for none (`--no-progress`, `-q`).
 A terminal that reports no size (a pseudo-terminal nobody sized: `script`, `ssh -T`, some IDEs and CI consoles)
 made tqdm draw nothing at all for the minutes of a fit: it takes 0 rows as no room for a bar. Such a terminal is
 given 80 columns and 24 rows.
+
+A description is given whole (a model's name, its path): a log writes it whole, and a terminal that it leaves too
+little room cuts it in its middle, its start and its end kept, so that the figures after it still show (tqdm cuts a
+line too long for the terminal at its right end, figures first).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ def progress_bar(iterable=None, *, shown: bool, **kwargs) -> tqdm:
         lines = _Lines(sys.stderr)
         return _LogBar(iterable, file=lines, ncols=0, mininterval=LOG_EVERY, delay=LOG_EVERY, miniters=1, **kwargs)
     columns, rows = _size()
+    if isinstance(kwargs.get("desc"), str):
+        kwargs["desc"] = _fitted(kwargs["desc"], columns or _width())
     return tqdm(iterable, ncols=columns, nrows=rows, **kwargs)
 
 
@@ -46,6 +52,13 @@ class _LogBar(tqdm):
 
     def set_description(self, desc=None, refresh=True):
         super().set_description(desc, refresh=False)
+
+    def close(self):
+        """tqdm's close, which writes the bar's final line, unless the line written last already says it: a bar
+        whose last step came a minute or more after its previous line wrote its 100% line twice."""
+        if not self.disable and getattr(self, "last_print_n", None) == self.n:
+            self.leave = False  # tqdm then clears the bar instead, which in a log writes nothing
+        super().close()
 
 
 class _Lines:
@@ -69,6 +82,28 @@ def _on_a_terminal() -> bool:
         return sys.stderr.isatty()
     except (ValueError, AttributeError):  # closed, or no standard error at all
         return False
+
+
+# the room a terminal bar keeps for its figures ("100% 10/10 [04:10<00:00, 25.00s/layer]") and a bar worth seeing
+FIGURES = 48
+
+
+def _fitted(desc: str, columns: int) -> str:
+    """`desc` on a terminal of `columns`: whole where it leaves `FIGURES` columns, else cut in its middle (its start
+    and its end kept: the kind of work, and the end of a model's name or path) to leave them."""
+    room = max(columns - FIGURES, 16)
+    if len(desc) <= room:
+        return desc
+    head = (room - 3) // 2
+    return f"{desc[:head]}...{desc[len(desc) - (room - 3 - head) :]}"
+
+
+def _width() -> int:
+    """The columns of the terminal standard error is, or `UNSIZED`'s where it says none (or cannot be asked)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns or UNSIZED[0]
+    except (OSError, ValueError, AttributeError):
+        return UNSIZED[0]
 
 
 def _size() -> tuple[int | None, int | None]:

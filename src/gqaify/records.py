@@ -305,13 +305,16 @@ class Kind:
     # (the name of its file, the setting that is the folder it sits in): such a record addresses where it is now, so
     # that a folder moved or copied is rerun where it is; read under another name, it is refused
     sits_in: tuple[str, str] | None = None
+    file: str = PROVENANCE_FILE  # where in the folder it describes it is written, as --help names it
 
 
 KINDS = {
     CONVERSION: Kind((), "a conversion record"),  # `ConversionRecord`, declared above (`declare_types`)
     # final/ of an uptraining: `UptrainedRecord`, or the conversion's record with "uptrain" (a converted model)
-    UPTRAINED: Kind((UptrainedRecord,), "an uptrained model's record", settings=("uptrain", "settings")),
-    REPORT: Kind((ReportRecord,), "an eval report"),
+    UPTRAINED: Kind(
+        (UptrainedRecord,), "an uptrained model's record", settings=("uptrain", "settings"), file="final/gqaify.json"
+    ),
+    REPORT: Kind((ReportRecord,), "an eval report", file="report.json"),
     CORPUS: Kind((CorpusRecord,), "a generated corpus's record"),
     # run.json: the settings that make the run, and the processes it was launched with (an accelerate launch's)
     RUN: Kind(
@@ -319,6 +322,7 @@ KINDS = {
         "an uptraining run's record",
         not_settings=frozenset({"processes"}),
         sits_in=(RUN_FILE, "output_dir"),  # run.json reruns the run in its own folder, wherever that is now
+        file=RUN_FILE,
     ),
 }
 _ABOVE: dict[str, tuple[str, ...]] = {}  # kind: the types declared above this module that it is read as, by name

@@ -378,3 +378,23 @@ def test_a_failed_push_keeps_the_complete_folder_and_says_how_to_push_it(mha_lla
     code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "--push-to-hub", "you/x", "-q")
     assert code == 2 and err.count("\n") == 1 and "hf upload you/x" in err and "Unauthorized" in err, err
     assert load(tmp_path / "out").config.num_key_value_heads == 2  # complete, loadable
+
+
+def test_a_stop_after_the_conversion_says_it_is_complete_not_that_nothing_was_written(
+    mha_llama, tmp_path, capsys, monkeypatch
+):
+    """A conversion stopped once its OUT was in place (in its summary: a convert whose standard output was closed
+    sat there until stopped) said "interrupted; nothing was written" beside the complete OUT. It says OUT is
+    complete, and OUT is as an uninterrupted run leaves it."""
+    import gqaify.summary
+
+    _, src = mha_llama
+
+    def stopped(result):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gqaify.summary, "format_summary", stopped)
+    code, err = run_cli(capsys, "convert", src, tmp_path / "out", "--kv-heads", "2", "-q")
+    out = tmp_path / "out"
+    assert code == 130 and err == f"gqaify: interrupted; {out} is complete: the conversion ended before the stop\n"
+    assert (out / "config.json").is_file() and read_all(out)

@@ -240,6 +240,21 @@ def test_the_two_starts_are_judged_on_calibration_text_no_fit_read(parent, tmp_p
             ["--kv-cut", "2", "--attention", "mla", "--kv-rank", "30", "--calib-data", "x.txt"],
             "--kv-cut 2 with --kv-rank 30 leaves a rotary key of 34 values, not a multiple of 8",
         ),
+        # a width that takes every value the cut leaves was "the latent needs at least 1 and the rotary key 2",
+        # naming neither option the user gave
+        (
+            ["--kv-cut", "2", "--attention", "mla", "--rope-dims", "64", "--calib-data", "x.txt"],
+            "--kv-cut 2 leaves 64 values per token and layer, and --rope-dims 64 takes every one, leaving the latent "
+            "none (it needs at least 1); give --rope-dims below 64",
+        ),
+        (
+            ["--kv-cut", "2", "--attention", "mla", "--rope-dims", "96", "--calib-data", "x.txt"],
+            "and --rope-dims 96 takes more than that",
+        ),
+        (
+            ["--kv-cut", "2", "--attention", "mla", "--kv-rank", "70", "--calib-data", "x.txt"],
+            "and --kv-rank 70 leaves the rotary key 0 (it needs at least 2); give --kv-rank at most 56",
+        ),
     ],
 )
 def test_a_cut_that_cannot_be_made_is_one_line_and_writes_nothing(parent, tmp_path, capsys, argv, says):

@@ -117,3 +117,32 @@ def test_help_says_each_default_once_and_titles_its_groups_in_words(capsys):
         assert all("`" not in t and not t.endswith(",") for t in titles), (command, titles)
     assert main(["--help"]) == 0
     assert "latent attention (MLA)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["recipes", "ls", "extra"], "gqaify recipes ls lists every packaged file and takes nothing more; drop extra"),
+        (["recipes", "ls", "a", "b"], "takes nothing more; drop a b"),
+        (["--constraints", "convert"], "--constraints prints a path and runs nothing else; drop convert"),
+        (["--constraints", "recipes", "ls"], "--constraints prints a path and runs nothing else; drop recipes ls"),
+        (["--version", "eval", "x"], "--version prints the version and runs nothing else; drop eval x"),
+        (["-V", "--constraints"], "-V prints the version and runs nothing else; drop --constraints"),
+    ],
+)
+def test_stray_words_are_refused_not_ignored(capsys, argv, says):
+    """`gqaify recipes ls extra` listed the recipes and `gqaify --constraints convert` printed the path, each exit 0,
+    the word the user gave read by nothing. They are refused in one line, exit 2, printing nothing."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("gqaify: error: ") and says in err, err
+
+
+def test_the_printing_options_alone_or_verbose_still_print(capsys):
+    from gqaify.packaged import CONSTRAINTS
+
+    for argv in (["--constraints"], ["-v", "--constraints"], ["--constraints", "--verbose"]):
+        assert main(argv) == 0 and capsys.readouterr().out == f"{CONSTRAINTS}\n", argv
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("gqaify ")
+    assert main(["--cons", "convert"]) == 2  # no abbreviation: argparse read it as --constraints, deaf to convert
+    assert capsys.readouterr().out == ""

@@ -93,6 +93,41 @@ def test_a_folder_gqaify_did_not_write_is_refused(tmp_path, capsys):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+def test_a_corpus_given_as_the_model_is_named_as_one(tiny, tmp_path, capsys):
+    """A corpus (a folder gqaify generate wrote) given as MODEL was "could not be read (ValueError)": it is named as
+    the corpus it is, to generate as to uptrain, and nothing is written."""
+    corpus = tmp_path / "corpus"
+    argv = ["--tokens", "32", "--length", "8", "--batch-size", "4", "-q"]
+    assert main(["generate", str(tiny["parent"]), str(corpus), *argv]) == 0
+    said = (
+        f"MODEL {corpus} is a corpus gqaify generate wrote (text for --data or --calib-data), not a model (it has no "
+        "config.json); name the model folder or hub id"
+    )
+    before = tree_hashes(corpus)
+    code, err = run_cli(capsys, "generate", corpus, tmp_path / "again", *argv)
+    assert code == 2 and one_line(err) == f"gqaify: error: {said}"
+    run = ["--data", tiny["train"], "--output_dir", tmp_path / "run", "--max_tokens", "64", "--seq_len", "16"]
+    code, err = run_cli(capsys, "uptrain", "--model", corpus, *run)
+    assert code == 2 and said.replace("MODEL", "model", 1) in one_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"] and tree_hashes(corpus) == before
+
+
+def test_a_stop_after_the_corpus_is_written_says_it_is_complete(tiny, tmp_path, capsys, monkeypatch):
+    """Stopped in its summary, once the corpus was whole, generate said "interrupted; nothing was written"."""
+    import gqaify.summary
+
+    def stopped(corpus):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gqaify.summary, "format_corpus_summary", stopped)
+    out = tmp_path / "corpus"
+    code, err = run_cli(capsys, "generate", tiny["parent"], out, "--tokens", "32", "--length", "8", "--batch-size", "4")
+    assert code == 130 and err.endswith(
+        f"gqaify: interrupted; {out} is complete: the corpus was written before the stop\n"
+    )
+    assert json.loads((out / "gqaify.json").read_text())["complete"]
+
+
 def test_a_corpus_of_a_later_gqaify_is_said_to_be_one(tmp_path, capsys):
     """A corpus whose record this gqaify cannot read (a later one's, with a field it does not know) is no folder of
     something else: the refusal says which gqaify wrote it, in one line, and the corpus is left as it was."""

@@ -15,7 +15,7 @@ from gqaify.text.loading import packed_blocks
 from gqaify.uptrain import parse
 from gqaify.uptrain import run as uptrain
 from gqaify.uptrain.metrics import read_metrics
-from helpers import run_cli
+from helpers import one_line, run_cli
 from helpers import uptrain_args as args
 
 
@@ -117,6 +117,25 @@ def test_scoring_refuses_sampling_options_and_more_tokens_than_the_text_holds(ti
         "--length", "16", "--tokens", "10000000", "--no-progress",
     )  # fmt: skip
     assert code == 2 and "more than the" in err and "lower --tokens" in err and not (tmp_path / "y").exists()
+
+
+def test_scoring_refuses_a_shard_larger_than_its_tokens_and_scores_what_it_is_asked(tiny, tmp_path, capsys):
+    """`--tokens 64 --length 16` scored 256 tokens without a word: one whole shard of the default --batch-size, 16
+    blocks. A shard larger than --tokens is refused, saying why and what fits, and writes nothing; what fits scores
+    the 64 tokens asked."""
+    argv = ["generate", tiny["parent"], tmp_path / "x", "--score-data", tiny["train"], "--top-logprobs", "4"]
+    argv += ["--tokens", "64", "--length", "16", "--no-progress"]
+    code, err = run_cli(capsys, *argv)
+    assert code == 2 and one_line(err).endswith(
+        "--score-data scores whole shards of --batch-size 16 blocks of --length 16, 256 tokens, more than --tokens "
+        "64; lower --batch-size to 4, or raise --tokens to 256"
+    )
+    assert not (tmp_path / "x").exists()
+    code, err = run_cli(capsys, *argv, "--tokens", "8")
+    assert code == 2 and "--tokens 8 is less than one block of --length 16 (--score-data scores whole blocks)" in err
+    assert run_cli(capsys, *argv, "--batch-size", "4")[0] == 0
+    assert sum(row["tokens"] for row in rows_of(tmp_path / "x")) == 64
+    assert json.loads((tmp_path / "x" / "gqaify.json").read_text())["tokens"] == 64
 
 
 def test_uptrain_refuses_scored_text_read_in_other_blocks(tiny, tmp_path):

@@ -74,6 +74,24 @@ def test_every_field_is_an_option_with_its_help(capsys):
             assert " ".join(field.metadata["help"].split()[:4]) in shown, (stage.command, field.name)
 
 
+@pytest.mark.parametrize(
+    "command, records",
+    [
+        ("convert", "the gqaify.json gqaify convert wrote"),
+        ("eval", "the report.json gqaify eval wrote"),
+        ("generate", "the gqaify.json gqaify generate wrote"),
+        ("uptrain", "the run.json or final/gqaify.json gqaify uptrain wrote"),
+    ],
+)
+def test_each_commands_config_option_names_the_records_that_rerun_it(capsys, command, records):
+    """`uptrain --help` said --recipe takes "the gqaify.json or report.json gqaify wrote", and an eval's report.json
+    given to it is refused as eval's: each command names the records it reruns from (`Stage.record_files`)."""
+    assert main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"YAML file of settings (its keys are the options below), or {records} (its settings: a rerun)" in text
+    assert ("report.json" in text.split("--config FILE")[-1]) == (command == "eval")
+
+
 def test_a_file_options_and_keywords_give_the_same_settings(tmp_path):
     values = {
         "src": "org/model",
@@ -138,6 +156,23 @@ def test_bad_files_are_refused_in_one_line(capsys, tmp_path, stage, text, expect
     code, err = run_cli(capsys, stage.command, "--config", tmp_path / "c.yaml")
     assert code == 2 and err.count("\n") == 1 and expect in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+@pytest.mark.parametrize(
+    "name, text", [("r.yaml", "micro_batch_size: auto\n"), ("r.json", '{"micro_batch_size": "auto"}')]
+)
+def test_a_word_a_number_field_takes_is_read_from_a_file_as_from_the_command_line(tmp_path, name, text):
+    """micro_batch_size: auto, uptrain's own setting, was refused in every recipe and config file ("'auto' is not a
+    whole number or one of auto"): a file's text was read as a number wherever the field takes one, even where the
+    field takes that word too. Only the command line took it."""
+    (tmp_path / name).write_text(text)
+    argv = ["--recipe", str(tmp_path / name), "--model", "m", "--data", "d", "--output_dir", "o", "--max_tokens", "64"]
+    assert parse(UPTRAIN, argv).micro_batch_size == "auto"
+    (tmp_path / name).write_text(text.replace("auto", "3"))
+    assert parse(UPTRAIN, argv).micro_batch_size == 3  # YAML's number, or JSON's text of one
+    (tmp_path / name).write_text(text.replace("auto", "many"))
+    with pytest.raises(UserError, match="micro_batch_size 'many' is not a whole number or one of auto; fix the file"):
+        parse(UPTRAIN, argv)
 
 
 def test_a_positional_and_its_option_together_are_refused(capsys, tmp_path):

@@ -3,6 +3,8 @@ the command line over a recipe, and what a conversion inside uptraining calibrat
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gqaify.settings import text_lists
@@ -12,6 +14,9 @@ from gqaify.uptrain.settings import load_recipe
 from helpers import (
     REPO,
     needs_assets,
+    one_line,
+    run_cli,
+    uptrain_args,
 )
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -102,3 +107,17 @@ def test_a_calibrated_conversion_is_fitted_on_the_training_data_unless_told_othe
     assert own.calib_data == ["c.txt"] and own.calib_weights is None
     plain = parse([*argv[:-2], "--method", "mean", *mixture]).conversion(tmp_path / "c")
     assert plain.calib_data is None  # mean-pooling reads no text
+
+
+def test_a_seq_len_past_the_models_positions_is_named_with_them_not_only_as_a_budget(tiny, tmp_path, capsys):
+    """`--seq-len 1000000000000` was refused as a budget smaller than one optimizer step, the model's positions
+    unnamed: the settings' own check ran before the model's config was read. The command line names them first,
+    reading the local model's config.json (before torch is loaded, nothing written)."""
+    positions = json.loads((tiny["converted"] / "config.json").read_text())["max_position_embeddings"]
+    argv = uptrain_args(tiny, tmp_path / "run", "--seq_len", "1000000000000")
+    code, err = run_cli(capsys, "uptrain", *argv)
+    assert code == 2 and one_line(err).startswith(
+        f"gqaify: error: seq_len 1000000000000 exceeds the {positions} positions of {tiny['converted']}; lower "
+        "seq_len; the budget of 1,280 tokens is less than one optimizer step"
+    )
+    assert not (tmp_path / "run").exists()

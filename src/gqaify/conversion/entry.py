@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gqaify.command import quiet_transformers
+from gqaify.command import quiet_transformers, written_before_a_stop
 from gqaify.conversion.settings import CONVERT
 from gqaify.settings import parse
 
@@ -14,4 +14,6 @@ def command_line(argv: list[str], prog: str) -> None:
     from gqaify.conversion.core import convert_with
     from gqaify.summary import format_summary
 
-    print(format_summary(convert_with(settings)))
+    result = convert_with(settings)
+    with written_before_a_stop(f"{result.out} is complete: the conversion ended before the stop"):
+        print(format_summary(result))

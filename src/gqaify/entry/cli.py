@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
+import shlex
 import sys
 import textwrap
 from pathlib import Path
 
 from gqaify._version import __version__
-from gqaify.command import flushed, reader_gone, run_command
+from gqaify.command import flushed, guarded_stdout, reader_gone, run_command, said
 from gqaify.conversion.settings import shape_titles
 from gqaify.entry.stages import STAGES, TOOLS
+from gqaify.errors import ResourceError, UserError
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser
 from gqaify.settings.registry import StageEntry, resolve
@@ -24,6 +27,7 @@ from gqaify.settings.registry import StageEntry, resolve
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="gqaify",
+        allow_abbrev=False,  # --cons must not quietly mean --constraints (`_printing_alone` reads the words)
         description=f"Convert MHA checkpoints to {shape_titles()}, uptrain, and evaluate.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -70,14 +74,24 @@ class _PrintPath(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:], the process's own, which exits with the status) and
     return its exit status (`gqaify.command`)."""
+    try:
+        with guarded_stdout():  # --help, --version and --constraints print too
+            return _main(sys.argv[1:] if argv is None else argv, process_exit=argv is None)
+    except (UserError, ResourceError) as exc:  # standard output closed, or unwritable while an option printed
+        return said(exc)
+
+
+def _main(words: list[str], process_exit: bool) -> int:
+    """`main` once standard output is guarded."""
     parser = build_parser()
     try:
-        words = sys.argv[1:] if argv is None else argv
         command = next((w for w in words if not w.startswith("-")), None)
         tools = {tool.name for tool in TOOLS}
         if command in tools and any(w.split("=")[0] == "--config" for w in words):
             parser.error(f"gqaify {command} takes no --config (it has no settings to keep): give its options instead")
-        args, rest = parser.parse_known_args(argv)
+        if refused := _printing_alone(words):
+            parser.error(refused)
+        args, rest = parser.parse_known_args(words)
         if rest and args.command in tools:  # the stages' options belong to their settings parsers
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help, --version, --constraints, or a usage error already reported on one line
@@ -85,7 +99,24 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `gqaify --help | true`: the reader left before the text was written
         return reader_gone()
     args.rest, args.prog = rest, f"gqaify {args.command}"
-    return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=argv is None)
+    return run_command(lambda: args.run(args), verbose=args.verbose, process_exit=process_exit)
+
+
+# gqaify's own options that print something and run nothing (argparse prints as it meets them, deaf to what follows)
+PRINTING = {"-V": "the version", "--version": "the version", "--constraints": "a path"}
+
+
+def _printing_alone(words: list[str]) -> str | None:
+    """Why `words` are refused where they give one of gqaify's options that print something and run nothing
+    (`PRINTING`) beside another word (`gqaify --constraints convert`: a command argparse never reads), or None."""
+    leading = list(itertools.takewhile(lambda w: w.startswith("-"), words))  # gqaify's own options
+    printing = next((w for w in leading if w in PRINTING), None)
+    if printing is None:
+        return None
+    others = [w for w in words if w != printing and w not in ("-v", "--verbose")]
+    if not others:
+        return None
+    return f"{printing} prints {PRINTING[printing]} and runs nothing else; drop {shlex.join(others)}"
 
 
 def _wrapped(description: str) -> str:

@@ -3,7 +3,7 @@ launch)."""
 
 from __future__ import annotations
 
-from gqaify.command import quiet_transformers
+from gqaify.command import quiet_transformers, written_before_a_stop
 from gqaify.generation.settings import GENERATE
 from gqaify.settings import parse
 
@@ -17,5 +17,6 @@ def command_line(argv: list[str], prog: str) -> None:
     from gqaify.summary import format_corpus_summary
 
     corpus = generate_corpus(settings)
-    if Processes.launched().main:  # one summary per launch
-        print(format_corpus_summary(corpus))
+    with written_before_a_stop(f"{corpus.out} is complete: the corpus was written before the stop"):
+        if Processes.launched().main:  # one summary per launch
+            print(format_corpus_summary(corpus))

@@ -120,7 +120,28 @@ class GenerateSettings(Out, Seed, Runtime):
             ]
             if not self.top_logprobs:
                 problems.append("--score-data stores the parent's top-K at every position; give --top-logprobs K")
+            problems += [p for p in [self._shard_problem()] if p]
         return problems
+
+    def _shard_problem(self) -> str | None:
+        """A shard of scored text larger than --tokens: the text is scored in whole shards of --batch-size blocks of
+        --length tokens (`whole_shards_of`), so `--tokens 256 --length 64` scored 1,024 tokens, the 16 blocks of the
+        default --batch-size, without a word. A budget that fills shards past it by less than one is kept."""
+        if min(self.tokens, self.length, self.batch_size) < 1:  # the fields' own problems
+            return None
+        shard = self.batch_size * self.length
+        if self.tokens < self.length:
+            return (
+                f"--tokens {self.tokens:,} is less than one block of --length {self.length} (--score-data scores "
+                f"whole blocks); raise --tokens to {self.length}, or lower --length to {self.tokens}"
+            )
+        if shard > self.tokens:
+            return (
+                f"--score-data scores whole shards of --batch-size {self.batch_size} blocks of --length {self.length}, "
+                f"{shard:,} tokens, more than --tokens {self.tokens:,}; lower --batch-size to "
+                f"{self.tokens // self.length}, or raise --tokens to {shard:,}"
+            )
+        return None
 
     def identity(self) -> dict:
         """The settings that decide the tokens written: a resumed corpus must have the same."""

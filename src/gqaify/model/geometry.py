@@ -84,8 +84,10 @@ def _reader(config):
 def float16_asked(dtype: str, config, whose: str) -> str | None:
     """How float16 is asked for, for a message: by `--dtype float16`, or by `config` (`whose` config: "the
     source's", "its config's") storing float16 under --dtype auto; None where it is not."""
-    get = _reader(config)
-    stored = str(get("dtype") or get("torch_dtype") or "").removeprefix("torch.")
+    # config.json's older key too, but never a config object's torch_dtype: transformers' deprecated alias of its
+    # dtype, which said "torch_dtype is deprecated" between gqaify's lines (the demo's, for a GGUF: no dtype)
+    older = config.get("torch_dtype") if isinstance(config, dict) else None
+    stored = str(_reader(config)("dtype") or older or "").removeprefix("torch.")
     if dtype == "float16":
         return "--dtype float16"
     return f"{whose} float16 (--dtype auto)" if dtype == "auto" and stored == "float16" else None

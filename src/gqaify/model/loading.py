@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from gqaify.errors import UserError
 from gqaify.model.dtypes import torch_dtype
 from gqaify.model.locations import locate
+from gqaify.records import CORPUS, REPORT, RUN, read_provenance
 from gqaify.shipped import SHIPPED_MODULE
 
 
@@ -75,12 +76,38 @@ def load_config(name: str, option: str = "MODEL", trust_remote_code: bool = Fals
         with _from_hub_or_cache(name, option):
             config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{option} {name} could not be read ({type(exc).__name__}); check the path or hub id") from exc
+        said = f"{option} {name} could not be read ({type(exc).__name__}); check the path or hub id"
+        raise UserError(not_a_model(name, option) or said) from exc
     shipped = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", "")
     if shipped.startswith(f"{SHIPPED_MODULE}.") and not trust_remote_code:
         # transformers would load its MHA class, which cannot hold the G-head weights
         raise UserError(untrusted_problem(f"{option} {name} has {config.num_key_value_heads} K/V heads, which"))
     return config
+
+
+# What a folder gqaify wrote that is no model is, by the kind of its record, and where the model is instead
+_NO_MODEL = {
+    CORPUS: ("a corpus gqaify generate wrote (text for --data or --calib-data)", "name the model folder or hub id"),
+    RUN: ("an uptraining run's output_dir", "name final/ inside it, the model the run saves when it is done"),
+    REPORT: ("an evaluation's report folder", "name the model folder or hub id"),
+}
+
+
+def not_a_model(name: str, option: str = "MODEL") -> str | None:
+    """What the local folder `name` is where it holds no config.json but the record of something else gqaify wrote
+    (a corpus, an uptraining run's output_dir, an evaluation's report): "MODEL x is a corpus gqaify generate wrote
+    ..., not a model". None for anything else (no folder, a model, a folder gqaify did not write)."""
+    folder = Path(name).expanduser()
+    try:
+        if not folder.is_dir() or (folder / "config.json").exists():
+            return None
+    except OSError:  # a name the file system refuses: `locations.lookup_problem` says why
+        return None
+    header = read_provenance(folder)
+    if header is None or header.kind not in _NO_MODEL:
+        return None
+    what, fix = _NO_MODEL[header.kind]
+    return f"{option} {name} is {what}, not a model (it has no config.json); {fix}"
 
 
 def untrusted_problem(subject: str) -> str:

@@ -7,6 +7,7 @@ uptrain load it (`loading.py`). Nothing is fetched here, so a name is classified
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -80,3 +81,18 @@ def locate(name: str | Path, option: str = "MODEL") -> Location:
     if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or not is_repo_id(name):
         raise UserError(f"{option} not found: {name} does not exist; check the path")
     return Location(name, "hub")
+
+
+def local_positions(name: str | os.PathLike | None) -> int | None:
+    """The positions (config.json's max_position_embeddings) of the local model folder `name`, read as JSON, with
+    no transformers and nothing fetched: what a command line's checks can say before any model is loaded. None
+    where `name` is none, or no such folder, or its config.json says no whole number."""
+    if not name:
+        return None
+    try:
+        with open(Path(os.path.expanduser(os.fspath(name))) / "config.json", "rb") as file:
+            config = json.loads(file.read(1 << 20))  # a config.json is a few KB
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None

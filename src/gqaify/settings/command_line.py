@@ -118,8 +118,8 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     parser.add_argument(
         *stage.config_flags,
         metavar="FILE",
-        help="YAML file of settings (its keys are the options below), or the gqaify.json or "
-        "report.json gqaify wrote (its settings: a rerun); options given here win",
+        help=f"YAML file of settings (its keys are the options below), or the {' or '.join(stage.record_files)} "
+        f"gqaify {stage.command} wrote (its settings: a rerun); options given here win",
     )
     for s in stage.switches:
         parser.add_argument(*s.flags, dest=s.field, action="store_const", const=s.value, help=s.help)

@@ -18,7 +18,7 @@ import yaml
 
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.records import KINDS, TOOL, Kind, rerun_settings
-from gqaify.settings.fields import _describe, _hints, shown
+from gqaify.settings.fields import _describe, _hints, _is_a, shown
 from gqaify.settings.registry import every_stage, rerun_by
 from gqaify.settings.stage import Stage, nearest
 
@@ -319,12 +319,13 @@ def _owner(stage: Stage, keys: list, stages: tuple[Stage, ...]) -> Stage | None:
 
 def _numbers_from_text(values: dict, stage: Stage, where: str) -> dict:
     """Numbers YAML read as text (`lr: 1e-4` lacks the dot YAML wants) as numbers, as argparse would convert them;
-    text that is no number is refused here, naming the file, before argparse reports it as an option's."""
+    text that is no number is refused here, naming the file, before argparse reports it as an option's. Text the
+    field takes as it is (micro_batch_size's `auto`) stays text."""
     hints = _hints(stage.settings)
     converted, problems = dict(values), []
     for key, value in values.items():
         number = next((t for t in (int, float) if t in (hints[key], *typing.get_args(hints[key]))), None)
-        if number is None or not isinstance(value, str):
+        if number is None or not isinstance(value, str) or _is_a(value, hints[key]):
             continue
         try:
             converted[key] = number(value)

@@ -128,6 +128,11 @@ class Stage:
         """What its own record is called ("an eval report"): the first kind of record its entry reruns from."""
         return KINDS[entry_of(self).records[0]].said
 
+    @property
+    def record_files(self) -> list[str]:
+        """Where the records it reruns from are written ("run.json", "final/gqaify.json"), each once, its own first."""
+        return list(dict.fromkeys(KINDS[kind].file for kind in entry_of(self).records))
+
     def field_names(self) -> list[str]:
         return [f.name for f in ordered_fields(self.settings)]
 

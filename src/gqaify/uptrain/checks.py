@@ -64,12 +64,6 @@ def check_inputs(s: UptrainSettings) -> Inputs:
     problems = s.problems() + _launch_problems(s)
     found, unread = _read(s)
     model = found.configs.get("model")
-    positions = getattr(model, "max_position_embeddings", None)
-    too_long = [
-        f"{key} {n} exceeds the {positions} positions of {s.model}; lower {key}"
-        for key, n in (("seq_len", s.seq_len), ("eval_seq_len", s.eval_seq_len))
-        if positions and n and n > positions
-    ]
     raise_if_problems(
         problems,
         _output_dir_problem(s.output_dir) if s.output_dir else None,
@@ -80,7 +74,7 @@ def check_inputs(s: UptrainSettings) -> Inputs:
         _untrusted_problem(s, model),
         _vocab_problem(s, found.corpus, model),
         _parent_problem(s, found.corpus),
-        too_long,
+        s.window_problems(getattr(model, "max_position_embeddings", None)),
         _lora_rank_problem(s, model),
         None if s.converts else _record_problem(s.model),  # a model converted in the run is gqaify's own
         _float16_problem(s, model),

@@ -28,6 +28,7 @@ from gqaify.conversion.settings import (
 )
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
+from gqaify.model.locations import local_positions
 from gqaify.packaged import launch_config, recipe_by_name
 from gqaify.settings import (
     QUIET,
@@ -296,6 +297,14 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     def tokens_per_step_per_process(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
+    def window_problems(self, positions: int | None) -> list[str]:
+        """seq_len and eval_seq_len past the model's `positions` (None: not known), each named with them."""
+        return [
+            f"{key} {n} exceeds the {positions} positions of {self.model}; lower {key}"
+            for key, n in (("seq_len", self.seq_len), ("eval_seq_len", self.eval_seq_len))
+            if positions and isinstance(n, int) and n > positions
+        ]
+
     def step_problem(self, processes: int) -> str | None:
         """A budget smaller than one optimizer step of `processes` processes (it trains nothing: refused before
         anything is planned, loaded or read), or more eval_points than the run's steps (one evaluation per step at
@@ -476,7 +485,8 @@ def parse_command_line(
     """
     settings, options = parse_command(UPTRAIN, argv, prog, stages)
     plan = None if options[PLAN.flag] is None else launch_config(options[PLAN.flag])
-    raise_if_problems(settings.problems())  # a recipe's values, before accelerate starts its processes
+    problems = settings.problems()  # a recipe's values, before accelerate starts; a local model's positions first
+    raise_if_problems(problems and settings.window_problems(local_positions(settings.model)), problems)
     return settings, plan
 
 

@@ -54,16 +54,35 @@ def resolve_cut(s, geometry: Geometry):
         ]
     if rank is not None and rope is None:
         rope = budget - rank
-        if rope % (2 * kv_heads):
-            return s, [
-                f"--kv-cut {cut:g} with --kv-rank {rank} leaves a rotary key of {rope} values, not a multiple of "
-                f"{2 * kv_heads} (two per rotary pair of each of {kv_heads} K/V heads); give --rope-dims instead"
-            ]
     elif rope is not None and rank is None:
         rank = budget - rope
     if (rank is not None and rank < 1) or (rope is not None and rope < 2):
-        return s, [f"--kv-cut {cut:g} leaves {budget} values; the latent needs at least 1 and the rotary key 2"]
+        return s, [_no_room_problem(s, cut, budget, 2 * kv_heads)]
+    if s.rope_dims is None and rope is not None and rope % (2 * kv_heads):
+        return s, [
+            f"--kv-cut {cut:g} with --kv-rank {rank} leaves a rotary key of {rope} values, not a multiple of "
+            f"{2 * kv_heads} (two per rotary pair of each of {kv_heads} K/V heads); give --rope-dims instead"
+        ]
     return dataclasses.replace(s, kv_heads=kv_heads, kv_rank=rank, rope_dims=rope), []
+
+
+def _no_room_problem(s, cut: float, budget: int, pairs: int) -> str:
+    """The problem of a latent or a rotary key left without room by the width the user gave the other (`--rope-dims`
+    or `--kv-rank` taking every value `--kv-cut` leaves): said naming that option, with the widths that fit (a
+    rotary key the rest of a --kv-rank makes holds whole `pairs`: two values per rotary pair of each K/V head)."""
+    leaves = f"--kv-cut {cut:g} leaves {budget} values per token and layer"
+    if s.rope_dims is not None and s.kv_rank is None:
+        takes = "every one" if s.rope_dims == budget else "more than that"
+        return (
+            f"{leaves}, and --rope-dims {s.rope_dims} takes {takes}, "
+            f"leaving the latent none (it needs at least 1); give --rope-dims below {budget}, or a smaller --kv-cut"
+        )
+    if s.kv_rank is not None and s.rope_dims is None:
+        return (
+            f"{leaves}, and --kv-rank {s.kv_rank} leaves the rotary key {max(budget - s.kv_rank, 0)} (it needs at "
+            f"least 2); give --kv-rank at most {budget - pairs}, or a smaller --kv-cut"
+        )
+    return f"{leaves}; the latent needs at least 1 and the rotary key 2"
 
 
 def planned_config(s, config, geometry: Geometry):

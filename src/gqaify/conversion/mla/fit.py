@@ -258,7 +258,7 @@ def fit_and_judge(
         parent_in = [parent.model.embed_tokens(w[None]).float() for w in windows]
     rotary, parent_rotary = mla.model.rotary_emb, parent.model.rotary_emb
     layers = list(zip(mla.model.layers, parent.model.layers, strict=True))
-    for layer, parent_layer in progress_bar(layers, desc="fitting MLA layers", shown=progress):
+    for layer, parent_layer in progress_bar(layers, desc="fitting MLA layers", unit="layer", shown=progress):
         with torch.no_grad():
             parent_out = [_layer(parent_layer, x, parent_rotary) for x in parent_in]
         _refit_values(layer, parent_layer, mla_in, parent_in, rotary, parent_rotary, held)
