@@ -233,7 +233,7 @@ class _Panel:
         s, scores = self.s, []
         for i, ((named, _), text) in enumerate(zip(self.texts, texts, strict=True)):
             LOG.info("evaluating %s on %s (%d tokens)", label, named.name, len(text.ids))
-            desc = f"{label[-20:]} · {named.name[:16]}"
+            desc = f"{label} · {named.name}"  # progress_bar fits it to a terminal, whole in a log
             ppl = perplexity(model, text.ids, s.seq_len, stride, s.batch_size, s.progress, desc=desc, parent=parent)
             parent_perplexity = None if parent is None else parent_scores[i].perplexity
             scores.append(TextScore.of(named.name, ppl, text.words, text.text_bytes, parent_perplexity))
@@ -324,7 +324,7 @@ class _Speeds:
                 return  # timed in turns with each other model
         runs = [(model, context)] if self.alone else [self.parent, (model, context)]
         total = 2 * len(runs) * (s.repeats + 1)  # warm-up and repeats, at batch 1 and at --decode-batch
-        with progress_bar(total=total, unit="run", desc=f"timing {label[-20:]}", shown=s.progress) as bar:
+        with progress_bar(total=total, unit="run", desc=f"timing {label}", shown=s.progress) as bar:
             single = timed_in_turns(runs, 1, s.decode_tokens, s.repeats, tick=bar.update)
             batched = timed_in_turns(runs, s.decode_batch, s.decode_tokens, s.repeats, tick=bar.update)
         _record_speed(entry, single[-1], batched[-1])
