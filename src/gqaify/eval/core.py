@@ -22,7 +22,7 @@ import torch
 
 from gqaify.conversion.shapes import cached_per_token, float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
-from gqaify.eval.caches.evaluate import asked, cache_problems
+from gqaify.eval.caches.evaluate import asked, cache_problems, served_only
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
 from gqaify.eval.diagnostics import compare
 from gqaify.eval.perplexity import perplexity
@@ -90,6 +90,7 @@ def run(settings: EvalSettings) -> Report:
     if s.out and s.out.strip():
         remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
     configs, budget, device = _check(s)
+    served = served_only(s)  # .gguf models llama.cpp alone runs: on the frontier only
     budget_said = (
         s.memory_budget if s.memory_budget != "auto" else f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}"
     )
@@ -111,6 +112,11 @@ def run(settings: EvalSettings) -> Report:
     parent = parent_texts = parent_tokenizer = None
     speeds = _Speeds(s, alone=len(s.models) == 1)
     for i, (name, label) in enumerate(zip(s.models, model_labels(s.models), strict=True)):
+        if name in served:
+            report.notes.append(
+                f"{label} is evaluated in llama.cpp alone (transformers cannot read its GGUF): see the frontier"
+            )
+            continue
         announce(f"loading {label}", shown=s.progress)
         model, tokenizer = load_model(name, s.dtype, device, trust_remote_code=s.trust_remote_code)
         fingerprint, texts = panel.read(tokenizer, name)
@@ -128,8 +134,8 @@ def run(settings: EvalSettings) -> Report:
             LOG.info("scoring %s on %s", name, ", ".join(harness.names))
             entry.tasks = harness.score(model, tokenizer)
         if prompts:
-            texts = continuations(model, tokenizer, prompts, s.generate_tokens)
-            entry.generations = [Generation(p, t) for p, t in zip(prompts, texts, strict=True)]
+            written = continuations(model, tokenizer, prompts, s.generate_tokens)
+            entry.generations = [Generation(p, t) for p, t in zip(prompts, written, strict=True)]
         if parent is None:
             parent, parent_ids, parent_texts, parent_tokenizer = model, ids, texts, tokenizer
         else:
@@ -159,8 +165,13 @@ def _frontier(s: EvalSettings, report: Report, panel: _Panel, texts, tokenizer, 
     """Every model that reads text as the parent does, under every --kv-cache format: `report.frontier`."""
     from gqaify.eval.caches.evaluate import run_frontier
 
-    same = [i for i, m in enumerate(report.models) if m.tokenizer == report.models[0].tokenizer]
-    if len(same) < len(report.models):
+    by_name = {m.model: m for m in report.models}
+    same = [
+        i
+        for i, name in enumerate(s.models)
+        if name not in by_name or by_name[name].tokenizer == report.models[0].tokenizer
+    ]
+    if len(same) < len(s.models):
         report.notes.append("the frontier leaves out the models whose tokenizer is not the parent's")
     kept = replace(s, models=[s.models[i] for i in same])
     labels = [model_labels(s.models)[i] for i in same]
@@ -355,11 +366,11 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     if budget is None and s.memory_budget != "auto":
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
     problems += problems_in(device_problem(s.device))
-    configs = []
+    configs, served = [], served_only(s)
     for name in s.models:
         config = None
         try:
-            config = load_config(name, trust_remote_code=s.trust_remote_code)
+            config = None if name in served else load_config(name, trust_remote_code=s.trust_remote_code)
             check_weights(name)  # whole, before the first model is loaded (the parent is evaluated first)
         except UserError as exc:
             problems.append(str(exc))

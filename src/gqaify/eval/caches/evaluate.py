@@ -44,16 +44,37 @@ class CachePlan:
     context: int
 
 
+def engine(s) -> str | None:
+    """The engine the settings `s` evaluate caches in: the formats' (llama.cpp's or transformers'), or llama.cpp where
+    a model only it can run is given (its f16 cache, on the frontier); None: f16 alone, today's evaluation."""
+    if format_problem(s.kv_cache, "--kv-cache"):
+        return None  # what the settings' own check says
+    return engine_of(s.kv_cache) or (LLAMA_CPP if _llama_only(s) else None)
+
+
 def asked(s) -> bool:
-    """Whether the settings `s` ask for a frontier: a format besides f16, or the retrieval check."""
-    return engine_of(s.kv_cache) is not None or bool(s.retrieval)
+    """Whether the settings `s` ask for a frontier: a format besides f16, a model only llama.cpp runs, or the
+    retrieval check."""
+    return engine(s) is not None or bool(s.retrieval)
 
 
 def plan(s, seq_len: int) -> CachePlan:
     from gqaify.eval.caches.retrieval import ANSWER_TOKENS
 
     context = max([seq_len, *(n + ANSWER_TOKENS for n in s.retrieval)])
-    return CachePlan(engine_of(s.kv_cache) or TRANSFORMERS, [cache_format(n) for n in s.kv_cache], context)
+    return CachePlan(engine(s) or TRANSFORMERS, [cache_format(n) for n in s.kv_cache], context)
+
+
+def served_only(s) -> set[str]:
+    """The models of `s` that llama.cpp alone runs (a GGUF whose architecture transformers cannot read: gqaify's latent
+    output), where the frontier is llama.cpp's: they are evaluated on the frontier only."""
+    return _llama_only(s) if engine(s) == LLAMA_CPP else set()
+
+
+def _llama_only(s) -> set[str]:
+    from gqaify.eval.caches.llama_cpp_engine import KEYS_ONLY, gguf_architecture
+
+    return {name for name in s.models[1:] if _is_gguf(name) and gguf_architecture(name) in KEYS_ONLY}
 
 
 def cache_problems(s, configs: list) -> list[str]:
@@ -63,8 +84,8 @@ def cache_problems(s, configs: list) -> list[str]:
     retrieval prompt longer than a model's positions."""
     if format_problem(s.kv_cache, "--kv-cache") or not asked(s):
         return []  # what the settings' own check says
-    engine, problems = engine_of(s.kv_cache) or TRANSFORMERS, []
-    if engine == LLAMA_CPP:
+    problems = []
+    if engine(s) == LLAMA_CPP:
         from gqaify.eval.caches.llama_cpp_engine import llama_cpp_problem
 
         problems += [p for p in [llama_cpp_problem()] if p]
@@ -76,7 +97,7 @@ def cache_problems(s, configs: list) -> list[str]:
             for name in s.models
             if _is_gguf(name) is False
         ][:1]
-        problems += _block_problems(s, configs)
+        problems += _block_problems(s, configs) + _probe_problems(s)
     else:
         problems += _transformers_problems(s, configs)
     problems += _retrieval_problems(s)
@@ -90,6 +111,16 @@ def cache_problems(s, configs: list) -> list[str]:
             )
             break
     return problems
+
+
+def _probe_problems(s) -> list[str]:
+    """llama.cpp's latent path (`KEYS_ONLY`) run with each format asked, in a child process each: llama.cpp 0.3.36
+    aborts the process (an assertion in C) on cache types it cannot hold there, before any work could be saved."""
+    from gqaify.eval.caches.llama_cpp_engine import KEYS_ONLY, gguf_architecture, probe_problem
+
+    fragile = [name for name in s.models if _is_gguf(name) and gguf_architecture(name) in KEYS_ONLY]
+    found = (probe_problem(name, cache_format(n)) for name in fragile for n in s.kv_cache)
+    return [p for p in found if p][:1]
 
 
 def _block_problems(s, configs: list) -> list[str]:
@@ -174,8 +205,10 @@ def run_frontier(s, report, texts, tokenizer, configs, labels, budget: int) -> F
     from gqaify.eval.caches.transformers_engine import CHUNK
 
     p = plan(s, s.seq_len)
+    from gqaify.eval.caches.llama_cpp_engine import served_values
+
     models = [
-        measure.CacheModel(name, label, *cached_values(config))
+        measure.CacheModel(name, label, *(cached_values(config) if config is not None else served_values(name)))
         for name, label, config in zip(s.models, labels, configs, strict=True)
     ]
     stride = s.seq_len if s.stride is None else s.stride

@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 
 from gqaify.errors import UserError
-from gqaify.eval.caches.formats import CacheFormat
+from gqaify.eval.caches.formats import FULL, CacheFormat
 
+# GGUF architectures whose cache llama.cpp holds as keys alone, the values read from them (absorbed latent attention,
+# gqaify's MLA output): their keys are the latent and the rotary key
+KEYS_ONLY = {"deepseek2"}
 BATCH = 512  # tokens per llama.cpp batch (llama-server's default n_batch is 2,048, its n_ubatch 512)
 _ALLOCATED = re.compile(r"llama_kv_cache: +size = +([\d.]+) MiB \( *(\d+) cells")
 
@@ -36,6 +39,56 @@ def llama_cpp_problem() -> str | None:
             "llama.cpp's cache formats run in llama-cpp-python, which is not installed; pip install 'gqaify[serving]'"
         )
     return None
+
+
+# Makes a context and evaluates a few tokens in a process of its own: llama.cpp aborts the process on some models and
+# cache types (an assertion in C), which no exception in this one could catch.
+_PROBE = """
+import sys, llama_cpp
+value = sys.argv[3]
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True, verbose=False,
+                      type_k=getattr(llama_cpp, "GGML_TYPE_" + sys.argv[2].upper()),
+                      type_v=getattr(llama_cpp, "GGML_TYPE_" + value.upper()), flash_attn=value != "f16")
+llm.eval(list(range(8)))
+"""
+
+
+def probe_problem(path: str, cache: CacheFormat) -> str | None:
+    """Why llama.cpp cannot run the GGUF `path` with its cache as `cache`, found in a child process (None: it can)."""
+    import subprocess
+
+    argv = [sys.executable, "-c", _PROBE, path, cache.key_type, cache.value_type]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode == 0:
+        return None
+    said = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
+    reason = said[0].rsplit(": ", 1)[-1].strip() if said else f"exit status {done.returncode}"
+    return f"llama.cpp cannot run {path} with a {cache.name} cache ({reason}); leave {cache.name} out of --kv-cache"
+
+
+def gguf_architecture(path: str) -> str | None:
+    """The `general.architecture` a GGUF file's header names (None: not a GGUF gqaify can read)."""
+    from gqaify.model import gguf_header
+
+    try:
+        return gguf_header.read(path).fields.get("general.architecture")
+    except (OSError, ValueError):
+        return None
+
+
+def served_values(path: str) -> tuple[int, int]:
+    """The keys and the values one token caches over every layer in llama.cpp, from the GGUF's header: per layer a
+    key of `key_length` and a value of `value_length` per K/V head, or the keys alone (`KEYS_ONLY`)."""
+    from gqaify.model import gguf_header
+
+    fields = gguf_header.read(path).fields
+    arch = fields["general.architecture"]
+    layers, heads = fields[f"{arch}.block_count"], fields[f"{arch}.attention.head_count"]
+    kv_heads = fields.get(f"{arch}.attention.head_count_kv", heads)
+    head = fields[f"{arch}.embedding_length"] // heads
+    keys = layers * kv_heads * fields.get(f"{arch}.attention.key_length", head)
+    values = 0 if arch in KEYS_ONLY else layers * kv_heads * fields.get(f"{arch}.attention.value_length", head)
+    return keys, values
 
 
 @contextmanager
@@ -97,7 +150,7 @@ class LlamaCppRunner:
                         logits_all=True,
                         type_k=types[cache.key_type],
                         type_v=types[cache.value_type],
-                        flash_attn=True,
+                        flash_attn=cache.value_type != FULL,  # what llama.cpp needs to hold values quantized
                         verbose=True,
                     )
                 found = _ALLOCATED.search(Path(log.name).read_text(errors="replace"))
