@@ -17,7 +17,8 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqaify.conversion.settings import ATTENTION_INFO, CalibrationRecord
+from gqaify.conversion.registry import ATTENTION_INFO
+from gqaify.conversion.settings import CalibrationRecord
 from gqaify.conversion.shape_contract import ShapeRecord
 from gqaify.conversion.source import Source
 from gqaify.model.archs import ArchSpec

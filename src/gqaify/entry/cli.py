@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.command import flushed, reader_gone, run_command
-from gqaify.conversion.settings import shape_titles
+from gqaify.conversion.registry import shape_titles
 from gqaify.entry.stages import STAGES, TOOLS
 from gqaify.packaged import CONSTRAINTS
 from gqaify.settings import OneLineParser

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from gqaify.conversion.shapes import cached_per_token, float16_problem, shape_of_model
+from gqaify.conversion.shapes import cache_label, cached_per_token, float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.caches.evaluate import asked, cache_problems
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
@@ -255,7 +255,8 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
         model_type=config.model_type,
         num_attention_heads=geometry.num_heads,
         num_key_value_heads=geometry.num_kv_heads,
-        kv_latent=geometry.cached,
+        cached_values=geometry.cached,
+        cache_label=cache_label(config),
         dtype=str(dtype).removeprefix("torch."),
         parameters=model.num_parameters(),
         tokenizer=fingerprint,

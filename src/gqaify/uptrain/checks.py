@@ -11,10 +11,10 @@ from typing import Any
 
 from gqaify._version import __version__
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.shapes import float16_problem, shape, shape_of_model
+from gqaify.conversion.shapes import float16_problem, shape, shape_of_model, trained_attention
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import Harness
-from gqaify.model.archs import ARCHITECTURES, trained_attention
+from gqaify.model.archs import ARCHITECTURES
 from gqaify.model.geometry import float16_asked
 from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists

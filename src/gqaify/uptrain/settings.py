@@ -18,14 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.settings import (
-    ATTENTION_INFO,
-    STREAM_SHAPE,
-    ConvertSettings,
-    MethodSettings,
-    ShapeSettings,
-    shape_titles,
-)
+from gqaify.conversion.registry import ATTENTION_INFO, METHOD_INFO, STREAM_SHAPE, shape_titles
+from gqaify.conversion.settings import ConvertSettings, MethodSettings, ShapeSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.packaged import launch_config, recipe_by_name
@@ -269,7 +263,6 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     def calibrated_on_data(self) -> UptrainSettings:
         """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
         the method is calibrated: a conversion fitted on what the model will train on."""
-        from gqaify.conversion.settings import METHOD_INFO
         from gqaify.conversion.shapes import shape
 
         info = METHOD_INFO.get(self.method)

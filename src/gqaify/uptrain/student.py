@@ -12,9 +12,8 @@ import weakref
 
 import torch
 
-from gqaify.conversion.shapes import held_parameters
+from gqaify.conversion.shapes import held_parameters, trained_attention
 from gqaify.errors import UserError
-from gqaify.model.archs import trained_attention
 from gqaify.model.loading import load_model
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.head_loss import IGNORE, Teacher, fused_loss, head_skipped, returns_head_output
