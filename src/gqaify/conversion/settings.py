@@ -350,6 +350,11 @@ class MethodSettings(Settings):
 class AttentionChoice(Settings):
     """The attention shape a conversion writes, and how much smaller its cache is:"""
 
+    kv_heads: int | None = setting(
+        None,
+        "G, the new number of K/V heads; must divide the source's; 1 = MQA (or give --kv-cut)",
+        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
+    )
     kv_cut: float | None = setting(
         None,
         "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); "
@@ -371,7 +376,7 @@ _OWN_SETTINGS = tuple(named_type(info.settings) for info in ATTENTION_INFO.value
 
 @dataclass(frozen=True)
 class ShapeSettings(*_OWN_SETTINGS, AttentionChoice):
-    """The attention shape a conversion writes (`ATTENTION_INFO`), then the fields of its own each shape
+    """The attention shape a conversion writes (`ATTENTION_INFO`) and G, then the fields of its own each shape
     declares (its `ShapeInfo.settings`): a conversion's, and uptraining's for the conversion it runs."""
 
 
@@ -382,11 +387,6 @@ class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, P
 
     src: str | None = setting(
         None, "the model to convert: hub id, local model folder, or .gguf file (never modified)", required=True
-    )
-    kv_heads: int | None = setting(
-        None,
-        "G, the new number of K/V heads; must divide the source's; 1 = MQA (or give --kv-cut)",
-        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
     )
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(

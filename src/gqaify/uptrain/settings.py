@@ -74,9 +74,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     model: str | None = setting(
         None, "a converted checkpoint, or a source to convert when kv_heads or kv_cut is set", required=True
     )
-    kv_heads: int | None = setting(
-        None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
-    )
+    kv_heads = override(help="convert `model` to this many K/V heads first, by the method and calibration below")
     # calibration text is read as the training data is, unless these say otherwise
     calib_split = override(None, "split of calib_data (default: split)")
     calib_text_column = override(None, "column of calib_data holding the text (default: text_column)")
@@ -283,7 +281,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         method.update(
             calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column or self.text_column
         )
-        return ConvertSettings(src=self.model, out=str(out), kv_heads=self.kv_heads, progress=self.progress, **method)
+        return ConvertSettings(src=self.model, out=str(out), progress=self.progress, **method)
 
     @property
     def tokens_per_step_per_process(self) -> int:
