@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gqaify.auto import is_auto
 from gqaify.errors import UserError
 
-AUTO = "auto"
 MARGIN = 0.85  # of the memory found, what the plan may fill
 GIB = 2**30
 
@@ -53,7 +53,7 @@ def with_batch_chosen(s):
     Raises:
         UserError: even one block does not fit; or a problem the plan finds in the settings.
     """
-    if s.micro_batch_size != AUTO:
+    if not is_auto(s.micro_batch_size):
         return s
     choice = _recorded(s) or choose(s, _launch(s), _memory(_processes()))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gqaify.auto import AUTO, Auto, is_auto
 from gqaify.conversion.registry import ATTENTION_INFO, METHOD_INFO, STREAM_SHAPE, shape_titles
 from gqaify.conversion.settings import ConvertSettings, MethodSettings, ShapeSettings
 from gqaify.errors import UserError, raise_if_problems
@@ -113,8 +114,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     pretraining_tokens: int | None = setting(
         None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
     )
-    micro_batch_size: int | Literal["auto"] = setting(  # auto: `batch_size.with_batch_chosen`
-        4, "blocks per forward pass, per process; auto: the most the device's memory fits", check=CountOr("auto")
+    micro_batch_size: int | Auto = setting(  # auto: `batch_size.with_batch_chosen`
+        4, "blocks per forward pass, per process; auto: the most the device's memory fits", check=CountOr(AUTO)
     )
     grad_accum: int = setting(1, "micro-batches per optimizer step", check=POSITIVE)
     # -- the optimizer
@@ -291,7 +292,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         """A budget smaller than one optimizer step of `processes` processes (it trains nothing: refused before
         anything is planned, loaded or read), or more eval_points than the run's steps (one evaluation per step at
         most). Unknown or broken budgets are other problems."""
-        if self.micro_batch_size == "auto":  # chosen from the budget when the run begins: a step at least
+        if is_auto(self.micro_batch_size):  # chosen from the budget when the run begins: a step at least
             return None
         try:
             budget = self.budget()

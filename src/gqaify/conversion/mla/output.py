@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gqaify.auto import AUTO
 from gqaify.conversion.calibrate import read_beyond
 from gqaify.conversion.mla.budget import cut_values
 from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kls
@@ -163,7 +164,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
 
     config = json.loads((folder / "config.json").read_text())
     dtype = _written_dtype(s, config)
-    device = resolve_device("auto")  # where calibration runs: the statistics, the fits and the judging there
+    device = resolve_device(AUTO)  # where calibration runs: the statistics, the fits and the judging there
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     # the sources' windows interleaved: the split's held-out end (`mla.split`) holds more than the last source
