@@ -176,8 +176,8 @@ def test_ddp_on_cpus_and_a_config_without_num_processes_are_planned(tmp_path):
 @pytest.mark.parametrize(
     ("batch", "said"),
     [
-        ("100000000", "the budget of 1,280 tokens is less than one optimizer step of 3,200,000,000 "),
-        ("30", "the budget of 1,280 tokens is less than one optimizer step of 7,680 "),  # of the launch's 8 processes
+        ("100000000", "the 1,280 training tokens are fewer than one optimizer step of 3,200,000,000 "),
+        ("30", "the 1,280 training tokens are fewer than one optimizer step of 7,680 "),  # of the launch's 8 processes
     ],
 )
 def test_a_batch_the_run_refuses_is_refused_before_planning(tiny, tmp_path, capsys, batch, said):

@@ -91,10 +91,10 @@ def choose(s, launch, memory: int) -> Choice:
 
 
 def _most(s, processes: int) -> int:
-    """The largest micro-batch the budget allows: one optimizer step per evaluation at least (one step without
+    """The largest micro-batch the training tokens allow: one optimizer step per evaluation at least (one step without
     eval_data)."""
     steps = s.evaluations() if s.eval_data else 1
-    return max(1, s.budget() // (s.seq_len * s.grad_accum * processes * max(steps, 1)))
+    return max(1, s.training_tokens() // (s.seq_len * s.grad_accum * processes * max(steps, 1)))
 
 
 def _recorded(s) -> Choice | None:

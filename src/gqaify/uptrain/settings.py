@@ -94,18 +94,18 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         "tokens per packed training block",
         check=Range(2, fix="a block of one token has no next token to train on"),
     )
-    # -- the budget and batch
+    # -- the training tokens and batch
     max_tokens: int | None = setting(
         None,
-        "training tokens in all (the budget)",
+        "training tokens in all",
         check=(
             Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
-            Excludes("budget_fraction", "both set the token budget"),
+            Excludes("budget_fraction", "both set the training tokens"),
         ),
     )
     budget_fraction: float | None = setting(
         None,
-        "budget as a fraction of pretraining_tokens (instead of max_tokens)",
+        "training tokens as a fraction of pretraining_tokens (instead of max_tokens)",
         check=(
             Range(0, 1, low_open=True, fix="e.g. 0.05 as in the GQA paper"),
             Needs("pretraining_tokens", "is a fraction of the parent's pre-training tokens"),
@@ -221,7 +221,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (files are checked where they are opened): the fields'
-        declarations (the conversion's only where it converts: there is none to run without), a token budget of
+        declarations (the conversion's only where it converts: there is none to run without), training tokens of
         one step at least (`step_problem`), a teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
         converts = self.converts
         checked = self.calibrated_on_data() if converts else self
@@ -232,7 +232,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
                 "kv_cut); add kv_heads (or kv_cut) to convert the model first, or drop attention to train it as it is"
             )
         if self.max_tokens is None and self.budget_fraction is None:
-            problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
+            problems.append("no training tokens; set max_tokens (or budget_fraction with pretraining_tokens)")
         elif problem := self.step_problem(processes=1):
             problems.append(problem)
         if (
@@ -289,27 +289,27 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
     def step_problem(self, processes: int) -> str | None:
-        """A budget smaller than one optimizer step of `processes` processes (it trains nothing: refused before
+        """Training tokens fewer than one optimizer step of `processes` processes (it trains nothing: refused before
         anything is planned, loaded or read), or more eval_points than the run's steps (one evaluation per step at
-        most). Unknown or broken budgets are other problems."""
-        if is_auto(self.micro_batch_size):  # chosen from the budget when the run begins: a step at least
+        most). Unknown or broken token counts are other problems."""
+        if is_auto(self.micro_batch_size):  # chosen from the tokens when the run begins: a step at least
             return None
         try:
-            budget = self.budget()
+            tokens = self.training_tokens()
         except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
             return None
         step = self.tokens_per_step_per_process * processes
-        if budget <= 0 or step <= 0:  # a batch or length below 1 is its field's own problem
+        if tokens <= 0 or step <= 0:  # a batch or length below 1 is its field's own problem
             return None
-        if budget < step:
+        if tokens < step:
             return (
-                f"the budget of {budget:,} tokens is less than one optimizer step of {step:,} "
-                "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+                f"the {tokens:,} training tokens are fewer than one optimizer step of {step:,} "
+                "(micro_batch_size x grad_accum x processes x seq_len); raise max_tokens or shrink the batch"
             )
-        steps = budget // step
+        steps = tokens // step
         if self.eval_points is not None and self.eval_points > steps:
             return (
-                f"eval_points {self.eval_points:,} is more than the {steps:,} optimizer steps of this run (the budget "
+                f"eval_points {self.eval_points:,} is more than the {steps:,} optimizer steps of this run (its tokens "
                 f"over micro_batch_size x grad_accum x processes x seq_len); give at most {steps:,}"
             )
         return None
@@ -336,8 +336,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
             flags=TASK_FLAGS,
         )
 
-    def budget(self) -> int:
-        """The token budget: max_tokens, else budget_fraction × pretraining_tokens."""
+    def training_tokens(self) -> int:
+        """The tokens the run trains on: max_tokens, else budget_fraction × pretraining_tokens."""
         if self.max_tokens is not None:
             return self.max_tokens
         return math.floor(self.budget_fraction * self.pretraining_tokens)
@@ -376,8 +376,8 @@ FOREIGN_NAMES = {
     "train_batch_size": ("micro_batch_size", ""),
     "gradient_accumulation_steps": ("grad_accum", ""),
     "lr_scheduler_type": ("schedule", ""),
-    "num_train_epochs": ("max_tokens", "gqaify budgets training tokens, not epochs"),
-    "max_steps": ("max_tokens", "gqaify budgets tokens: steps x micro_batch_size x grad_accum x processes x seq_len"),
+    "num_train_epochs": ("max_tokens", "gqaify counts training tokens, not epochs"),
+    "max_steps": ("max_tokens", "gqaify counts tokens: steps x micro_batch_size x grad_accum x processes x seq_len"),
     "logging_steps": ("log_every", ""),
     "save_steps": ("save_every", ""),
     "eval_steps": ("eval_every", ""),
