@@ -3,8 +3,6 @@ independently, and the command (benchmarks/memory_plan.py checks the totals agai
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,12 +16,9 @@ from helpers import uptrain_args as args
 
 
 def shard_bytes(tensors, n: int, dtype=None) -> int:
-    """The first of n processes' share of each tensor split on its first dimension (FSDP2 rounds up)."""
-    total = 0
-    for t in tensors:
-        rows = math.ceil(t.shape[0] / n)
-        total += rows * (t.numel() // t.shape[0]) * (dtype or t.dtype).itemsize
-    return total
+    """The bytes of the first of n processes' share of each tensor as FSDP2 shards it (`Shard(0)`: the first piece
+    `torch.chunk` cuts on the first dimension), in `dtype` or the tensor's own: the tensors themselves, cut."""
+    return sum(torch.chunk(t.detach(), n, dim=0)[0].to(dtype or t.dtype).nbytes for t in tensors)
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3])
