@@ -137,15 +137,23 @@ def run(settings: EvalSettings) -> Report:
         report.models.append(entry)
     if asked(s):
         _frontier(s, report, panel, parent_texts, parent_tokenizer, configs, budget)
+    report.notes += _notes(s, panel, configs)
+    write_report(report, resolve_out(s.out), s.force)
+    return report
+
+
+def _notes(s: EvalSettings, panel: _Panel, configs) -> list[str]:
+    """What the report says under its table about how to read it: the decode context the speeds were timed at, and
+    that token perplexities do not compare across tokenizers."""
+    notes = []
     if s.speed and (note := _decode_context_note(s, configs)):
-        report.notes.append(note)
+        notes.append(note)
     if len(panel.tokenizers) > 1:
-        report.notes.append(
+        notes.append(
             "the models have different tokenizers: token perplexities are not comparable; "
             "compare word perplexity and bits per byte"
         )
-    write_report(report, resolve_out(s.out), s.force)
-    return report
+    return notes
 
 
 def _frontier(s: EvalSettings, report: Report, panel: _Panel, texts, tokenizer, configs, budget: int) -> None:
