@@ -15,10 +15,11 @@ Each row caches the same number of values per token and layer:
                       of what they leave of the keys and the values (balanced K/V, PCA on calibration inputs);
                       "PCA" as it comes, "fitted" then brought back to the parent layer by layer (`fit_mla`: o_proj
                       refitted, 64 Adam steps a layer on the calibration windows)
-    split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`fit_closest_split`: the PCA
-                      starts of six splits judged on held-out calibration windows, the two closest fitted, the
-                      closer after its fit kept); --ladder: as `--kv-cut` chooses it for OUT.gguf, one ladder of
-                      distinct frequencies (turned: one slot per frequency, its best component), the only rows run
+    split chosen      the parent at the budget with the split `--kv-cut` chooses alone (`ranked_splits` then
+                      `fit_ranked`: the PCA starts of six splits judged on held-out calibration windows, the two
+                      closest fitted, the closer after its fit kept); --ladder: as `--kv-cut` chooses it for
+                      OUT.gguf, one ladder of distinct frequencies (turned: one slot per frequency, its best
+                      component), the only rows run
     MLA from GQA      the next larger GQA lsq model compressed to the budget the same way, then fitted
 
 Panel: WikiText-2 test, TinyStories validation, tiny-shakespeare's second half and Python's LICENSE.txt, the first
@@ -114,7 +115,7 @@ def measure(
     import gqaify
     from gqaify.conversion.mla.fit import fit_mla
     from gqaify.conversion.mla.layer import rewrite_as_mla
-    from gqaify.conversion.mla.split import fit_closest_split
+    from gqaify.conversion.mla.split import fit_ranked, ranked_splits
     from gqaify.entry.demo import fetch_default_model
     from gqaify.eval.perplexity import perplexity
     from gqaify.model.loading import load_model
@@ -181,9 +182,8 @@ def measure(
                 fit_mla(mla, parent, windows, REFINE_STEPS, progress=False)
                 score(f"{label}, fitted", budget, mla, time.perf_counter() - start)
             start = time.perf_counter()
-        mla, plan, trials, _ = fit_closest_split(
-            parent, parent, budget, calib, windows, REFINE_STEPS, 1e-3, ladder, across=across
-        )  # what --kv-cut alone does
+        plans, trials = ranked_splits(parent, budget, calib, ladder, across=across)  # what --kv-cut alone does
+        mla, plan, trials, _ = fit_ranked(parent, parent, plans, trials, windows, REFINE_STEPS, 1e-3)
         split = f"latent {plan.shape.kv_rank} + rotary {plan.shape.rope_dim}{how}"
         label = f"MLA from parent, split chosen ({split}), fitted"
         score(label, budget, mla, time.perf_counter() - start)

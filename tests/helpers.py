@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -23,9 +22,6 @@ from gqaify.entry.cli import main
 from gqaify.testing import duplicate_kv_heads
 
 NOT_CACHED = "gqaify-tests/not-cached:none"  # a hub dataset no machine has in its cache
-# seconds for a refusal that needs the hub, on a machine the other test processes keep busy: huggingface_hub's five
-# retries alone wait 23 s (the tests also check that no "Retrying" line was printed)
-QUICK = 20.0
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
@@ -123,13 +119,10 @@ def one_line_error(done) -> str:
     return lines[0]
 
 
-def one_line_refusal(capsys, *argv, within: float = QUICK) -> str:
-    """Run the CLI; it must exit 2 with one line on stderr, within `within` seconds."""
-    start = time.monotonic()
+def one_line_refusal(capsys, *argv) -> str:
+    """Run the CLI; it must exit 2 with one line on stderr (no retry warnings, no traceback before it)."""
     code, err = run_cli(capsys, *argv)
-    elapsed = time.monotonic() - start
     assert code == 2 and err.count("\n") == 1 and err.startswith("gqaify: error: "), err
-    assert elapsed < within, f"{elapsed:.1f} s: {err}"
     return err
 
 

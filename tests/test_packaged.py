@@ -18,7 +18,6 @@ from gqaify.packaged import (
     LAUNCH_REGISTRY,
     RECIPE_REGISTRY,
     RECIPES,
-    anywhere,
     entry,
     find,
     first_line,
@@ -121,19 +120,36 @@ def test_every_packaged_accelerate_config_is_complete_for_accelerates_own_config
 
 
 def test_every_recipe_and_config_is_listed_with_what_it_is_and_its_command(capsys):
+    """Each entry: its name and what it is on one line, the descriptions in one column, and under it, indented to
+    that column, the command that runs it from any folder (its first line runs it from a checkout only: a wheel's
+    user got accelerate's FileNotFoundError for recipes/accelerate/cpu.yaml), or the config's own file."""
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     heads, under = lines[::2], lines[1::2]
     assert [line.split()[0] for line in heads] == recipe_names() and len(heads) == len(under)
-    width = len(heads[0]) - len(heads[0][len(heads[0].split()[0]) :].lstrip())
-    for head, shown, e in zip(heads, under, (*RECIPE_REGISTRY, *LAUNCH_REGISTRY), strict=True):
-        assert head == f"{e.name.ljust(width - 2)}  {e.description}" and shown[:width] == " " * width
-        # a recipe's command from any folder (its first line runs it from a checkout only: a wheel's user got
-        # accelerate's FileNotFoundError for recipes/accelerate/cpu.yaml); an accelerate config's path
-        assert shown[width:] == (anywhere(e.file) if e in RECIPE_REGISTRY else str(RECIPES / f"{e.name}.yaml"))
+    starts = {len(head) - len(head[len(head.split()[0]) :].lstrip()) for head in heads}  # each description's column
+    assert len(starts) == 1 and {len(shown) - len(shown.lstrip()) for shown in under} == starts, (heads, under)
+    by_name = dict(zip((line.split()[0] for line in heads), zip(heads, under, strict=True), strict=True))
+    # two entries as a user reads them, written out here
+    head, shown = by_name["smollm2-135m-mqa"]
+    assert head.split(None, 1)[1] == (
+        "SmolLM2-135M-Instruct -> MQA (one process or several): lsq fitted layer by layer, distilled from the parent "
+        "on five kinds of text (code among them), on a CPU"
+    )
+    assert shown.strip() == (
+        "gqaify generate HuggingFaceTB/SmolLM2-135M-Instruct runs/smollm2-parent-text --tokens 32768 -q && "
+        "gqaify uptrain --recipe smollm2-135m-mqa"
+    )
+    head, shown = by_name["accelerate/cpu"]
+    assert head.split(None, 1)[1] == "1 process: the CPU, full precision"
+    assert Path(shown.strip()).read_bytes() == (REPO / "recipes" / "accelerate" / "cpu.yaml").read_bytes()
+    for name, (_, shown) in by_name.items():
         words = shown.split()
         assert not [w for w in words if w.startswith(("recipes/", "../", "$T/", "$G"))], shown  # no checkout's path
         assert all(Path(w).exists() for w in words if w.startswith("/")), shown
+        if "--recipe" in words:  # the recipe it names is this entry's, by name or by its packaged path
+            named = words[words.index("--recipe") + 1]
+            assert named == name or Path(named).read_bytes() == (REPO / "recipes" / f"{name}.yaml").read_bytes()
     assert "one process or several" in heads[0] and heads[1].split(" (")[1].startswith("one process)")
 
 

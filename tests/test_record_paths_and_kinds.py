@@ -94,7 +94,7 @@ def test_generates_record_names_score_data_absolutely_and_a_rerun_checks_its_tok
     assert main(["generate", "--config", str(here / "sc" / "gqaify.json"), "--out", "again", "-q"]) == 0
     assert tree_hashes(there / "again" / "data") == tree_hashes(here / "sc" / "data")
     (here / "st.txt").write_text((there / "st.txt").read_text())
-    err = one_line_refusal(capsys, "generate", "--config", here / "sc" / "gqaify.json", "--out", "third", within=60)
+    err = one_line_refusal(capsys, "generate", "--config", here / "sc" / "gqaify.json", "--out", "third")
     assert f"--score-data {here / 'st.txt'}: the text changed since the recorded corpus" in err
     assert "pass --score-sha256 '' to score with the text as it is now" in err
     assert not (there / "third").exists()
@@ -115,7 +115,7 @@ def test_evals_report_names_its_paths_absolutely_and_a_rerun_checks_its_text(tin
     again = json.loads((there / "r2" / "report.json").read_text())
     assert again["models"][0]["perplexity"] == first["models"][0]["perplexity"]
     (here / "st.txt").write_text((there / "st.txt").read_text())
-    err = one_line_refusal(capsys, "eval", "--config", here / "r1b" / "report.json", "--out", "r3", within=60)
+    err = one_line_refusal(capsys, "eval", "--config", here / "r1b" / "report.json", "--out", "r3")
     assert f"--data {here / 'st.txt'}: the text changed since the recorded evaluation" in err
     assert "pass --data-sha256 '' to evaluate with the text as it is now" in err
     assert not (there / "r3").exists()
@@ -129,7 +129,7 @@ def test_a_corpus_of_another_vocabulary_is_refused(corpus, tiny, tmp_path, capsy
     wide = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=640), tmp_path / "wide")
     out = tmp_path / "run"
     argv = args(tiny, out, "--model", wide, "--data", corpus, "--distill_from_data", "--distill_weight", "1")
-    err = one_line_refusal(capsys, "uptrain", *argv, within=60)
+    err = one_line_refusal(capsys, "uptrain", *argv)
     assert f"data {corpus} was written by {tiny['parent'].resolve()}, whose vocabulary has 320 tokens" in err
     assert "has 640" in err and "generate the corpus from the model's parent" in err
     assert not out.exists()
@@ -142,7 +142,7 @@ def test_a_corpus_of_another_parent_than_the_runs_is_refused(corpus, tiny, tmp_p
     other = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320, seed=1), tmp_path / "other")
     out = tmp_path / "run"
     stored = ("--data", str(corpus), "--distill_from_data", "--distill_weight", "1")
-    err = one_line_refusal(capsys, "uptrain", *args(tiny, out, *stored, "--parent", other), within=60)
+    err = one_line_refusal(capsys, "uptrain", *args(tiny, out, *stored, "--parent", other))
     parent = tiny["parent"].resolve()
     assert f"was written by {parent}, and the run's parent is {other}" in err
     assert f"generate the corpus from {other}, or set parent {parent}" in err
@@ -162,7 +162,7 @@ def test_corpora_nested_in_one_folder_are_refused_by_every_reader(corpus, tiny, 
     assert f"--data {nest} holds 2 corpora ({nest / 'a'} first)" in err and "name the corpus folder" in err
     out = tmp_path / "run"
     argv = args(tiny, out, "--data", nest, "--distill_from_data", "--distill_weight", "1")
-    err = one_line_refusal(capsys, "uptrain", *argv, within=60)
+    err = one_line_refusal(capsys, "uptrain", *argv)
     assert f"data {nest} holds 2 corpora" in err
     assert not report.exists() and not out.exists() and tree_hashes(nest) == before
 

@@ -1,8 +1,8 @@
-"""gqaify: turn multi-head-attention checkpoints into grouped-query (GQA), multi-query (MQA) or latent (MLA)
-attention.
+"""gqaify: turn multi-head-attention checkpoints into grouped-query (GQA), multi-query (MQA) or another attention
+shape with a smaller KV cache (`gqaify convert --help` lists them under --attention).
 
     gqaify.convert(src, out, kv_heads=G)                   rewrite a checkpoint's K/V heads from KV to G
-    gqaify.convert(src, out, kv_cut=4, attention="mla", calib_data="text.txt")   a latent cache 1/4 the source's
+    gqaify.convert(src, out, kv_cut=4, attention=SHAPE, calib_data="text.txt")   a cache 1/4 the source's, in SHAPE
     gqaify.convert(src, out, G, method="lsq", calib_data="text.txt")    fitted on calibration text
     gqaify.evaluate([parent, converted], data, out)        perplexity, KV cache and speed beside the parent
 

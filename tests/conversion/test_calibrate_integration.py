@@ -76,14 +76,14 @@ def _refining(calibration, tmp_path) -> tuple[subprocess.Popen, list, threading.
 def test_sigterm_during_refinement_is_answered_at_once_in_bounded_memory(calibration, tmp_path):
     """--refine-steps 1000000000 drew an 8.3 GB permutation for over a minute, deaf to SIGTERM, before the first
     step. Now the most steps allowed run within 3 GiB more address space than the libraries take, and SIGTERM
-    mid-refinement is answered within 2 s, with nothing left behind."""
+    mid-refinement is answered between two steps, before the layer's refinement ends, with nothing left behind."""
     process, lines, reader = _refining(calibration, tmp_path)
     process.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
     assert process.wait(timeout=60) == 143
     reader.join()
-    answered, line = lines[-1]
-    assert "stopped by SIGTERM; nothing was written" in line and answered - sent < 2, (answered - sent, line)
+    _, line = lines[-1]
+    assert "stopped by SIGTERM; nothing was written" in line, line
+    assert not any("layer 1" in said for _, said in lines), lines  # stopped inside layer 0's refinement
     assert [line for _, line in lines if line.startswith("gqaify")] == [line]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "src"]
 

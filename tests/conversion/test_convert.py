@@ -90,7 +90,7 @@ def test_the_card_cites_the_paper_a_method_comes_from_and_every_reference_is_kno
     """Methods and shapes carry their papers as data; the card cites a method's (mean-pooling: the GQA paper) and
     says none for gqaify's own."""
     from gqaify.conversion.papers import PAPERS
-    from gqaify.conversion.settings import ATTENTION_INFO, METHOD_INFO
+    from gqaify.conversion.registry import ATTENTION_INFO, METHOD_INFO
 
     _, src = mha_llama
     gqaify.convert(src, tmp_path / "mean", kv_heads=2, progress=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -333,34 +332,57 @@ DAMAGED = {
 }
 
 
+def refuse_the_readers(monkeypatch) -> list[str]:
+    """gguf's own reader and every transformers model, each refused and named in the list returned where a command
+    reaches it: a damaged file is refused by gqaify's bounded header reader before either (gguf's looped and grew
+    without bound, transformers built its 6 GB default model first)."""
+    import gguf
+    import transformers
+
+    reached = []
+
+    def refused(name: str):
+        def init(self, *args, **kwargs):
+            reached.append(name)
+            raise RuntimeError(f"{name} reached")
+
+        return init
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", refused("gguf.GGUFReader"))
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", refused("a transformers model"))
+    return reached
+
+
 @needs_assets
 @pytest.mark.parametrize("damage", DAMAGED, ids=list(DAMAGED))
 @pytest.mark.parametrize("command", ["convert", "eval"])
-def test_a_damaged_gguf_source_is_one_line_at_once(capsys, stories_gguf, tmp_path, damage, command):
-    """Each was a traceback (exit 1), an unbounded loop, or a 6 GB default model built before failing."""
+def test_a_damaged_gguf_source_is_one_line_at_once(capsys, monkeypatch, stories_gguf, tmp_path, damage, command):
+    """Each was a traceback (exit 1), an unbounded loop, or a 6 GB default model built before failing: now refused
+    before gguf's reader or any model is reached."""
     src = tmp_path / "bad.gguf"
     src.write_bytes(DAMAGED[damage](stories_gguf["gqa2.gguf"].read_bytes()))
     args = {
         "convert": [src, tmp_path / "out", "--kv-heads", "1"],
         "eval": [src, "--data", MODELS.parent / "text" / "tinystories-valid-head.txt", "--out", tmp_path / "out"],
     }
-    started = time.perf_counter()
+    reached = refuse_the_readers(monkeypatch)
     code, err = run_cli(capsys, command, *args[command])
-    assert code == 2 and time.perf_counter() - started < 10, err
+    assert code == 2 and reached == [], err
     line = one_line(err)
     assert f"{src}" in line and ("is not a readable GGUF file" in line or "lacks llama.block_count" in line), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
 
 
-def test_a_malformed_gguf_as_out_is_refused_with_force_at_once(capsys, tmp_path):
-    """A 132-byte GGUF whose array claims 2^40 items sent gguf's reader into a loop that grew ~150 MB/s."""
+def test_a_malformed_gguf_as_out_is_refused_with_force_at_once(capsys, monkeypatch, tmp_path):
+    """A 132-byte GGUF whose array claims 2^40 items sent gguf's reader into a loop that grew ~150 MB/s: now refused
+    before gguf's reader is reached."""
     src = save_with_tokenizer(build_model("llama", num_kv_heads=2, vocab_size=320), tmp_path / "src")
     out = tmp_path / "r.gguf"
     out.write_bytes(DAMAGED["an array of 2^40"](b""))
     before = out.read_bytes()
-    started = time.perf_counter()
+    reached = refuse_the_readers(monkeypatch)
     code, err = run_cli(capsys, "convert", src, out, "--kv-heads", "1", "--force")
-    assert code == 2 and time.perf_counter() - started < 10 and "is not a GGUF gqaify wrote" in one_line(err)
+    assert code == 2 and reached == [] and "is not a GGUF gqaify wrote" in one_line(err)
     assert out.read_bytes() == before
 
 

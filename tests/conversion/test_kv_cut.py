@@ -81,7 +81,7 @@ def test_an_mla_cut_alone_chooses_its_split_on_the_calibration_text_and_records_
     assert (mla["kv_rank"], mla["rope_dims"]) == (kept["kv_rank"], kept["rope_dims"])
     settings = EvalSettings(seq_len=32, speed=False, progress=False)
     entry = gqaify.evaluate([str(out)], calib, tmp_path / "report", settings).models[0]
-    assert entry.kv_cache_bytes_per_token == 42 * LAYERS * 4 and entry.kv_latent == 42
+    assert entry.kv_cache_bytes_per_token == 42 * LAYERS * 4 and entry.cached_values == 42
     assert entry.kv_cache_bytes_analytic == entry.kv_cache_bytes_measured == 32 * 42 * LAYERS * 4
 
 

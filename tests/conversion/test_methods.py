@@ -242,7 +242,7 @@ def test_every_declared_method_is_registered_and_every_registered_one_declared()
     import inspect
 
     import gqaify.conversion.methods as methods
-    from gqaify.conversion.settings import METHOD_INFO
+    from gqaify.conversion.registry import METHOD_INFO
 
     assert sorted(methods.METHODS) == sorted(METHOD_INFO)
     assert all(

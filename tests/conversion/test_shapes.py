@@ -1,10 +1,12 @@
-"""A third attention shape is one folder and one registry entry: a toy shape, registered here and nowhere else, is
-converted, recorded, described, counted in the architecture table, and evaluated, by the pipeline as it is."""
+"""A third attention shape is one folder and one registry entry: a toy shape, registered here and nowhere else, that
+writes a model class of its own, is converted, recorded, described, counted in the architecture table, evaluated
+and given its trainable attention, by the pipeline as it is; and no generic module names a shape."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -17,10 +19,12 @@ import gqaify
 from gqaify.conversion import coverage
 from gqaify.conversion.gqa import GQA
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import ATTENTION_INFO, ShapeInfo
+from gqaify.conversion.registry import ATTENTION_INFO, ShapeInfo
 from gqaify.conversion.shape_contract import Rewritten, Shape, ShapeRecord
-from gqaify.conversion.shapes import held_parameters, shape
+from gqaify.conversion.shapes import held_parameters, shape, trained_attention
+from gqaify.errors import UserError
 from gqaify.eval.settings import EvalSettings
+from gqaify.model.archs import LAYER, TrainedAttention
 from gqaify.summary import format_summary
 from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 from helpers import one_line, run_cli
@@ -47,9 +51,31 @@ class ToyRecord(ShapeRecord):
         return f"- Then rescaled by the toy shape (v_proj x {self.scale:g})."
 
 
+TOY_TYPE = "toy_llama"  # the model class the toy writes: Llama's, under a model type gqaify converts from none
+# where that class's attention trains (the toy's `ShapeInfo.writes`): the toy keeps k_proj as converted
+TOY_WRITTEN = {
+    TOY_TYPE: TrainedAttention.at(f"model.layers.{LAYER}.self_attn", ("q_proj", "v_proj", "o_proj"), ("v_proj",))
+}
+
+
+def toy_class():
+    """The toy's model class, registered with transformers' Auto classes (as a shape's folder would ship it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    class ToyConfig(LlamaConfig):
+        model_type = TOY_TYPE
+
+    class ToyForCausalLM(LlamaForCausalLM):
+        config_class = ToyConfig
+
+    AutoConfig.register(TOY_TYPE, ToyConfig, exist_ok=True)
+    AutoModelForCausalLM.register(ToyConfig, ToyForCausalLM, exist_ok=True)
+    return ToyForCausalLM
+
+
 class ToyShape:
-    """A shape that rewrites the G-head folder into the same function with other weights, and says so in its
-    config.json; what it does not do itself it asks GQA."""
+    """A shape that rewrites the G-head folder into the same function with other weights, in a model class of its
+    own, and says so in its config.json; what it does not do itself it asks GQA."""
 
     float16 = "a toy's weights are kept in float32 by the toy's own rule"
 
@@ -71,7 +97,8 @@ class ToyShape:
                 tensors[name] = tensors[name] * factor
             save_file(tensors, shard, metadata={"format": "pt"})
         config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, "toy_scaled": True}))
+        written = {"model_type": TOY_TYPE, "architectures": ["ToyForCausalLM"], "toy_scaled": True}
+        (folder / "config.json").write_text(json.dumps({**config, **written}))
         values = source.with_kv_heads(s.kv_heads).cached_per_token
         return Rewritten(ToyRecord(scale=SCALE, values=values), len(shards), sum(p.stat().st_size for p in shards))
 
@@ -82,7 +109,7 @@ class ToyShape:
         return bool(config.get("toy_scaled") if isinstance(config, dict) else getattr(config, "toy_scaled", False))
 
     def held(self, model) -> list[str]:
-        return ["model.layers.0.self_attn.v_proj.weight"]
+        return ["model.layers.0.self_attn.k_proj.weight"]
 
     def cost_note(self, s, source) -> str:
         return "toy: every v_proj doubled"
@@ -95,13 +122,18 @@ class ToyShape:
 def toy(monkeypatch):
     """The toy shape registered for one test: its module, and its entry in ATTENTION_INFO."""
     module = types.ModuleType("toy_shape")
-    module.TOY, module.ToyRecord = ToyShape(), ToyRecord
+    module.TOY, module.ToyRecord, module.WRITTEN = ToyShape(), ToyRecord, TOY_WRITTEN
     monkeypatch.setitem(sys.modules, "toy_shape", module)
-    monkeypatch.setitem(
-        ATTENTION_INFO,
+    toy_class()
+    entry = ShapeInfo(
+        "a toy: the same function, rescaled",
         "toy",
-        ShapeInfo("a toy: the same function, rescaled", "toy", "toy_shape:TOY", "toy_shape:ToyRecord"),
+        "TOY",
+        "toy_shape:TOY",
+        record="toy_shape:ToyRecord",
+        writes="toy_shape:WRITTEN",
     )
+    monkeypatch.setitem(ATTENTION_INFO, "toy", entry)
     shape.cache_clear()
     yield module.TOY
     shape.cache_clear()
@@ -118,6 +150,7 @@ def test_a_toy_shape_registered_in_the_test_is_converted_recorded_described_and_
 
     rewritten = AutoModelForCausalLM.from_pretrained(tmp_path / "toy", dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa", dtype=torch.float32)
+    assert rewritten.config.model_type == TOY_TYPE and type(rewritten).__name__ == "ToyForCausalLM"
     v = "model.layers.0.self_attn.v_proj.weight"
     assert torch.equal(rewritten.state_dict()[v], SCALE * reference.state_dict()[v])
     ids = torch.arange(3, 27)[None] % reference.config.vocab_size
@@ -156,7 +189,12 @@ def test_a_toy_shape_registered_in_the_test_is_converted_recorded_described_and_
         err
     )
     assert not (tmp_path / "r16").exists()
-    assert held_parameters(rewritten) == [v]  # what uptraining keeps as converted, asked of the model's shape
+    # trained: uptraining finds where the class the toy writes trains in the toy's entry, and keeps what it holds
+    assert held_parameters(rewritten) == ["model.layers.0.self_attn.k_proj.weight"]  # asked of the model's shape
+    from gqaify.uptrain.lora import target_pattern
+
+    adapted = [n for n, _ in rewritten.named_modules() if re.fullmatch(target_pattern(TOY_TYPE), n)]
+    assert adapted == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj", "o_proj")]
 
     # refused as the shape says, before anything is written
     code, err = run_cli(capsys, "convert", src, tmp_path / "toy.gguf", "--kv-heads", "2", "--attention", "toy")
@@ -167,10 +205,47 @@ def test_a_shape_that_misses_part_of_the_contract_is_named_for_it(monkeypatch):
     module = types.ModuleType("half_shape")
     module.HALF = types.SimpleNamespace(float16=None, reads_text=lambda s: False)
     monkeypatch.setitem(sys.modules, "half_shape", module)
-    monkeypatch.setitem(ATTENTION_INFO, "half", ShapeInfo("half a shape", "half", "half_shape:HALF"))
+    monkeypatch.setitem(ATTENTION_INFO, "half", ShapeInfo("half a shape", "half", "HALF", "half_shape:HALF"))
     shape.cache_clear()
     try:
         with pytest.raises(TypeError, match="half_shape:HALF is not a Shape: it lacks cached, cost_note, covers, held"):
             shape("half")
     finally:
         shape.cache_clear()
+
+
+def test_a_class_a_shape_writes_trains_only_where_its_entry_names_it():
+    """Without the toy's entry, the class it writes is one gqaify knows nothing of: uptraining refuses to guess where
+    its attention is (the entry's `writes` is the only place that says)."""
+    with pytest.raises(UserError, match=f"trainable lora: gqaify does not know where attention lives in {TOY_TYPE}"):
+        trained_attention(TOY_TYPE, "trainable lora")
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "gqaify"
+# The generic modules that may name a shape, each a data table or a citation, and why: at most five
+MAY_NAME_A_SHAPE = {
+    "conversion/registry.py": "the shapes' entries",
+    "conversion/papers.py": "the papers the shapes cite",
+    "model/archs.py": "the architectures refused for caching no K/V heads (a latent), with their reason",
+    "packaged.py": "the recipes' registry, whose recipes convert to the shapes",
+    "eval/caches/evaluate.py": "the cache formats' refusals, worded for a latent (that room's own wording)",
+}
+
+
+def test_no_generic_module_names_a_shape_but_its_entry_and_the_data_tables():
+    """A shape lives in its folder and its registry entry: no other module names it (its registry name, its label,
+    the words of its title that the stream's shape does not share: "mla", "latent"), so that nothing outside the
+    folder and the entry changes when a shape is added, but the data tables and citations listed above."""
+    assert len(MAY_NAME_A_SHAPE) <= 5
+    naming = {}
+    for name, info in ATTENTION_INFO.items():
+        if name == "gqa":  # the shape the stream writes: gqaify's own name
+            continue
+        stream = set(re.findall(r"[a-z]+", ATTENTION_INFO["gqa"].title.lower()))
+        words = {name, info.label.lower(), *(set(re.findall(r"[a-z]+", info.title.lower())) - stream)}
+        folder = SRC.joinpath(*info.shape.split(":")[0].split(".")[1:]).parent
+        pattern = re.compile(rf"\b({'|'.join(map(re.escape, sorted(words)))})\b", re.IGNORECASE)
+        for path in SRC.rglob("*.py"):
+            if folder not in path.parents and pattern.search(path.read_text()):
+                naming.setdefault(path.relative_to(SRC).as_posix(), set()).add(name)
+    assert set(naming) <= set(MAY_NAME_A_SHAPE), {m: naming[m] for m in set(naming) - set(MAY_NAME_A_SHAPE)}

@@ -533,22 +533,35 @@ def test_speed_cell_says_not_resolved_where_the_spreads_overlap():
     assert decode_cell(before) == "24.2" and decode_cell(row(None)) == "—"  # a report without runs; --no-speed
 
 
-def test_speed_spreads_are_stored_and_read_back_and_older_reports_still_read(lm_pair, tmp_path):
+def test_speed_spreads_are_stored_and_read_back_and_older_reports_still_read(lm_pair, tmp_path, monkeypatch):
     """The parent is timed in turns beside each model; its row pools those turns. report.json keeps every run and
-    reads back typed; a report written before the runs were kept reads back too, its cell the bare median."""
+    reads back typed; a report written before the runs were kept reads back too, its cell the bare median.
+
+    The clock is a counter that every reading advances by one second, so that each prefill and each decode lasts
+    exactly one second: a run decodes batch x decode_tokens tokens per second, and prefills batch x context."""
+    import functools
+    import itertools
+
+    import gqaify.eval.core as core
     from gqaify.eval.report import format_table, markdown
     from gqaify.eval.results import ModelReport, Report, Spread, TextInfo
+    from gqaify.eval.speed import timed_in_turns
     from gqaify.records import from_json
 
+    seconds = itertools.count()
+    monkeypatch.setattr(core, "timed_in_turns", functools.partial(timed_in_turns, clock=lambda: float(next(seconds))))
     root, parent, data = lm_pair
     report = gqaify.evaluate(
         [str(parent), str(root / "gqa2"), str(root / "same")], str(data), tmp_path / "r", replace(FAST, repeats=3)
     )
     parent_r, gqa2, same = report.models
-    assert len(gqa2.decode_spread.runs) == len(same.decode_spread.runs) == 3
-    assert parent_r.decode_spread.runs == gqa2.parent_decode_spread.runs + same.parent_decode_spread.runs
-    assert parent_r.parent_decode_spread is None
-    assert all(m.decode_tokens_per_s == m.decode_spread.median for m in report.models)
+    one = 1 * FAST.decode_tokens / 1.0  # one sequence, 4 tokens in one second
+    assert gqa2.decode_spread.runs == same.decode_spread.runs == [one] * 3  # repeats=3
+    assert gqa2.parent_decode_spread.runs == same.parent_decode_spread.runs == [one] * 3  # the parent beside each
+    assert parent_r.decode_spread.runs == [one] * 6 and parent_r.parent_decode_spread is None  # both turns, pooled
+    assert [m.decode_tokens_per_s for m in report.models] == [4.0] * 3
+    assert [m.decode_tokens_per_s_batched for m in report.models] == [FAST.decode_batch * 4.0] * 3
+    assert [m.prefill_tokens_per_s for m in report.models] == [FAST.decode_context * 1.0] * 3
 
     loaded = json.loads((tmp_path / "r" / "report.json").read_text())
     assert [from_json(ModelReport, m) for m in loaded["models"]] == report.models
@@ -557,12 +570,12 @@ def test_speed_spreads_are_stored_and_read_back_and_older_reports_still_read(lm_
     older = [from_json(ModelReport, m) for m in loaded["models"]]
     assert [m.decode_spread for m in older] == [None] * 3
     older_report = Report([from_json(TextInfo, t) for t in loaded["data"]], loaded["settings"], older)
-    assert f"| {gqa2.decode_tokens_per_s:,.1f} |" in markdown(older_report)
+    assert "| 4.0 |" in markdown(older_report)
 
     gqa2.decode_spread = Spread.of([1e-3, 1e9])  # overlaps any parent's: said so, in the table and its note
     text = format_table(report)
     assert (
-        "not resolved (0.0–1,000,000,000.0 vs parent" in text
+        "not resolved (0.0–1,000,000,000.0 vs parent 4.0–4.0)" in text
         and "note: decode tok/s: the median (slowest–fastest)" in text
     )
     assert "timed in turns with the parent's" in markdown(report)

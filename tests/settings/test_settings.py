@@ -673,6 +673,30 @@ def test_no_field_of_the_settings_is_declared_twice(settings):
     assert set(declared) == names
 
 
+def declaring(settings, name: str) -> type:
+    """The class of `settings`' MRO that declares the field `name` (not one that only overrides it)."""
+    import inspect
+
+    return next(
+        c for c in settings.__mro__ if name in inspect.get_annotations(c) and name not in vars(c).get("overrides", ())
+    )
+
+
+def test_the_fields_of_a_conversion_are_declared_once_for_convert_and_uptrain():
+    """kv_heads was declared by convert (at least 1, "1 is MQA") and by uptrain (a positive integer) with rules of
+    their own: every field uptrain shares with convert (the conversion it runs, and the groups) is declared by one
+    class, which uptrain words for itself with `override`."""
+    convert_fields = {f.name for f in dataclasses.fields(CONVERT.settings)}
+    shared = convert_fields & {f.name for f in dataclasses.fields(UPTRAIN.settings)}
+    assert {"kv_heads", "kv_cut", "attention", "method", "calib_data"} <= shared
+    apart = {n: (declaring(CONVERT.settings, n), declaring(UPTRAIN.settings, n)) for n in shared}
+    assert {n: owners for n, owners in apart.items() if owners[0] is not owners[1]} == {}
+    convert = CONVERT.settings(src="a", out="b", kv_heads=0).problems()
+    uptrain = UPTRAIN.settings(model="a", output_dir="b", data="d", max_tokens=10**6, kv_heads=0).problems()
+    assert convert == ["--kv-heads 0 must be a whole number of at least 1; 1 is MQA"]  # each names it its own way
+    assert uptrain == ["kv_heads must be a whole number of at least 1, got 0; 1 is MQA"]
+
+
 @pytest.mark.parametrize(
     ("settings", "data", "names", "split"),
     [
@@ -724,7 +748,7 @@ def test_an_override_changes_a_default_and_keeps_the_type_and_rules():
     from gqaify.uptrain.settings import UptrainSettings
 
     assert UptrainSettings().calib_split is None and ConvertSettings().calib_split == "train"
-    assert UptrainSettings.overrides == {"calib_split", "calib_text_column", "seed", "push_to_hub"}
+    assert UptrainSettings.overrides == {"calib_split", "calib_text_column", "seed", "push_to_hub", "kv_heads"}
     with pytest.raises(UserError, match="calib_split None is not text"):
         ConvertSettings(calib_split=None)
     helps = [next(f for f in dataclasses.fields(s) if f.name == "seed").metadata["help"] for s in SETTINGS[::3]]

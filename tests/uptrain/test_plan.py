@@ -3,9 +3,6 @@ independently, and the command (benchmarks/memory_plan.py checks the totals agai
 
 from __future__ import annotations
 
-import math
-import time
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,12 +16,9 @@ from helpers import uptrain_args as args
 
 
 def shard_bytes(tensors, n: int, dtype=None) -> int:
-    """The first of n processes' share of each tensor split on its first dimension (FSDP2 rounds up)."""
-    total = 0
-    for t in tensors:
-        rows = math.ceil(t.shape[0] / n)
-        total += rows * (t.numel() // t.shape[0]) * (dtype or t.dtype).itemsize
-    return total
+    """The bytes of the first of n processes' share of each tensor as FSDP2 shards it (`Shard(0)`: the first piece
+    `torch.chunk` cuts on the first dimension), in `dtype` or the tensor's own: the tensors themselves, cut."""
+    return sum(torch.chunk(t.detach(), n, dim=0)[0].to(dtype or t.dtype).nbytes for t in tensors)
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3])
@@ -176,16 +170,22 @@ def test_ddp_on_cpus_and_a_config_without_num_processes_are_planned(tmp_path):
 @pytest.mark.parametrize(
     ("batch", "said"),
     [
-        ("100000000", "the budget of 1,280 tokens is less than one optimizer step of 3,200,000,000 "),
-        ("30", "the budget of 1,280 tokens is less than one optimizer step of 7,680 "),  # of the launch's 8 processes
+        ("100000000", "the 1,280 training tokens are fewer than one optimizer step of 3,200,000,000 "),
+        ("30", "the 1,280 training tokens are fewer than one optimizer step of 7,680 "),  # of the launch's 8 processes
     ],
 )
-def test_a_batch_the_run_refuses_is_refused_before_planning(tiny, tmp_path, capsys, batch, said):
-    """A micro-batch of 10^8 was still being planned after 60 s, where the run refuses it at once."""
+def test_a_batch_the_run_refuses_is_refused_before_planning(tiny, tmp_path, capsys, monkeypatch, batch, said):
+    """A micro-batch of 10^8 was still being planned after 60 s, where the run refuses it at once: no model is built
+    and no step's activations are counted (a refusal that needs the launch's processes is the plan's, made from the
+    configs alone)."""
+    import gqaify.uptrain.plan as plan_module
+
+    planned = []
+    monkeypatch.setattr(plan_module, "_trainable_model", lambda *given: planned.append("the model"))
+    monkeypatch.setattr(plan_module, "_activations", lambda *given: planned.append("the activations"))
     argv = ["uptrain", *args(tiny, tmp_path / "run", "--micro_batch_size", batch), "--plan", "accelerate/fsdp"]
-    start = time.monotonic()
     assert main(argv) == 2
-    assert said in one_line(capsys.readouterr().err) and time.monotonic() - start < 10
+    assert said in one_line(capsys.readouterr().err) and planned == []
     assert not (tmp_path / "run").exists()
 
 

@@ -92,7 +92,7 @@ def test_command_line_overrides_the_recipe(tmp_path):
 
 def test_budget_fraction_of_pretraining_tokens():
     s = UptrainSettings(model="m", output_dir="o", data="d", budget_fraction=0.05, pretraining_tokens=2_000_000)
-    assert s.budget() == 100_000
+    assert s.training_tokens() == 100_000
 
 
 def test_a_calibrated_conversion_is_fitted_on_the_training_data_unless_told_otherwise(tmp_path):

@@ -43,7 +43,7 @@ def test_unknown_recipe_key_names_the_nearest(tmp_path):
         ("per_device_train_batch_size", "micro_batch_size?)"),
         ("gradient_accumulation_steps", "grad_accum?)"),
         ("warmup_ratio", "warmup? a fraction"),
-        ("num_train_epochs", "max_tokens? gqaify budgets training tokens, not epochs)"),
+        ("num_train_epochs", "max_tokens? gqaify counts training tokens, not epochs)"),
         ("bf16", "mixed_precision?"),
     ],
 )

@@ -4,7 +4,6 @@ distillation (live and stored), trainable subsets, evaluation panels and mixture
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -462,9 +461,8 @@ def test_a_tiny_mixture_weight_costs_only_the_blocks_the_budget_reads(tiny, tmp_
 
     large = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(300)]}).with_format("torch")
     small = datasets.Dataset.from_dict({"input_ids": [[1000 + i, 0] for i in range(20)]}).with_format("torch")
-    started = time.perf_counter()
     together, counts = mixed([large, small], [1.0, 1e-6], seed=5, limit=64)
-    assert time.perf_counter() - started < 5 and len(together) == 64 and counts == [64, 0]
+    assert len(together) == 64 and counts == [64, 0]  # 64 blocks drawn in all, none repeated for the tiny weight
     firsts = [int(b["input_ids"][0]) for b in together]
     assert len(set(firsts)) == 64 and max(firsts) > 64  # drawn from the whole of the source, not its first blocks
     assert [int(b["input_ids"][0]) for b in mixed([large, small], [1.0, 1e-6], seed=5, limit=64)[0]] == firsts

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gqaify.conversion.layer_by_layer as layer_by_layer
+from gqaify.auto import AUTO
 from gqaify.conversion.checkpoint import nonfinite_problem
 from gqaify.conversion.grouping import permute, similar_order
 from gqaify.conversion.layout import LayerLayout
@@ -294,7 +295,7 @@ def calibrate(
     start = time.perf_counter() - text.seconds  # reading the text counts as capture
     if warning := c.size_warning(text.tokens, geometry.hidden_size):
         LOG.warning(warning)
-    device = resolve_device("auto")
+    device = resolve_device(AUTO)
     positions = source.config.get("max_position_embeddings") or c.seq_len
     windows = text.windows(min(c.seq_len, positions))
     metas = source.tensors.metadata()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gqaify.conversion.papers import cited
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import METHOD_INFO, STREAM_SHAPE
+from gqaify.conversion.registry import METHOD_INFO, STREAM_SHAPE
 
 LICENCE_KEYS = ("license", "license_name", "license_link")
 _HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from gqaify.conversion.settings import METHOD_INFO
+from gqaify.conversion.registry import METHOD_INFO
 from gqaify.conversion.shapes import rewriting, shape
 from gqaify.model.archs import ARCHITECTURES, REFUSED, ArchSpec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gqaify.conversion.settings import ATTENTION_INFO
+from gqaify.conversion.registry import ATTENTION_INFO
 
 
 class GroupedQueryAttention:

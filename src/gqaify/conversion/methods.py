@@ -13,7 +13,7 @@ j*g ... j*g + g-1 into new head j, with g = KV/G:
 A method is a pure function of one layer's `Attention` (see `layout.py`) that returns the layer with G K/V
 heads. Methods that only pool K/V (`mean`, `first`, `random`, `norm-mean`) leave the queries alone; methods
 that fold also rewrite q_proj rows and o_proj columns so that the readers of each head compensate for what
-was done to it, and need calibration statistics. A new method is one entry in `conversion.settings.METHOD_INFO` (its
+was done to it, and need calibration statistics. A new method is one entry in `conversion.registry.METHOD_INFO` (its
 summary, its needs and the name of its function here, as data that --help reads without torch) and its function here;
 `METHODS` is built from that table, so a method without its function, or the reverse, fails at import and in
 the tests.
@@ -28,7 +28,7 @@ import torch
 
 import gqaify.conversion.fit as fit
 from gqaify.conversion.layout import Attention
-from gqaify.conversion.settings import METHOD_INFO, MethodInfo
+from gqaify.conversion.registry import METHOD_INFO, MethodInfo
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ Fn = Callable[[Attention, int, MethodContext], Attention]
 @dataclass(frozen=True)
 class Method:
     fn: Fn
-    info: MethodInfo  # summary, and whether it is calibrated and folds (`conversion.settings.METHOD_INFO`)
+    info: MethodInfo  # summary, and whether it is calibrated and folds (`conversion.registry.METHOD_INFO`)
 
     @property
     def calibrated(self) -> bool:
@@ -195,5 +195,5 @@ def fit_error(before: Attention, after: Attention, ctx: MethodContext, keys: boo
     return result
 
 
-# Every method of `conversion.settings.METHOD_INFO`, with the function of this module its entry names
+# Every method of `conversion.registry.METHOD_INFO`, with the function of this module its entry names
 METHODS: dict[str, Method] = {name: Method(globals()[info.function], info) for name, info in METHOD_INFO.items()}

@@ -1,5 +1,5 @@
 """The papers gqaify's methods and shapes come from (`MethodInfo.reference`, `ShapeInfo.references` in
-`conversion.settings`), by arXiv id, as the model card and docs/mla.md cite them."""
+`conversion.registry`), by arXiv id, as the model card and the docs cite them."""
 
 from __future__ import annotations
 

@@ -17,7 +17,9 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gqaify.conversion.settings import ATTENTION_INFO, CalibrationRecord
+from gqaify.auto import is_auto
+from gqaify.conversion.registry import ATTENTION_INFO
+from gqaify.conversion.settings import CalibrationRecord
 from gqaify.conversion.shape_contract import ShapeRecord
 from gqaify.conversion.source import Source
 from gqaify.model.archs import ArchSpec
@@ -47,7 +49,7 @@ def write_config_and_side_files(source: Source, spec: ArchSpec, folder: Path, kv
     if spec.shipped_class is not None:
         config["auto_map"] = {"AutoModelForCausalLM": f"{SHIPPED_MODULE}.{spec.shipped_class}"}
         shutil.copyfile(SHIPPED_FILE, folder / SHIPPED_FILE.name)
-    if dtype != "auto":
+    if not is_auto(dtype):
         for key in ("dtype", "torch_dtype"):
             if key in config:
                 config[key] = dtype

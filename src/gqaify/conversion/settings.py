@@ -1,8 +1,9 @@
-"""What a conversion can be asked to do, as data: the methods, the groupings, `MethodSettings` (the method and its
-calibration, which uptrain shares) and `ConvertSettings`.
+"""What a conversion can be asked to do: the groupings, the calibration (`Calibration`, and its record),
+`MethodSettings` (the method and its calibration, which uptrain shares), `ShapeSettings` (the attention shape and
+how small its cache becomes, which uptrain shares too) and `ConvertSettings`.
 
 This module imports nothing heavy, so that the command line can list the choices and check them before torch
-is loaded. The methods' computations live in `methods.py`, registered under the names listed here.
+is loaded. The methods and shapes offered are the registry's (`conversion.registry`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.mla.settings import LatentSettings
+from gqaify.conversion.registry import ATTENTION_INFO, METHOD_INFO, STREAM_SHAPE
 from gqaify.model.locations import exists
+from gqaify.records import named_type
 from gqaify.settings import (
     QUIET,
     Finite,
@@ -34,43 +36,6 @@ from gqaify.text.loading import NamedText, named_texts
 from gqaify.text.pins import Pin, sha256_problem
 from gqaify.text.settings import Texts
 
-
-@dataclass(frozen=True)
-class MethodInfo:
-    """A conversion method, declared once: what it does and needs (read by --help without torch), and the name of
-    its function in `conversion.methods` (a pure function of one layer)."""
-
-    function: str
-    summary: str  # one line, for --help and the model card
-    calibrated: bool = False  # fitted on calibration statistics: needs --calib-data
-    folds: bool = False  # also rewrites query rows and o_proj columns
-    reference: str | None = None  # the paper it is from (a `papers.PAPERS` key); None: gqaify's own
-
-
-# Every conversion method: a new one is one entry here and its function in conversion/methods.py
-GQA = "2305.13245"  # the GQA paper (`papers.PAPERS`)
-METHOD_INFO: dict[str, MethodInfo] = {
-    "mean": MethodInfo("mean", "mean-pool every K/V-indexed tensor over each group (the GQA paper)", reference=GQA),
-    "first": MethodInfo("first", "keep the first head of each group (the GQA paper's ablation)", reference=GQA),
-    "random": MethodInfo(
-        "random", "re-initialise the K/V projections, seeded by --seed (the GQA paper's ablation)", reference=GQA
-    ),
-    "norm-mean": MethodInfo("norm_mean", "mean-pool, then restore each pooled row's norm to the group's mean"),
-    "aligned": MethodInfo(
-        "aligned",
-        "rotate each head onto its group's first head, fold the rotation into its readers, average",
-        calibrated=True,
-        folds=True,
-        reference="2412.20677",  # its idea, aligning heads before merging them; gqaify's rotation is its own fit
-    ),
-    "lsq": MethodInfo(
-        "lsq",
-        "fit the shared K/V and each reader's compensation in closed form (least squares)",
-        calibrated=True,
-        folds=True,
-    ),
-}
-
 # What a method that reads no calibration text costs a trained model, and what the calibrated default conversion
 # keeps, measured (docs/benchmarks/conversion.md, `python benchmarks/methods.py`: WikiText-2 test perplexity
 # straight after conversion): said after every such conversion that changed the heads it replaced
@@ -85,49 +50,6 @@ GROUPINGS = ("contiguous", "similarity")
 CALIB_MODES = ("sequential", "parallel")
 
 MethodName = Literal[tuple(METHOD_INFO)]
-
-
-@dataclass(frozen=True)
-class ShapeInfo:
-    """An attention shape a conversion can write, declared once: what it is (read by --help without torch), its
-    `conversion.shape_contract.Shape` ("module:NAME", imported when a conversion asks it), what its rewrite records,
-    and its settings' fields where it has its own."""
-
-    summary: str
-    title: str  # what the tool's description calls it: "latent attention (MLA)"
-    shape: str
-    record: str | None = None  # "module:Class" of what its rewrite records (None: it rewrites nothing)
-    settings: type | None = None  # its own fields, a `Settings` class every conversion's settings inherit
-    references: tuple[str, ...] = ()  # the papers it is from (`papers.PAPERS` keys)
-    any_cut: bool = False  # whether it makes any `--kv-cut`, where whole K/V heads make only their own
-
-
-# Every attention shape: a new one is one entry here and its folder under conversion/ (`shape_contract`)
-ATTENTION_INFO: dict[str, ShapeInfo] = {
-    "gqa": ShapeInfo(
-        "G whole K/V heads (G = 1 is MQA)",
-        "grouped-query attention (GQA, MQA)",
-        "gqaify.conversion.gqa:GQA",
-        references=(GQA,),
-    ),
-    "mla": ShapeInfo(
-        "DeepSeek-V3's latent attention, rewritten from the G-head model: exact at its cache size, smaller with "
-        "kv_rank and rope_dims",
-        "latent attention (MLA)",
-        "gqaify.conversion.mla.shape:MLA",
-        "gqaify.conversion.mla.record:MlaRecord",
-        LatentSettings,
-        ("2405.04434", "2502.07864", "2502.14837"),
-        any_cut=True,
-    ),
-}
-STREAM_SHAPE = "gqa"  # the shape the stream writes, rewritten by nothing: the default
-
-
-def shape_titles() -> str:
-    """Every shape as the tool's description names it: "grouped-query attention (GQA, MQA) or latent ..."."""
-    *rest, last = [info.title for info in ATTENTION_INFO.values()]
-    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 GroupingName = Literal[GROUPINGS]
@@ -428,6 +350,11 @@ class MethodSettings(Settings):
 class AttentionChoice(Settings):
     """The attention shape a conversion writes, and how much smaller its cache is:"""
 
+    kv_heads: int | None = setting(
+        None,
+        "G, the new number of K/V heads; must divide the source's; 1 = MQA (or give --kv-cut)",
+        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
+    )
     kv_cut: float | None = setting(
         None,
         "the cache becomes 1/X of the source's: gqa keeps the K/V heads that do so (the source's / X); "
@@ -443,10 +370,14 @@ class AttentionChoice(Settings):
     )
 
 
+# the fields of their own the shapes declare (`ShapeInfo.settings`, each imported here: a shape's settings are light)
+_OWN_SETTINGS = tuple(named_type(info.settings) for info in ATTENTION_INFO.values() if info.settings)
+
+
 @dataclass(frozen=True)
-class ShapeSettings(*(info.settings for info in ATTENTION_INFO.values() if info.settings), AttentionChoice):
-    """The attention shape a conversion writes (`ATTENTION_INFO`), then the fields of its own each shape declares
-    (its `ShapeInfo.settings`): a conversion's, and uptraining's for the conversion it runs."""
+class ShapeSettings(*_OWN_SETTINGS, AttentionChoice):
+    """The attention shape a conversion writes (`ATTENTION_INFO`) and G, then the fields of its own each shape
+    declares (its `ShapeInfo.settings`): a conversion's, and uptraining's for the conversion it runs."""
 
 
 @dataclass(frozen=True)
@@ -456,11 +387,6 @@ class ConvertSettings(MethodSettings, ShapeSettings, Output, Dtype, Seed, Hub, P
 
     src: str | None = setting(
         None, "the model to convert: hub id, local model folder, or .gguf file (never modified)", required=True
-    )
-    kv_heads: int | None = setting(
-        None,
-        "G, the new number of K/V heads; must divide the source's; 1 = MQA (or give --kv-cut)",
-        check=Range(1, says="a whole number of at least 1", fix="1 is MQA"),
     )
     max_shard_size: str = setting("5GB", "the largest output shard, e.g. 5GB, 500MiB")
     gguf_type: Literal["f32", "f16", "bf16", "q8_0"] | None = setting(

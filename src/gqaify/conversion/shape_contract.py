@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from gqaify.conversion.settings import ATTENTION_INFO
+from gqaify.conversion.registry import ATTENTION_INFO
 from gqaify.records import named_type
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ from pathlib import Path
 import gqaify.conversion.to_gguf as to_gguf
 from gqaify.conversion.checkpoint import ShardWriter
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.settings import STREAM_SHAPE, ConvertSettings
+from gqaify.conversion.registry import STREAM_SHAPE
+from gqaify.conversion.settings import ConvertSettings
 from gqaify.conversion.shapes import shape
 from gqaify.conversion.source import Source
 from gqaify.errors import Found, ResourceError

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gqaify._version import __version__
 from gqaify.command import flushed, guarded_stdout, reader_gone, run_command, said
-from gqaify.conversion.settings import shape_titles
+from gqaify.conversion.registry import shape_titles
 from gqaify.entry.stages import STAGES, TOOLS
 from gqaify.errors import ResourceError, UserError
 from gqaify.packaged import CONSTRAINTS

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from gqaify.conversion.shapes import cached_per_token, float16_problem, shape_of_model
+from gqaify.conversion.shapes import cache_label, cached_per_token, float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.caches.evaluate import asked, cache_problems, served_only
 from gqaify.eval.continuations import DEFAULT_PROMPTS, continuations, length_problem
@@ -150,15 +150,23 @@ def run(settings: EvalSettings) -> Report:
         report.models.append(entry)
     if asked(s):
         _frontier(s, report, panel, parent_texts, parent_tokenizer, configs, budget)
+    report.notes += _notes(s, panel, configs)
+    write_report(report, resolve_out(s.out), s.force)
+    return report
+
+
+def _notes(s: EvalSettings, panel: _Panel, configs) -> list[str]:
+    """What the report says under its table about how to read it: the decode context the speeds were timed at, and
+    that token perplexities do not compare across tokenizers."""
+    notes = []
     if s.speed and (note := _decode_context_note(s, configs)):
-        report.notes.append(note)
+        notes.append(note)
     if len(panel.tokenizers) > 1:
-        report.notes.append(
+        notes.append(
             "the models have different tokenizers: token perplexities are not comparable; "
             "compare word perplexity and bits per byte"
         )
-    write_report(report, resolve_out(s.out), s.force)
-    return report
+    return notes
 
 
 def _frontier(s: EvalSettings, report: Report, panel: _Panel, texts, tokenizer, configs, budget: int) -> None:
@@ -284,7 +292,8 @@ def _model_report(name, model, config, fingerprint, scores: list[TextScore], ids
         model_type=config.model_type,
         num_attention_heads=geometry.num_heads,
         num_key_value_heads=geometry.num_kv_heads,
-        kv_latent=geometry.cached,
+        cached_values=geometry.cached,
+        cache_label=cache_label(config),
         dtype=str(dtype).removeprefix("torch."),
         parameters=model.num_parameters(),
         tokenizer=fingerprint,

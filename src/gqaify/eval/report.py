@@ -61,8 +61,10 @@ def table_rows(report: Report) -> list[list[str]]:
 
 
 def _kv_heads(m: ModelReport) -> str:
-    """The kv heads column's cell: the K/V heads, or for latent attention, which has none, what it caches."""
-    return f"{m.num_key_value_heads}" if m.kv_latent is None else f"none (MLA: {m.kv_latent} values)"
+    """The kv heads column's cell: the K/V heads, or for a shape that has none, what it caches."""
+    return (
+        f"{m.num_key_value_heads}" if m.cached_values is None else f"none ({m.cache_label}: {m.cached_values} values)"
+    )
 
 
 def panel_rows(report: Report) -> list[list[str]]:

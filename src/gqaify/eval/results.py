@@ -247,12 +247,18 @@ class ModelReport:
     generations: list[Generation] | None = None  # one per prompt, with --generate
     texts: list[TextScore] = field(default_factory=list)  # one per text of the panel, in its order
     panel: PanelSummary | None = None  # over `texts`, against the parent (None: the parent, another tokenizer)
-    kv_latent: int | None = None  # MLA: the values a token caches per layer (latent + rotary key); None: K/V heads
+    # where the model's attention shape caches other than whole K/V heads: the values a token caches per layer, and
+    # what the shape calls such a cache (`conversion.shapes.cache_label`); None: whole K/V heads
+    cached_values: int | None = None
+    cache_label: str | None = None
 
     @property
     def attention(self) -> str:
-        """How the report names the model's cache: "G=2" (K/V heads), or "MLA 96" (values per token and layer)."""
-        return f"G={self.num_key_value_heads}" if self.kv_latent is None else f"MLA {self.kv_latent}"
+        """How the report names the model's cache: "G=2" (K/V heads), or its shape's label and the values a token
+        caches per layer."""
+        if self.cached_values is None:
+            return f"G={self.num_key_value_heads}"
+        return f"{self.cache_label} {self.cached_values}"
 
 
 REPORT_FILE = "report.json"

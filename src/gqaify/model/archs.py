@@ -434,36 +434,11 @@ class TrainedAttention:
     @classmethod
     def of(cls, spec: ArchSpec) -> TrainedAttention:
         names = (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj, spec.qkv_proj)
-        pattern = _layers_pattern(spec.attention)
-        return cls(pattern, tuple(n for n in names if n), tuple(spec.kv_modules()), spec.qkv_proj is not None)
+        return cls.at(spec.attention, tuple(n for n in names if n), tuple(spec.kv_modules()), spec.qkv_proj is not None)
 
-
-def _layers_pattern(attention: str) -> str:
-    return re.escape(attention).replace(re.escape(LAYER), r"\d+")
-
-
-# The classes gqaify writes but does not convert from (an attention shape's output): where they train.
-# DeepSeek-V3's latent attention as `--attention mla` writes it (no query low-rank): kv_a_proj_with_mqa holds the
-# latent's down-projection, which uptraining keeps as converted (`conversion.mla.fit.latent_projections`), so LoRA
-# adapts the query, the latent's up-projections (kv_b_proj) and o_proj, and kv-only trains kv_b_proj.
-WRITTEN: dict[str, TrainedAttention] = {
-    "deepseek_v3": TrainedAttention(
-        _layers_pattern(f"model.layers.{LAYER}.self_attn"), ("q_proj", "kv_b_proj", "o_proj"), ("kv_b_proj",)
-    ),
-}
-
-
-def trained_attention(model_type: str, wanted: str) -> TrainedAttention:
-    """Where `model_type`'s attention trains (`TrainedAttention`): from the architecture table, or for a class
-    gqaify writes (`WRITTEN`).
-
-    Raises:
-        UserError: neither knows the architecture; `wanted` (e.g. "trainable lora") says what needed it.
-    """
-    from gqaify.errors import UserError
-
-    if model_type in ARCHITECTURES:
-        return TrainedAttention.of(ARCHITECTURES[model_type])
-    if model_type in WRITTEN:
-        return WRITTEN[model_type]
-    raise UserError(f"{wanted}: gqaify does not know where attention lives in {model_type}; use trainable all")
+    @classmethod
+    def at(
+        cls, attention: str, projections: tuple[str, ...], kv: tuple[str, ...], fused: bool = False
+    ) -> TrainedAttention:
+        """The attention at the module path `attention` ("model.layers.{layer}.self_attn") of every layer."""
+        return cls(re.escape(attention).replace(re.escape(LAYER), r"\d+"), projections, kv, fused)

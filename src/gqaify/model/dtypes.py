@@ -1,6 +1,6 @@
 """The dtypes a user may name (`--dtype`, `dtype:` in a recipe): the one table, shared by every stage.
 
-"auto" keeps what the checkpoint has: each tensor's own dtype when converting, the config's `dtype` when
+auto (`gqaify.auto`) keeps what the checkpoint has: each tensor's own dtype when converting, the config's `dtype` when
 loading a model. The names are those of torch and of transformers' config files. torch is imported only
 when a name is turned into a dtype, so the command line can list the choices without it.
 """
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from gqaify.auto import AUTO, is_auto
+
 if TYPE_CHECKING:
     import torch
 
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_NAMES = (AUTO, "float32", "bfloat16", "float16")
 DtypeName = Literal[DTYPE_NAMES]  # the type of a settings field that names one
 
 
@@ -24,7 +26,7 @@ def torch_dtype(name: str) -> torch.dtype | None:
     """
     if name not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {name!r}")
-    if name == "auto":
+    if is_auto(name):
         return None
     import torch
 

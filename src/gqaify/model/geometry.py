@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
+from gqaify.auto import is_auto
 from gqaify.errors import raise_if_problems
 from gqaify.model.archs import ArchSpec
 from gqaify.records import optional
@@ -90,7 +91,7 @@ def float16_asked(dtype: str, config, whose: str) -> str | None:
     stored = str(_reader(config)("dtype") or older or "").removeprefix("torch.")
     if dtype == "float16":
         return "--dtype float16"
-    return f"{whose} float16 (--dtype auto)" if dtype == "auto" and stored == "float16" else None
+    return f"{whose} float16 (--dtype auto)" if is_auto(dtype) and stored == "float16" else None
 
 
 def attention_kind(num_kv_heads: int) -> str:

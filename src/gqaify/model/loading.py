@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
+from gqaify.auto import AUTO, is_auto
 from gqaify.errors import UserError
 from gqaify.model.dtypes import torch_dtype
 from gqaify.model.locations import locate
@@ -120,7 +121,7 @@ def untrusted_problem(subject: str) -> str:
 
 def load_model(
     name: str,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype = AUTO,
     device: torch.device | str = "cpu",
     option: str = "MODEL",
     trust_remote_code: bool = False,
@@ -138,8 +139,8 @@ def load_model(
 
     config = load_config(name, option, trust_remote_code)  # read once, checked, and handed on
     where, kwargs = model_location(name, option)
-    chosen = (torch_dtype(dtype) or "auto") if isinstance(dtype, str) else dtype
-    if "gguf_file" in kwargs and chosen == "auto":
+    chosen = (torch_dtype(dtype) or AUTO) if isinstance(dtype, str) else dtype
+    if "gguf_file" in kwargs and is_auto(chosen):
         chosen = torch.float32
     try:
         with _from_hub_or_cache(name, option):
@@ -187,7 +188,7 @@ def check_weights(name: str, option: str = "MODEL") -> None:
 
 def device_problem(name: str) -> str | None:
     """Why `name` (auto, cpu, cuda, cuda:N) cannot be used here, or None."""
-    if name != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+    if not is_auto(name) and not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         return f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N"
     if name.startswith("cuda") and not torch.cuda.is_available():
         return f"--device {name}, but no CUDA GPU is available; use --device cpu"
@@ -199,7 +200,7 @@ def device_problem(name: str) -> str | None:
 
 def resolve_device(name: str) -> torch.device:
     """The device `name` stands for (auto: the GPU when there is one); check it with `device_problem` first."""
-    if name == "auto":
+    if is_auto(name):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gqaify.auto import AUTO
 from gqaify.model.dtypes import DtypeName
 from gqaify.model.hub import repo_id_problem
 from gqaify.settings import SEED, FieldGroup, setting
@@ -48,7 +49,7 @@ class Device(FieldGroup):
 
     shared = True
 
-    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    device: str = setting(AUTO, "auto, cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Dtype(FieldGroup):
 
     shared = True
 
-    dtype: DtypeName = setting("auto", "model dtype (auto: the config's)")
+    dtype: DtypeName = setting(AUTO, "model dtype (auto: the config's)")
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gqaify.auto import is_auto
 from gqaify.errors import UserError
 
-AUTO = "auto"
 MARGIN = 0.85  # of the memory found, what the plan may fill
 GIB = 2**30
 
@@ -53,7 +53,7 @@ def with_batch_chosen(s):
     Raises:
         UserError: even one block does not fit; or a problem the plan finds in the settings.
     """
-    if s.micro_batch_size != AUTO:
+    if not is_auto(s.micro_batch_size):
         return s
     choice = _recorded(s) or choose(s, _launch(s), _memory(_processes()))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -91,10 +91,10 @@ def choose(s, launch, memory: int) -> Choice:
 
 
 def _most(s, processes: int) -> int:
-    """The largest micro-batch the budget allows: one optimizer step per evaluation at least (one step without
+    """The largest micro-batch the training tokens allow: one optimizer step per evaluation at least (one step without
     eval_data)."""
     steps = s.evaluations() if s.eval_data else 1
-    return max(1, s.budget() // (s.seq_len * s.grad_accum * processes * max(steps, 1)))
+    return max(1, s.training_tokens() // (s.seq_len * s.grad_accum * processes * max(steps, 1)))
 
 
 def _recorded(s) -> Choice | None:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from gqaify._version import __version__
+from gqaify.auto import AUTO
 from gqaify.conversion.record import ConversionRecord
-from gqaify.conversion.shapes import float16_problem, shape, shape_of_model
+from gqaify.conversion.shapes import float16_problem, shape, shape_of_model, trained_attention
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import Harness
-from gqaify.model.archs import ARCHITECTURES, trained_attention
+from gqaify.model.archs import ARCHITECTURES
 from gqaify.model.geometry import float16_asked
 from gqaify.model.loading import check_weights, load_config, load_tokenizer, untrusted_problem
 from gqaify.model.locations import exists
@@ -93,7 +94,7 @@ def _float16_problem(s: UptrainSettings, model) -> str | None:
     if precision == "fp16":
         said = "mixed_precision fp16" + ("" if s.mixed_precision else " (the launch's)")
         return float16_problem(why, said, "train with mixed_precision bf16 or no")
-    if s.converts or why is None or not float16_asked("auto", model, "its config's"):
+    if s.converts or why is None or not float16_asked(AUTO, model, "its config's"):
         return None
     return f"model {s.model}: " + float16_problem(
         why,

@@ -10,7 +10,7 @@ more tokens that trend says a KL target needs.
                   errors (of the line at that point: its level and its slope both uncertain) meets it. A slope whose
                   band reaches 0 is a trend that has flattened: no number of tokens is promised.
 
-This is an extrapolation of the points so far, not a guarantee: a run with another budget, schedule or data
+This is an extrapolation of the points so far, not a guarantee: a run with other training tokens, schedule or data
 draws another curve. benchmarks/curve_forecast.py measures how well the first half of a run predicts its end.
 """
 
@@ -285,7 +285,7 @@ def _report(found: Forecast) -> str:
         "# Recovery\n\n"
         + "\n".join(table)
         + f"\n\n{found.sentence()}.\n\nThe forecast extrapolates a straight line on log-log axes through the points "
-        "so far; a run with another budget, schedule or data draws another curve. The plot is recovery.png.\n"
+        "so far; a run with other training tokens, schedule or data draws another curve. The plot is recovery.png.\n"
     )
 
 

@@ -106,9 +106,9 @@ def mixed(
     Each next block comes from source i with probability w_i / Σ w, drawn from `seed` (numpy's generator, in the
     1,000-draw batches `datasets.interleave_datasets` draws in, so the same order as it gives), until every source
     has given all of its blocks, a small source repeated to keep its share, or until `limit` blocks are drawn (the
-    blocks a budget reads), whichever comes first: a tiny weight would otherwise repeat the other sources until it
+    blocks the run reads), whichever comes first: a tiny weight would otherwise repeat the other sources until it
     had its turn, an epoch of billions of blocks. Where `limit` stops the mixture first, each source is read in a
-    seeded order of its blocks, so that the budget's blocks come from the whole of each source, not its beginning.
+    seeded order of its blocks, so that the blocks read come from the whole of each source, not its beginning.
     """
     import datasets
     import numpy as np
@@ -171,18 +171,18 @@ class EpochSampler(Sampler[int]):
 
 
 def training_loader(s: UptrainSettings, tokenizer, vocab_size: int, accelerator):
-    """(DataLoader of packed blocks, optimizer steps in the budget, SHA-256 of the blocks' tokens: all of them, or
+    """(DataLoader of packed blocks, optimizer steps of its tokens, SHA-256 of the blocks' tokens: all of them, or
     when streaming the first step's, which are all that is read before training). The blocks are `tokenizer`'s
     tokens, or with distill_from_data the stored ones, each of them in the model's vocabulary of `vocab_size`.
 
     Raises:
-        UserError: the budget is less than one step, or the data packs into fewer blocks than one step needs.
+        UserError: the training tokens are fewer than one step, or the data packs into fewer blocks than one step needs.
     """
     from torch.utils.data import DataLoader
 
     sources = named_texts(s.data)
     tokens_per_step = s.tokens_per_step_per_process * accelerator.num_processes
-    steps = s.budget() // tokens_per_step
+    steps = s.training_tokens() // tokens_per_step
     blocks_per_step = s.micro_batch_size * s.grad_accum * accelerator.num_processes
     with accelerator.main_process_first():  # the main process tokenizes; the others read datasets' cache
         if s.distill_from_data:
@@ -194,7 +194,7 @@ def training_loader(s: UptrainSettings, tokenizer, vocab_size: int, accelerator)
         if len(blocks) == 1:
             blocks = blocks[0]
         else:
-            # no more blocks than the budget reads (at least one step's, for the check below)
+            # no more blocks than the run reads (at least one step's, for the check below)
             blocks, counts = mixed(blocks, s.data_weights, s.seed, limit=max(steps, 1) * blocks_per_step)
             if counts is not None:
                 LOG.info("data: %s", ", ".join(f"{t.name} {n:,} blocks" for t, n in zip(sources, counts, strict=True)))

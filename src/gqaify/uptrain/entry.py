@@ -13,10 +13,11 @@ def command_line(argv: list[str], prog: str) -> None:
 
     settings, plan_config = parse_command_line(argv, prog)  # --help and bad settings: before torch
     if plan_config is not None:
+        from gqaify.auto import is_auto
         from gqaify.errors import UserError
         from gqaify.uptrain.plan import Launch, plan
 
-        if settings.micro_batch_size == "auto":
+        if is_auto(settings.micro_batch_size):
             raise UserError(
                 "--plan needs a micro_batch_size: auto is chosen on the device when the run begins (from this plan, "
                 "at the largest micro-batch that fits); give a number to plan it"

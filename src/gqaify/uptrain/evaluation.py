@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gqaify.auto import AUTO
 from gqaify.conversion.shapes import shape
 from gqaify.eval.perplexity import perplexity
 from gqaify.eval.results import EvalText, PanelSummary, TextScore
@@ -57,7 +58,7 @@ def _stored_runs_parent(s: UptrainSettings, accelerator):
     """The parent a run from stored log-probabilities measures its eval KL from (`parent`), or None."""
     if not (s.distill_from_data and s.parent):
         return None
-    model, _ = load_model(s.parent, "auto", accelerator.device, option="parent", trust_remote_code=s.trust_remote_code)
+    model, _ = load_model(s.parent, AUTO, accelerator.device, option="parent", trust_remote_code=s.trust_remote_code)
     return model.requires_grad_(False)
 
 
@@ -114,9 +115,7 @@ def _parent_perplexities(
         return None
     model = loaded if loaded is not None and parent == loaded_name else None
     if model is None:
-        model, _ = load_model(
-            parent, "auto", accelerator.device, option="parent", trust_remote_code=s.trust_remote_code
-        )
+        model, _ = load_model(parent, AUTO, accelerator.device, option="parent", trust_remote_code=s.trust_remote_code)
     found = {name: perplexity(model, t.ids, seq_len, seq_len, progress=False).perplexity for name, t in texts.items()}
     del model
     return found

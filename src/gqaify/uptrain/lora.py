@@ -3,9 +3,9 @@
     W x  ->  W x + (alpha / r) B A x        A: (r, in), B: (out, r), B = 0 at the start (the model is unchanged)
 
 The adapters sit on the projections the architecture table names (q, k, v, o, or a fused qkv; for a class a shape
-writes, `archs.WRITTEN`'s) in every layer, so the converted attention (the merged K/V heads and the readers'
-compensation) is what adapts; the rest of the model is frozen. The final model has the adapters merged into its
-weights: a plain checkpoint of the converted class, which loads without peft.
+writes, those its registry entry names: `ShapeInfo.writes`) in every layer, so the converted attention (the merged
+K/V heads and the readers' compensation) is what adapts; the rest of the model is frozen. The final model has the
+adapters merged into its weights: a plain checkpoint of the converted class, which loads without peft.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from gqaify.model.archs import trained_attention
+from gqaify.conversion.shapes import trained_attention
 
 
 def target_pattern(model_type: str) -> str:

@@ -177,7 +177,7 @@ def plan(s, launch: Launch) -> MemoryPlan:
     """The memory plan of the uptraining `s` (UptrainSettings) under `launch`. Reads configs only: no weights.
 
     Raises:
-        UserError: a setting the run would refuse (every problem at once: a budget below one step of the launch's
+        UserError: a setting the run would refuse (every problem at once: too few tokens for one step of the launch's
             processes among them, so that a huge batch is refused, not planned); a model's config cannot be read.
     """
     student_config, teacher_config = _configs(s, launch)
@@ -213,7 +213,7 @@ def plan(s, launch: Launch) -> MemoryPlan:
 
 def _configs(s, launch: Launch) -> tuple[object, object | None]:
     """(the config of the model that trains: `model`, or its conversion to kv_heads; the teacher's, or None), read
-    once, with every problem at once: the settings' (`UptrainSettings.problems`, and a budget below one step of the
+    once, with every problem at once: the settings' (`UptrainSettings.problems`, too few tokens for one step of the
     launch's processes), and a model's config that cannot be read.
 
     Raises:

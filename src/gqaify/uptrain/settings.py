@@ -18,14 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gqaify.conversion.settings import (
-    ATTENTION_INFO,
-    STREAM_SHAPE,
-    ConvertSettings,
-    MethodSettings,
-    ShapeSettings,
-    shape_titles,
-)
+from gqaify.auto import AUTO, Auto, is_auto
+from gqaify.conversion.registry import ATTENTION_INFO, METHOD_INFO, STREAM_SHAPE, shape_titles
+from gqaify.conversion.settings import ConvertSettings, MethodSettings, ShapeSettings
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.eval.tasks import TaskRequest
 from gqaify.model.locations import local_positions
@@ -81,9 +76,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     model: str | None = setting(
         None, "a converted checkpoint, or a source to convert when kv_heads or kv_cut is set", required=True
     )
-    kv_heads: int | None = setting(
-        None, "convert `model` to this many K/V heads first, by the method and calibration below", check=POSITIVE
-    )
+    kv_heads = override(help="convert `model` to this many K/V heads first, by the method and calibration below")
     # calibration text is read as the training data is, unless these say otherwise
     calib_split = override(None, "split of calib_data (default: split)")
     calib_text_column = override(None, "column of calib_data holding the text (default: text_column)")
@@ -102,18 +95,18 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         "tokens per packed training block",
         check=Range(2, fix="a block of one token has no next token to train on"),
     )
-    # -- the budget and batch
+    # -- the training tokens and batch
     max_tokens: int | None = setting(
         None,
-        "training tokens in all (the budget)",
+        "training tokens in all",
         check=(
             Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
-            Excludes("budget_fraction", "both set the token budget"),
+            Excludes("budget_fraction", "both set the training tokens"),
         ),
     )
     budget_fraction: float | None = setting(
         None,
-        "budget as a fraction of pretraining_tokens (instead of max_tokens)",
+        "training tokens as a fraction of pretraining_tokens (instead of max_tokens)",
         check=(
             Range(0, 1, low_open=True, fix="e.g. 0.05 as in the GQA paper"),
             Needs("pretraining_tokens", "is a fraction of the parent's pre-training tokens"),
@@ -122,8 +115,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     pretraining_tokens: int | None = setting(
         None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
     )
-    micro_batch_size: int | Literal["auto"] = setting(  # auto: `batch_size.with_batch_chosen`
-        4, "blocks per forward pass, per process; auto: the most the device's memory fits", check=CountOr("auto")
+    micro_batch_size: int | Auto = setting(  # auto: `batch_size.with_batch_chosen`
+        4, "blocks per forward pass, per process; auto: the most the device's memory fits", check=CountOr(AUTO)
     )
     grad_accum: int = setting(1, "micro-batches per optimizer step", check=POSITIVE)
     # -- the optimizer
@@ -229,7 +222,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
 
     def problems(self) -> list[str]:
         """Everything wrong with the values, at once (files are checked where they are opened): the fields'
-        declarations (the conversion's only where it converts: there is none to run without), a token budget of
+        declarations (the conversion's only where it converts: there is none to run without), training tokens of
         one step at least (`step_problem`), a teacher for distill_weight, and the eval task knobs (`TaskRequest`)."""
         converts = self.converts
         checked = self.calibrated_on_data() if converts else self
@@ -240,7 +233,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
                 "kv_cut); add kv_heads (or kv_cut) to convert the model first, or drop attention to train it as it is"
             )
         if self.max_tokens is None and self.budget_fraction is None:
-            problems.append("no token budget; set max_tokens (or budget_fraction with pretraining_tokens)")
+            problems.append("no training tokens; set max_tokens (or budget_fraction with pretraining_tokens)")
         elif problem := self.step_problem(processes=1):
             problems.append(problem)
         if (
@@ -270,7 +263,6 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     def calibrated_on_data(self) -> UptrainSettings:
         """These settings with calib_data (and calib_weights) the training data's where calib_data is not given and
         the method is calibrated: a conversion fitted on what the model will train on."""
-        from gqaify.conversion.settings import METHOD_INFO
         from gqaify.conversion.shapes import shape
 
         info = METHOD_INFO.get(self.method)
@@ -291,7 +283,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         method.update(
             calib_split=self.calib_split or self.split, calib_text_column=self.calib_text_column or self.text_column
         )
-        return ConvertSettings(src=self.model, out=str(out), kv_heads=self.kv_heads, progress=self.progress, **method)
+        return ConvertSettings(src=self.model, out=str(out), progress=self.progress, **method)
 
     @property
     def tokens_per_step_per_process(self) -> int:
@@ -306,27 +298,27 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         ]
 
     def step_problem(self, processes: int) -> str | None:
-        """A budget smaller than one optimizer step of `processes` processes (it trains nothing: refused before
+        """Training tokens fewer than one optimizer step of `processes` processes (it trains nothing: refused before
         anything is planned, loaded or read), or more eval_points than the run's steps (one evaluation per step at
-        most). Unknown or broken budgets are other problems."""
-        if self.micro_batch_size == "auto":  # chosen from the budget when the run begins: a step at least
+        most). Unknown or broken token counts are other problems."""
+        if is_auto(self.micro_batch_size):  # chosen from the tokens when the run begins: a step at least
             return None
         try:
-            budget = self.budget()
+            tokens = self.training_tokens()
         except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
             return None
         step = self.tokens_per_step_per_process * processes
-        if budget <= 0 or step <= 0:  # a batch or length below 1 is its field's own problem
+        if tokens <= 0 or step <= 0:  # a batch or length below 1 is its field's own problem
             return None
-        if budget < step:
+        if tokens < step:
             return (
-                f"the budget of {budget:,} tokens is less than one optimizer step of {step:,} "
-                "(micro_batch_size x grad_accum x processes x seq_len); raise the budget or shrink the batch"
+                f"the {tokens:,} training tokens are fewer than one optimizer step of {step:,} "
+                "(micro_batch_size x grad_accum x processes x seq_len); raise max_tokens or shrink the batch"
             )
-        steps = budget // step
+        steps = tokens // step
         if self.eval_points is not None and self.eval_points > steps:
             return (
-                f"eval_points {self.eval_points:,} is more than the {steps:,} optimizer steps of this run (the budget "
+                f"eval_points {self.eval_points:,} is more than the {steps:,} optimizer steps of this run (its tokens "
                 f"over micro_batch_size x grad_accum x processes x seq_len); give at most {steps:,}"
             )
         return None
@@ -353,8 +345,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
             flags=TASK_FLAGS,
         )
 
-    def budget(self) -> int:
-        """The token budget: max_tokens, else budget_fraction × pretraining_tokens."""
+    def training_tokens(self) -> int:
+        """The tokens the run trains on: max_tokens, else budget_fraction × pretraining_tokens."""
         if self.max_tokens is not None:
             return self.max_tokens
         return math.floor(self.budget_fraction * self.pretraining_tokens)
@@ -393,8 +385,8 @@ FOREIGN_NAMES = {
     "train_batch_size": ("micro_batch_size", ""),
     "gradient_accumulation_steps": ("grad_accum", ""),
     "lr_scheduler_type": ("schedule", ""),
-    "num_train_epochs": ("max_tokens", "gqaify budgets training tokens, not epochs"),
-    "max_steps": ("max_tokens", "gqaify budgets tokens: steps x micro_batch_size x grad_accum x processes x seq_len"),
+    "num_train_epochs": ("max_tokens", "gqaify counts training tokens, not epochs"),
+    "max_steps": ("max_tokens", "gqaify counts tokens: steps x micro_batch_size x grad_accum x processes x seq_len"),
     "logging_steps": ("log_every", ""),
     "save_steps": ("save_every", ""),
     "eval_steps": ("eval_every", ""),

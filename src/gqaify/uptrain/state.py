@@ -35,7 +35,7 @@ class Launched:
 @dataclass(frozen=True)
 class RunData:
     """What a run reads before it claims output_dir, so that everything wrong with it is found before output_dir is
-    touched: the training batches (a DataLoader), the optimizer steps they make within the budget and the SHA-256 of
+    touched: the training batches (a DataLoader), the optimizer steps they make of its tokens and the SHA-256 of
     their tokens (`data.training_loader`), and the eval texts (None without eval_data)."""
 
     loader: Any

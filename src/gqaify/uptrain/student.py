@@ -12,9 +12,9 @@ import weakref
 
 import torch
 
-from gqaify.conversion.shapes import held_parameters
+from gqaify.auto import AUTO
+from gqaify.conversion.shapes import held_parameters, trained_attention
 from gqaify.errors import UserError
-from gqaify.model.archs import trained_attention
 from gqaify.model.loading import load_model
 from gqaify.uptrain.distill import distillation_kl, stored_kl
 from gqaify.uptrain.head_loss import IGNORE, Teacher, fused_loss, head_skipped, returns_head_output
@@ -182,7 +182,7 @@ def load_teacher(s: UptrainSettings, accelerator, vocab_size: int):
     if not s.distill_from:
         return None
     teacher, _ = load_model(
-        s.distill_from, "auto", accelerator.device, option="distill_from", trust_remote_code=s.trust_remote_code
+        s.distill_from, AUTO, accelerator.device, option="distill_from", trust_remote_code=s.trust_remote_code
     )
     teacher.requires_grad_(False)
     if teacher.config.vocab_size != vocab_size:

@@ -13,7 +13,7 @@ A failure ends in the line `command.raise_as_said` makes of it, with what the ru
         recovery.png           eval perplexity vs tokens, the parent as a line
 
 Each optimizer step consumes `micro_batch_size x grad_accum x processes` blocks of `seq_len` tokens; the run
-takes `budget // that` steps. A run killed at any moment resumes from its last complete checkpoint and ends
+takes `training tokens // that` steps. A run killed at any moment resumes from its last complete checkpoint and ends
 as an uninterrupted run would.
 """
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gqaify.auto import AUTO
 from gqaify.conversion.calibrate import read_beyond
 from gqaify.conversion.mla.budget import cut_values
 from gqaify.conversion.mla.fit import fit_mla, held_out, held_out_kls
@@ -105,6 +106,18 @@ class _Route:
         return self.split_free and (self.budget is None or self.budget >= self.held)
 
 
+@dataclass(frozen=True)
+class _Work:
+    """What every step of one rewrite reads: the request `s`, the calibration ids (the split's statistics) and
+    windows (the fits'), the parent (loaded when first asked, once) and the clock each step adds its time to."""
+
+    s: object
+    ids: torch.Tensor | None
+    windows: list[torch.Tensor] | None
+    parent: Callable[[], object]
+    clock: Clock
+
+
 def _route(s, source: Geometry) -> _Route:
     """What the rewrite of `s` does from a source of geometry `source`."""
     budget = None if s.kv_cut is None else cut_values(source, s.kv_cut)
@@ -163,7 +176,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
 
     config = json.loads((folder / "config.json").read_text())
     dtype = _written_dtype(s, config)
-    device = resolve_device("auto")  # where calibration runs: the statistics, the fits and the judging there
+    device = resolve_device(AUTO)  # where calibration runs: the statistics, the fits and the judging there
     LOG.info("rewriting the %d-K/V-head model as MLA", config.get("num_key_value_heads", 0))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     # the sources' windows interleaved: the split's held-out end (`mla.split`) holds more than the last source
@@ -172,8 +185,9 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     parent = functools.cache(lambda: load_parent().to(device))
     r = _route(s, source)
     clock = Clock()
+    work = _Work(s, ids, windows, parent, clock)
     if r.compressed:
-        mla, record = _compressed(model, r.budget, s, ids, windows, parent, clock)
+        mla, record = _compressed(model, r.budget, work)
     else:
         with clock.of("splits"):
             plan = plan_mla(model, s.kv_rank, s.rope_dims, ids, ladder=is_gguf_out(s.out), progress=s.progress)
@@ -185,7 +199,7 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     del model
     if _two_starts(r, s, source) and text is not None:
         unseen = _unseen_windows(s, text, folder)
-        mla, record = _closer_start(mla, record, r.budget, s, ids, windows, unseen, parent, clock)
+        mla, record = _closer_start(mla, record, r.budget, work, unseen)
     record = dataclasses.replace(record, seconds=dict(clock) if not record.exact or record.starts else None)
     for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
         old.unlink()
@@ -194,16 +208,17 @@ def rewrite(folder: Path, s, text, load_parent: Callable[[], object], source: Ge
     return Rewritten(record, len(shards), sum(path.stat().st_size for path in shards))
 
 
-def _compressed(model, budget: int, s, ids, windows, parent: Callable[[], object], clock: Clock):
+def _compressed(model, budget: int, work: _Work):
     """(`model` compressed to `budget` values per token and layer, the split chosen and fitted to the parent
-    (`mla.split`); its record), the time of each step added to `clock`."""
-    with clock.of("splits"):
-        plans, splits = ranked_splits(model, budget, ids, is_gguf_out(s.out), s.progress)
+    (`mla.split`); its record), the time of each step added to the work's clock."""
+    s = work.s
+    with work.clock.of("splits"):
+        plans, splits = ranked_splits(model, budget, work.ids, is_gguf_out(s.out), s.progress)
     if not (s.repair or s.refine_steps):
         return build_mla(model, plans[0]), MlaRecord.of(plans[0], splits)
-    with clock.of("fits"):
+    with work.clock.of("fits"):
         mla, plan, splits, fitted = fit_ranked(
-            model, parent(), plans, splits, windows, s.refine_steps, s.refine_lr, s.progress
+            model, work.parent(), plans, splits, work.windows, s.refine_steps, s.refine_lr, s.progress
         )
     return mla, MlaRecord.of(plan, splits, fitted)
 
@@ -229,18 +244,19 @@ def _unseen_windows(s, text, folder: Path) -> dict[str, list[torch.Tensor]] | No
     return by_source or None
 
 
-def _closer_start(mla, record: MlaRecord, budget: int, s, ids, windows, unseen, parent, clock: Clock):
+def _closer_start(mla, record: MlaRecord, budget: int, work: _Work, unseen: dict | None):
     """At a cut whole K/V heads make, the closer to the parent of two starts: `mla`, the exact rewrite of the G-head
     conversion, and the parent compressed to the same cache (`_compressed`), judged on the `unseen` windows of
-    calibration text (`_unseen_windows`), or where there are none on the fits' held-out `windows`. The record says
+    calibration text (`_unseen_windows`), or where there are none on the fits' held-out windows. The record says
     both. For llama.cpp, G heads > 1 repeat their frequencies, so the parent's start is written, with a warning
     where the G-head model (which llama.cpp serves as GQA) was closer."""
+    s, parent = work.s, work.parent
     LOG.info("trying the parent compressed to the same %d values per token and layer", budget)
-    compressed, compressed_record = _compressed(parent(), budget, s, ids, windows, parent, clock)
+    compressed, compressed_record = _compressed(parent(), budget, work)
     judged_on = None if unseen is None else sum(len(w) for ws in unseen.values() for w in ws)
-    with clock.of("starts"):
+    with work.clock.of("starts"):
         starts = _judged(
-            {attention_kind(s.kv_heads): mla, "parent": compressed}, parent(), unseen or {"": held_out(windows)}
+            {attention_kind(s.kv_heads): mla, "parent": compressed}, parent(), unseen or {"": held_out(work.windows)}
         )
     on = "the fits' held-out windows" if judged_on is None else f"{judged_on:,} unseen calibration tokens"
     LOG.info("KL to the parent on %s: %s", on, StartTrial.listed(starts))

@@ -58,34 +58,14 @@ def candidate_splits(
     return splits
 
 
-def choose_split(
-    model, budget: int, ids: torch.Tensor, ladder: bool = False, progress: bool = False, across: bool = True
-) -> tuple[MlaPlan, list[SplitTrial]]:
-    """The plan of `model` (the G-head model) at `budget` values per token and layer whose split starts closest to it
-    on the held-out end of the calibration ids `ids`, and every split tried."""
-    plans, trials = ranked_splits(model, budget, ids, ladder, progress, across)
-    return plans[0], trials
-
-
-def fit_closest_split(
-    model, parent, budget: int, ids: torch.Tensor, windows: list[torch.Tensor], steps: int, lr: float,
-    ladder: bool = False, progress: bool = False, across: bool = True,
-) -> tuple[object, MlaPlan, list[SplitTrial], bool]:  # fmt: skip
-    """`model` at `budget` values, fitted to `parent` (`mla.fit.fit_mla` on the calibration `windows`): the
-    `FITTED` splits that start closest (`ranked_splits`) each fitted, the one closest after its fit kept, judged
-    on the windows the fit holds out. Returns (the MLA model, its plan, every split tried, whether its fit was
-    kept)."""
-    plans, trials = ranked_splits(model, budget, ids, ladder, progress, across)
-    return fit_ranked(model, parent, plans, trials, windows, steps, lr, progress)
-
-
 def fit_ranked(
     model, parent, plans: list[MlaPlan], trials: list[SplitTrial], windows: list[torch.Tensor], steps: int,
     lr: float, progress: bool = False,
 ) -> tuple[object, MlaPlan, list[SplitTrial], bool]:  # fmt: skip
-    """`fit_closest_split`'s second half: the `FITTED` first of the ranked `plans` (`ranked_splits`) each built
-    from `model`, fitted to `parent` and judged; (the closest after its fit, its plan, `trials` with the fitted
-    ones' KLs, whether its fit was kept)."""
+    """The `FITTED` first of the ranked `plans` (`ranked_splits`: the splits that start closest) each built from
+    `model`, fitted to `parent` (`mla.fit.fit_mla` on the calibration `windows`) and judged on the windows the fit
+    holds out; (the closest after its fit, its plan, `trials` with the fitted ones' KLs, whether its fit was
+    kept). After `ranked_splits`, what `--kv-cut` alone does."""
     best = None
     for plan in plans[:FITTED]:
         mla = build_mla(model, plan)

@@ -1,7 +1,10 @@
 """What the MLA rewrite writes, as a model's config tells it: the architectures whose layer it takes, whether a
-config is its output, and why float16 cannot hold one. Light: the shape, the layer and uptraining's fit read it."""
+config is its output, why float16 cannot hold one, and where the class it writes trains. Light: the shape, the
+layer, uptraining's fit and the registry's entry (`ShapeInfo.writes`) read it."""
 
 from __future__ import annotations
+
+from gqaify.model.archs import LAYER, TrainedAttention
 
 
 def latent_below_epsilon(config) -> bool:
@@ -16,3 +19,13 @@ def latent_below_epsilon(config) -> bool:
 # why float16 cannot hold the rewrite (`Shape.float16`)
 FLOAT16 = "an MLA latent is held below its norm's epsilon (about 1e-8)"
 ARCHS = ("llama", "mistral")  # whose layer the rewrite is checked against DeepSeek-V3's dense one (`mla.layer`)
+
+# The class the rewrite writes, which gqaify converts from none: where it trains (`ShapeInfo.writes`). DeepSeek-V3's
+# latent attention with no query low-rank: kv_a_proj_with_mqa holds the latent's down-projection, which uptraining
+# keeps as converted (`fit.latent_projections`), so LoRA adapts the query, the latent's up-projections (kv_b_proj)
+# and o_proj, and kv-only trains kv_b_proj.
+TRAINED = {
+    "deepseek_v3": TrainedAttention.at(
+        f"model.layers.{LAYER}.self_attn", ("q_proj", "kv_b_proj", "o_proj"), ("kv_b_proj",)
+    ),
+}

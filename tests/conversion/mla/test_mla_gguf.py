@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from gqaify.conversion import to_gguf
 from gqaify.conversion.mla.gguf import mla_gguf_problem, write_mla_gguf
@@ -38,39 +37,76 @@ def mla_mqa(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def halves(rows: np.ndarray) -> np.ndarray:
-    """llama.cpp's interleaved rotary pairs (2m, 2m+1) back to transformers' halves (m, m + r/2)."""
-    return np.concatenate([rows[0::2], rows[1::2]])
+def deepseek2_attention(x: np.ndarray, tensors: dict, fields: dict, layer: int) -> np.ndarray:
+    """One layer's attention as llama.cpp's deepseek2 computes it with the latent absorbed (no query low-rank), from
+    the GGUF's own tensors and keys alone: the independent reference for the file. `x`: (T, hidden), the input of
+    the layer's attention at positions 0..T-1; returns its output, (T, hidden).
+
+        q = W_q x, split per head into q_nope and q_pe;  [c; k_pe] = W_kv_a x;  c = rms_norm(c) * attn_kv_a_norm
+        q_pe, k_pe rotated in adjacent pairs (2i, 2i+1) (rope type NORM) at freq_base^(-2i/rope);
+        score = (q_nope W_k_b) . c + q_pe . k_pe, scaled by 1/sqrt(key_length_mla), causal softmax;
+        each head's output W_v_b (softmax . c), all heads through attn_output
+    """
+    key = "deepseek2.attention."
+    rank, rope = fields[key + "kv_lora_rank"], fields["deepseek2.rope.dimension_count"]
+    heads, k_len = fields["deepseek2.attention.head_count"], fields[key + "key_length_mla"]
+    eps, base = fields[key + "layer_norm_rms_epsilon"], fields["deepseek2.rope.freq_base"]
+    blk = lambda name: tensors[f"blk.{layer}.{name}.weight"].astype(np.float64)  # noqa: E731
+    x = x.astype(np.float64)
+    T = len(x)
+    q = (x @ blk("attn_q").T).reshape(T, heads, k_len)  # (T, H, nope + rope)
+    q_nope, q_pe = q[..., : k_len - rope], q[..., k_len - rope :]
+    kv = x @ blk("attn_kv_a_mqa").T  # (T, rank + rope)
+    c, k_pe = kv[:, :rank], kv[:, rank:]
+    c = c / np.sqrt((c**2).mean(-1, keepdims=True) + eps) * blk("attn_kv_a_norm")
+
+    def rotate(v: np.ndarray) -> np.ndarray:  # v: (T, ..., rope), pairs (2i, 2i+1)
+        angle = np.arange(T)[:, None] * base ** (-np.arange(0, rope, 2) / rope)[None]  # (T, rope/2)
+        angle = angle.reshape(T, *([1] * (v.ndim - 2)), rope // 2)
+        even, odd = v[..., 0::2], v[..., 1::2]
+        out = np.empty_like(v)
+        out[..., 0::2] = even * np.cos(angle) - odd * np.sin(angle)
+        out[..., 1::2] = even * np.sin(angle) + odd * np.cos(angle)
+        return out
+
+    q_pe, k_pe = rotate(q_pe), rotate(k_pe)
+    q_absorbed = np.einsum("thn,hrn->thr", q_nope, blk("attn_k_b"))  # (T, H, rank)
+    scores = np.einsum("thr,sr->hts", q_absorbed, c) + np.einsum("thp,sp->hts", q_pe, k_pe)
+    scores = scores / math.sqrt(k_len) + np.triu(np.full((T, T), -np.inf), 1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    per_head = np.einsum("hvr,hts,sr->thv", blk("attn_v_b"), weights, c)  # (T, H, v)
+    return per_head.reshape(T, -1) @ blk("attn_output").T
 
 
 @needs_assets
-def test_the_gguf_holds_the_folders_mla_tensors_as_llama_cpps_deepseek2_reads_them(mla_mqa):
+def test_the_gguf_computes_the_folders_attention_as_llama_cpps_deepseek2_reads_it(mla_mqa):
+    """Each layer's attention, computed from the GGUF's tensors and keys as llama.cpp's deepseek2 computes it,
+    equals the folder's (transformers' DeepseekV3 on the same input); the latent stays float32 in an f16 file."""
     import gguf
+    from transformers import AutoModelForCausalLM
 
     reader = gguf.GGUFReader(mla_mqa["f32"])
     fields = {key: field.contents() for key, field in reader.fields.items() if key.startswith("deepseek2.")}
-    rank, rope, heads = 8, 8, 8  # the exact rewrite of 8 query heads of 8 dimensions over one K/V head: no nope
     assert fields["deepseek2.attention.head_count_kv"] == 1 and fields["deepseek2.attention.q_lora_rank"] == 0
-    assert fields["deepseek2.attention.kv_lora_rank"] == rank and fields["deepseek2.attention.key_length"] == 16
-    assert fields["deepseek2.attention.key_length_mla"] == 1 + rope  # one zero non-rotary dimension added
-    assert fields["deepseek2.rope.freq_base"] == 10000.0 and fields["deepseek2.rope.dimension_count"] == rope
     assert to_gguf.RECORD_KEY in reader.fields
     tensors = {t.name: np.array(t.data) for t in reader.tensors}
-    weights = {k: v.numpy() for k, v in load_file(mla_mqa["folder"] / "model.safetensors").items()}
-    for layer in range(5):
-        hf, blk = f"model.layers.{layer}.self_attn.", f"blk.{layer}."
-        kv_a = tensors[blk + "attn_kv_a_mqa.weight"]
-        np.testing.assert_array_equal(kv_a[:rank], weights[hf + "kv_a_proj_with_mqa.weight"][:rank])
-        np.testing.assert_array_equal(halves(kv_a[rank:]), weights[hf + "kv_a_proj_with_mqa.weight"][rank:])
-        q = tensors[blk + "attn_q.weight"].reshape(heads, 1 + rope, 64)
-        assert not q[:, 0].any()
-        expected = weights[hf + "q_proj.weight"].reshape(heads, rope, 64) * math.sqrt((1 + rope) / rope)
-        np.testing.assert_allclose(np.stack([halves(h) for h in q[:, 1:]]), expected, rtol=1e-6)
-        k_b, v_b = tensors[blk + "attn_k_b.weight"], tensors[blk + "attn_v_b.weight"]
-        assert k_b.shape == (heads, rank, 1) and not k_b.any()  # the added dimension's
-        np.testing.assert_array_equal(v_b.reshape(-1, rank), weights[hf + "kv_b_proj.weight"])
-        norm = weights[hf + "kv_a_layernorm.weight"] * math.sqrt(1e-5 / 1e-6)  # llama.cpp's epsilon is the model's
-        np.testing.assert_allclose(tensors[blk + "attn_kv_a_norm.weight"], norm, rtol=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(mla_mqa["folder"], dtype=torch.float32)
+    seen = {}
+
+    def keep(layer: int):
+        def hook(module, args, kwargs, output):
+            seen[layer] = (kwargs["hidden_states"][0].numpy(), output[0][0].numpy())
+
+        return hook
+
+    for layer, block in enumerate(model.model.layers):
+        block.self_attn.register_forward_hook(keep(layer), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.arange(1, 25)[None] % model.config.vocab_size)
+    assert sorted(seen) == list(range(5))
+    for layer, (x, folder) in seen.items():
+        np.testing.assert_allclose(deepseek2_attention(x, tensors, fields, layer), folder, rtol=1e-4, atol=1e-5)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(mla_mqa["f16"]).tensors}
     assert types["blk.0.attn_kv_a_mqa.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"  # latent ~1e-8
 

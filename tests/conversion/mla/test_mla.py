@@ -316,7 +316,7 @@ def test_a_smaller_cache_is_fitted_and_eval_counts_and_measures_it(parent, tmp_p
     report = gqaify.evaluate([str(out)], str(calib), tmp_path / "report", settings)
     entry = report.models[0]
     layers = 2
-    assert entry.kv_cache_bytes_per_token == (16 + 16) * layers * 4 and entry.kv_latent == 32
+    assert entry.kv_cache_bytes_per_token == (16 + 16) * layers * 4 and entry.cached_values == 32
     assert entry.kv_cache_bytes_analytic == entry.kv_cache_bytes_measured == 32 * (16 + 16) * layers * 4
     assert entry.attention == "MLA 32"
     # the kv heads column held "MLA 32", a count of values: latent attention has no K/V heads, and says what it caches
@@ -515,7 +515,7 @@ def test_the_held_out_kl_is_per_token_as_torchs_kl_div_counts_it():
 def test_every_attention_shape_is_one_entry_whose_object_answers_the_whole_contract(capsys):
     """An attention shape is one entry of ATTENTION_INFO naming its `Shape`: each answers the whole contract, the
     command line offers exactly their names, and GQA, the stream's output, rewrites nothing."""
-    from gqaify.conversion.settings import ATTENTION_INFO
+    from gqaify.conversion.registry import ATTENTION_INFO
     from gqaify.conversion.shapes import Shape, every_shape, shape
 
     assert list(ATTENTION_INFO) == ["gqa", "mla"]
