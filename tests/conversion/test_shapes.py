@@ -222,13 +222,12 @@ def test_a_class_a_shape_writes_trains_only_where_its_entry_names_it():
 
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gqaify"
-# The generic modules that may name a shape, each a data table or a citation, and why: at most five
+# The generic modules that may name a shape, each a data table or a citation, and why: at most five (four today)
 MAY_NAME_A_SHAPE = {
     "conversion/registry.py": "the shapes' entries",
     "conversion/papers.py": "the papers the shapes cite",
     "model/archs.py": "the architectures refused for caching no K/V heads (a latent), with their reason",
     "packaged.py": "the recipes' registry, whose recipes convert to the shapes",
-    "eval/caches/evaluate.py": "the cache formats' refusals, worded for a latent (that room's own wording)",
 }
 
 

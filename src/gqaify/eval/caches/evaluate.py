@@ -66,8 +66,8 @@ def plan(s, seq_len: int) -> CachePlan:
 
 
 def served_only(s) -> set[str]:
-    """The models of `s` that llama.cpp alone runs (a GGUF whose architecture transformers cannot read: gqaify's latent
-    output), where the frontier is llama.cpp's: they are evaluated on the frontier only."""
+    """The models of `s` that llama.cpp alone runs (a GGUF whose architecture transformers cannot read, such as
+    llama.cpp's deepseek2), where the frontier is llama.cpp's: they are evaluated on the frontier only."""
     return _llama_only(s) if engine(s) == LLAMA_CPP else set()
 
 
@@ -114,7 +114,7 @@ def cache_problems(s, configs: list) -> list[str]:
 
 
 def _probe_problems(s) -> list[str]:
-    """llama.cpp's latent path (`KEYS_ONLY`) run with each format asked, in a child process each: llama.cpp 0.3.36
+    """llama.cpp's keys-only path (`KEYS_ONLY`) run with each format asked, in a child process each: llama.cpp 0.3.36
     aborts the process (an assertion in C) on cache types it cannot hold there, before any work could be saved."""
     from gqaify.eval.caches.llama_cpp_engine import KEYS_ONLY, gguf_architecture, probe_problem
 
@@ -131,7 +131,7 @@ def _block_problems(s, configs: list) -> list[str]:
     for f in (cache_format(n) for n in s.kv_cache):
         for name, config in zip(s.models, configs, strict=True):
             if config is None or cached_per_token(config) is not None:
-                continue  # a latent's width llama.cpp checks as it makes the context
+                continue  # a shape caching otherwise: llama.cpp checks its width as it makes the context
             spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
             head = Geometry.from_config(spec, config.to_dict()).head_dim
             block = max(GGML_QUANT_SIZES[GGMLQuantizationType[t.upper()]][0] for t in (f.key_type, f.value_type))
@@ -171,8 +171,8 @@ def _transformers_problems(s, configs: list) -> list[str]:
         for name, config in zip(s.models, configs, strict=True):
             if config is not None and cached_per_token(config) is not None:
                 problems.append(
-                    f"{name} caches a latent, which transformers holds expanded into heads: its quantized cache would "
-                    f"not be the one served; evaluate it as .gguf with llama.cpp's formats (q8_0, q4_0, ...)"
+                    f"{name} caches values of its own shape, which transformers holds expanded into heads: its "
+                    f"quantized cache would not be the one served; evaluate it as .gguf in llama.cpp"
                 )
     return problems
 
@@ -187,7 +187,7 @@ def _is_gguf(name: str) -> bool | None:
 
 def cached_values(config) -> tuple[int, int]:
     """The keys and the values one token caches over every layer of a model of `config`: whole K/V heads a key and a
-    value each; a shape that caches otherwise (a latent), its values counted as keys (llama.cpp holds them so)."""
+    value each; a shape that caches otherwise, its values counted as keys (llama.cpp holds them so)."""
     spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
     geometry = Geometry.from_config(spec, config.to_dict()).with_cached(cached_per_token(config))
     if geometry.cached is not None:

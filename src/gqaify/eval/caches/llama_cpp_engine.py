@@ -23,8 +23,8 @@ import torch
 from gqaify.errors import UserError
 from gqaify.eval.caches.formats import FULL, CacheFormat
 
-# GGUF architectures whose cache llama.cpp holds as keys alone, the values read from them (absorbed latent attention,
-# gqaify's MLA output): their keys are the latent and the rotary key
+# GGUF architectures whose cache llama.cpp holds as keys alone, reading the values from them (deepseek2's absorbed
+# attention, which gqaify writes for its own shape)
 KEYS_ONLY = {"deepseek2"}
 BATCH = 512  # tokens per llama.cpp batch (llama-server's default n_batch is 2,048, its n_ubatch 512)
 _ALLOCATED = re.compile(r"llama_kv_cache: +size = +([\d.]+) MiB \( *(\d+) cells")
