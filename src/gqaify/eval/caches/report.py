@@ -120,6 +120,9 @@ def plot_frontier(frontier: Frontier, path: Path) -> None:
             floor = _floor([getattr(r, value) - (1 if value == "worst_ratio" else 0) for r in frontier.rows])
             for r in frontier.rows:
                 y = getattr(r, value) - (1 if value == "worst_ratio" else 0)
+                if y <= 0:  # the reference itself: drawn at the axis' floor, and said
+                    ax.annotate("the parent, f16 (the reference: 0)", (r.times_smaller, floor), fontsize=7,
+                                xytext=(8, 4), textcoords="offset points")  # fmt: skip
                 ax.scatter(r.times_smaller, max(y, floor), color=colors[r.label], marker=markers.get(r.cache, "o"),
                            s=70 if r.name in frontier.front else 35, zorder=3,
                            edgecolors="black" if r.name in frontier.front else "none")  # fmt: skip
