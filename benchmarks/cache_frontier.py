@@ -2,7 +2,8 @@
 `gqaify eval --kv-cache` itself (llama.cpp for GGUF files, transformers' quantized caches for folders).
 
     python benchmarks/cache_frontier.py                      # the panel in llama.cpp, then in transformers
-    python benchmarks/cache_frontier.py --long               # windows of 8,192 and retrieval at 4,096 (llama.cpp)
+    python benchmarks/cache_frontier.py --long               # windows of 8,192 (llama.cpp), KL by position
+    python benchmarks/cache_frontier.py --long --retrieval   # and the pass-key check at 4,096 tokens
     python benchmarks/cache_frontier.py --only llama.cpp     # one engine
     python benchmarks/cache_frontier.py --tables             # the page's tables, from the results files
 
@@ -13,8 +14,10 @@ MQA fitted (`--method lsq` on the benchmarks' training mixture, 8,192 tokens), M
 latent of 80 and a rotary key of 48, fitted) and MLA 256 (a latent of 196, a rotary key of 60: a GGUF turns at
 most 64 rotary values from 3 heads). The panel: five kinds
 of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in windows of 512; the long run reads
-8,192 tokens of WikiText-2, the Python code and the licence in one window each. Writes OUT/<run>/report.md (the
+8,192 tokens of WikiText-2 and the Python code in one window each. Writes OUT/<run>/report.md (the
 frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (or cache_frontier_long.json).
+The long run: the parent and the fitted MQA model with f16 and q4_0 caches, on 8,192 tokens of WikiText-2 and of
+the Python code, each in one window.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from commands import convert, evaluate, mixture, panel, write_texts
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 LLAMA_FORMATS = ["f16", "q8_0", "q5_1", "q4_1", "q4_0"]
-LONG_FORMATS = ["f16", "q8_0", "q4_0"]
-FOLDER_FORMATS = ["f16", "fp8", "quanto4", "quanto2"]
+LONG_FORMATS = ["f16", "q4_0"]
+FOLDER_FORMATS = ["f16", "quanto4", "quanto2"]
 FITTED = {"method": "lsq", "calib_tokens": 8192}
 # name -> the conversion's settings
 MODELS = {
@@ -43,8 +46,8 @@ MODELS = {
 }
 WHOLE_HEADS = ["parent", "mqa-mean", "mqa-lsq"]
 LATENT = ["parent", "mla128", "mla256"]  # llama.cpp 0.3.36 holds a deepseek2 cache in f16 only (it refuses the rest)
-FOLDERS = WHOLE_HEADS  # transformers holds a latent expanded: MLA's caches are llama.cpp's
-LONG = ["parent", "mqa-lsq", "mla256"]
+FOLDERS = ["parent", "mqa-lsq"]  # transformers holds a latent expanded: MLA's caches are llama.cpp's
+LONG = ["parent", "mqa-lsq"]
 
 
 def build(out: Path, texts: dict[str, Path], suffix: str, names: list[str]) -> dict[str, Path]:
@@ -106,7 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/cache-frontier"), help="output folder")
     parser.add_argument("--only", choices=["llama.cpp", "transformers"], help="one engine")
-    parser.add_argument("--long", action="store_true", help="windows of 8,192 and retrieval at 4,096 instead")
+    parser.add_argument("--long", action="store_true", help="windows of 8,192 instead (the parent and MQA, lsq)")
+    parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 too")
     parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
     args = parser.parse_args()
     if args.tables:
@@ -117,9 +121,9 @@ def main() -> None:
     found = {}
     if args.long:
         models = build(out, texts, ".gguf", LONG)
-        long_data = {k: data[k] for k in ("wikitext", "code", "licence")}
-        report = run_eval(models, long_data, out / "long", LONG_FORMATS, max_tokens=8192, seq_len=8192,
-                          retrieval=[4096])  # fmt: skip
+        long_data = {k: data[k] for k in ("wikitext", "code")}
+        retrieval = {"retrieval": [4096]} if args.retrieval else {}
+        report = run_eval(models, long_data, out / "long", LONG_FORMATS, max_tokens=8192, seq_len=8192, **retrieval)
         found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})
         name = "cache_frontier_long.json"
     else:
