@@ -109,6 +109,7 @@ def test_the_gguf_computes_the_folders_attention_as_llama_cpps_deepseek2_reads_i
         np.testing.assert_allclose(deepseek2_attention(x, tensors, fields, layer), folder, rtol=1e-4, atol=1e-5)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(mla_mqa["f16"]).tensors}
     assert types["blk.0.attn_kv_a_mqa.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"  # latent ~1e-8
+    assert types["blk.0.attn_k_b.weight"] == types["blk.0.attn_v_b.weight"] == "F32"  # llama.cpp's CPU: f16 is wrong
 
 
 def test_llama_cpp_rotates_one_ladder_of_frequencies_in_any_order_and_nothing_else():

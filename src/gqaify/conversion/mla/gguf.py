@@ -5,7 +5,8 @@ serves as its `deepseek2` architecture, caching the latent and the shared rotary
         self_attn.q_proj           (H*(nope+rope), n)  ->  blk.i.attn_q         per head [nope (or 0) | rope laddered]
         self_attn.kv_a_proj_with_mqa (R+rope, n)       ->  blk.i.attn_kv_a_mqa  [latent | rope laddered], always f32
         self_attn.kv_a_layernorm   (R,)                ->  blk.i.attn_kv_a_norm x sqrt(rms_norm_eps / 1e-6)
-        self_attn.kv_b_proj        (H*(nope+v), R)     ->  blk.i.attn_k_b (H, R, nope or 1), blk.i.attn_v_b (H, v, R)
+        self_attn.kv_b_proj        (H*(nope+v), R)     ->  blk.i.attn_k_b (H, R, nope or 1), blk.i.attn_v_b (H, v, R),
+                                                                always f32
         o_proj, the MLP, the norms, the embedding, the head: llama.cpp's names, as they are
 
 What llama.cpp reads differently: it rotates a head's dimensions 2m, 2m+1 as a pair at freq_base^(-2m/rope) with
@@ -14,6 +15,9 @@ freq_base is that ladder's: a model whose frequencies are no such ladder is refu
 needs one non-rotary key dimension at least: a model without one gets a zero one, its queries scaled for the
 score's divisor sqrt(1 + rope). Its latent norm uses the model's rms_norm_eps, transformers' 1e-6: the norm is
 linear over the latent the rewrite keeps (about 1e-8 in size, hence f32 in every file), so its weight is rescaled.
+The per-head up-projections attn_k_b and attn_v_b are f32 in every file too: llama.cpp (llama-cpp-python 0.3.36's,
+on the CPU) multiplies an f16 attn_v_b of a latent of 32 or more values into garbage (SmolLM2's MQA rewrite: every
+position's logits wrong, argmax agreeing on 2%; latents of 8 and 16 are right), and f32 computes them exactly.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ _LAYER_COPIED = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_F32 = (  # written f32 in every file type (the module's docstring)
+    "attn_kv_a_mqa.weight",  # the latent rows, about 1e-8: f16's range ends at 6e-8
+    "attn_k_b.weight",  # llama.cpp's CPU computes an f16 attn_v_b wrong from a latent of 32 values
+    "attn_v_b.weight",
+)
 _AS_FOLDER = "or write a folder (OUT without .gguf) and serve it with transformers"
 
 
@@ -190,7 +199,7 @@ def write_mla_gguf(
     folder: Path, out: Path, out_type: str = "f16", tokenizer_gguf: Path | None = None, record: str | None = None
 ) -> None:
     """Write the MLA conversion in `folder` as the GGUF file `out` for llama.cpp's deepseek2, one tensor at a time
-    (the arguments as `to_gguf.write_gguf`'s; attn_kv_a_mqa stays f32 in every type).
+    (the arguments as `to_gguf.write_gguf`'s; attn_kv_a_mqa, attn_k_b and attn_v_b stay f32 in every type).
 
     Raises:
         UserError: the model is one llama.cpp's deepseek2 cannot compute (`mla_gguf_problem`).
@@ -209,7 +218,7 @@ def write_mla_gguf(
     for shard, name, shape in to_gguf.folder_tensors(folder):
         outputs = []
         for gguf_name, written, make in layout.outputs(name, shape):
-            f32 = gguf_name.endswith("attn_kv_a_mqa.weight")  # the latent rows, about 1e-8: f16's range ends at 6e-8
+            f32 = gguf_name.endswith(_F32)
             qtype = gguf.GGMLQuantizationType.F32 if f32 else to_gguf.matrix_type(written, out_type)
             to_gguf.add_tensor_info(writer, gguf_name, written, qtype)
             outputs.append((qtype, make))
