@@ -224,7 +224,6 @@ def _plan(s: ConvertSettings, request: Request, source: Source, sink: FolderSink
     raise_if_problems(method_problem(METHODS[s.method], s.method, model_name, qk_norms))
     text = None
     if calibration is not None:  # read before anything is written: too short, or not the recorded text
-        announce(f"reading {calibration.tokens:,} tokens of calibration text", shown=s.progress)
         text = read_calibration(calibration, source.load_tokenizer())
         raise_if_problems(text_problems(calibration, text, geometry.hidden_size))
         for warning in short_sources(text):
