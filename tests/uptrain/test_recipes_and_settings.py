@@ -118,6 +118,6 @@ def test_a_seq_len_past_the_models_positions_is_named_with_them_not_only_as_a_bu
     code, err = run_cli(capsys, "uptrain", *argv)
     assert code == 2 and one_line(err).startswith(
         f"gqaify: error: seq_len 1000000000000 exceeds the {positions} positions of {tiny['converted']}; lower "
-        "seq_len; the budget of 1,280 tokens is less than one optimizer step"
+        "seq_len; the 1,280 training tokens are fewer than one optimizer step"
     )
     assert not (tmp_path / "run").exists()

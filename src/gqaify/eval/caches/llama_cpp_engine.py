@@ -93,15 +93,18 @@ def served_values(path: str) -> tuple[int, int]:
 
 @contextmanager
 def _stderr_to(path: str):
-    """The process's standard error (file descriptor 2, which llama.cpp's C code writes) sent to `path` meanwhile."""
-    saved = os.dup(2)
-    sys.stderr.flush()
+    """The process's standard error sent to `path` meanwhile: file descriptor 2, which llama.cpp's C code writes, and
+    Python's `sys.stderr`, which llama-cpp-python's log callback writes (a capture, pytest's say, may hold it apart)."""
+    saved, python = os.dup(2), sys.stderr
+    python.flush()
     with open(path, "w") as sink:
         os.dup2(sink.fileno(), 2)
+        sys.stderr = sink
         try:
             yield
         finally:
-            sys.stderr.flush()  # llama-cpp-python's log callback writes through Python's sys.stderr
+            sink.flush()
+            sys.stderr = python
             os.dup2(saved, 2)
             os.close(saved)
 
