@@ -1,6 +1,7 @@
 """The KL from a parent's next-token distribution to a model's, defined once: eval's KL to the parent
-(`eval.perplexity`), the distillation loss on whole logits (`uptrain.distill`) and the fused head and loss
-(`uptrain.head_loss`) all compute it here, a chunk of tokens at a time.
+(`eval.perplexity`, `eval.diagnostics`), MLA's held-out KL (`conversion.mla.fit`), the distillation loss on whole
+logits (`uptrain.distill`) and the fused head and loss (`uptrain.head_loss`) all compute it here, a chunk of tokens
+at a time where the vocabulary is wide.
 
     KL(parent || model) per token = Σ_v p(v) (log p(v) - log q(v)),   p = softmax(parent / T), q = softmax(model / T)
 
