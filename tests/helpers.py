@@ -1,6 +1,6 @@
 """What several test modules share: running the command line (in this process or in a fresh one), reading its
-one-line refusals, a recording stand-in for the hub's API, the settings of a short uptraining run, and several
-processes launched on this CPU (and killed all at once)."""
+one-line refusals, a recording stand-in for the hub's API, the settings of a short uptraining run, several
+processes launched on this CPU (and killed all at once), and the KL to the parent written from its definitions."""
 
 from __future__ import annotations
 
@@ -214,6 +214,24 @@ def sample_ids(vocab_size: int, length: int = 24, batch: int = 2, seed: int = 1)
 @torch.inference_mode()
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids).logits
+
+
+def reference_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) per token times T², from the definition: sum_v p (log p - log q), in float64."""
+    p = torch.softmax(teacher.double() / temperature, -1)
+    q = torch.softmax(student.double() / temperature, -1)
+    return (p * (p.log() - q.log())).sum(-1).mean() * temperature**2
+
+
+def reference_coarsened_kl(student: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL between the parent and student distributions over k + 1 outcomes (each stored token, and all others
+    together), built outcome by outcome in float64 from the definition."""
+    q = torch.softmax(student.double(), -1)
+    q_kept = q.gather(-1, ids)
+    p_kept = logprobs.double().exp()
+    p = torch.cat([p_kept, (1 - p_kept.sum(-1, keepdim=True)).clamp_min(0)], -1)
+    q = torch.cat([q_kept, 1 - q_kept.sum(-1, keepdim=True)], -1)
+    return torch.special.xlogy(p, p).sub(torch.special.xlogy(p, q)).sum(-1).mean()
 
 
 def rotated_twin(model, pairs: str, seed: int = 0) -> torch.nn.Module:

@@ -8,13 +8,7 @@ import torch
 
 from gqaify.eval.perplexity import kl_sums
 from gqaify.uptrain.distill import distillation_kl, stored_kl
-
-
-def reference_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) per token times T², from the definition: sum_v p (log p - log q), in float64."""
-    p = torch.softmax(teacher.double() / temperature, -1)
-    q = torch.softmax(student.double() / temperature, -1)
-    return (p * (p.log() - q.log())).sum(-1).mean() * temperature**2
+from helpers import reference_coarsened_kl, reference_kl
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 40, 4096])
@@ -56,17 +50,6 @@ def test_kl_of_a_distribution_with_itself_is_zero_and_positive_otherwise():
     logits = torch.randn(3, 5, 17)
     assert distillation_kl(logits, logits).item() == pytest.approx(0, abs=1e-6)
     assert distillation_kl(torch.randn(3, 5, 17), logits).item() > 0.01
-
-
-def reference_coarsened_kl(student: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL between the parent and student distributions over k + 1 outcomes (each stored token, and all others
-    together), built outcome by outcome in float64 from the definition."""
-    q = torch.softmax(student.double(), -1)
-    q_kept = q.gather(-1, ids)
-    p_kept = logprobs.double().exp()
-    p = torch.cat([p_kept, (1 - p_kept.sum(-1, keepdim=True)).clamp_min(0)], -1)
-    q = torch.cat([q_kept, 1 - q_kept.sum(-1, keepdim=True)], -1)
-    return torch.special.xlogy(p, p).sub(torch.special.xlogy(p, q)).sum(-1).mean()
 
 
 def teacher_top(teacher: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,8 @@
-"""The fused head and loss (`head_loss`) against the plain loss, which asks transformers for the whole logits: the
-same loss and the same gradient for every parameter, whatever the chunk, with a live teacher, stored top-k, or
-the LM loss alone; a model that changes its logits after the head is trained on the plain loss."""
+"""The fused head and loss (`head_loss`) against the plain loss, which asks transformers for the whole logits, and
+against the loss written from its definitions and differentiated by torch's autograd through the unfused model: the
+same loss and the same gradient for every parameter and for the last hidden states, whatever the chunk, with a live
+teacher, stored top-k, or the LM loss alone, each mixed; a model that changes its logits after the head is trained on
+the plain loss."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gqaify.testing import build_model
 from gqaify.uptrain.head_loss import returns_head_output
 from gqaify.uptrain.settings import UptrainSettings
 from gqaify.uptrain.student import fused, student_loss
+from helpers import reference_coarsened_kl, reference_kl
 
 
 class _Plain:
@@ -27,11 +31,42 @@ class _Plain:
         return contextlib.nullcontext()
 
 
-def _loss_and_grads(model, teacher, batch, s):
+def _loss_and_grads(model, teacher, batch, s, loss_of=None):
+    """(the loss, the LM loss, the gradient of each parameter that gets one and of the last hidden states) of
+    `loss_of(model, teacher, batch, s)`: `student.student_loss` unless another is given."""
     model.zero_grad(set_to_none=True)
-    loss, lm = student_loss(model, teacher, batch, s, _Plain())
+    hidden = []
+    keep = model.lm_head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]))  # the head's input
+    try:
+        loss, lm = (loss_of or _student_loss)(model, teacher, batch, s)
+    finally:
+        keep.remove()
+    hidden[-1].retain_grad()  # the last: the probe `fused` may run first feeds the head zeros
     loss.backward()
-    return loss.detach(), lm, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), lm, grads | {"last hidden states": hidden[-1].grad}
+
+
+def _student_loss(model, teacher, batch, s):
+    return student_loss(model, teacher, batch, s, _Plain())
+
+
+def _defined_loss(model, teacher, batch, s):
+    """The loss from its definitions, on the unfused model's whole logits, for torch's autograd to differentiate:
+    (1 - w) · the mean cross-entropy of each next token + w · T² · KL(teacher || student) per position, or the KL
+    over the k + 1 outcomes of the stored top-k (at T = 1), each in float64 (`helpers`)."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, use_cache=False).logits  # (batch, seq, vocab)
+    lm = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    if s.distill_weight == 0:
+        return lm, lm.detach()
+    if s.distill_from_data:
+        kl = reference_coarsened_kl(logits, batch["top_ids"], batch["top_logprobs"])
+    else:
+        with torch.no_grad():
+            parent = teacher(input_ids=ids, use_cache=False).logits
+        kl = reference_kl(logits, parent, s.temperature)
+    return (1 - s.distill_weight) * lm + s.distill_weight * kl, lm.detach()
 
 
 def _settings(**changes) -> UptrainSettings:
@@ -57,7 +92,10 @@ def _models(tie: bool):
     ids=["mixed-T2", "mixed-T1", "kl-only", "lm-only", "stored-top-k"],
 )
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_the_fused_loss_and_its_gradients_equal_the_plain_ones(case, chunk, tie, monkeypatch):
+def test_the_fused_loss_and_its_gradients_equal_the_plain_ones_and_autograds(case, chunk, tie, monkeypatch):
+    """The fused loss, its LM loss and the gradients of every parameter (the head's weight among them) and of the last
+    hidden states equal those of the plain loss (`student_loss` on whole logits) and those torch's autograd takes
+    through the unfused model of the loss written from its definitions (`_defined_loss`)."""
     from gqaify.uptrain import head_loss
 
     student, teacher = _models(tie)
@@ -73,13 +111,16 @@ def test_the_fused_loss_and_its_gradients_equal_the_plain_ones(case, chunk, tie,
         teacher = None
     plain_s, fused_s = _settings(**case, fused_loss=False), _settings(**case, fused_loss=True)
     assert fused(student, teacher, fused_s, _Plain()) and not fused(student, teacher, plain_s, _Plain())
-    loss, lm, grads = _loss_and_grads(student, teacher, batch, plain_s)
     fused_loss_, fused_lm, fused_grads = _loss_and_grads(student, teacher, batch, fused_s)
-    torch.testing.assert_close(fused_loss_, loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused_lm, lm, rtol=1e-5, atol=1e-6)
-    assert fused_grads.keys() == grads.keys() and grads
-    for name, grad in grads.items():
-        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    head = next(n for n, p in student.named_parameters() if p is student.get_output_embeddings().weight)
+    for loss_of in (_student_loss, _defined_loss):
+        loss, lm, grads = _loss_and_grads(student, teacher, batch, plain_s, loss_of)
+        torch.testing.assert_close(fused_loss_, loss.float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused_lm, lm, rtol=1e-5, atol=1e-6)
+        assert fused_grads.keys() == grads.keys() and {head, "last hidden states"} <= grads.keys()
+        for name, grad in grads.items():
+            message = f"{loss_of.__name__}: {name}"
+            torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=message)
 
 
 def test_a_frozen_head_gets_no_gradient_and_the_rest_the_plain_ones():

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gqaify.eval.results import Diagnostics
+from gqaify.kl import kl_sum
 from gqaify.model.archs import ARCHITECTURES, ArchSpec
 
 
@@ -48,5 +49,5 @@ def compare(parent, model, ids: torch.Tensor) -> Diagnostics | None:
     parent_attn, parent_logp = _trace(parent, parent_modules, ids)
     attn, logp = _trace(model, modules, ids)
     errors = [((a.cpu() - p.cpu()).norm() / p.cpu().norm()).item() for a, p in zip(attn, parent_attn, strict=True)]
-    kl = (parent_logp.exp() * (parent_logp - logp.to(parent_logp.device))).sum(-1).mean().item()
+    kl = kl_sum(logp.to(parent_logp.device), parent_logp).item() / len(parent_logp)  # per token
     return Diagnostics(len(ids), errors, kl)

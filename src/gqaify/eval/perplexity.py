@@ -13,13 +13,12 @@ context and is never scored.
 With `stride == seq_len` the windows do not overlap (GPTQ-style chunks): the first token of every chunk
 has no context in its window and is not scored.
 
-The KL from a parent on the same tokens is here too (`kl_sums`): the one chunked KL over the vocabulary, which
-uptraining's distillation loss (`uptrain/distill.py`) also takes its value from.
+With a parent, the KL from its next-token distribution on the same tokens too, chunk by chunk (`kl.kl_sums`, the
+one definition the distillation loss trains on as well).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from gqaify.eval.results import Perplexity
+from gqaify.kl import kl_sums
 from gqaify.progress import progress_bar
 
 
@@ -102,38 +102,3 @@ def perplexity(
                 scored += targets.numel()
                 bar.update(targets.numel())
     return Perplexity(nll_sum, scored, kl_sum if parent is not None else None)
-
-
-KL_CHUNK_TOKENS = 1024  # tokens per chunk: 1,024 x 49,152 x 4 bytes = 0.2 GB of float32 per intermediate
-
-
-def kl_sums(
-    logits: torch.Tensor, parent_logits: torch.Tensor, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS
-) -> Iterator[torch.Tensor]:
-    """Σ over each chunk of `chunk` tokens of KL(softmax(parent_logits / T) || softmax(logits / T)), chunk after
-    chunk, as 0-d tensors in float32 at least: the full-vocabulary intermediates exist for one chunk at a time.
-    The caller adds them up: eval as Python floats, the distillation loss as a tensor on the device.
-
-    Args:
-        logits, parent_logits: (..., vocab), the same shape (every leading dimension counts as tokens).
-        temperature: T, dividing both logits before the softmax (1: the distributions themselves).
-        chunk: tokens per chunk (the sum over chunks does not depend on it, only the memory does).
-    """
-    for log_q, log_p in log_softmax_chunks(logits, parent_logits, temperature, chunk):
-        yield F.kl_div(log_q, log_p, log_target=True, reduction="sum")
-
-
-def log_softmax_chunks(
-    logits: torch.Tensor, parent_logits: torch.Tensor, temperature: float = 1.0, chunk: int = KL_CHUNK_TOKENS
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(log q, log p) = (log_softmax(logits / T), log_softmax(parent_logits / T)) of each chunk of `chunk` tokens,
-    (chunk, vocab) in float32 at least, chunk after chunk: what the KL (`kl_sums`) and the distillation's gradient
-    (`uptrain.distill`) are computed from, in one place. Arguments as `kl_sums`'."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    logits, parent_logits = logits.reshape(-1, logits.shape[-1]), parent_logits.reshape(-1, logits.shape[-1])
-    for begin in range(0, len(logits), chunk):
-        log_q, log_p = (
-            F.log_softmax(x[begin : begin + chunk].to(dtype) / temperature, dim=-1)  # (chunk, vocab)
-            for x in (logits, parent_logits)
-        )
-        yield log_q, log_p

@@ -1,10 +1,12 @@
 """micro_batch_size auto: the largest micro-batch whose memory plan (`plan.py`) fits in the device's memory, less a
 margin; chosen once, before anything is read or written, recorded in run.json and kept when the run resumes.
 
-The plan of a step grows linearly with the micro-batch (the activations and the loss's transients; the weights,
-gradients and optimizer state do not), so two plans, at 1 and 2 blocks, give the slope, and a third checks the
-micro-batch they point to. That micro-batch is rounded down to a multiple of 8 (GPU kernels tile by 8 and 16), and
-capped so that the run keeps at least one optimizer step per evaluation.
+The plan of a step grows about linearly with the micro-batch (the activations and the loss's transients; the
+weights, gradients and optimizer state do not), so two plans, at 1 and 2 blocks, give the slope, and a third checks
+the micro-batch they point to. That micro-batch is rounded down to a multiple of 8 (GPU kernels tile by 8 and 16), and
+capped so that the run keeps at least one optimizer step per evaluation. Where the line overshoots (the plan grows
+faster once the loss's chunks, rather than the model's activations, make the peak), the choice steps down a block
+at a time (8 from 16 up) to the largest that fits.
 
 The memory it fits in: on a GPU the free memory of this process's device (`torch.cuda.mem_get_info`) when the
 launch has one process, and the device's whole memory when it has several (each process then reads the same
@@ -84,8 +86,8 @@ def choose(s, launch, memory: int) -> Choice:
     if blocks >= 8:
         blocks -= blocks % 8
     planned = total(blocks)
-    while planned > room and blocks > 1:  # the line overshot (it should not: the plan is linear in the batch)
-        blocks = max(1, blocks * 3 // 4)
+    while planned > room and blocks > 1:  # the line overshot: the plan bends up where the loss makes its peak
+        blocks -= 8 if blocks > 8 else 1
         planned = total(blocks)
     return Choice(blocks, planned, room)
 

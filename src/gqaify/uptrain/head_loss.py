@@ -4,16 +4,17 @@ A step that asks transformers for the logits holds batch x sequence x vocabulary
 tokens of SmolLM2's 49,152-word vocabulary are 3.2 GB in float32 for the student and again for the teacher, and
 the softmaxes, the loss's intermediates and the logits' gradient as much again. Here the models return their last
 hidden states (hidden-size wide, 85x narrower for SmolLM2) and the head is applied `chunk` tokens at a time: each
-chunk's logits, the student's and the teacher's, give that chunk's loss and, at once, the loss's gradient with
-respect to the hidden states and the head's weight (as Liger-Kernel's fused linear cross-entropy does). Nothing
-vocabulary-wide outlives its chunk, and the backward pass only scales the gradients already made.
+chunk's logits, the student's and the teacher's, give that chunk's loss and, at once, autograd's gradient of it with
+respect to the hidden states and the head's weight (as Liger-Kernel's chunked losses do). Nothing vocabulary-wide
+outlives its chunk, and the backward pass only scales the gradients already made.
 
-The loss is the one `student.student_loss` trains on, term for term:
+The loss is the one `student.student_loss` trains on, term for term, from the same definitions:
 
     (1 - w) · LM loss + w · T² · KL(softmax(teacher / T) || softmax(student / T))
 
 the LM loss transformers' (the mean cross-entropy of each next token), the KL averaged over every position
-(`distill.distillation_kl`), or over the k + 1 outcomes of the parent's stored top-k (`distill.stored_kl`).
+(`kl.kl_sum`), or over the k + 1 outcomes of the parent's stored top-k (`kl.stored_kl_sum`, at temperature 1 and
+without the T²).
 
 A model's head is fused only where the model returns its head's output as its logits untouched
 (`returns_head_output`): a model that scales or soft-caps its logits after the head trains on the plain loss.
@@ -22,12 +23,13 @@ A model's head is fused only where the model returns its head's output as its lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from gqaify.uptrain.distill import stored_kl_gradient, stored_kl_sum
+from gqaify.kl import kl_sum, log_probs, stored_kl_sum
 
 # Vocabulary-wide values per chunk, by device type: a chunk is this many over the vocabulary's size in tokens. On a
 # CPU 2^24 (64 MiB of float32 per intermediate: 341 tokens of SmolLM2's 49,152-word vocabulary), which keeps a
@@ -46,6 +48,12 @@ class Teacher:
     weight: torch.Tensor | None = None  # (vocab, hidden)
     top_ids: torch.Tensor | None = None  # (tokens, k)
     top_logprobs: torch.Tensor | None = None  # (tokens, k)
+
+    def rows(self, rows: slice) -> Teacher:
+        """The positions `rows` of each per-position tensor, the weight as it is."""
+        picked = (None if t is None else t[rows] for t in (self.hidden, self.top_ids, self.top_logprobs))
+        hidden, top_ids, top_logprobs = picked
+        return Teacher(hidden, self.weight, top_ids, top_logprobs)
 
 
 def returns_head_output(model) -> bool:
@@ -124,11 +132,13 @@ def fused_loss(
         compute_dtype: the dtype the head's matrix products run in (mixed precision's); None: the weight's.
         chunk: tokens per chunk (the result does not depend on it, only the memory does); None: `chunk_tokens`.
     """
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk or chunk_tokens(weight.shape[0], weight.device)
-    return _FusedHeadLoss.apply(
-        flat, weight, labels.reshape(-1), teacher, distill_weight, temperature, compute_dtype, chunk
+    mix = _Mix(
+        distill_weight if teacher is not None else 0.0,
+        temperature,
+        compute_dtype or weight.dtype,
+        chunk or chunk_tokens(weight.shape[0], weight.device),
     )
+    return _FusedHeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), teacher, mix)
 
 
 def chunk_tokens(vocab: int, device: torch.device) -> int:
@@ -137,37 +147,49 @@ def chunk_tokens(vocab: int, device: torch.device) -> int:
     return max(1, elements // vocab)
 
 
+@dataclass(frozen=True)
+class _Mix:
+    """What `fused_loss` mixes and how it runs."""
+
+    distill_weight: float  # w, the KL's share (0: the LM loss alone, whatever teacher is given)
+    temperature: float
+    dtype: torch.dtype  # the head's matrix products'
+    chunk: int  # tokens per chunk
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     """`fused_loss` and its gradients, made in the forward pass chunk by chunk; the backward pass scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher, w, temperature, compute_dtype, chunk):
-        dtype = compute_dtype or weight.dtype
-        weight_c = weight.detach().to(dtype)
+    def forward(ctx, hidden, weight, labels, teacher: Teacher | None, mix: _Mix):
+        w = mix.distill_weight
+        teacher = teacher if w > 0 else None
         live = teacher is not None and teacher.hidden is not None
-        teacher_weight = teacher.weight.detach().to(dtype) if live else None
-        kl_on = teacher is not None and w > 0
+        if live:
+            teacher = dataclasses.replace(teacher, weight=teacher.weight.detach().to(mix.dtype))
         lm_tokens = (labels != IGNORE).sum().clamp_min(1)  # a tensor: no host sync (and none on fake tensors)
-        lm_scale, kl_scale = (1 - w) / lm_tokens, w * temperature / len(hidden)  # d loss / d logits, per term
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        kl_scale = (mix.temperature**2 if live else 1.0) / len(hidden)  # stored top-k: at temperature 1
+        # d loss / d Σ term, per term (Σ cross-entropy, Σ KL); None: a term that is not trained on
+        shares = ((1 - w) / lm_tokens if w < 1 else None, w * kl_scale if teacher is not None else None)
+        weight_c = weight.detach().to(mix.dtype).requires_grad_(ctx.needs_input_grad[1])
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if not ctx.needs_input_grad[1]:
-            grad_weight = None
+        grad_weight = grad_weight if ctx.needs_input_grad[1] else None
         sums = torch.zeros(2, dtype=torch.float32, device=hidden.device)  # (Σ cross-entropy, Σ KL)
-        for begin in range(0, len(hidden), chunk):
-            rows = slice(begin, begin + chunk)
-            h = hidden[rows].detach().to(dtype)
-            grad = _chunk_gradient(h, weight_c, labels[rows], teacher if kl_on else None, rows, teacher_weight,
-                                   temperature, lm_scale if w < 1 else None, kl_scale, sums).to(dtype)  # fmt: skip
-            if grad_hidden is not None:
-                grad_hidden[rows] = (grad @ weight_c).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += (grad.T @ h).float()
-            del grad
+        for begin in range(0, len(hidden), mix.chunk):
+            rows = slice(begin, begin + mix.chunk)
+            h = hidden[rows].detach().to(mix.dtype).requires_grad_(grad_hidden is not None)
+            parent = None if teacher is None else teacher.rows(rows)
+            terms, (h_grad, w_grad) = _chunk_gradients(h, weight_c, labels[rows], parent, mix.temperature, shares)
+            sums += terms
+            if h_grad is not None:
+                grad_hidden[rows] = h_grad.to(hidden.dtype)
+            if w_grad is not None:
+                grad_weight += w_grad.float()
+            del h_grad, w_grad  # not held while the next chunk's are made (the weight's is the weight's size)
         ctx.save_for_backward(grad_hidden, grad_weight)
         lm = sums[0] / lm_tokens
-        kl = sums[1] / len(hidden) * (temperature**2 if live else 1.0)  # stored top-k: at temperature 1
-        loss = (1 - w) * lm + w * kl if kl_on else lm.clone()
+        loss = (1 - w) * lm + w * kl_scale * sums[1] if teacher is not None else lm.clone()
         ctx.mark_non_differentiable(lm)
         return loss, lm
 
@@ -177,59 +199,34 @@ class _FusedHeadLoss(torch.autograd.Function):
         return (
             None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),
             None if grad_weight is None else grad_weight * grad_loss,
-            *([None] * 6),
+            None,
+            None,
+            None,
         )
 
 
-def _chunk_gradient(h, weight, labels, teacher, rows, teacher_weight, temperature, lm_scale, kl_scale, sums):
-    """One chunk's losses added to `sums` (Σ cross-entropy, Σ KL), and their gradient with respect to its logits:
-    lm_scale (q - one-hot) + kl_scale (q_T - p_T) (None: a term that is not trained on). Each step works in place
-    where it can, so that at most four vocabulary-wide tensors live at once (a temperature other than 1, a fifth)."""
-    log_q = F.linear(h, weight).float()  # the logits, made the log-softmax in place
-    log_q_t = log_q / temperature if teacher is not None and teacher.hidden is not None and temperature != 1 else None
-    log_q = log_q.sub_(log_q.logsumexp(-1, keepdim=True))
-    kept = labels != IGNORE
-    target = labels.clamp_min(0).unsqueeze(-1)
-    sums[0] -= (log_q.gather(-1, target).squeeze(-1) * kept).sum()
-    if teacher is not None and teacher.hidden is None:  # the stored top-k: its own, less frequent, path
-        grad = _lm_gradient(log_q, target, kept, lm_scale)
-        _stored_chunk(log_q, teacher, rows, kl_scale / temperature, grad, sums)
-        return grad
+def _chunk_gradients(h, weight, labels, teacher: Teacher | None, temperature: float, shares: tuple):
+    """One chunk's (Σ cross-entropy, Σ KL), detached, and autograd's gradients of the loss it adds, Σ share · term, with
+    respect to `h` and `weight` (None for one that does not require it)."""
+    leaves = [t for t in (h, weight) if t.requires_grad]
+    with torch.enable_grad():
+        terms = _chunk_terms(h, weight, labels, teacher, temperature)
+        trained = sum(share * term for share, term in zip(shares, terms, strict=True) if share is not None)
+        found = iter(torch.autograd.grad(trained, leaves) if leaves else ())
+    grads = tuple(next(found) if t.requires_grad else None for t in (h, weight))
+    return torch.stack([term.detach() for term in terms]), grads
+
+
+def _chunk_terms(h, weight, labels, teacher: Teacher | None, temperature: float):
+    """(Σ cross-entropy over the positions with a label, Σ KL to the teacher (0 without one)) of one chunk, its logits
+    made from its hidden states `h` in their dtype."""
+    log_q = log_probs(F.linear(h, weight))  # (chunk, vocab): the LM loss's, the stored top-k's, the KL's at T = 1
+    cross_entropy = F.nll_loss(log_q, labels, ignore_index=IGNORE, reduction="sum")
     if teacher is None:
-        return _lm_gradient(log_q, target, kept, lm_scale)
-    log_p = F.linear(teacher.hidden[rows].to(teacher_weight.dtype), teacher_weight).float()
-    if temperature != 1:
-        log_p.div_(temperature)
-        log_q_t = log_q_t.sub_(log_q_t.logsumexp(-1, keepdim=True))
-    log_p = log_p.sub_(log_p.logsumexp(-1, keepdim=True))
-    p = log_p.exp()
-    student = log_q if log_q_t is None else log_q_t
-    sums[1] += torch.dot(p.flatten(), log_p.sub_(student).flatten())  # Σ p (log p - log q): no product kept
-    del log_p
-    if log_q_t is None and lm_scale is not None:  # T = 1: one softmax serves both terms
-        grad = log_q.exp_().mul_((lm_scale * kept).unsqueeze(-1) + kl_scale)  # a position without a label: KL only
-        grad.add_(p.mul_(-kl_scale))
-        grad.scatter_add_(-1, target, (-lm_scale * kept).unsqueeze(-1).to(grad.dtype))
-        return grad
-    grad = student.exp().sub_(p).mul_(kl_scale)  # T (q_T - p_T) / N, the scale's T included
-    if lm_scale is not None:
-        grad.add_(_lm_gradient(log_q, target, kept, lm_scale))
-    return grad
-
-
-def _lm_gradient(log_q: torch.Tensor, target: torch.Tensor, kept: torch.Tensor, scale) -> torch.Tensor:
-    """The cross-entropy's gradient with respect to the logits, times `scale`: softmax - one-hot where a label is, 0
-    where it is `IGNORE` (all 0 where `scale` is None: the LM loss is only reported)."""
-    if scale is None:
-        return torch.zeros_like(log_q)
-    grad = log_q.exp()
-    grad.scatter_add_(-1, target, -torch.ones_like(target, dtype=grad.dtype))
-    return grad.mul_((kept * scale).unsqueeze(-1))
-
-
-def _stored_chunk(log_q, teacher: Teacher, rows, scale, grad, sums) -> None:
-    """The chunk's KL to the parent's stored top-k added to sums[1], its gradient q - p̃ (times `scale`) to `grad`
-    (`distill.stored_kl`'s, whose stored log-probabilities are at temperature 1)."""
-    ids, logprobs = teacher.top_ids[rows], teacher.top_logprobs[rows]
-    sums[1] += stored_kl_sum(log_q, ids, logprobs)
-    grad += stored_kl_gradient(log_q, ids, logprobs).mul_(scale)
+        return cross_entropy, torch.zeros_like(cross_entropy)
+    if teacher.hidden is None:
+        return cross_entropy, stored_kl_sum(log_q, teacher.top_ids, teacher.top_logprobs)
+    log_p = log_probs(F.linear(teacher.hidden.to(teacher.weight.dtype), teacher.weight), temperature)  # (chunk, vocab)
+    if temperature != 1:  # log_softmax(log q / T) = log_softmax(logits / T): the logits need not be kept
+        log_q = log_probs(log_q, temperature)
+    return cross_entropy, kl_sum(log_q, log_p)

@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 
 from gqaify.conversion.mla.written import latent_below_epsilon
 from gqaify.conversion.repair import holdout
+from gqaify.kl import kl_sum
 from gqaify.progress import progress_bar
 
 LOG = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def held_out_kls(reference, models: list, windows: list[torch.Tensor]) -> list[f
             expected = torch.log_softmax(reference(ids).logits[0].double(), dim=-1)
             for i, model in enumerate(models):
                 got = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
-                totals[i] += (expected.exp() * (expected - got)).sum().item()
+                totals[i] += kl_sum(got, expected).item()
             count += len(window)
     return [total / count for total in totals]
 
