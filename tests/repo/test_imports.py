@@ -7,7 +7,7 @@ from helpers import REPO
 
 # The layers of the package, lowest first: a module imports only from layers below its own (or its own package).
 LAYERS = [
-    {"_version", "auto", "errors", "sizes", "shipped", "logs", "records", "progress", "kl"},  # kl: eval's and uptrain's KL
+    {"_version", "auto", "errors", "sizes", "shipped", "logs", "records", "progress", "kl"},  # kl: eval and uptrain
     {"model", "output", "figures", "packaged"},
     {"settings", "command"},  # command: exit statuses and what an error leaves (`output.whole` says a full disk)
     {"summary", "text", "testing"},
