@@ -1,5 +1,5 @@
 """The KL from a parent's next-token distribution to a model's, defined once: eval's KL to the parent
-(`eval.perplexity`, `eval.diagnostics`), MLA's held-out KL (`conversion.mla.fit`), the distillation loss on whole
+(`eval.perplexity`, `eval.diagnostics`), a shape's held-out fit (its folder's `fit`), the distillation loss on whole
 logits (`uptrain.distill`) and the fused head and loss (`uptrain.head_loss`) all compute it here, a chunk of tokens
 at a time where the vocabulary is wide.
 
