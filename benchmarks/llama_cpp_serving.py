@@ -52,20 +52,25 @@ MODELS = {
     "MLA 128 (MQA rewritten)": ("smollm2-mla128", {"kv_heads": 1, "attention": "mla", "dtype": "float32"}),
 }
 
-# One measurement, in a process of its own (llama.cpp reports its cache on stderr when it allocates it).
+# One measurement, in a process of its own (llama.cpp reports its cache on stderr when it allocates it): with a cache
+# type (argv[5], for K and V alike) flash attention where a quantized V cache needs it; without, llama.cpp's defaults.
 MEASURE = """
-import json, sys, time
+import json, resource, sys, time
 import numpy as np
-from llama_cpp import Llama
+import llama_cpp
 path, n, threads, decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_ctx=n + decode + 32, n_batch=512, n_threads=threads, verbose=True)
+cache = sys.argv[5] if len(sys.argv) > 5 else None
+kind = cache and getattr(llama_cpp, f"GGML_TYPE_{cache.upper()}")
+types = {} if cache is None else {"type_k": kind, "type_v": kind, "flash_attn": cache != "f16"}
+llm = llama_cpp.Llama(model_path=path, n_ctx=n + decode + 32, n_batch=512, n_threads=threads, verbose=True, **types)
 tokens = np.random.default_rng(0).integers(100, llm.n_vocab() - 100, n).tolist()
 start = time.perf_counter(); llm.eval(tokens); prompt = time.perf_counter() - start
 start = time.perf_counter()
 for token in tokens[:decode]:
     llm.eval([token])
 generate = time.perf_counter() - start
-print(json.dumps({"prompt_tok_s": n / prompt, "decode_tok_s": decode / generate}))
+print(json.dumps({"prompt_tok_s": n / prompt, "decode_tok_s": decode / generate,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 llm.close()
 """
 
@@ -110,27 +115,6 @@ def main() -> None:
     print(table)
 
 
-# One run with a cache type (argv[5], for K and V alike): decode speed after the prompt, and peak memory.
-MEASURE_CACHE = """
-import json, resource, sys, time
-import numpy as np
-import llama_cpp
-path, n, threads, decode, cache = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-kind = getattr(llama_cpp, f"GGML_TYPE_{cache.upper()}")
-llm = llama_cpp.Llama(model_path=path, n_ctx=n + decode + 32, n_batch=512, n_threads=threads, type_k=kind,
-                      type_v=kind, flash_attn=cache != "f16", verbose=True)
-tokens = np.random.default_rng(0).integers(100, llm.n_vocab() - 100, n).tolist()
-start = time.perf_counter(); llm.eval(tokens); prompt = time.perf_counter() - start
-start = time.perf_counter()
-for token in tokens[:decode]:
-    llm.eval([token])
-generate = time.perf_counter() - start
-print(json.dumps({"prompt_tok_s": n / prompt, "decode_tok_s": decode / generate,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-llm.close()
-"""
-
-
 def measure_caches(out: Path, context: int, threads: int) -> None:
     """Each of the parent, MQA and MLA 128 under each of `CACHES` at `context`, in turns (`CACHE_REPEATS`)."""
     paths = build_models(out)
@@ -143,7 +127,7 @@ def measure_caches(out: Path, context: int, threads: int) -> None:
                 if (name, cache) in refused:
                     continue
                 argv = [str(path), str(context), str(threads), str(DECODE_TOKENS), cache]
-                done = subprocess.run([sys.executable, "-c", MEASURE_CACHE, *argv], capture_output=True, text=True)
+                done = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True)
                 if done.returncode:  # llama.cpp cannot hold this model's cache so (its latent path: f16 alone)
                     refused.add((name, cache))
                     print(name, cache, "refused by llama.cpp", flush=True)
