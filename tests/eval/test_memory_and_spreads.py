@@ -7,17 +7,14 @@ import pytest
 import gqaify
 from gqaify.eval.report import markdown
 from gqaify.eval.settings import EvalSettings
-from gqaify.testing import CORPUS, build_model, save_with_tokenizer
 
 
 @pytest.fixture(scope="module")
-def timed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("timed")
-    parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")
-    gqaify.convert(parent, root / "gqa2", kv_heads=2, progress=False)
-    (root / "a.txt").write_text(CORPUS)
+def timed(tiny):
+    """`tiny`'s parent and its GQA-2 conversion evaluated with their speed timed."""
     settings = EvalSettings(seq_len=32, decode_context=16, decode_tokens=4, decode_batch=2, repeats=3, progress=False)
-    return gqaify.evaluate([str(parent), str(root / "gqa2")], str(root / "a.txt"), root / "r", settings)
+    models = [str(tiny["parent"]), str(tiny["converted"])]
+    return gqaify.evaluate(models, str(tiny["eval"]), tiny["root"] / "r", settings)
 
 
 def test_the_default_memory_budget_is_this_machines_memory_and_the_report_says_so(timed):

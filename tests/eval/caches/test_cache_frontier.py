@@ -107,14 +107,12 @@ def test_a_retrieval_prompt_holds_its_key_at_its_depth_within_its_length(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A llama with 4 K/V heads and its GQA-2 conversion, and two texts."""
-    root = tmp_path_factory.mktemp("frontier")
-    parent = save_with_tokenizer(build_model("llama", num_kv_heads=4, vocab_size=320), root / "parent")
-    gqaify.convert(parent, root / "gqa2", kv_heads=2, progress=False)
+def pair(tiny):
+    """`tiny`'s llama with 4 K/V heads and its GQA-2 conversion, and two texts."""
+    root = tiny["root"]
     (root / "a.txt").write_text(CORPUS)
     (root / "b.txt").write_text(CORPUS[::-1])
-    return root, [str(parent), str(root / "gqa2")], [f"a={root / 'a.txt'}", f"b={root / 'b.txt'}"]
+    return root, [str(tiny["parent"]), str(tiny["converted"])], [f"a={root / 'a.txt'}", f"b={root / 'b.txt'}"]
 
 
 @pytest.fixture(scope="module")
