@@ -90,7 +90,8 @@ def run(settings: EvalSettings) -> Report:
     if s.out and s.out.strip():
         remove_leftovers(resolve_out(s.out))  # what a killed run left beside --out, before --out is checked
     configs, budget, device = _check(s)
-    served = served_only(s)  # .gguf models llama.cpp alone runs: on the frontier only
+    # the .gguf models llama.cpp alone runs (on the frontier only): those whose config `_check` did not read
+    served = {name for name, config in zip(s.models, configs, strict=True) if config is None}
     budget_said = (
         s.memory_budget if s.memory_budget != "auto" else f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}"
     )
@@ -182,7 +183,8 @@ def _frontier(s: EvalSettings, report: Report, panel: _Panel, texts, tokenizer, 
     if len(same) < len(s.models):
         report.notes.append("the frontier leaves out the models whose tokenizer is not the parent's")
     kept = replace(s, models=[s.models[i] for i in same])
-    labels = [model_labels(s.models)[i] for i in same]
+    every = model_labels(s.models)
+    labels = [every[i] for i in same]
     named = [(named.name, text.ids) for (named, _), text in zip(panel.texts, texts, strict=True)]
     found = run_frontier(kept, report, named, tokenizer, [configs[i] for i in same], labels, budget)
     report.frontier = found
@@ -369,7 +371,8 @@ def _record_speed(entry: ModelReport, single: Speed, batched: Speed) -> None:
 
 def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     """Every problem with the settings, --out, --memory-budget, --device and the models, raised as one `UserError`;
-    else the models' configs, the memory budget in bytes and the device."""
+    else the models' configs (None for a model llama.cpp alone runs: `served_only`), the memory budget in bytes and
+    the device."""
     problems = s.problems() + _out_problems(s)
     budget = parse_size(s.memory_budget) if s.memory_budget != "auto" else None
     if budget is None and s.memory_budget != "auto":
