@@ -73,7 +73,16 @@ def test_on_a_terminal_a_long_description_is_cut_in_its_middle_and_the_figures_s
         monkeypatch.setattr(sys, "stderr", terminal)
         for _ in progress_bar(range(3), shown=True, desc=name, unit="layer"):
             pass
-    drawn = os.read(main, 1 << 16).decode()
+    drawn = b""
+    while True:  # one read returns what the terminal has buffered so far, not always all of it
+        try:
+            chunk = os.read(main, 1 << 16)
+        except OSError:  # EIO: the writing end is closed and everything has been read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    drawn = drawn.decode()
     os.close(main)
     last = [line for line in re.split("[\r\n]", drawn) if "100%" in line][-1].rstrip()
     assert len(last) <= 80 and re.search(r" 3/3 \[[^]]*layer[^]]*\]$", last), drawn  # the figures, whole
