@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from gqaify.errors import UserError
 from gqaify.settings import text_lists
 from gqaify.text.loading import named_texts
 from gqaify.uptrain import UptrainSettings, parse
@@ -90,8 +91,8 @@ def test_command_line_overrides_the_recipe(tmp_path):
     assert (settings.lr, settings.trainable, settings.max_tokens, settings.log_to) == (1e-3, "attention", 4096, ["csv"])
 
 
-def test_budget_fraction_of_pretraining_tokens():
-    s = UptrainSettings(model="m", output_dir="o", data="d", budget_fraction=0.05, pretraining_tokens=2_000_000)
+def test_pretraining_fraction_of_pretraining_tokens():
+    s = UptrainSettings(model="m", output_dir="o", data="d", pretraining_fraction=0.05, pretraining_tokens=2_000_000)
     assert s.training_tokens() == 100_000
 
 
@@ -121,3 +122,22 @@ def test_a_seq_len_past_the_models_positions_is_named_with_them_not_only_as_a_bu
         "seq_len; the 1,280 training tokens are fewer than one optimizer step"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_setting_under_its_former_name_is_read_as_the_setting(tmp_path):
+    """budget_fraction became pretraining_fraction ("budget" is the cache's word): a recipe, a command line and a
+    run.json an earlier gqaify wrote under the former name still read; given under both names, refused."""
+    base = ["--model", "m", "--output_dir", str(tmp_path / "o"), "--data", "d", "--pretraining_tokens", "1000000"]
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("model: m\noutput_dir: o\ndata: d\nbudget_fraction: 0.5\npretraining_tokens: 1000000\n")
+    assert parse(["--recipe", str(recipe)]).training_tokens() == 500_000
+    assert parse([*base, "--budget-fraction", "0.25"]).training_tokens() == 250_000
+    assert "budget" not in " ".join(UptrainSettings.__dataclass_fields__)  # the field has its one name now
+    recipe.write_text("model: m\noutput_dir: o\ndata: d\nbudget_fraction: 0.5\npretraining_fraction: 0.5\n")
+    with pytest.raises(UserError, match="budget_fraction and pretraining_fraction both given; .* give one"):
+        parse(["--recipe", str(recipe)])
+    run = json.loads((REPO / "tests/data/records/0.1.0/run.json").read_text())
+    assert "budget_fraction" in run["settings"]  # what 0.1.0 wrote
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.json").write_text(json.dumps(run))
+    assert parse(["--config", str(tmp_path / "r" / "run.json")]).pretraining_fraction is None

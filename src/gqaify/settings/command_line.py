@@ -107,6 +107,9 @@ def build_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
         group = parser if owner is stage.settings else parser.add_argument_group(_group_title(owner.__doc__))
         for f in fields:
             add_field_option(group, f, hints[f.name])
+    for old, name in stage.settings.renamed.items():  # an earlier gqaify's option: taken, not shown in --help
+        f = next(f for f in ordered_fields(stage.settings) if f.name == name)
+        add_field_option(parser, f, hints[name], flags=_flags(old), shown=False)
     for p in stage.positionals:
         parser.add_argument(
             f"positional {p.field}",
@@ -148,7 +151,7 @@ def _by_declaring_class(settings: type) -> list[tuple[type, list[dataclasses.Fie
     return list(groups.items())
 
 
-def add_field_option(parser, f: dataclasses.Field, hint) -> None:
+def add_field_option(parser, f: dataclasses.Field, hint, flags: list[str] | None = None, shown: bool = True) -> None:
     """`--field-name` (and `--field_name`) for one settings field, as transformers' HfArgumentParser adds it.
 
     `X | None` is read as X; a Literal gives the choices; a list takes one value or more (`nargs="+"`; "*" for
@@ -156,9 +159,9 @@ def add_field_option(parser, f: dataclasses.Field, hint) -> None:
     HfArgumentParser's optional value, which would take the next argument, `--force SRC`, for its value; files
     give true/false), and a boolean that defaults to true also gets `--no-field`.
     """
-    flags = _flags(f.name)
+    flags = flags or _flags(f.name)
     default = field_default(f)
-    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"] if shown else argparse.SUPPRESS}
     hint = _without_none(hint)
     if hint is bool:
         parser.add_argument(*flags, action="store_const", const=True, **kwargs)

@@ -107,6 +107,9 @@ class Settings:
     """
 
     overrides = frozenset()  # the inherited fields whose default or help this class overrides (no field)
+    # the names an earlier gqaify gave some of its fields, each by its field's name now: what files and records it
+    # wrote say under them is read as the field (`current_names`), and their options are taken too
+    renamed: typing.ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs) -> None:
         """Put the fields of each `FieldTemplate` of the class body in its place, and turn each `override(...)` into
@@ -238,6 +241,20 @@ def recorded(settings, leave_out: frozenset[str] = frozenset()) -> dict:
     """The settings as JSON-ready data, without the fields in `leave_out`."""
     values = dataclasses.asdict(settings)
     return {f.name: values[f.name] for f in ordered_fields(settings) if f.name not in leave_out}
+
+
+def current_names(settings: type, values: dict, where: str) -> dict:
+    """`values` (a settings file's, a record's) with each key an earlier gqaify named otherwise (`Settings.renamed`)
+    under the field's name now, in its place.
+
+    Raises:
+        UserError: a field given under both of its names.
+    """
+    renamed = getattr(settings, "renamed", {})
+    both = [old for old in values if old in renamed and renamed[old] in values]
+    raise_if_problems([f"{where}: {old} and {renamed[old]} both given; {old} is {renamed[old]}'s former name, give one"
+                       for old in both])  # fmt: skip
+    return {renamed.get(key, key): value for key, value in values.items()}
 
 
 def text_lists(settings: type, values: dict) -> dict:

@@ -18,7 +18,7 @@ import yaml
 
 from gqaify.errors import UserError, raise_if_problems
 from gqaify.records import KINDS, TOOL, Kind, rerun_settings
-from gqaify.settings.fields import _describe, _hints, _is_a, shown
+from gqaify.settings.fields import _describe, _hints, _is_a, current_names, shown
 from gqaify.settings.registry import every_stage, rerun_by
 from gqaify.settings.stage import Stage, nearest
 
@@ -55,6 +55,7 @@ def read_settings_file(stage: Stage, path: str | Path, stages: tuple[Stage, ...]
             path = found  # a packaged recipe, by name
     where = f"{stage.config_flags[0]} {path}"
     values, record = _settings_in(stage, _parse(_read_text(path, where), where), where, path)
+    values = current_names(stage.settings, values, where)
     _check_keys(stage, values, record, where, path, stages)
     return _numbers_from_text(values, stage, where), record
 

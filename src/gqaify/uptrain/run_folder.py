@@ -35,7 +35,7 @@ from gqaify.output.claims import CLAIM_INSIDE, claimed
 from gqaify.output.destination import write_provenance
 from gqaify.output.whole import is_full_disk, readable_as_umask_allows, written_whole
 from gqaify.records import RUN_FILE, RunRecord, UptrainedRecord, Uptraining, as_json, read_record_file
-from gqaify.settings import defaults, recorded, text_lists
+from gqaify.settings import current_names, defaults, recorded, text_lists
 from gqaify.text.loading import NamedText
 from gqaify.text.pins import local_path
 from gqaify.uptrain.checkpoint_files import Progress, latest_checkpoint, named_checkpoints, named_step, write_json
@@ -157,7 +157,9 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     if (out / RUN_FILE).exists():
         run = read_run_record(out)
         # a setting added since: it trained at its default; a text since made a list of texts: a list of one
-        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run.settings}))
+        # and a setting renamed since, under its name now
+        recorded_now = current_names(UptrainSettings, run.settings, f"output_dir {out}'s {RUN_FILE}")
+        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **recorded_now}))
         _check_recorded(out, had)
         # a run's identity is its settings, not where its folder is: a run moved or copied resumes where it is
         differs = [k for k in identity if k != "output_dir" and had.get(k) != identity[k]]

@@ -72,6 +72,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
     line's options, and the fields of `gqaify.uptrain.run`'s settings. With kv_heads, `model` is converted first,
     by the fields of `MethodSettings`."""
 
+    renamed = {"budget_fraction": "pretraining_fraction"}  # "budget" is the cache's (eval's --memory-budget)
+
     # -- the model
     model: str | None = setting(
         None, "a converted checkpoint, or a source to convert when kv_heads or kv_cut is set", required=True
@@ -101,10 +103,10 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         "training tokens in all",
         check=(
             Range(0, low_open=True, says="> 0", fix="give the number of training tokens"),
-            Excludes("budget_fraction", "both set the training tokens"),
+            Excludes("pretraining_fraction", "both set the training tokens"),
         ),
     )
-    budget_fraction: float | None = setting(
+    pretraining_fraction: float | None = setting(
         None,
         "training tokens as a fraction of pretraining_tokens (instead of max_tokens)",
         check=(
@@ -113,7 +115,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         ),
     )
     pretraining_tokens: int | None = setting(
-        None, "the parent's pre-training tokens, for budget_fraction", check=POSITIVE
+        None, "the parent's pre-training tokens, for pretraining_fraction", check=POSITIVE
     )
     micro_batch_size: int | Auto = setting(  # auto: `batch_size.with_batch_chosen`
         4, "blocks per forward pass, per process; auto: the most the device's memory fits", check=CountOr(AUTO)
@@ -232,8 +234,8 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
                 f"attention {self.attention} shapes a conversion, and this run converts nothing (no kv_heads or "
                 "kv_cut); add kv_heads (or kv_cut) to convert the model first, or drop attention to train it as it is"
             )
-        if self.max_tokens is None and self.budget_fraction is None:
-            problems.append("no training tokens; set max_tokens (or budget_fraction with pretraining_tokens)")
+        if self.max_tokens is None and self.pretraining_fraction is None:
+            problems.append("no training tokens; set max_tokens (or pretraining_fraction with pretraining_tokens)")
         elif problem := self.step_problem(processes=1):
             problems.append(problem)
         if (
@@ -305,7 +307,7 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
             return None
         try:
             tokens = self.training_tokens()
-        except (TypeError, ValueError, OverflowError):  # budget_fraction without pretraining_tokens, or not finite
+        except (TypeError, ValueError, OverflowError):  # pretraining_fraction without pretraining_tokens, or not finite
             return None
         step = self.tokens_per_step_per_process * processes
         if tokens <= 0 or step <= 0:  # a batch or length below 1 is its field's own problem
@@ -346,10 +348,10 @@ class UptrainSettings(MethodSettings, ShapeSettings, Seed, Hub, TrustRemoteCode,
         )
 
     def training_tokens(self) -> int:
-        """The tokens the run trains on: max_tokens, else budget_fraction × pretraining_tokens."""
+        """The tokens the run trains on: max_tokens, else pretraining_fraction × pretraining_tokens."""
         if self.max_tokens is not None:
             return self.max_tokens
-        return math.floor(self.budget_fraction * self.pretraining_tokens)
+        return math.floor(self.pretraining_fraction * self.pretraining_tokens)
 
 
 # Settings that may change between a run and its resumption without changing what is trained.
