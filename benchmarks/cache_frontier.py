@@ -171,13 +171,40 @@ def main() -> None:
     print(f"rows: {path}")
 
 
+def print_verdicts(found: list[dict], title: str) -> None:
+    """The verdict gqaify's eval gives (`verdicts`) over the rows `found`, of one run or several."""
+    from gqaify.eval.caches.results import CacheRow, verdicts
+
+    points = [
+        CacheRow(model=r["model"], label=r["model"], cache=r["cache"], engine=r["engine"],
+                 bytes_per_token=r["bytes_per_token"], bytes_per_token_measured=None,
+                 times_smaller=r["times_smaller"], mean_kl=r["mean_kl"],
+                 worst_ratio=r["worst_ratio"], worst_text=r["worst_text"], texts=[], kl_by_position=[])
+        for r in found
+    ]  # fmt: skip
+    print(f"\nthe verdict, {title}\n")
+    print("| budget | closest on the mean KL | mean KL | closest on the worst text | worst ratio |")
+    print("|---|---|---|---|---|")
+    for v in verdicts(points):
+        if v.closest_mean is None:
+            print(f"| {v.budget} | nothing is that small | | | |")
+            continue
+        engine = {p.name: p.engine for p in points}
+        mean, worst = (f"{n} ({engine[n]})" for n in (v.closest_mean, v.closest_worst))
+        print(f"| {v.budget} | {mean} | {v.closest_mean_kl:.4f} | {worst} | {v.closest_worst_ratio:.3f}× |")
+
+
 def print_tables() -> None:
     """docs/benchmarks/cache-frontier.md's tables, from benchmarks/results/cache_frontier*.json."""
     for name in ("cache_frontier.json", "cache_frontier_long.json"):
         path = RESULTS / name
         if not path.is_file():
             continue
-        for engine, found in json.loads(path.read_text()).items():
+        engines = json.loads(path.read_text())
+        if name == "cache_frontier.json":
+            print_verdicts(engines.get("llama.cpp", []), "llama.cpp alone")
+            print_verdicts([r for found in engines.values() for r in found], "both engines")
+        for engine, found in engines.items():
             texts = list(found[0]["texts"])
             print(f"\n{name}, {engine}\n")
             print("| model | cache | bytes/token | × smaller | mean KL | worst ratio | " + " | ".join(texts) + " |")
