@@ -230,4 +230,4 @@ def _memory(s, report, rows, budget: int) -> tuple[str, float] | None:
         return None
     whole = rows[0].bytes_per_token * rows[0].times_smaller  # the parent's f16 cache per token
     said = report.memory_budget or s.memory_budget
-    return f"memory budget ({said}), {context:,} tokens", whole * context / room
+    return f"{said.split(',')[0]} at {context:,} tokens", whole * context / room  # said whole in the report
