@@ -85,6 +85,42 @@ def test_no_module_in_src_is_over_500_lines():
     assert not long, f"modules over 500 lines: {long}"
 
 
+def too_long_or_wide(source: str) -> list[str]:
+    """The functions of `source` whose body, its docstring aside, is over 60 lines, or that take over 8 parameters
+    (self and cls aside): "name (N lines, P parameters)"."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
+        lines = node.end_lineno - body[0].lineno + 1
+        a = node.args
+        named = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+        params = len(named) - (named[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+        if lines > 60 or params > 8:
+            found.append(f"{node.name} ({lines} lines, {params} parameters)")
+    return found
+
+
+def test_no_function_in_src_is_over_60_lines_or_8_parameters():
+    """A function past 60 lines or 8 parameters does more than one thing: name its parts."""
+    src = REPO / "src" / "gqaify"
+    modules = sorted(src.rglob("*.py"))
+    found = {p.relative_to(src).as_posix(): f for p in modules if (f := too_long_or_wide(p.read_text()))}
+    assert not found, f"functions over the bar: {found}"
+
+
+def test_the_function_bar_counts_a_body_past_its_docstring_and_the_parameters_past_self():
+    body = "".join(f"    x{i} = {i}\n" for i in range(61))
+    assert too_long_or_wide(f'def f():\n    """doc\n    more"""\n{body}') == ["f (61 lines, 0 parameters)"]
+    sixty = body.removesuffix("    x60 = 60\n")
+    assert too_long_or_wide(f'def f():\n    """doc"""\n{sixty}') == []
+    assert too_long_or_wide("def f(self, a, b, c, d, e, f, g, h): pass") == []
+    assert too_long_or_wide("def f(a, b, c, d, e, f, g, *h, i=1): pass") == ["f (1 lines, 9 parameters)"]
+
+
 TEST_MODULES = {"tests"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # conftest, helpers, test_*
 
 

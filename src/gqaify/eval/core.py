@@ -92,9 +92,6 @@ def run(settings: EvalSettings) -> Report:
     configs, budget, device = _check(s)
     # the .gguf models llama.cpp alone runs (on the frontier only): those whose config `_check` did not read
     served = {name for name, config in zip(s.models, configs, strict=True) if config is None}
-    budget_said = (
-        s.memory_budget if s.memory_budget != "auto" else f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}"
-    )
     s = replace(s, seq_len=window_length(s.seq_len, configs))  # the models' positions where --seq-len is not set
     stride = s.seq_len if s.stride is None else s.stride
     harness = Harness(request) if request.names else None  # the tasks' datasets are read here, before any model
@@ -102,14 +99,7 @@ def run(settings: EvalSettings) -> Report:
     panel = _Panel(s, [(t, load_text(t.source, s.split, s.text_column)) for t in named_texts(s.data)])
     sha256 = panel_sha256([(t.name, text_sha256(loaded.text)) for t, loaded in panel.texts])
     raise_if_problems(DATA_PIN.problem(f"--data {' '.join(s.data)}", s.data_sha256, sha256))
-    report = Report(
-        data=[
-            TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
-            for t, loaded in panel.texts
-        ],
-        settings={**_recorded(s, sha256), "stride": stride, "device": str(device)},
-        memory_budget=budget_said,
-    )
+    report = _new_report(s, panel, sha256, stride, device, budget)
     parent = parent_texts = parent_tokenizer = None
     speeds = _Speeds(s, alone=len(s.models) == 1)
     for i, (name, label) in enumerate(zip(s.models, model_labels(s.models), strict=True)):
@@ -154,6 +144,19 @@ def run(settings: EvalSettings) -> Report:
     report.notes += _notes(s, panel, configs)
     write_report(report, resolve_out(s.out), s.force)
     return report
+
+
+def _new_report(s: EvalSettings, panel: _Panel, sha256: str, stride: int, device, budget: int) -> Report:
+    """The report before any model is measured: its texts, its settings and the memory its tables fill."""
+    said = s.memory_budget if s.memory_budget != "auto" else f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}"
+    return Report(
+        data=[
+            TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
+            for t, loaded in panel.texts
+        ],
+        settings={**_recorded(s, sha256), "stride": stride, "device": str(device)},
+        memory_budget=said,
+    )
 
 
 def _notes(s: EvalSettings, panel: _Panel, configs) -> list[str]:

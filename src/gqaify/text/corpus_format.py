@@ -166,17 +166,26 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
             f"{where} holds {_short(extra[0], folder)}, which its record does not name; move it out of the corpus "
             "(gqaify generate writes every shard the record names)"
         ]
-    k, rows = settings.get("top_logprobs") or 0, settings.get("batch_size", 1)
+    found = _shards_problem(record, folder, wanted, where, rerun, vocab_size)
+    return [found] if found else []
+
+
+def _shards_problem(
+    record: CorpusRecord, folder: Path, wanted: list[Path], where: str, rerun: str, vocab_size: int | None
+) -> str | None:
+    """What keeps the shards `wanted` (each a file) from being the ones `record` describes: a shard unreadable, cut
+    short, without a column or with ids out of range, or tokens in all other than the record's (None: nothing)."""
+    k, rows = record.settings.get("top_logprobs") or 0, record.settings.get("batch_size", 1)
     tokens, again = 0, f"delete it and rerun the same gqaify generate command to write it again ({rerun})"
     for path in wanted:
         table, found = _read_shard(path, folder, where)
         if found:
-            return [f"{found}; {again}"]
+            return f"{found}; {again}"
         if table.num_rows != rows:
-            return [
+            return (
                 f"{where}: {_short(path, folder)} holds {table.num_rows} of its {rows} rows (cut short); delete it "
                 f"and rerun the same gqaify generate command to write it again ({rerun})"
-            ]
+            )
         columns = (*TEXT, *STORED) if k else TEXT
         absent = [c for c in columns if c not in table.column_names]
         found = (
@@ -187,15 +196,16 @@ def corpus_problems(folder: Path, files: list[Path], option: str, vocab_size: in
             else None
         )
         if found:
-            return [found]
+            return found
         tokens += _sum(table.column("tokens"))
     if tokens != record.tokens:
-        return [
+        record_file = shlex.quote(str(folder / PROVENANCE_FILE))
+        return (
             f"{where} holds {tokens:,} tokens, its record {record.tokens:,}; the shards were changed "
             f"since gqaify generate wrote them: write the corpus again into an empty OUT (gqaify generate --config "
             f"{record_file} --out NEW)"
-        ]
-    return []
+        )
+    return None
 
 
 # What a corpus's record counts, by where it says it ("settings.batch_size": its settings' batch_size), and the least
