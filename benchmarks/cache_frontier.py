@@ -21,8 +21,8 @@ of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in wind
 transformers' quantized caches (f16, quanto4, quanto2), reads 512 tokens of each text (its chunked prefill ran at
 12 to 20 tokens/s on this busy machine). Writes OUT/<run>/report.md (the
 frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (or cache_frontier_long.json).
-The long run: the parent and the fitted MQA model with f16 and q4_0 caches, on 8,192 tokens of WikiText-2 and of
-the Python code, each in one window.
+The long run: the parent and the fitted MQA model (and the recipe's output, where `--recipe` wrote it) with f16 and
+q4_0 caches, on 8,192 tokens of WikiText-2 and of the Python code, each in one window.
 
 `--recipe FOLDER` puts a packaged recipe's output (`benchmarks/recipe_goals.py` runs the SmolLM2 MQA one) on the
 frontier: written as an f16 GGUF by `gqaify convert` (its own heads kept) and evaluated beside the parent under
@@ -145,6 +145,8 @@ def main() -> None:
         name = "cache_frontier.json"
     elif args.long:
         models = build(out, texts, ".gguf", LONG)
+        if (out / "recipe.gguf").is_file():  # a recipe's output `--recipe` put on the frontier: at long context too
+            models["recipe"] = out / "recipe.gguf"
         long_data = {k: data[k] for k in ("wikitext", "code")}
         retrieval = {"retrieval": [4096]} if args.retrieval else {}
         report = run_eval(models, long_data, out / "long", LONG_FORMATS, max_tokens=8192, seq_len=8192, **retrieval)
