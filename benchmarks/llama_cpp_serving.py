@@ -23,7 +23,8 @@ own peak resident memory beside the largest tensor.
 `--caches` serves each way to a smaller cache at a context of 8,192 (`--contexts`): the parent (GQA-3), its MQA
 conversion and its MLA 128 rewrite, each with an f16, a q8_0 and a q4_0 cache (flash attention where llama.cpp
 needs it, for a quantized V cache), and measures the decode speed after the prompt and the process's peak resident
-memory, in a fresh process per run, the runs of every configuration in turns, `CACHE_REPEATS` times. Writes
+memory (its own high-water mark, VmHWM), in a fresh process per run, the runs of every configuration in turns,
+`--repeats` times (3). Writes
 OUT/llama_cpp_caches.md and .json.
 """
 
@@ -54,8 +55,8 @@ MODELS = {
 
 # One measurement, in a process of its own (llama.cpp reports its cache on stderr when it allocates it): with a cache
 # type (argv[5], for K and V alike) flash attention where a quantized V cache needs it; without, llama.cpp's defaults.
-MEASURE = """
-import json, resource, sys, time
+MEASURE = r"""
+import json, re, resource, sys, time
 import numpy as np
 import llama_cpp
 path, n, threads, decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -69,8 +70,12 @@ start = time.perf_counter()
 for token in tokens[:decode]:
     llm.eval([token])
 generate = time.perf_counter() - start
-print(json.dumps({"prompt_tok_s": n / prompt, "decode_tok_s": decode / generate,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# this process's own peak (VmHWM: its memory since its exec), where ru_maxrss keeps the forking parent's across exec
+try:
+    peak_kib = int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read())[1])
+except (OSError, TypeError):
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"prompt_tok_s": n / prompt, "decode_tok_s": decode / generate, "peak_rss_mib": peak_kib / 1024}))
 llm.close()
 """
 
@@ -82,13 +87,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads llama.cpp uses")
     parser.add_argument("--write", action="store_true", help="measure GGUF writing instead")
     parser.add_argument("--caches", action="store_true", help="each model under f16, q8_0 and q4_0 caches instead")
+    parser.add_argument("--repeats", type=int, default=CACHE_REPEATS, help="with --caches: runs of each, in turns")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.write:
         return measure_writing(out)
     if args.caches:
-        return measure_caches(out, int(args.contexts.split(",")[-1]), args.threads)
+        return measure_caches(out, int(args.contexts.split(",")[-1]), args.threads, args.repeats)
     models = build_models(out)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
@@ -115,13 +121,13 @@ def main() -> None:
     print(table)
 
 
-def measure_caches(out: Path, context: int, threads: int) -> None:
-    """Each of the parent, MQA and MLA 128 under each of `CACHES` at `context`, in turns (`CACHE_REPEATS`)."""
+def measure_caches(out: Path, context: int, threads: int, repeats: int) -> None:
+    """Each of the parent, MQA and MLA 128 under each of `CACHES` at `context`, in turns, `repeats` times."""
     paths = build_models(out)
     served = {name: paths[name] for name in ("GQA-3 (parent)", "MQA", "MLA 128 (MQA rewritten)")}
     runs: dict[tuple[str, str], list[dict]] = {}
     refused: set[tuple[str, str]] = set()
-    for _ in range(CACHE_REPEATS):
+    for _ in range(repeats):
         for name, path in served.items():
             for cache in CACHES:
                 if (name, cache) in refused:
@@ -144,7 +150,7 @@ def measure_caches(out: Path, context: int, threads: int) -> None:
     (out / "llama_cpp_caches.json").write_text(json.dumps({"threads": threads, "rows": rows}, indent=2))
     lines = [
         f"llama.cpp, SmolLM2-135M-Instruct f16 weights, {context:,} tokens of context, {threads} CPU threads, "
-        f"medians of {CACHE_REPEATS} runs in turns (slowest-fastest)",
+        f"medians of {repeats} runs in turns (slowest-fastest)",
         "",
         "| model | cache | KV cache (MiB) | decode tok/s | prompt tok/s | peak memory (MiB) |",
         "|---|---|---|---|---|---|",

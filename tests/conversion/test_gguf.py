@@ -56,6 +56,36 @@ def test_a_grouped_folder_at_its_own_kv_heads_becomes_the_same_gguf(stories_gguf
 
 
 @needs_assets
+def test_a_folder_made_from_a_gguf_takes_that_files_tokenizer_back_into_gguf(stories_gguf, tmp_path, monkeypatch):
+    """An uptrained final/ of a GGUF parent is a folder whose record names that GGUF: written as GGUF again, it takes
+    the file's tokenizer as it is there (a byte-level BPE one, SmolLM2's, cannot be written anew for llama.cpp), while
+    that file is unchanged; once it has changed, the folder's own tokenizer is written."""
+    import shutil
+
+    import gguf
+
+    import gqaify.conversion.to_gguf as to_gguf
+
+    source, folder = tmp_path / "parent.gguf", tmp_path / "final"
+    shutil.copyfile(stories_gguf["mqa.gguf"], source)
+    assert main(["convert", str(source), str(folder), "--kv-heads", "1", "-q"]) == 0
+    written, write = [], to_gguf._write_tokenizer
+    monkeypatch.setattr(to_gguf, "_write_tokenizer", lambda writer, f: written.append(f) or write(writer, f))
+    assert main(["convert", str(folder), str(tmp_path / "a.gguf"), "--kv-heads", "1", "-q"]) == 0
+    assert written == []
+
+    def tokenizer(path: Path) -> dict:
+        fields = gguf.GGUFReader(path).fields
+        return {k: [bytes(p) for p in f.parts] for k, f in fields.items() if k.startswith("tokenizer.")}
+
+    assert tokenizer(tmp_path / "a.gguf") == tokenizer(source)
+    with open(source, "ab") as f:  # the parent's file changed since: its tokenizer is no longer the folder's to take
+        f.write(b"\0" * 32)
+    assert main(["convert", str(folder), str(tmp_path / "b.gguf"), "--kv-heads", "1", "-q"]) == 0
+    assert len(written) == 1  # the converted folder's tokenizer, written as llama.cpp's converter writes it
+
+
+@needs_assets
 @pytest.mark.parametrize(("out_type", "tolerance"), [("f16", 1e-3), ("bf16", 1e-2), ("q8_0", 2e-2)])
 def test_gguf_types_hold_the_values_to_their_precision(stories_gguf, out_type, tolerance):
     import gguf

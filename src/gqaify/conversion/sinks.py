@@ -19,16 +19,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gqaify.conversion.to_gguf as to_gguf
-from gqaify.conversion.checkpoint import ShardWriter
+from gqaify.conversion.checkpoint import ShardWriter, sha256_file
 from gqaify.conversion.record import ConversionRecord
 from gqaify.conversion.registry import STREAM_SHAPE
 from gqaify.conversion.settings import ConvertSettings
 from gqaify.conversion.shapes import shape
 from gqaify.conversion.source import Source
-from gqaify.errors import Found, ResourceError
+from gqaify.errors import Found, ResourceError, UserError
+from gqaify.model import gguf_header
 from gqaify.output.destination import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
 from gqaify.output.whole import file_into_place
-from gqaify.records import CONVERSION, as_json
+from gqaify.records import CONVERSION, as_json, read_record
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,10 @@ class GgufSink:
         return problems
 
     def source_problems(self, source: Source) -> Found:
-        """What GGUF cannot carry here: the architecture, the rotary scaling, the vocabulary."""
-        vocabulary = None if source.kind == "gguf" else to_gguf.vocabulary_problem(source.directory)
+        """What GGUF cannot carry here: the architecture, the rotary scaling, the vocabulary (unless a GGUF file's
+        tokenizer is copied, `tokenizer_gguf`)."""
+        copied = tokenizer_gguf(source) is not None
+        vocabulary = None if copied else to_gguf.vocabulary_problem(source.directory)
         return [to_gguf.gguf_problem(source.config), vocabulary]
 
     def recorded(self, s: ConvertSettings) -> ConvertSettings:
@@ -151,10 +154,9 @@ class GgufSink:
         """Write the folder as the GGUF file, with `record` inside it, and put it in place whole (a GGUF source's
         tokenizer is copied from it as it is)."""
         partial = folder.parent / self.out.name
-        tokenizer_gguf = Path(source.name).expanduser() if source.kind == "gguf" else None
         try:
             writes = shape(record.settings.get("attention", STREAM_SHAPE)).write_gguf
-            writes(folder, partial, self.gguf_type, tokenizer_gguf, json.dumps(as_json(record), indent=2))
+            writes(folder, partial, self.gguf_type, tokenizer_gguf(source), json.dumps(as_json(record), indent=2))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise ResourceError(f"no space left while writing {self.out}; nothing was left behind") from exc
@@ -163,6 +165,30 @@ class GgufSink:
         replaceable = (lambda: to_gguf.destination_problem(self.out, True)) if self.force else None
         file_into_place(partial, self.out, replaceable)
         return Written(self.out, 1, self.out.stat().st_size)
+
+
+def tokenizer_gguf(source: Source) -> Path | None:
+    """The GGUF file whose tokenizer a GGUF output copies as it is there: the source, when it is one, or the GGUF file
+    a folder gqaify wrote was converted from (an uptrained final/ of a GGUF), as its record names it, where that file
+    is still there unchanged (its SHA-256 as recorded) and holds the folder's vocabulary. A byte-level BPE vocabulary
+    (SmolLM2's, Llama 3's) reaches llama.cpp only so: written anew, it needs a pre-tokenizer only llama.cpp's own
+    converter knows. None: the folder's tokenizer is written (`to_gguf.add_tokenizer`)."""
+    if source.kind == "gguf":
+        return Path(source.name).expanduser()
+    try:
+        origin = getattr(read_record(source.directory), "source", None)
+    except (UserError, OSError):  # no record, or one this gqaify cannot read: the folder's tokenizer
+        return None
+    if origin is None or origin.kind != "gguf":
+        return None
+    path = Path(origin.name)
+    if not path.is_file() or origin.sha256 != {path.name: sha256_file(path)}:
+        return None
+    try:
+        tokens = gguf_header.read(path).lengths.get("tokenizer.ggml.tokens")
+    except gguf_header.HeaderError:
+        return None
+    return path if tokens == source.config.get("vocab_size") else None
 
 
 def sink_for(s: ConvertSettings) -> FolderSink | GgufSink:

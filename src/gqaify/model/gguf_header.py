@@ -40,6 +40,7 @@ class Header:
     version: int
     tensor_count: int
     fields: dict[str, object] = field(default_factory=dict)  # scalars and strings; arrays as None
+    lengths: dict[str, int] = field(default_factory=dict)  # each array's items (a vocabulary's tokens)
     tensors_sha256: str | None = None  # of the tensor infos (`tensor_info_bytes`), where read with `tensors=True`
 
 
@@ -81,6 +82,11 @@ class _Reader:
             return self.string(key)
         if kind != _ARRAY:
             raise HeaderError(f"{key} has an unknown value type {kind}")
+        self.array(key)
+        return None
+
+    def array(self, key: str) -> int:
+        """Skip an array's items (a string array walked string by string): how many it holds."""
         item, count = self.scalar("<I", key), self.scalar("<Q", key)
         if item in _SCALARS:
             self.skip(count * struct.calcsize(_SCALARS[item]), f"{key} (an array of {count:,})")
@@ -91,7 +97,7 @@ class _Reader:
                 self.string(key, keep=False)
         else:
             raise HeaderError(f"{key} is an array of unknown or nested type {item}")
-        return None
+        return count
 
 
 def tensor_info_bytes(name: str, dims: tuple[int, ...], kind: int, offset: int) -> bytes:
@@ -125,7 +131,11 @@ def read(path: str | os.PathLike, tensors: bool = False) -> Header:
         header = Header(version, tensors)
         for _ in range(entries):
             key = r.string("a metadata key") or ""
-            header.fields[key] = r.value(r.scalar("<I", key), key)
+            kind = r.scalar("<I", key)
+            if kind == _ARRAY:
+                header.fields[key], header.lengths[key] = None, r.array(key)
+            else:
+                header.fields[key] = r.value(kind, key)
         if tensors:
             header.tensors_sha256 = _tensors_sha256(r, header.tensor_count)
         return header
