@@ -202,3 +202,31 @@ def test_the_verdict_at_your_memory_is_what_fits_the_parents_weights_and_whole_c
     room = psutil.virtual_memory().total - parent.weights_bytes
     assert mine.budget == f"{report.memory_budget.split(',')[0]} at {parent.max_positions:,} tokens"  # "23.5 GiB"
     assert mine.times_smaller == pytest.approx(whole * parent.max_positions / room)
+
+
+def test_every_gguf_is_tried_in_a_process_of_its_own_before_any_work(monkeypatch):
+    """llama.cpp crashes or aborts the process on what a build cannot run (this machine's build on any quantized
+    weights; 0.3.36's keys-only path on most cache types): each .gguf is run first in a child process, the keys-only
+    ones with every format asked, the others with one."""
+    import gqaify.eval.caches.evaluate as evaluate
+    import gqaify.eval.caches.llama_cpp_engine as engine
+
+    tried = []
+    monkeypatch.setattr(engine, "gguf_architecture", lambda name: "deepseek2" if "mla" in name else "llama")
+    monkeypatch.setattr(engine, "probe_problem", lambda name, f: tried.append((name, f.name)))
+    monkeypatch.setattr(evaluate, "_is_gguf", lambda name: name.endswith(".gguf"))
+    s = EvalSettings(models=["p.gguf", "mla.gguf", "folder"], kv_cache=["f16", "q8_0", "q4_0"])
+    assert evaluate._probe_problems(s) == []
+    assert tried == [("p.gguf", "q4_0"), ("mla.gguf", "f16"), ("mla.gguf", "q8_0"), ("mla.gguf", "q4_0")]
+
+
+def test_a_crash_in_llamas_process_is_said_in_one_line_with_the_way_out(monkeypatch):
+    import subprocess
+
+    from gqaify.eval.caches.llama_cpp_engine import probe_problem
+
+    crashed = subprocess.CompletedProcess([], -11, "", "")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: crashed)
+    said = probe_problem("q.gguf", cache_format("q8_0"))
+    assert said.startswith("llama.cpp crashed (signal 11) running q.gguf") and "--gguf-type f16" in said
+    assert "\n" not in said

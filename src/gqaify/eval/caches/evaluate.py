@@ -114,12 +114,15 @@ def cache_problems(s, configs: list) -> list[str]:
 
 
 def _probe_problems(s) -> list[str]:
-    """llama.cpp's keys-only path (`KEYS_ONLY`) run with each format asked, in a child process each: llama.cpp 0.3.36
-    aborts the process (an assertion in C) on cache types it cannot hold there, before any work could be saved."""
+    """Each .gguf model run in llama.cpp in a child process, before any work could be lost: llama.cpp aborts the
+    process (an assertion in C) or crashes on what it cannot run. The keys-only path (`KEYS_ONLY`) is tried with each
+    format asked (llama.cpp 0.3.36 cannot hold most cache types there); any other file with the last one, as a build
+    can crash on a file's quantized weights on a CPU it was not built for."""
     from gqaify.eval.caches.llama_cpp_engine import KEYS_ONLY, gguf_architecture, probe_problem
 
-    fragile = [name for name in s.models if _is_gguf(name) and gguf_architecture(name) in KEYS_ONLY]
-    found = (probe_problem(name, cache_format(n)) for name in fragile for n in s.kv_cache)
+    tried = [(name, s.kv_cache if gguf_architecture(name) in KEYS_ONLY else s.kv_cache[-1:])
+             for name in s.models if _is_gguf(name)]  # fmt: skip
+    found = (probe_problem(name, cache_format(n)) for name, formats in tried for n in formats)
     return [p for p in found if p][:1]
 
 

@@ -61,6 +61,13 @@ def probe_problem(path: str, cache: CacheFormat) -> str | None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode == 0:
         return None
+    if done.returncode < 0:  # killed by a signal: a crash in C, whatever the cache (some builds crash on a CPU they
+        # were not built for, on quantized weights: this one does on its Q4_1 and q8_0 matrices)
+        return (
+            f"llama.cpp crashed (signal {-done.returncode}) running {path}, in a process of its own: this "
+            "llama-cpp-python build cannot run that file here; write it with f16 weights (gqaify convert "
+            f"{path} OUT.gguf --gguf-type f16, at its own --kv-heads) or rebuild llama-cpp-python for this machine"
+        )
     said = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
     reason = said[0].rsplit(": ", 1)[-1].strip() if said else f"exit status {done.returncode}"
     return f"llama.cpp cannot run {path} with a {cache.name} cache ({reason}); leave {cache.name} out of --kv-cache"
