@@ -136,10 +136,10 @@ def main() -> None:
     found = {}
     if args.recipe:
         models = {"parent": build(out, texts, ".gguf", ["parent"])["parent"], "recipe": out / "recipe.gguf"}
-        if not models["recipe"].exists():
-            heads = json.loads((args.recipe / "config.json").read_text())["num_key_value_heads"]  # kept as trained
-            command = convert(args.recipe.resolve(), models["recipe"], kv_heads=heads, gguf_type="f16", quiet=True)
-            subprocess.run(command, check=True)
+        models["recipe"].unlink(missing_ok=True)  # written anew from the folder given, never an earlier one
+        heads = json.loads((args.recipe / "config.json").read_text())["num_key_value_heads"]  # kept as trained
+        command = convert(args.recipe.resolve(), models["recipe"], kv_heads=heads, gguf_type="f16", quiet=True)
+        subprocess.run(command, check=True)
         report = run_eval(models, data, out / "llama.cpp-recipe", LLAMA_FORMATS, max_tokens=1024, seq_len=512)
         found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})[len(LLAMA_FORMATS) :]
         name = "cache_frontier.json"
@@ -211,9 +211,9 @@ def plot(path: Path) -> None:
     from gqaify.eval.caches.report import plot_frontier
     from gqaify.eval.caches.results import Frontier, front_of, verdicts
 
-    rows = points([r for found in json.loads((RESULTS / "cache_frontier.json").read_text()).values() for r in found])
-    rows = [r for r in rows if r.label != "parent (transformers)" or r.cache != "f16"]  # the reference, once
-    whole = Frontier("llama.cpp and transformers", "the parent, f16 cache", "", rows, front_of(rows), verdicts(rows))
+    every = points([r for found in json.loads((RESULTS / "cache_frontier.json").read_text()).values() for r in found])
+    every = [r for r in every if r.label != "parent (transformers)" or r.cache != "f16"]  # the reference, once
+    whole = Frontier("llama.cpp and transformers", "the parent, f16 cache", "", every, front_of(every), verdicts(every))
     plot_frontier(whole, path)
     print(f"plot: {path}")
 

@@ -133,10 +133,10 @@ def test_llama_cpp_kv_cache_is_h_over_g_smaller(stories_gguf, tmp_path):
 @needs_llama_cpp
 @pytest.mark.usefixtures("smollm2_read_once")
 def test_smollm2_mqa_gguf_decodes_in_llama_cpp_as_in_transformers(smollm2_gguf, tmp_path):
-    from transformers import AutoTokenizer
-
     """And the folder made from the GGUF (what uptrain's final/ of it is) written as GGUF again, SmolLM2's byte-level
     BPE vocabulary taken from the GGUF its record names: it was refused, naming llama.cpp's own converter."""
+    from transformers import AutoTokenizer
+
     folder, gguf_out, again = tmp_path / "mqa", tmp_path / "mqa.gguf", tmp_path / "again.gguf"
     assert main(["convert", str(smollm2_gguf), str(folder), "--kv-heads", "1", "--dtype", "float32", "-q"]) == 0
     assert main(["convert", str(smollm2_gguf), str(gguf_out), "--kv-heads", "1", "--gguf-type", "f32", "-q"]) == 0

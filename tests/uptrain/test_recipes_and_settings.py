@@ -141,3 +141,9 @@ def test_a_setting_under_its_former_name_is_read_as_the_setting(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "run.json").write_text(json.dumps(run))
     assert parse(["--config", str(tmp_path / "r" / "run.json")]).pretraining_fraction is None
+
+
+def test_a_setting_under_both_its_names_on_the_command_line_is_refused(tmp_path):
+    argv = ["--model", "m", "--output_dir", str(tmp_path / "o"), "--data", "d", "--pretraining_tokens", "1000000"]
+    with pytest.raises(UserError, match="--budget-fraction and --pretraining-fraction both given; .* give one"):
+        parse([*argv, "--budget-fraction", "0.25", "--pretraining-fraction=0.5"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from gqaify.conversion.registry import STREAM_SHAPE
 from gqaify.conversion.settings import ConvertSettings
 from gqaify.conversion.shapes import shape
 from gqaify.conversion.source import Source
-from gqaify.errors import Found, ResourceError, UserError
+from gqaify.errors import Found, ResourceError
 from gqaify.model import gguf_header
 from gqaify.output.destination import current_umask, name_problem, resolve_out, staged, work_folder, write_provenance
 from gqaify.output.whole import file_into_place
@@ -177,18 +178,27 @@ def tokenizer_gguf(source: Source) -> Path | None:
         return Path(source.name).expanduser()
     try:
         origin = getattr(read_record(source.directory), "source", None)
-    except (UserError, OSError):  # no record, or one this gqaify cannot read: the folder's tokenizer
+    except (ValueError, OSError):  # no record, or one this gqaify cannot read: the folder's tokenizer
         return None
     if origin is None or origin.kind != "gguf":
         return None
     path = Path(origin.name)
-    if not path.is_file() or origin.sha256 != {path.name: sha256_file(path)}:
-        return None
     try:
-        tokens = gguf_header.read(path).lengths.get("tokenizer.ggml.tokens")
-    except gguf_header.HeaderError:
+        found = os.stat(path)
+        same = _holds(str(path), found.st_size, found.st_mtime_ns, source.config.get("vocab_size"))
+    except (OSError, gguf_header.HeaderError):  # gone, unreadable or no GGUF since it was recorded
         return None
-    return path if tokens == source.config.get("vocab_size") else None
+    return path if same == origin.sha256 else None
+
+
+@functools.lru_cache(maxsize=8)
+def _holds(path: str, size: int, mtime_ns: int, vocab_size: int | None) -> dict[str, str] | None:
+    """The SHA-256 of the GGUF file `path` by its name, as a conversion's record keeps it, where its tokenizer holds
+    `vocab_size` tokens (None: another vocabulary). Asked when the source is checked and again when the file is
+    written: hashed once while the file is as it was (its size and modification time the key)."""
+    if gguf_header.read(path).lengths.get("tokenizer.ggml.tokens") != vocab_size:
+        return None
+    return {Path(path).name: sha256_file(Path(path))}
 
 
 def sink_for(s: ConvertSettings) -> FolderSink | GgufSink:

@@ -52,6 +52,11 @@ def parse_command(
         SystemExit: --help (status 0), or a malformed option value (argparse's one-line error, status 2).
     """
     parser = build_parser(stage, prog)
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    raise_if_problems([f"--{old.replace('_', '-')} and --{new.replace('_', '-')} both given; --{old.replace('_', '-')} "
+                       f"is --{new.replace('_', '-')}'s former name, give one"
+                       for old, new in stage.settings.renamed.items()
+                       if given & set(_flags(old)) and given & set(_flags(new))])  # fmt: skip
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     pre.add_argument(*stage.config_flags, dest="config")
     try:

@@ -211,7 +211,8 @@ def _as_it_is_now(out: Path, run: RunRecord, identity: dict) -> RunRecord:
     root = out / CHECKPOINTS
     made = run.checkpoints if run.checkpoints is not None else named_checkpoints(root)
     made = [name for name in made if (root / name).exists() or (root / name).is_symlink()]
-    return dataclasses.replace(run, settings={**run.settings, "output_dir": identity["output_dir"]}, checkpoints=made)
+    settings = current_names(UptrainSettings, run.settings, f"{out}'s {RUN_FILE}")  # a setting renamed since: now
+    return dataclasses.replace(run, settings={**settings, "output_dir": identity["output_dir"]}, checkpoints=made)
 
 
 def _check_recorded(out: Path, had: dict) -> None:

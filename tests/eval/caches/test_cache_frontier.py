@@ -200,7 +200,7 @@ def test_the_verdict_at_your_memory_is_what_fits_the_parents_weights_and_whole_c
     parent, mine = report.models[0], report.frontier.verdicts[-1]
     whole = report.frontier.rows[0].bytes_per_token  # the parent's f16 cache per token
     room = psutil.virtual_memory().total - parent.weights_bytes
-    assert mine.budget == f"{report.memory_budget.split(',')[0]} at {parent.max_positions:,} tokens"  # "23.5 GiB"
+    assert mine.budget == f"{psutil.virtual_memory().total / 2**30:.1f} GiB at {parent.max_positions:,} tokens"
     assert mine.times_smaller == pytest.approx(whole * parent.max_positions / room)
 
 
@@ -220,13 +220,20 @@ def test_every_gguf_is_tried_in_a_process_of_its_own_before_any_work(monkeypatch
     assert tried == [("p.gguf", "q4_0"), ("mla.gguf", "f16"), ("mla.gguf", "q8_0"), ("mla.gguf", "q4_0")]
 
 
-def test_a_crash_in_llamas_process_is_said_in_one_line_with_the_way_out(monkeypatch):
+@pytest.mark.parametrize(
+    ("code", "stderr", "expect"),
+    [
+        (-6, "llama.cpp:123: GGML_ASSERT(v_trans) failed", "q8_0 cache (GGML_ASSERT(v_trans) failed); leave q8_0"),
+        (-11, "", "crashed (signal 11) running q.gguf"),
+        (1, "", "(exit status 1); leave q8_0 out of --kv-cache"),
+    ],
+)
+def test_what_llamas_process_died_of_is_told_apart(monkeypatch, code, stderr, expect):
+    """An assertion llama.cpp states (it aborts: signal 6) names the cache type to leave out; a crash with nothing
+    said names the file and the way out."""
     import subprocess
 
     from gqaify.eval.caches.llama_cpp_engine import probe_problem
 
-    crashed = subprocess.CompletedProcess([], -11, "", "")
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: crashed)
-    said = probe_problem("q.gguf", cache_format("q8_0"))
-    assert said.startswith("llama.cpp crashed (signal 11) running q.gguf") and "--gguf-type f16" in said
-    assert "\n" not in said
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess([], code, "", stderr))
+    assert expect in probe_problem("q.gguf", cache_format("q8_0"))

@@ -88,7 +88,8 @@ def cache_problems(s, configs: list) -> list[str]:
     if engine(s) == LLAMA_CPP:
         from gqaify.eval.caches.llama_cpp_engine import llama_cpp_problem
 
-        problems += [p for p in [llama_cpp_problem()] if p]
+        missing = llama_cpp_problem()
+        problems += [missing] if missing else []
         quantized = ", ".join(n for n in s.kv_cache if n != FULL)
         problems += [
             f"--kv-cache {quantized}: llama.cpp's formats run .gguf files, and {name} is not one; give "
@@ -97,7 +98,7 @@ def cache_problems(s, configs: list) -> list[str]:
             for name in s.models
             if _is_gguf(name) is False
         ][:1]
-        problems += _block_problems(s, configs) + _probe_problems(s)
+        problems += _block_problems(s, configs) + ([] if missing else _probe_problems(s))
     else:
         problems += _transformers_problems(s, configs)
     problems += _retrieval_problems(s)
@@ -232,5 +233,4 @@ def _memory(s, report, rows, budget: int) -> tuple[str, float] | None:
     if room <= 0:
         return None
     whole = rows[0].bytes_per_token * rows[0].times_smaller  # the parent's f16 cache per token
-    said = report.memory_budget or s.memory_budget
-    return f"{said.split(',')[0]} at {context:,} tokens", whole * context / room  # said whole in the report
+    return f"{budget / 2**30:.1f} GiB at {context:,} tokens", whole * context / room  # whose: the report says

@@ -26,6 +26,7 @@ from gqaify.eval.caches.formats import FULL, CacheFormat
 # GGUF architectures whose cache llama.cpp holds as keys alone, reading the values from them (deepseek2's absorbed
 # attention, which gqaify writes for its own shape)
 KEYS_ONLY = {"deepseek2"}
+PROBE_SECONDS = 600  # for a child process to load a model and evaluate 8 tokens of it
 BATCH = 512  # tokens per llama.cpp batch (llama-server's default n_batch is 2,048, its n_ubatch 512)
 _ALLOCATED = re.compile(r"llama_kv_cache: +size = +([\d.]+) MiB \( *(\d+) cells")
 
@@ -54,21 +55,25 @@ llm.eval(list(range(8)))
 
 
 def probe_problem(path: str, cache: CacheFormat) -> str | None:
-    """Why llama.cpp cannot run the GGUF `path` with its cache as `cache`, found in a child process (None: it can)."""
+    """Why llama.cpp cannot run the GGUF `path` with its cache as `cache`, found in a child process (None: it can): an
+    assertion it fails (a cache type it cannot hold for that file), or a crash (a build that cannot run the file's
+    weights on this CPU: some crash on quantized ones)."""
     import subprocess
 
     argv = [sys.executable, "-c", _PROBE, path, cache.key_type, cache.value_type]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not evaluate 8 tokens of {path} in {PROBE_SECONDS} s in a process of its own; check it"
     if done.returncode == 0:
         return None
-    if done.returncode < 0:  # killed by a signal: a crash in C, whatever the cache (some builds crash on a CPU they
-        # were not built for, on quantized weights: this one does on its Q4_1 and q8_0 matrices)
+    said = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
+    if done.returncode < 0 and not said:  # killed by a signal, not by an assertion it states: a crash in C
         return (
             f"llama.cpp crashed (signal {-done.returncode}) running {path}, in a process of its own: this "
             "llama-cpp-python build cannot run that file here; write it with f16 weights (gqaify convert "
             f"{path} OUT.gguf --gguf-type f16, at its own --kv-heads) or rebuild llama-cpp-python for this machine"
         )
-    said = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
     reason = said[0].rsplit(": ", 1)[-1].strip() if said else f"exit status {done.returncode}"
     return f"llama.cpp cannot run {path} with a {cache.name} cache ({reason}); leave {cache.name} out of --kv-cache"
 
