@@ -2,8 +2,8 @@
 `gqaify eval --kv-cache` itself (llama.cpp for GGUF files, transformers' quantized caches for folders).
 
     python benchmarks/cache_frontier.py                      # the panel in llama.cpp, then in transformers
-    python benchmarks/cache_frontier.py --long               # windows of 8,192 (llama.cpp), KL by position
-    python benchmarks/cache_frontier.py --long --retrieval   # and the pass-key check at 4,096 tokens
+    python benchmarks/cache_frontier.py --long               # a window of 8,192 (llama.cpp), KL by position
+    python benchmarks/cache_frontier.py --long --retrieval   # the pass-key check at 4,096 tokens
     python benchmarks/cache_frontier.py --only llama.cpp     # one engine
     python benchmarks/cache_frontier.py --only latent        # the MLA models alone (llama.cpp, f16)
     python benchmarks/cache_frontier.py --recipe runs/smollm2-135m-mqa/final   # a recipe's output beside the parent
@@ -16,13 +16,14 @@ differs only in its attention and cache: the parent itself (GQA-3, `--kv-heads 3
 MQA fitted (`--method lsq` on the benchmarks' training mixture, 8,192 tokens), MLA 128 (the MQA cache's size: a
 latent of 80 and a rotary key of 48, fitted) and MLA 256 (a latent of 196, a rotary key of 60: a GGUF turns at
 most 64 rotary values from 3 heads). The panel: five kinds
-of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in windows of 512; the long run reads
-8,192 tokens of WikiText-2 and the Python code in one window each; the transformers run, the parent alone under
+of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in windows of 512; the transformers run, the parent alone under
 transformers' quantized caches (f16, quanto4, quanto2), reads 512 tokens of each text (its chunked prefill ran at
 12 to 20 tokens/s on this busy machine). Writes OUT/<run>/report.md (the
-frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (or cache_frontier_long.json).
-The long run: the parent and the fitted MQA model (and the recipe's output, where `--recipe` wrote it) with f16 and
-q4_0 caches, on 8,192 tokens of WikiText-2 and of the Python code, each in one window.
+frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (cache_frontier_long.json, _retrieval.json).
+The long run: the parent and the recipe's output (where `--recipe` wrote it; else the fitted MQA model) with f16 and
+q4_0 caches, on 8,192 tokens of WikiText-2 in one window (llama.cpp's q4_0 cache prefilled 8,192 tokens at 8 to 30
+tokens/s here: a second text, or more models, did not fit a session). `--long --retrieval`: the same models with f16
+caches, ten pass keys in prompts of 4,096 tokens (five depths, two keys each).
 
 `--recipe FOLDER` puts a packaged recipe's output (`benchmarks/recipe_goals.py` runs the SmolLM2 MQA one) on the
 frontier: written as an f16 GGUF by `gqaify convert` (its own heads kept) and evaluated beside the parent under
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["llama.cpp", "latent", "transformers"], help="one engine, or the MLA models")
     parser.add_argument("--recipe", type=Path, help="a recipe's output folder (its final/) to put on the frontier")
     parser.add_argument("--long", action="store_true", help="windows of 8,192 instead (the parent and MQA, lsq)")
-    parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 too")
+    parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 instead")
     parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
     parser.add_argument("--plot", type=Path, help="draw every measured point into this PNG, run nothing")
     args = parser.parse_args()
@@ -144,14 +145,20 @@ def main() -> None:
         found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})[len(LLAMA_FORMATS) :]
         name = "cache_frontier.json"
     elif args.long:
-        models = build(out, texts, ".gguf", LONG)
-        if (out / "recipe.gguf").is_file():  # a recipe's output `--recipe` put on the frontier: at long context too
-            models["recipe"] = out / "recipe.gguf"
-        long_data = {k: data[k] for k in ("wikitext", "code")}
-        retrieval = {"retrieval": [4096]} if args.retrieval else {}
-        report = run_eval(models, long_data, out / "long", LONG_FORMATS, max_tokens=8192, seq_len=8192, **retrieval)
-        found["llama.cpp"] = rows(report, {p.name: n for n, p in models.items()})
-        name = "cache_frontier_long.json"
+        recipe = out / "recipe.gguf"  # a recipe's output `--recipe` put on the frontier, else the fitted MQA model
+        models = {**build(out, texts, ".gguf", ["parent"] if recipe.is_file() else LONG)}
+        models |= {"recipe": recipe} if recipe.is_file() else {}
+        names = {p.name: n for n, p in models.items()}
+        if args.retrieval:  # the pass-key check alone, with f16 caches (the windows scored are a formality)
+            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "retrieval", ["f16"], max_tokens=512,
+                              seq_len=4096, retrieval=[4096])  # fmt: skip
+            found["llama.cpp"] = rows(report, names)
+            name = "cache_frontier_retrieval.json"
+        else:
+            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "long", LONG_FORMATS, max_tokens=8192,
+                              seq_len=8192)  # fmt: skip
+            found["llama.cpp"] = rows(report, names)
+            name = "cache_frontier_long.json"
     else:
         name = "cache_frontier.json"
         if args.only in (None, "llama.cpp"):
@@ -220,7 +227,7 @@ def plot(path: Path) -> None:
 
 def print_tables() -> None:
     """docs/benchmarks/cache-frontier.md's tables, from benchmarks/results/cache_frontier*.json."""
-    for name in ("cache_frontier.json", "cache_frontier_long.json"):
+    for name in ("cache_frontier.json", "cache_frontier_long.json", "cache_frontier_retrieval.json"):
         path = RESULTS / name
         if not path.is_file():
             continue
