@@ -15,11 +15,11 @@ dequantized and stored in f16, so that every model, the parent's reference inclu
 differs only in its attention and cache: the parent itself (GQA-3, `--kv-heads 3`: the identity), MQA mean-pooled,
 MQA fitted (`--method lsq` on the benchmarks' training mixture, 8,192 tokens), MLA 128 (the MQA cache's size: a
 latent of 80 and a rotary key of 48, fitted) and MLA 256 (a latent of 196, a rotary key of 60: a GGUF turns at
-most 64 rotary values from 3 heads). The panel: five kinds
-of text none of them was fitted on (`commands.PANEL`), 1,024 tokens each in windows of 512; the transformers run, the parent alone under
-transformers' quantized caches (f16, quanto4, quanto2), reads 512 tokens of each text (its chunked prefill ran at
-12 to 20 tokens/s on this busy machine). Writes OUT/<run>/report.md (the
-frontier, the verdict, frontier.png) and benchmarks/results/cache_frontier.json (cache_frontier_long.json, _retrieval.json).
+most 64 rotary values from 3 heads). The panel: five kinds of text none of them was fitted on (`commands.PANEL`),
+1,024 tokens each in windows of 512; the transformers run, the parent alone under transformers' quantized caches
+(f16, quanto4, quanto2), reads 512 tokens of each text (its chunked prefill ran at 12 to 20 tokens/s on this busy
+machine). Writes OUT/<run>/report.md (the frontier, the verdict, frontier.png) and
+benchmarks/results/cache_frontier.json (cache_frontier_long.json, cache_frontier_retrieval.json).
 The long run: the parent and the recipe's output (where `--recipe` wrote it; else the fitted MQA model) with f16 and
 q4_0 caches, on 8,192 tokens of WikiText-2 in one window (llama.cpp's q4_0 cache prefilled 8,192 tokens at 8 to 30
 tokens/s here: a second text, or more models, did not fit a session). `--long --retrieval`: the same models with f16
@@ -55,7 +55,7 @@ MODELS = {
     "mla256": {"kv_heads": 3, "attention": "mla", "kv_rank": 196, "rope_dims": 60, "calib_tokens": 8192},
 }
 WHOLE_HEADS = ["parent", "mqa-mean", "mqa-lsq"]
-LATENT = ["parent", "mla128", "mla256"]  # llama.cpp 0.3.36 holds a deepseek2 cache in f16 only (it refuses the rest)
+LATENT = ["parent", "mla128", "mla256"]  # f16 alone: llama.cpp 0.3.36 cannot make their contexts with quantized caches
 # the parent alone, in transformers: its 2- and 4-bit caches, below the 4.5 bits of llama.cpp's smallest type (the
 # stacks of conversions are llama.cpp's; transformers holds a latent expanded)
 FOLDERS = ["parent"]

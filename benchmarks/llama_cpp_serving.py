@@ -134,7 +134,7 @@ def measure_caches(out: Path, context: int, threads: int, repeats: int) -> None:
                     continue
                 argv = [str(path), str(context), str(threads), str(DECODE_TOKENS), cache]
                 done = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True)
-                if done.returncode:  # llama.cpp cannot hold this model's cache so (its latent path: f16 alone)
+                if done.returncode:  # llama.cpp cannot hold this model's cache so
                     refused.add((name, cache))
                     print(name, cache, "refused by llama.cpp", flush=True)
                     continue
