@@ -157,9 +157,7 @@ def claim_output_dir(out: Path, s: UptrainSettings, processes: int, accelerator,
     if (out / RUN_FILE).exists():
         run = read_run_record(out)
         # a setting added since: it trained at its default; a text since made a list of texts: a list of one
-        # and a setting renamed since, under its name now
-        recorded_now = current_names(UptrainSettings, run.settings, f"output_dir {out}'s {RUN_FILE}")
-        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **recorded_now}))
+        had = _located(text_lists(UptrainSettings, {**defaults(UptrainSettings), **run.settings}))
         _check_recorded(out, had)
         # a run's identity is its settings, not where its folder is: a run moved or copied resumes where it is
         differs = [k for k in identity if k != "output_dir" and had.get(k) != identity[k]]
@@ -211,8 +209,7 @@ def _as_it_is_now(out: Path, run: RunRecord, identity: dict) -> RunRecord:
     root = out / CHECKPOINTS
     made = run.checkpoints if run.checkpoints is not None else named_checkpoints(root)
     made = [name for name in made if (root / name).exists() or (root / name).is_symlink()]
-    settings = current_names(UptrainSettings, run.settings, f"{out}'s {RUN_FILE}")  # a setting renamed since: now
-    return dataclasses.replace(run, settings={**settings, "output_dir": identity["output_dir"]}, checkpoints=made)
+    return dataclasses.replace(run, settings={**run.settings, "output_dir": identity["output_dir"]}, checkpoints=made)
 
 
 def _check_recorded(out: Path, had: dict) -> None:
@@ -258,7 +255,8 @@ def _new_run(out: Path, identity: dict, accelerator, data_sha256: str) -> RunRec
 
 
 def read_run_record(out: Path) -> RunRecord:
-    """The record in `out`/run.json (read from that file, whatever else `out` holds).
+    """The record in `out`/run.json (read from that file, whatever else `out` holds), its settings under their names
+    now (an earlier gqaify's run.json names a setting renamed since under its former name: `Settings.renamed`).
 
     Raises:
         UserError: it cannot be read as a run's record (damaged, of a later gqaify, or not a run's).
@@ -278,7 +276,8 @@ def read_run_record(out: Path) -> RunRecord:
         ) from None
     if not isinstance(run, RunRecord):
         raise UserError(f"output_dir {out} is not empty and holds no gqaify run; choose a new or empty folder")
-    return run
+    settings = current_names(UptrainSettings, run.settings, f"output_dir {out}'s {RUN_FILE}")
+    return dataclasses.replace(run, settings=settings)
 
 
 def _version_in(file: Path) -> str | None:
