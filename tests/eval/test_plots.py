@@ -154,7 +154,9 @@ def eval_report(models: int, texts: int = 2, layers: int = 6) -> SimpleNamespace
                 diagnostics=None
                 if i == 0
                 else SimpleNamespace(
-                    attention_relative_error=[0.1 * j + 0.05 * i for j in range(layers)], kl_nats_per_token=0.1
+                    tokens=512,
+                    attention_relative_error=[0.1 * j + 0.05 * i for j in range(layers)],
+                    kl_nats_per_token=0.1,
                 ),
                 tasks=[TaskScore(f"task{t}", "acc", "none", 0.6 - 0.02 * 8 / g, 0.02, 100) for t in range(2)],
             )
@@ -222,6 +224,15 @@ def test_diagnostics_tick_whole_layers_only(drawn, tmp_path, layers):
     ticks = [t for t in ax.get_xticks() if low <= t <= high]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
     assert all(float(text).is_integer() for text, _ in tick_labels(ax, "x"))
+
+
+def test_diagnostics_say_what_their_kl_is_on(drawn, tmp_path):
+    """The legend's KL and the drift are measured on the first tokens of the panel's first text alone, which the
+    plot did not say: a reader took its KL for the panel's."""
+    plot_diagnostics(eval_report(3), tmp_path / "diagnostics.png")
+    assert drawn[-1].axes[0].get_title() == "Per-layer drift from the parent\non the first 512 tokens of text0"
+    plot_diagnostics(eval_report(1), tmp_path / "alone.png")  # the parent alone: nothing was measured
+    assert drawn[-1].axes[0].get_title() == "Per-layer drift from the parent"
 
 
 def test_plain_numbers_and_round_ticks():

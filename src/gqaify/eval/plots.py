@@ -165,8 +165,14 @@ def plot_diagnostics(report: Report, path: Path) -> None:
         integer_ticks(ax, "x")  # layer 2, never 2.5
         ax.set_ylabel("attention output relative error vs parent")
         ax.set_ylim(bottom=0)
-        ax.set_title("Per-layer drift from the parent")
+        ax.set_title("Per-layer drift from the parent" + _diagnosed_on(report))
         ax.grid(True, alpha=0.3)
+
+
+def _diagnosed_on(report: Report) -> str:
+    """What the drift and its KL were measured on: the first tokens of the panel's first text (all models alike)."""
+    measured = [m.diagnostics.tokens for m in report.models if m.diagnostics]
+    return f"\non the first {max(measured):,} tokens of {report.data[0].name}" if measured else ""
 
 
 # The plots every report draws, by file name (the task plot only where tasks were scored: `PLOT_TASKS`)
