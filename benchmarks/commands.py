@@ -23,7 +23,6 @@ import argparse
 import functools
 import os
 import sys
-import sysconfig
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -37,9 +36,6 @@ UNDERSCORED = {"uptrain"}  # stages whose options the benchmarks spell --like_th
 
 # -- the panel ------------------------------------------------------------------------------------------------
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CODE_EVAL = ["argparse.py", "dataclasses.py", "textwrap.py", "fractions.py"]
-CODE_CALIB = ["difflib.py", "shlex.py", "calendar.py", "pprint.py", "statistics.py", "csv.py", "configparser.py"]
 
 # name in the reports -> a file of ../shared/assets/text, or the name of a text `made_texts` makes
 PANEL: dict[str, Path | str] = {
@@ -52,22 +48,19 @@ PANEL: dict[str, Path | str] = {
 
 
 def made_texts() -> dict[str, str]:
-    """The texts made from others, by name: tiny-shakespeare cut in two at a blank line near its middle, two
-    disjoint sets of modules of this Python's standard library (real code nobody here wrote: A calibrates, B is the
-    panel's), and that Python's LICENSE.txt (legal prose)."""
-    shakespeare = (TEXT / "tinyshakespeare.txt").read_text()
-    half = shakespeare.index("\n\n", len(shakespeare) // 2)
+    """The texts made from others, by name, as the demo makes its own (`gqaify.entry.demo_texts`): tiny-shakespeare
+    cut in two at a blank line near its middle, two disjoint sets of modules of this Python's standard library (real
+    code nobody here wrote: A calibrates, B is the panel's), and that Python's LICENSE.txt (legal prose)."""
+    from gqaify.entry.demo_texts import CODE_FIT, CODE_JUDGED, licence, shakespeare_halves, stdlib_modules
+
+    first, second = shakespeare_halves()
     return {
-        "shakespeare-1": shakespeare[:half],
-        "shakespeare-2": shakespeare[half:].lstrip(),
-        "code-a": _joined(CODE_CALIB),
-        "code-b": _joined(CODE_EVAL),
-        "licence": (STDLIB / "LICENSE.txt").read_text(),
+        "shakespeare-1": first,
+        "shakespeare-2": second,
+        "code-a": stdlib_modules(CODE_FIT),
+        "code-b": stdlib_modules(CODE_JUDGED),
+        "licence": licence().read_text(),
     }
-
-
-def _joined(modules: list[str]) -> str:
-    return "\n\n".join((STDLIB / m).read_text() for m in modules)
 
 
 def write_texts(folder: Path) -> dict[str, Path]:

@@ -58,18 +58,17 @@ class DemoTexts:
 
 def demo_texts() -> DemoTexts:
     """The demo's texts, read from the wheel and from this Python (see the module's docstring)."""
-    verse = SHAKESPEARE.read_text(encoding="utf-8")
-    half = verse.index("\n\n", len(verse) // 2)
+    first, second = shakespeare_halves()
     shipped, stdlib = "tiny-shakespeare (public domain, shipped with gqaify)", "this Python's standard library"
     fit = [
-        DemoText("verse", f"{shipped}, first half", verse[:half]),
-        DemoText("code", f"{stdlib}: {', '.join(CODE_FIT)}", _modules(CODE_FIT)),
+        DemoText("verse", f"{shipped}, first half", first),
+        DemoText("code", f"{stdlib}: {', '.join(CODE_FIT)}", stdlib_modules(CODE_FIT)),
         DemoText("docs", "this Python's help topics (pydoc_data), prose about Python", _help_topics()),
     ]
     judged = [
-        DemoText("shakespeare", f"{shipped}, second half", verse[half:].lstrip()),
-        DemoText("code", f"{stdlib}: {', '.join(CODE_JUDGED)}", _modules(CODE_JUDGED)),
-        DemoText("licence", "this Python's LICENSE.txt, legal prose: a kind never fitted on", _read(_licence())),
+        DemoText("shakespeare", f"{shipped}, second half", second),
+        DemoText("code", f"{stdlib}: {', '.join(CODE_JUDGED)}", stdlib_modules(CODE_JUDGED)),
+        DemoText("licence", "this Python's LICENSE.txt, legal prose: a kind never fitted on", _read(licence())),
     ]
     missing = [t for t in fit + judged if not t.text]
     return DemoTexts([t for t in fit if t.text], [t for t in judged if t.text], missing)
@@ -88,7 +87,14 @@ def written(texts: list[DemoText], folder: Path, stem: str) -> list[str]:
     return values
 
 
-def _modules(names: tuple[str, ...]) -> str | None:
+def shakespeare_halves() -> tuple[str, str]:
+    """tiny-shakespeare cut in two at the blank line nearest past its middle: one half to fit on, one to judge."""
+    verse = SHAKESPEARE.read_text(encoding="utf-8")
+    half = verse.index("\n\n", len(verse) // 2)
+    return verse[:half], verse[half:].lstrip()
+
+
+def stdlib_modules(names: tuple[str, ...]) -> str | None:
     """The source of the standard-library modules `names`, joined by blank lines; None where one has no source."""
     sources = []
     for name in names:
@@ -100,7 +106,7 @@ def _modules(names: tuple[str, ...]) -> str | None:
     return "\n\n".join(sources)
 
 
-def _licence() -> Path:
+def licence() -> Path:
     return Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 
 
