@@ -84,9 +84,11 @@ def format_corpus_summary(corpus) -> str:
         resumed = " (all on disk already)"
     else:
         resumed = f" (resumed after shard {corpus.resumed_from})" if corpus.resumed_from else ""
+    past = corpus.asked is not None and corpus.tokens > corpus.asked  # the last shard filled whole
+    asked = f" (--tokens {corpus.asked:,}, its last shard filled whole)" if past else ""
     return "\n".join(
         [
-            f"{'scored' if corpus.scored else 'sampled'} {corpus.tokens:,} tokens in {corpus.samples:,} "
+            f"{'scored' if corpus.scored else 'sampled'} {corpus.tokens:,} tokens{asked} in {corpus.samples:,} "
             f"{'blocks' if corpus.scored else 'samples'}, {corpus.shards} shard(s){resumed}",
             f"  saved to        {printable(corpus.out)}",
             "  use it as       --calib-data OUT, uptrain's data: OUT, gqaify eval --data OUT, datasets.load_dataset",

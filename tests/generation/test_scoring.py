@@ -138,6 +138,24 @@ def test_scoring_refuses_a_shard_larger_than_its_tokens_and_scores_what_it_is_as
     assert json.loads((tmp_path / "x" / "gqaify.json").read_text())["tokens"] == 64
 
 
+def test_a_budget_that_ends_inside_a_shard_says_how_many_tokens_it_scored(tiny, tmp_path, capsys):
+    """`--tokens 80` in shards of 64 tokens scores two whole shards, 128 tokens: the summary said "scored 128 tokens"
+    without a word of the 80 asked."""
+    from gqaify.entry.cli import main
+
+    argv = ["generate", tiny["parent"], tmp_path / "x", "--score-data", tiny["train"], "--top-logprobs", "4"]
+    capsys.readouterr()
+    assert (
+        main([str(a) for a in [*argv, "--tokens", "80", "--length", "16", "--batch-size", "4", "--no-progress"]]) == 0
+    )
+    said = capsys.readouterr().out
+    assert sum(row["tokens"] for row in rows_of(tmp_path / "x")) == 128
+    assert "scored 128 tokens (--tokens 80, its last shard filled whole) in 8 blocks, 2 shard(s)" in said
+    assert main([str(a) for a in [*argv[:2], tmp_path / "y", *argv[3:], "--tokens", "64", "--length", "16",
+                                  "--batch-size", "4", "--no-progress"]]) == 0  # fmt: skip
+    assert "scored 64 tokens in 4 blocks, 1 shard(s)" in capsys.readouterr().out  # what was asked: no more said
+
+
 def test_uptrain_refuses_scored_text_read_in_other_blocks(tiny, tmp_path):
     corpus = tmp_path / "scored"
     scored(tiny, corpus, tiny["train"], tokens=64)

@@ -68,6 +68,7 @@ class Corpus:
     tokens: int  # the parent's new tokens, prompts not counted (with --score-data: the tokens scored)
     resumed_from: int  # shards found on disk when this run started
     scored: bool = False  # the user's text scored (--score-data), not samples
+    asked: int | None = None  # --tokens: whole shards hold at least as many, up to a shard more
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _generate_into(
     if record is not None and found >= s.tokens:  # complete already: nothing to sample, no model to load
         if processes.main:
             finish_record(out, record, s, shards, found)
-        return Corpus(out, shards, shards * s.batch_size, found, shards, bool(s.score_data))
+        return Corpus(out, shards, shards * s.batch_size, found, shards, bool(s.score_data), s.tokens)
     processes.on_main(lambda: raise_if_problems(space_problem(out, _bytes_needed(s, out, known))))
     parent = _load(s, processes)
     if s.top_logprobs > (vocab := parent.model.config.vocab_size):
@@ -164,7 +165,7 @@ def _generate_into(
     shards, samples, tokens = _sample_into(out, record, rows_of, s, known, processes)
     if processes.main:
         write_record(out, record, s, shards, samples, tokens, complete=True)
-    return Corpus(out, shards, samples, tokens, resumed_from, bool(s.score_data))
+    return Corpus(out, shards, samples, tokens, resumed_from, bool(s.score_data), s.tokens)
 
 
 def _bytes_needed(s: GenerateSettings, out: Path, known: dict[int, int]) -> int:
