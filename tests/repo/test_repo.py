@@ -200,3 +200,69 @@ def test_no_test_is_marked_integration_in_code_its_files_name_is_the_mark():
         for line in integration_marks(ast.parse(path.read_text()))
     ]
     assert not marked, f"marked integration in code (move the test to its test_<topic>_integration.py): {marked}"
+
+
+CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
+
+
+def timed_asserts(tree) -> list[int]:
+    """The lines of a test module's syntax tree whose `assert` judges how long something took: a clock read
+    (`time.monotonic()`, `perf_counter()`, `time.time()`), or a name bound from one, compared with anything but a
+    name `deadline`. A deadline bounds a wait for what a test waits on (a file, a line, a process), so that a
+    hang fails rather than stalls: that is not a timing assertion."""
+    import ast
+
+    def reads_clock(node) -> bool:
+        return any(
+            isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+            and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) in CLOCKS
+            for n in ast.walk(node)
+        )  # fmt: skip
+
+    timed = {
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and reads_clock(node.value)
+        for t in node.targets
+        if isinstance(t, ast.Name) and t.id != "deadline"
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            sides = [compare.left, *compare.comparators]
+            if any(isinstance(side, ast.Name) and side.id == "deadline" for side in sides):
+                continue
+            if any(reads_clock(side) or (isinstance(side, ast.Name) and side.id in timed) for side in sides):
+                found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "started = time.monotonic()\nrun()\nassert time.monotonic() - started < 2",
+        "t0 = perf_counter()\nrun()\nelapsed = perf_counter() - t0\nassert ok and elapsed < 5, elapsed",
+        "sent = time.time()\nanswered = time.time() - sent\nassert said == 'x' and answered < 2",
+    ],
+)
+def test_a_timing_assertion_is_seen(source):
+    import ast
+
+    assert timed_asserts(ast.parse(source))
+    deadline = "deadline = time.monotonic() + 60\nwhile not done():\n    assert time.monotonic() < deadline"
+    assert not timed_asserts(ast.parse(deadline))
+
+
+def test_no_test_asserts_how_long_something_took():
+    """Speed is measured by benchmarks/, never by a timed test: a time limit passes on one machine and fails on a
+    slower or busier one, whatever the code does."""
+    import ast
+
+    timed = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        for line in timed_asserts(ast.parse(path.read_text()))
+    ]
+    assert not timed, f"timing assertions (judge the behaviour the time stood for): {timed}"
