@@ -266,3 +266,19 @@ def test_no_test_asserts_how_long_something_took():
         for line in timed_asserts(ast.parse(path.read_text()))
     ]
     assert not timed, f"timing assertions (judge the behaviour the time stood for): {timed}"
+
+
+def test_auto_is_written_once():
+    """auto, the value gqaify chooses itself, is `gqaify.auto.AUTO` and tested by `is_auto` alone: the string "auto"
+    was compared in nine places, and a setting added later compared it again."""
+    import ast
+
+    package = REPO / "src" / "gqaify"
+    written = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in sorted(package.rglob("*.py"))
+        if path != package / "auto.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value == "auto"
+    ]
+    assert not written, f'"auto" written outside gqaify/auto.py (use AUTO and is_auto): {written}'

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from gqaify.auto import is_auto
 from gqaify.conversion.shapes import cache_label, cached_per_token, float16_problem, shape_of_model
 from gqaify.errors import UserError, problems_in, raise_if_problems
 from gqaify.eval.caches.evaluate import asked, cache_problems, served_only
@@ -148,7 +149,7 @@ def run(settings: EvalSettings) -> Report:
 
 def _new_report(s: EvalSettings, panel: _Panel, sha256: str, stride: int, device, budget: int) -> Report:
     """The report before any model is measured: its texts, its settings and the memory its tables fill."""
-    said = s.memory_budget if s.memory_budget != "auto" else f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}"
+    said = f"{budget / 2**30:.1f} GiB, {device_memory(device)[1]}" if is_auto(s.memory_budget) else s.memory_budget
     return Report(
         data=[
             TextInfo(t.name, t.source, s.split, s.text_column, loaded.rows, len(loaded.text))
@@ -377,8 +378,8 @@ def _check(s: EvalSettings) -> tuple[list, int, torch.device]:
     else the models' configs (None for a model llama.cpp alone runs: `served_only`), the memory budget in bytes and
     the device."""
     problems = s.problems() + _out_problems(s)
-    budget = parse_size(s.memory_budget) if s.memory_budget != "auto" else None
-    if budget is None and s.memory_budget != "auto":
+    budget = None if is_auto(s.memory_budget) else parse_size(s.memory_budget)
+    if budget is None and not is_auto(s.memory_budget):
         problems.append(f"--memory-budget {s.memory_budget!r} is not a size; write it like 80GB or 24GiB")
     problems += problems_in(device_problem(s.device))
     configs, served = [], served_only(s)

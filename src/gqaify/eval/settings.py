@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gqaify.auto import AUTO
 from gqaify.eval.caches.formats import FULL, format_problem
 from gqaify.eval.tasks import TaskRequest
 from gqaify.settings import QUIET, Limit, Positional, Range, Stage, override, setting
@@ -53,8 +54,8 @@ class EvalSettings(Output, Runtime):
     )
     max_tokens: int | None = setting(None, "evaluate only the first N tokens of the text", check=Range(2))
     batch_size: int = setting(1, "windows (and task requests) per forward pass", check=Range(1))
-    memory_budget: str = setting(
-        "auto",
+    memory_budget: str = setting(  # a size, or auto
+        AUTO,
         "memory for weights + KV cache, for the context that fits, like 80GB or 24GiB (auto: the GPU's where the "
         "models run on one, else this machine's)",
     )
