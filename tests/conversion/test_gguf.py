@@ -457,3 +457,33 @@ def test_a_gguf_source_with_text_that_is_not_utf8_is_not_called_a_json_file(caps
     line = one_line(err)
     assert code == 2 and f"{src} is not a readable GGUF file (gqaify.record is not UTF-8 text (byte " in line, line
     assert "JSON" not in line and sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+@needs_assets
+def test_a_gguf_under_a_llama_cpp_cache_without_llama_cpp_is_refused_naming_the_extra(
+    stories_gguf, tmp_path, capsys, monkeypatch
+):
+    """llama.cpp's cache formats run in llama-cpp-python (the `serving` extra): without it, one line naming the extra,
+    exit 2, before any model is loaded, and no report folder."""
+    import importlib.util
+
+    import gqaify.eval.core as core
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else found(name, *a))
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(core, "load_model", loaded)
+    text = MODELS.parent / "text" / "tinystories-valid-head.txt"
+    models = [str(stories_gguf["gqa2.gguf"]), str(stories_gguf["mqa.gguf"])]
+    code, err = run_cli(capsys, "eval", *models, "--data", text, "--out", tmp_path / "r", "--kv-cache", "f16", "q8_0")
+    said = one_line(err)  # every problem at once: stories260K's heads of 8 values cannot hold q8_0's blocks either
+    assert (
+        code == 2
+        and "llama.cpp's cache formats run in llama-cpp-python, which is not installed; pip install 'gqaify[serving]'"
+        in said
+        and "stores blocks of 32 values, which do not divide the 8-value heads" in said
+    )
+    assert not (tmp_path / "r").exists()
