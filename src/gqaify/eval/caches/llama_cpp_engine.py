@@ -196,6 +196,7 @@ class LlamaCppRunner:
         return self._measured.get(cache.name)
 
     def close(self) -> None:
-        for llm in self._contexts.values():
-            llm.close()
+        with _stderr_to(os.devnull):  # a context made verbose (for its allocation log) logs its freeing too
+            for llm in self._contexts.values():
+                llm.close()
         self._contexts.clear()
