@@ -108,7 +108,8 @@ def test_a_checkpoint_whose_files_hold_the_wrong_things_is_called_damaged(tiny, 
     capsys.readouterr()
     assert main(["uptrain", *uptrain_args(tiny, out, "--save_every", "10", "--save_total_limit", "3")]) == 2
     err = capsys.readouterr().err
-    assert one_line(err) and f"checkpoint {last} is damaged (" in err and "resume from the one before it" in err, err
+    assert one_line(err) and f"checkpoint {last}'s rng-0.json is damaged (" in err, err
+    assert "resume from the one before it" in err, err
 
 
 def _stopped_at_15(tiny, out) -> list:
@@ -211,7 +212,8 @@ def test_a_link_where_the_run_would_write_a_checkpoint_is_refused_before_trainin
 )
 def test_a_checkpoint_damaged_past_what_its_readers_check_is_called_damaged(tiny, tmp_path, capsys, file, damage, said):
     """A safetensors header that says it is too large (safetensors' own SafetensorError, neither an OSError nor a
-    ValueError) and a random generator's state out of range (OverflowError) were "internal error" tracebacks, exit 1."""
+    ValueError) and a random generator's state out of range (OverflowError) were "internal error" tracebacks, exit 1;
+    the line names the damaged file, not only its checkpoint."""
     out = tmp_path / "run"
     settings = ("--save_every", "10", "--save_total_limit", "3")
     uptrain(parse(uptrain_args(tiny, out, *settings)))
@@ -221,7 +223,7 @@ def test_a_checkpoint_damaged_past_what_its_readers_check_is_called_damaged(tiny
     capsys.readouterr()
     assert main(["uptrain", *uptrain_args(tiny, out, *settings)]) == 2
     err = one_line(capsys.readouterr().err)
-    assert f"checkpoint {last} is damaged ({said}" in err and "resume from the one before it" in err, err
+    assert f"checkpoint {last}'s {file} is damaged ({said}" in err and "resume from the one before it" in err, err
     assert not (out / "final").exists()
 
 

@@ -95,30 +95,48 @@ def load_training_state(folder: Path, accelerator, model, optimizer, scheduler) 
         UserError: the checkpoint is not in this format (an earlier gqaify's accelerate pickles, which are never
             loaded) or is damaged; nothing of the run is changed.
     """
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _read_state(folder)
-    try:
+    rng_name = rng_file(accelerator.process_index)
+    with _damage_in(folder, MODEL_FILE):
         weights = load_file(folder / MODEL_FILE)
-        tensors = load_file(folder / OPTIMIZER_FILE)
-        rng = json.loads((folder / rng_file(accelerator.process_index)).read_text())
-    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a header too large, say
-        raise _damaged(folder, f"{type(exc).__name__}: {exc}" if isinstance(exc, SafetensorError) else exc) from None
-    try:  # a file that parses but holds the wrong things is damage too, not an internal error
         for alias, name in state["aliases"].items():
             weights[alias] = weights[name]
+    with _damage_in(folder, OPTIMIZER_FILE):
+        tensors = load_file(folder / OPTIMIZER_FILE)
+    with _damage_in(folder, rng_name):
+        rng = json.loads((folder / rng_name).read_text())
+    with _damage_in(folder, STATE_FILE):
+        groups, schedule, scaler = state["optimizer"], state["scheduler"], state["scaler"]
+    # what parses but holds the wrong things is damage too, not an internal error; nothing is set before all is read
+    with _damage_in(folder, MODEL_FILE):
         set_model_state_dict(model, weights, options=_options())
+    with _damage_in(folder, OPTIMIZER_FILE):
         set_optimizer_state_dict(
-            model, _torch_optimizer(optimizer), _nested_optimizer(tensors, state["optimizer"]), options=_options()
+            model, _torch_optimizer(optimizer), _nested_optimizer(tensors, groups), options=_options()
         )
-        scheduler.load_state_dict(state["scheduler"])
-        if accelerator.scaler is not None and state["scaler"] is not None:
-            accelerator.scaler.load_state_dict(state["scaler"])
+    with _damage_in(folder, STATE_FILE):
+        scheduler.load_state_dict(schedule)
+        if accelerator.scaler is not None and scaler is not None:
+            accelerator.scaler.load_state_dict(scaler)
+    with _damage_in(folder, rng_name):
         _set_rng_state(rng)
-    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:  # Overflow: a state out of range
-        raise _damaged(folder, f"{type(exc).__name__}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _damage_in(folder: Path, name: str):
+    """What goes wrong reading or applying the checkpoint's file `name` as a `UserError` naming that file: the errors
+    a damaged file raises (safetensors' SafetensorError for a header too large, an OverflowError for a random
+    generator's state out of range), never an internal error."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, OverflowError, SafetensorError) as exc:
+        said = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (OSError, ValueError)) else exc
+        raise _damaged(folder, said, name) from None
 
 
 def _read_state(folder: Path) -> dict:
@@ -138,14 +156,14 @@ def _read_state(folder: Path) -> dict:
         if state.get("format") != FORMAT or not isinstance(state.get("aliases"), dict):
             raise ValueError(f"format {state.get('format')!r}, expected {FORMAT}")
     except (OSError, ValueError, AttributeError) as exc:
-        raise _damaged(folder, exc) from None
+        raise _damaged(folder, exc, STATE_FILE) from None
     return state
 
 
-def _damaged(folder: Path, exc: Exception | str) -> UserError:
+def _damaged(folder: Path, exc: Exception | str, name: str) -> UserError:
     return UserError(
-        f"checkpoint {folder} is damaged ({exc}); move it out of its checkpoints/ folder to resume from the one "
-        "before it"
+        f"checkpoint {folder}'s {name} is damaged ({exc}); move the checkpoint out of its checkpoints/ folder to "
+        "resume from the one before it"
     )
 
 
