@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gqaify.entry.cli import main
-from gqaify.packaged import find
+from gqaify.packaged import RECIPES, find
 from gqaify.uptrain.plan import Launch, plan
 from gqaify.uptrain.settings import parse
 from helpers import one_line
@@ -136,6 +136,21 @@ def test_plan_of_a_file_that_is_no_accelerate_config_is_refused(tiny, tmp_path, 
     config.write_text("lr: 1\n")
     assert main(["uptrain", *args(tiny, tmp_path / "run"), "--plan", str(config)]) == 2
     assert "is not an accelerate config (no distributed_type)" in one_line(capsys.readouterr().err)
+
+
+def test_plan_of_an_accelerate_config_without_its_distributed_type_names_what_to_add(tiny, tmp_path, capsys):
+    """A packaged config copied and its distributed_type deleted stops `accelerate launch` in accelerate's own
+    traceback, before gqaify runs; --plan, which checks a config before any launch, names the key to add."""
+    config = tmp_path / "cpu.yaml"
+    kept = [line for line in (RECIPES / "accelerate" / "cpu.yaml").read_text().splitlines()
+            if not line.startswith("distributed_type")]  # fmt: skip
+    config.write_text("\n".join(kept) + "\n")
+    assert main(["uptrain", *args(tiny, tmp_path / "run"), "--plan", str(config)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f"--plan {config} has no distributed_type, which accelerate launch requires of a config file; add "
+        "distributed_type: 'NO' (one process), MULTI_GPU (DDP) or FSDP"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

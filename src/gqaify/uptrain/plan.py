@@ -41,6 +41,8 @@ from gqaify.errors import UserError, raise_if_problems
 from gqaify.uptrain.sharding import decoder_layers, missing_wrap_problem
 
 GIB = 2**30
+# what accelerate writes into every config file, and no gqaify settings file holds: a file with either is one
+ACCELERATE_KEYS = {"compute_environment", "distributed_type"}
 PLANNED = ("NO", "FSDP")  # with every MULTI_* type (DDP on GPUs, CPUs or other devices)
 
 
@@ -65,8 +67,13 @@ class Launch:
         from gqaify.settings import read_data
 
         config = read_data(path, f"--plan {path}")
-        if not isinstance(config, dict) or "distributed_type" not in config:
+        if not isinstance(config, dict) or not ACCELERATE_KEYS & set(config):
             raise UserError(f"--plan {path} is not an accelerate config (no distributed_type); give one")
+        if "distributed_type" not in config:  # accelerate launch stops on it in a traceback of its own
+            raise UserError(
+                f"--plan {path} has no distributed_type, which accelerate launch requires of a config file; add "
+                "distributed_type: 'NO' (one process), MULTI_GPU (DDP) or FSDP"
+            )
         kind = config["distributed_type"]
         if kind not in PLANNED and not (isinstance(kind, str) and kind.startswith("MULTI_")):  # MULTI_*: DDP
             raise UserError(
