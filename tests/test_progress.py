@@ -103,3 +103,58 @@ def test_every_bar_says_what_it_counts():
             if bar and not any(k.arg == "unit" for k in node.keywords):
                 unnamed.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert unnamed == []
+
+
+def _said(capsys, argv: list) -> list[str]:
+    """The lines `gqaify ARGV` wrote to standard error (a log here, not a terminal), its exit status checked."""
+    from gqaify.entry.cli import main
+
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 0
+    return capsys.readouterr().err.splitlines()
+
+
+def _in_order(lines: list[str], expected: list[str]) -> bool:
+    """Whether each of `expected` begins a line of `lines`, one after another."""
+    at = 0
+    for line in lines:
+        if at < len(expected) and line.startswith(expected[at]):
+            at += 1
+    return at == len(expected)
+
+
+def test_each_long_phase_says_what_it_does_before_it_begins(tiny, tmp_path, capsys):
+    """Minutes passed in silence on SmolLM2 under load: convert's capture before its first bar (108 s), uptrain
+    reading its texts, loading its models and evaluating the start (85 s and 112 s), eval between two models (121 s).
+    Each now says what it does as it begins, in a log as on a terminal, and nothing where asked quiet."""
+    from helpers import uptrain_args
+
+    convert = ["convert", tiny["parent"], tmp_path / "c", "--kv-heads", "2", "--method", "lsq", "--calib-data",
+               tiny["train"], "--calib-seq-len", "16"]  # fmt: skip
+    said = _said(capsys, convert)
+    assert _in_order(said, ["capturing every layer's inputs on"]), said  # its bar, in a log, after a minute
+
+    run = [a for a in uptrain_args(tiny, tmp_path / "u") if a != "--no_progress"]
+    run += ["--eval_data", tiny["eval"], "--eval_every", "10", "--eval_points", "0", "--parent", tiny["parent"],
+            "--distill_from", tiny["parent"]]  # fmt: skip
+    said = _said(capsys, ["uptrain", *run])
+    expected = [
+        "reading the training and evaluation texts",
+        f"loading the model to train ({tiny['converted']}) and its teacher",
+        "evaluating the start beside the parent, before the first step",
+    ]
+    assert _in_order(said, expected), said
+
+    evaluate = ["eval", tiny["parent"], tiny["converted"], "--data", tiny["eval"], "--out", tmp_path / "r",
+                "--seq-len", "32", "--no-speed"]  # fmt: skip
+    said = _said(capsys, evaluate)
+    parent, converted = "parent", "gqa2"  # the models' labels: their folders' names
+    expected = [f"loading {parent}", f"loading {converted}", f"comparing {converted}'s attention with the parent's"]
+    assert _in_order(said, expected), said
+
+    quiet = [
+        *_said(capsys, [*convert[:2], tmp_path / "c2", *convert[3:], "-q"]),
+        *_said(capsys, ["uptrain", *uptrain_args(tiny, tmp_path / "u2")]),
+        *_said(capsys, [*evaluate[:6], tmp_path / "r2", *evaluate[7:], "-q"]),
+    ]
+    assert not [line for line in quiet if line.startswith(("capturing", "reading", "loading", "evaluating"))], quiet
