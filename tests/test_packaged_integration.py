@@ -54,24 +54,15 @@ def test_the_wheel_carries_the_demos_text_and_its_licence(wheel):
         assert "public domain" in z.read("gqaify/texts/README.md").decode()
 
 
-@pytest.mark.slow
-def test_the_demo_runs_from_an_installed_wheel_with_the_hub_off_and_no_shared_beside_it(wheel, tmp_path):
-    """`gqaify demo` on a fresh machine exited 2 after 15 s: its text was the hub's WikiText-2 unless ../shared sat
-    beside the checkout. Installed from the wheel into a folder with nothing beside it, run from another, the hub
-    off, on a tiny model (--model): it runs to its end on what the wheel and this Python hold, judges on three kinds
-    of text, and its baseline conversion by mean-pooling draws no warning of gqaify's against it."""
-    site = tmp_path / "install" / "site"
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+def _demo_runs_offline(gqaify_on: Path, tmp_path: Path) -> None:
+    """`gqaify demo` with gqaify imported from `gqaify_on` alone, run from a folder with nothing beside it, the hub
+    off, on a tiny model (--model): it runs to its end on what gqaify and this Python hold, judges on three kinds of
+    text, and its baseline conversion by mean-pooling draws no warning of gqaify's against it."""
     work = tmp_path / "elsewhere"
     positions = {"max_position_embeddings": 1024}  # the demo's windows: 1,024 tokens
     model = build_model("llama", num_kv_heads=4, num_attention_heads=8, head_dim=8, vocab_size=320, **positions)
     save_with_tokenizer(model, work / "tiny")
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": CLOSED}
+    env = {**os.environ, "PYTHONPATH": str(gqaify_on), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": CLOSED}
     done = subprocess.run(
         [sys.executable, "-m", "gqaify.entry.cli", "demo", "--model", "tiny", "--workdir", "demo"],
         cwd=work,
@@ -85,6 +76,32 @@ def test_the_demo_runs_from_an_installed_wheel_with_the_hub_off_and_no_shared_be
     report = json.loads((work / "demo" / "eval" / "report.json").read_text())
     assert [t["name"] for t in report["data"]] == ["shakespeare", "code", "licence"]
     assert "after 12,288 tokens" in done.stdout.splitlines()[-2]
+
+
+@pytest.mark.slow
+def test_the_demo_runs_from_an_installed_wheel_with_the_hub_off_and_no_shared_beside_it(wheel, tmp_path):
+    """`gqaify demo` on a fresh machine exited 2 after 15 s: its text was the hub's WikiText-2 unless ../shared sat
+    beside the checkout. Installed from the wheel into a folder with nothing beside it, it runs offline."""
+    site = tmp_path / "install" / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    _demo_runs_offline(site, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="this tree is no git checkout to clone")
+def test_the_demo_runs_from_a_fresh_clone_with_the_hub_off_and_no_shared_beside_it(tmp_path):
+    """README's main job from a fresh clone: only what git tracks (a text the demo reads but nobody committed would
+    be missing there), with no ../shared beside the clone, the hub off."""
+    clone = tmp_path / "fresh" / "gqaify"
+    done = subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (clone.parent.parent / "shared").exists()
+    _demo_runs_offline(clone / "src", tmp_path)
 
 
 @pytest.mark.slow
