@@ -72,6 +72,25 @@ def test_a_shape_folder_imports_only_the_contract_and_the_tools_and_nothing_impo
         assert importers == set(), "the registry names a shape's modules; conversion.shapes imports them when asked"
 
 
+def test_eval_reaches_an_engines_room_through_the_interface_alone():
+    """Each engine of --kv-cache is a room behind `eval.caches.engine` (`CacheEngine` for what eval asks before any
+    model loads, `CacheRunner` for a model opened in it): no module imports a room, and every room registered in
+    `ROOMS` answers the whole interface."""
+    import importlib
+
+    from gqaify.eval.caches.engine import ROOMS, CacheEngine
+
+    graph = import_graph()
+    rooms = set(ROOMS.values())
+    engine = "gqaify.eval.caches.engine"  # which names each room in `ROOMS`, to import it when asked
+    reached = {
+        f"{m} imports {target}" for m, targets in graph.items() if m != engine for target in targets if target in rooms
+    }
+    assert reached == set()
+    for module in rooms:
+        assert isinstance(importlib.import_module(module).ENGINE, CacheEngine), module
+
+
 def test_every_package_has_its_test_folder():
     """tests/ mirrors src/gqaify: each package (a folder of modules) has a folder of its tests at the same path,
     holding at least one test file, and each such folder is one the guide names."""

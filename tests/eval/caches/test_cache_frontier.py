@@ -208,15 +208,14 @@ def test_every_gguf_is_tried_in_a_process_of_its_own_before_any_work(monkeypatch
     """llama.cpp crashes or aborts the process on what a build cannot run (this machine's build on any quantized
     weights; 0.3.36's keys-only path on most cache types): each .gguf is run first in a child process, the keys-only
     ones with every format asked, the others with one."""
-    import gqaify.eval.caches.evaluate as evaluate
     import gqaify.eval.caches.llama_cpp_engine as engine
 
     tried = []
     monkeypatch.setattr(engine, "gguf_architecture", lambda name: "deepseek2" if "mla" in name else "llama")
     monkeypatch.setattr(engine, "probe_problem", lambda name, f: tried.append((name, f.name)))
-    monkeypatch.setattr(evaluate, "_is_gguf", lambda name: name.endswith(".gguf"))
+    monkeypatch.setattr(engine, "_is_gguf", lambda name: name.endswith(".gguf"))
     s = EvalSettings(models=["p.gguf", "mla.gguf", "folder"], kv_cache=["f16", "q8_0", "q4_0"])
-    assert evaluate._probe_problems(s) == []
+    assert engine._probe_problems(s) == []
     assert tried == [("p.gguf", "q4_0"), ("mla.gguf", "f16"), ("mla.gguf", "q8_0"), ("mla.gguf", "q4_0")]
 
 

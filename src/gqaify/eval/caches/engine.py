@@ -1,16 +1,22 @@
-"""What `gqaify eval --kv-cache` asks of an engine, whichever it is: a model opened in it gives its logits for every
-position of a window, and its greedy continuation of a prompt, with its cache held in a given format. One room per
-engine answers it (`transformers_engine`, `llama_cpp_engine`); the frontier (`frontier`) asks only this.
+"""What `gqaify eval --kv-cache` asks of an engine, whichever it is. Before any model loads, what the models cannot run
+in it (`CacheEngine.problems`); then, a model opened in it (`CacheRunner`) gives its logits for every position of a
+window, and its greedy continuation of a prompt, with its cache held in a given format. One room per engine answers
+it (`transformers_engine`, `llama_cpp_engine`, each with its `ENGINE`, registered in `ROOMS`); eval asks only this.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from gqaify.eval.caches.formats import LLAMA_CPP, CacheFormat
+from gqaify.eval.caches.formats import LLAMA_CPP, TRANSFORMERS, CacheFormat
+
+# engine -> the module of its room, which holds its `ENGINE` (imported when asked: llama.cpp's only then); a room
+# imports nothing of this module, which only names it
+ROOMS = {TRANSFORMERS: "gqaify.eval.caches.transformers_engine", LLAMA_CPP: "gqaify.eval.caches.llama_cpp_engine"}
 
 
 @runtime_checkable
@@ -33,13 +39,31 @@ class CacheRunner(Protocol):
     def close(self) -> None: ...
 
 
-def open_runner(engine: str, model: str, context: int, settings) -> CacheRunner:
-    """`model` opened in `engine` for windows of at most `context` tokens, with eval's `settings` (dtype, device,
-    trust_remote_code)."""
-    if engine == LLAMA_CPP:
-        from gqaify.eval.caches.llama_cpp_engine import LlamaCppRunner
+@runtime_checkable
+class CacheEngine(Protocol):
+    """One engine's room, as eval asks it."""
 
-        return LlamaCppRunner(model, context)
-    from gqaify.eval.caches.transformers_engine import TransformersRunner
+    read_back: str  # how a window's cache is written and read back in this engine, for the report
 
-    return TransformersRunner.load(model, settings)
+    def problems(self, s, configs: list) -> list[str]:
+        """What the models of the eval settings `s` (their `configs`, None for one this engine alone reads) cannot
+        run under `s.kv_cache` here, each in one line naming what can; before any model loads."""
+        ...
+
+    def only_here(self, models: list[str]) -> set[str]:
+        """The `models` this engine alone runs (whose file no other engine reads): evaluated on the frontier only."""
+        ...
+
+    def values(self, model: str, config) -> tuple[int, int]:
+        """The keys and the values one token of `model` caches over every layer, as this engine holds them."""
+        ...
+
+    def open(self, model: str, context: int, settings) -> CacheRunner:
+        """`model` opened for windows of at most `context` tokens, with eval's `settings` (dtype, device,
+        trust_remote_code)."""
+        ...
+
+
+def room(engine: str) -> CacheEngine:
+    """The room of `engine` (one of `ROOMS`)."""
+    return importlib.import_module(ROOMS[engine]).ENGINE

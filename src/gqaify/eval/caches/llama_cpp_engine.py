@@ -20,8 +20,13 @@ from pathlib import Path
 
 import torch
 
+from gqaify.conversion.shapes import cached_per_token
 from gqaify.errors import UserError
-from gqaify.eval.caches.formats import FULL, CacheFormat
+from gqaify.eval.caches.formats import FULL, CacheFormat, cache_format
+from gqaify.eval.caches.values import cached_values
+from gqaify.model.archs import ARCHITECTURES, ArchSpec
+from gqaify.model.geometry import Geometry
+from gqaify.model.locations import locate
 
 # GGUF architectures whose cache llama.cpp holds as keys alone, reading the values from them (deepseek2's absorbed
 # attention, which gqaify writes for its own shape)
@@ -200,3 +205,80 @@ class LlamaCppRunner:
             for llm in self._contexts.values():
                 llm.close()
         self._contexts.clear()
+
+
+class _LlamaCpp:
+    """The llama.cpp room, as eval asks it (`engine.CacheEngine`; its runner is a `engine.CacheRunner`)."""
+
+    read_back = (
+        f"llama.cpp: each window evaluated in one pass in batches of {BATCH}, every token's keys and values written to "
+        "the cache in its type and read back from it (flash attention on)"
+    )
+
+    def problems(self, s, configs: list) -> list[str]:
+        """llama-cpp-python not installed; a model that is not a .gguf (every model runs in llama.cpp, the parent's
+        reference too); a head its quantized types' blocks do not divide; a file llama.cpp aborts or crashes on
+        (tried in a process of its own)."""
+        missing = llama_cpp_problem()
+        problems = [missing] if missing else []
+        quantized = ", ".join(n for n in s.kv_cache if n != FULL)
+        problems += [
+            f"--kv-cache {quantized}: llama.cpp's formats run .gguf files, and {name} is not one; give "
+            f"every model as .gguf (gqaify convert {name} OUT.gguf writes one), or take transformers' formats "
+            f"(quanto4, quanto2, fp8)"
+            for name in s.models
+            if _is_gguf(name) is False
+        ][:1]
+        return problems + _block_problems(s, configs) + ([] if missing else _probe_problems(s))
+
+    def only_here(self, models: list[str]) -> set[str]:
+        """The .gguf models of an architecture transformers cannot read (`KEYS_ONLY`: gqaify's latent output)."""
+        return {name for name in models if _is_gguf(name) and gguf_architecture(name) in KEYS_ONLY}
+
+    def values(self, model: str, config) -> tuple[int, int]:
+        return cached_values(config) if config is not None else served_values(model)
+
+    def open(self, model: str, context: int, settings) -> LlamaCppRunner:
+        return LlamaCppRunner(model, context)
+
+
+ENGINE = _LlamaCpp()
+
+
+def _is_gguf(name: str) -> bool | None:
+    """Whether the model `name` is a .gguf file (None: it cannot be found, which the model checks report)."""
+    try:
+        return locate(name).kind == "gguf"
+    except UserError:
+        return None
+
+
+def _probe_problems(s) -> list[str]:
+    """Each .gguf model run in llama.cpp in a child process, before any work could be lost: llama.cpp aborts the
+    process (an assertion in C) or crashes on what it cannot run. The keys-only path (`KEYS_ONLY`) is tried with each
+    format asked (llama.cpp 0.3.36 cannot hold most cache types there); any other file with the last one, as a build
+    can crash on a file's quantized weights on a CPU it was not built for."""
+    tried = [(name, s.kv_cache if gguf_architecture(name) in KEYS_ONLY else s.kv_cache[-1:])
+             for name in s.models if _is_gguf(name)]  # fmt: skip
+    found = (probe_problem(name, cache_format(n)) for name, formats in tried for n in formats)
+    return [p for p in found if p][:1]
+
+
+def _block_problems(s, configs: list) -> list[str]:
+    """llama.cpp's quantized types store blocks of values (32 for q8_0), which must divide each head's keys and
+    values: a model whose heads are narrower cannot hold them (llama.cpp refuses to make its context)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for f in (cache_format(n) for n in s.kv_cache):
+        for name, config in zip(s.models, configs, strict=True):
+            if config is None or cached_per_token(config) is not None:
+                continue  # a shape caching otherwise: llama.cpp checks its width as it makes the context
+            spec = ARCHITECTURES.get(config.model_type) or ArchSpec(config.model_type)
+            head = Geometry.from_config(spec, config.to_dict()).head_dim
+            block = max(GGML_QUANT_SIZES[GGMLQuantizationType[t.upper()]][0] for t in (f.key_type, f.value_type))
+            if head % block:
+                return [
+                    f"--kv-cache {f.name} stores blocks of {block} values, which do not divide the {head}-value heads "
+                    f"of {name}; leave {f.name} out (f16 holds any head)"
+                ]
+    return []

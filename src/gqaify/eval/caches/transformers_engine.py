@@ -15,7 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from gqaify.eval.caches.formats import GROUP, RESIDUAL_TOKENS, CacheFormat, QuantizedCacheKind
+from gqaify.conversion.shapes import cached_per_token
+from gqaify.eval.caches.formats import GROUP, RESIDUAL_TOKENS, CacheFormat, QuantizedCacheKind, cache_format
+from gqaify.eval.caches.values import cached_values
 from gqaify.model.loading import load_model, resolve_device
 
 CHUNK = 32  # tokens a chunked prefill feeds at a time: each reads the cache of the tokens before it
@@ -79,3 +81,40 @@ class TransformersRunner:
 
     def close(self) -> None:
         del self.model
+
+
+class _Transformers:
+    """The transformers room, as eval asks it (`engine.CacheEngine`; its runner is a `engine.CacheRunner`)."""
+
+    read_back = (
+        f"transformers: f16 is a plain forward pass; a quantized cache is prefilled in chunks of {CHUNK} tokens "
+        f"through transformers' QuantizedCache, each chunk reading the earlier tokens back from it (the newest "
+        f"{RESIDUAL_TOKENS} kept whole, KIVI's residual window)"
+    )
+
+    def problems(self, s, configs: list) -> list[str]:
+        """A quantized format whose package is not installed; a model whose cache transformers holds otherwise than
+        it is served (a shape of its own, expanded into heads here)."""
+        formats = [cache_format(n) for n in s.kv_cache]
+        missing = (backend_problem(f.quantized, f.name) for f in formats if f.quantized)
+        problems = list(dict.fromkeys(p for p in missing if p))
+        if any(f.quantized for f in formats):
+            problems += [
+                f"{name} caches values of its own shape, which transformers holds expanded into heads: its quantized "
+                f"cache would not be the one served; evaluate it as .gguf in llama.cpp"
+                for name, config in zip(s.models, configs, strict=True)
+                if config is not None and cached_per_token(config) is not None
+            ]
+        return problems
+
+    def only_here(self, models: list[str]) -> set[str]:
+        return set()  # every model transformers reads, another engine may serve
+
+    def values(self, model: str, config) -> tuple[int, int]:
+        return cached_values(config)
+
+    def open(self, model: str, context: int, settings) -> TransformersRunner:
+        return TransformersRunner.load(model, settings)
+
+
+ENGINE = _Transformers()
