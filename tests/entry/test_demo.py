@@ -37,3 +37,30 @@ def test_the_demo_judges_on_text_it_never_fitted_on_and_on_a_kind_it_never_fitte
     verse = SHAKESPEARE.read_text()
     first, second = texts.fit[0].text, texts.judged[0].text
     assert verse.startswith(first) and verse.endswith(second) and len(first) + len(second) >= len(verse) - 2
+
+
+def test_a_fresh_demo_removes_only_what_its_earlier_run_wrote(tiny, tmp_path, monkeypatch):
+    """The demo starts its uptraining afresh after a completed one by removing the run folder whole, with anything of
+    the user's put in it, and in a traceback where it is a link. Only what a run writes there goes now."""
+    import gqaify.uptrain.train as train
+    from gqaify.records import RunRecord
+    from gqaify.uptrain.run_folder import save_run
+
+    out = tmp_path / "demo" / "uptrain"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"weights")
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "my notes.txt").write_text("kept")
+    save_run(out, RunRecord(version=gqaify.__version__, settings={}, completed=True))
+    ran = []
+    monkeypatch.setattr(train, "run", lambda settings: ran.append(settings.output_dir))
+    texts = [f"stories={tiny['train']}"]
+    demo._short_uptrain(str(tiny["parent"]), tiny["converted"], out, texts, texts)
+    assert ran == [str(out)] and sorted(p.name for p in out.iterdir()) == ["my notes.txt"]
+
+    elsewhere = tmp_path / "elsewhere"
+    out.rename(elsewhere)
+    out.symlink_to(elsewhere, target_is_directory=True)  # the run folder a link to a folder of the user's
+    save_run(elsewhere, RunRecord(version=gqaify.__version__, settings={}, completed=True))
+    demo._short_uptrain(str(tiny["parent"]), tiny["converted"], out, texts, texts)
+    assert out.is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == ["my notes.txt"]

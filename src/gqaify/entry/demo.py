@@ -17,7 +17,6 @@ at all, so the step it was on leaves nothing (uptraining leaves its checkpoints,
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -234,6 +233,7 @@ def _kept(out: Path, source: str, asked: dict, calib_data: list[str] | None = No
 def _short_uptrain(parent: str, converted: Path, out: Path, fit: list[str], panel: list[str]):
     """A few minutes of the recipe's uptraining on the converted model, on the mixture `fit`, judged on `panel`."""
     from gqaify.errors import raise_if_problems
+    from gqaify.uptrain.run_folder import read_paths, remove_run_files, run_files
     from gqaify.uptrain.settings import UptrainSettings, load_recipe
     from gqaify.uptrain.train import run as uptrain
 
@@ -257,6 +257,6 @@ def _short_uptrain(parent: str, converted: Path, out: Path, fit: list[str], pane
         }
     )
     raise_if_problems(settings.problems())
-    if isinstance(run := read_record(out), RunRecord) and run.completed:
-        shutil.rmtree(out)  # a fresh demo each time; an interrupted one resumes
+    if isinstance(run := read_record(out), RunRecord) and run.completed:  # a fresh demo each time (a stopped one
+        remove_run_files(out, run_files(out), read_paths(settings))  # resumes): only what a run writes there goes
     return uptrain(settings)
