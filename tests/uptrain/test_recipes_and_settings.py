@@ -124,6 +124,31 @@ def test_a_seq_len_past_the_models_positions_is_named_with_them_not_only_as_a_bu
     assert not (tmp_path / "run").exists()
 
 
+def test_a_hub_models_positions_are_read_from_the_hub_cache_and_a_gguf_s_from_its_header(tiny, tmp_path, monkeypatch):
+    """A hub id was refused on the step budget alone: only a local folder's config.json was read. The hub's own
+    cache on this machine holds the config of a model fetched before, and a GGUF's header states its context;
+    nothing is fetched."""
+    from gqaify.model.locations import local_positions
+
+    config = json.loads((tiny["converted"] / "config.json").read_text())
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
+    (cache / "models--someone--tiny" / "refs").mkdir()
+    (cache / "models--someone--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    assert local_positions("someone/tiny") == 96
+    assert local_positions("someone/other") is None  # never fetched: nothing here says
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_context_length(2048)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert local_positions(tmp_path / "m.gguf") == 2048
+
+
 def test_a_setting_under_its_former_name_is_read_as_the_setting(tmp_path):
     """budget_fraction became pretraining_fraction ("budget" is the cache's word): a recipe, a command line and a
     run.json an earlier gqaify wrote under the former name still read; given under both names, refused."""

@@ -84,15 +84,31 @@ def locate(name: str | Path, option: str = "MODEL") -> Location:
 
 
 def local_positions(name: str | os.PathLike | None) -> int | None:
-    """The positions (config.json's max_position_embeddings) of the local model folder `name`, read as JSON, with
-    no transformers and nothing fetched: what a command line's checks can say before any model is loaded. None
-    where `name` is none, or no such folder, or its config.json says no whole number."""
+    """The positions of the model `name` as this machine already holds it, with no transformers and nothing fetched:
+    what a command line's checks can say before any model is loaded. A folder's config.json (read as JSON), a GGUF's
+    header (`ARCH.context_length`), a hub id's config.json in the hub's local cache. None where `name` is none, or
+    nothing here says a whole number."""
     if not name:
         return None
+    path = Path(os.path.expanduser(os.fspath(name)))
+    if path.suffix == ".gguf" and path.is_file():
+        try:
+            fields = gguf_header.read(path).fields
+        except (OSError, ValueError):
+            return None
+        return _positive(fields.get(f"{fields.get('general.architecture')}.context_length"))
+    if not path.is_dir() and is_repo_id(os.fspath(name)):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(os.fspath(name), "config.json")
+        path = Path(cached).parent if isinstance(cached, str) else path
     try:
-        with open(Path(os.path.expanduser(os.fspath(name))) / "config.json", "rb") as file:
+        with open(path / "config.json", "rb") as file:
             config = json.loads(file.read(1 << 20))  # a config.json is a few KB
     except (OSError, ValueError):
         return None
-    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
+    return _positive(config.get("max_position_embeddings") if isinstance(config, dict) else None)
+
+
+def _positive(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
