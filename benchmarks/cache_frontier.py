@@ -4,6 +4,8 @@
     python benchmarks/cache_frontier.py                      # the panel in llama.cpp, then in transformers
     python benchmarks/cache_frontier.py --long               # a window of 8,192 (llama.cpp), KL by position
     python benchmarks/cache_frontier.py --long --retrieval   # the pass-key check at 4,096 tokens
+    python benchmarks/cache_frontier.py --long --retrieval --kv-cache q8_0 q4_0   # ... under quantized caches
+    python benchmarks/cache_frontier.py --long --retrieval --fitted   # ... of the fitted MQA model, untrained
     python benchmarks/cache_frontier.py --only llama.cpp     # one engine
     python benchmarks/cache_frontier.py --only latent        # the MLA models alone (llama.cpp, f16)
     python benchmarks/cache_frontier.py --recipe runs/smollm2-135m-mqa/final   # a recipe's output beside the parent
@@ -23,7 +25,9 @@ benchmarks/results/cache_frontier.json (cache_frontier_long.json, cache_frontier
 The long run: the parent and the recipe's output (where `--recipe` wrote it; else the fitted MQA model) with f16 and
 q4_0 caches, on 8,192 tokens of WikiText-2 in one window (llama.cpp's q4_0 cache prefilled 8,192 tokens at 8 to 30
 tokens/s here: a second text, or more models, did not fit a session). `--long --retrieval`: the same models with f16
-caches, ten pass keys in prompts of 4,096 tokens (five depths, two keys each).
+caches (or those `--kv-cache` names), ten pass keys in prompts of 4,096 tokens (five depths, two keys each);
+`--fitted` takes the fitted MQA model where the recipe's output would be, to tell what the conversion loses from
+what its training does.
 
 `--recipe FOLDER` puts a packaged recipe's output (`benchmarks/recipe_goals.py` runs the SmolLM2 MQA one) on the
 frontier: written as an f16 GGUF by `gqaify convert` (its own heads kept) and evaluated beside the parent under
@@ -124,6 +128,8 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, help="a recipe's output folder (its final/) to put on the frontier")
     parser.add_argument("--long", action="store_true", help="windows of 8,192 instead (the parent and MQA, lsq)")
     parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 instead")
+    parser.add_argument("--kv-cache", nargs="+", default=["f16"], help="with --retrieval: the caches it runs under")
+    parser.add_argument("--fitted", action="store_true", help="with --long: the fitted MQA model, not the recipe's")
     parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
     parser.add_argument("--plot", type=Path, help="draw every measured point into this PNG, run nothing")
     args = parser.parse_args()
@@ -146,12 +152,13 @@ def main() -> None:
         name = "cache_frontier.json"
     elif args.long:
         recipe = out / "recipe.gguf"  # a recipe's output `--recipe` put on the frontier, else the fitted MQA model
-        models = {**build(out, texts, ".gguf", ["parent"] if recipe.is_file() else LONG)}
-        models |= {"recipe": recipe} if recipe.is_file() else {}
+        fitted = args.fitted or not recipe.is_file()
+        models = {**build(out, texts, ".gguf", LONG if fitted else ["parent"])}
+        models |= {} if fitted else {"recipe": recipe}
         names = {p.name: n for n, p in models.items()}
-        if args.retrieval:  # the pass-key check alone, with f16 caches (the windows scored are a formality)
-            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "retrieval", ["f16"], max_tokens=512,
-                              seq_len=4096, retrieval=[4096])  # fmt: skip
+        if args.retrieval:  # the pass-key check alone (the windows scored are a formality)
+            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "retrieval", args.kv_cache,
+                              max_tokens=512, seq_len=4096, retrieval=[4096])  # fmt: skip
             found["llama.cpp"] = rows(report, names)
             name = "cache_frontier_retrieval.json"
         else:
@@ -174,6 +181,10 @@ def main() -> None:
             models = build(out, texts, "", FOLDERS)
             report = run_eval(models, data, out / "transformers", FOLDER_FORMATS, max_tokens=512, seq_len=512)
             found["transformers"] = rows(report, {p.name: n for n, p in models.items()})
+    by_engine: dict[str, list[dict]] = {}  # each row where its own engine ran it (f16 alone runs in transformers)
+    for row in (r for measured in found.values() for r in measured):
+        by_engine.setdefault(row["engine"], []).append(row)
+    found = by_engine
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name
     kept = json.loads(path.read_text()) if path.is_file() else {}
