@@ -1,10 +1,13 @@
 """docs/contributing.md's rules about the layout, each a test: the layers it lists are the ones test_imports holds,
 eval reaches the conversion through its shapes alone, a shape's folder imports of the wing only the contract and the
-shapes' tools (and nothing imports it), every package has its test folder, an integration file sits beside its
-topic's tests, each registry is where the guide says, and the layout names only modules that exist."""
+shapes' tools (and nothing imports it), eval reaches an engine's room through its interface alone, every package has
+its test folder and the tests at the top are the top-level modules', an integration file sits beside its topic's
+tests and shares what both use rather than writing it again, each registry is where the guide says, and the layout
+names only modules that exist."""
 
 import ast
 import re
+from pathlib import Path
 
 from helpers import REPO
 from test_imports import LAYERS, import_graph
@@ -101,6 +104,20 @@ def test_every_package_has_its_test_folder():
     assert named and sorted(re.sub(r"\s+", "", named.group(1)).rstrip("/").split("/,")) == packages
 
 
+def test_the_tests_at_the_top_are_the_top_level_modules_the_guide_lists():
+    """The guide says the top-level modules' tests sit at the top of tests/ and lists them: the list is the files
+    there (integration files beside their unit file), and each names a top-level module of the package."""
+    text = GUIDE.read_text().replace("\n", " ")
+    listed = re.search(r"top-level modules' tests at the top\s+\(([^)]*)\)", text)
+    assert listed, "docs/contributing.md lists the tests at the top of tests/ after 'tests at the top'"
+    named = sorted(re.sub(r"\s+", "", listed.group(1)).split(","))
+    top = sorted({p.name.replace("_integration", "") for p in (REPO / "tests").glob("test_*.py")})
+    assert named == top
+    modules = [p.stem for p in SRC.glob("*.py")]
+    topics = [Path(t).stem.removeprefix("test_") for t in top]
+    assert all(any(m.startswith(t.split("_")[0]) for m in modules) for t in topics), topics
+
+
 def test_an_integration_file_sits_beside_its_topics_unit_file():
     """A topic's integration tests go into test_<topic>_integration.py beside its test_<topic>.py, where it has
     one."""
@@ -129,6 +146,22 @@ def defined_in(name: str) -> list[str]:
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 found.append(path.relative_to(SRC).as_posix())
     return found
+
+
+def test_what_a_topics_two_files_both_use_is_written_once():
+    """What both a topic's unit and integration files use is written once, in the unit file or helpers.py, and the
+    integration file imports it: no function (a fixture, a helper) is defined in both."""
+    twice = []
+    for integration in sorted((REPO / "tests").rglob("test_*_integration.py")):
+        unit = integration.with_name(integration.name.replace("_integration", ""))
+        if not unit.exists():
+            continue
+        defined = [
+            {n.name for n in ast.parse(f.read_text()).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            for f in (unit, integration)
+        ]
+        twice += [f"{integration.relative_to(REPO)}: {name}" for name in sorted(defined[0] & defined[1])]
+    assert twice == []
 
 
 def test_each_registry_is_where_the_guide_says():
