@@ -232,7 +232,7 @@ class _LlamaCpp:
         return problems + _block_problems(s, configs) + ([] if missing else _probe_problems(s))
 
     def only_here(self, models: list[str]) -> set[str]:
-        """The .gguf models of an architecture transformers cannot read (`KEYS_ONLY`: gqaify's latent output)."""
+        """The .gguf models of an architecture transformers cannot read (`KEYS_ONLY`: a cache of keys alone)."""
         return {name for name in models if _is_gguf(name) and gguf_architecture(name) in KEYS_ONLY}
 
     def values(self, model: str, config) -> tuple[int, int]:
