@@ -4,6 +4,7 @@
     python benchmarks/cache_frontier.py                      # the panel in llama.cpp, then in transformers
     python benchmarks/cache_frontier.py --long               # a window of 8,192 (llama.cpp), KL by position
     python benchmarks/cache_frontier.py --long --retrieval   # the pass-key check at 4,096 tokens
+    python benchmarks/cache_frontier.py --long --kv-cache q8_0              # the long window under another cache
     python benchmarks/cache_frontier.py --long --retrieval --kv-cache q8_0 q4_0   # ... under quantized caches
     python benchmarks/cache_frontier.py --long --retrieval --fitted   # ... of the fitted MQA model, untrained
     python benchmarks/cache_frontier.py --only llama.cpp     # one engine
@@ -128,7 +129,8 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, help="a recipe's output folder (its final/) to put on the frontier")
     parser.add_argument("--long", action="store_true", help="windows of 8,192 instead (the parent and MQA, lsq)")
     parser.add_argument("--retrieval", action="store_true", help="with --long: the retrieval check at 4,096 instead")
-    parser.add_argument("--kv-cache", nargs="+", default=["f16"], help="with --retrieval: the caches it runs under")
+    parser.add_argument("--kv-cache", nargs="+", help="with --long: the caches it runs under (default f16 and q4_0; "
+                        "with --retrieval, f16)")  # fmt: skip
     parser.add_argument("--fitted", action="store_true", help="with --long: the fitted MQA model, not the recipe's")
     parser.add_argument("--tables", action="store_true", help="print the page's tables from the results, run nothing")
     parser.add_argument("--plot", type=Path, help="draw every measured point into this PNG, run nothing")
@@ -157,13 +159,13 @@ def main() -> None:
         models |= {} if fitted else {"recipe": recipe}
         names = {p.name: n for n, p in models.items()}
         if args.retrieval:  # the pass-key check alone (the windows scored are a formality)
-            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "retrieval", args.kv_cache,
+            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "retrieval", args.kv_cache or ["f16"],
                               max_tokens=512, seq_len=4096, retrieval=[4096])  # fmt: skip
             found["llama.cpp"] = rows(report, names)
             name = "cache_frontier_retrieval.json"
         else:
-            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "long", LONG_FORMATS, max_tokens=8192,
-                              seq_len=8192)  # fmt: skip
+            report = run_eval(models, {"wikitext": data["wikitext"]}, out / "long", args.kv_cache or LONG_FORMATS,
+                              max_tokens=8192, seq_len=8192)  # fmt: skip
             found["llama.cpp"] = rows(report, names)
             name = "cache_frontier_long.json"
     else:
