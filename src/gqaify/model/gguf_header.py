@@ -80,10 +80,7 @@ class _Reader:
             return self.scalar(_SCALARS[kind], key)
         if kind == _STRING:
             return self.string(key)
-        if kind != _ARRAY:
-            raise HeaderError(f"{key} has an unknown value type {kind}")
-        self.array(key)
-        return None
+        raise HeaderError(f"{key} has an unknown value type {kind}")  # an array is `array`'s
 
     def array(self, key: str) -> int:
         """Skip an array's items (a string array walked string by string): how many it holds."""
