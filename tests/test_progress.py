@@ -107,11 +107,11 @@ def test_every_bar_says_what_it_counts():
 
 def _said(capsys, argv: list) -> list[str]:
     """The lines `gqaify ARGV` wrote to standard error (a log here, not a terminal), its exit status checked."""
-    from gqaify.entry.cli import main
+    from helpers import run_cli
 
-    capsys.readouterr()
-    assert main([str(a) for a in argv]) == 0
-    return capsys.readouterr().err.splitlines()
+    code, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    return err.splitlines()
 
 
 def _in_order(lines: list[str], expected: list[str]) -> bool:
